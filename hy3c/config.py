@@ -1,0 +1,315 @@
+"""Hy3 (`hy_v3`) model configuration: read, validated, and named presets.
+
+`Hy3Config.from_dir(path)` reads a checkpoint's `config.json`. Every architecture field of the real
+Hy3 config is modelled; a missing required field, a wrong type or a value hy3c does not implement is a
+`ConfigError` naming the field and the file. Unknown extra keys (HF bookkeeping such as
+`_name_or_path`) are kept but ignored.
+
+Presets (`preset_config(name)`):
+  * `tiny`           few layers, few experts, small widths; keeps GQA, QK-norm, a dense first layer and MTP.
+  * `real-shapes:N`  the true Hy3 widths with only the first N decoder layers (GPU benchmarks).
+  * `full`           the real 80-layer model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config.json (or preset name) that hy3c cannot use; the message names the field."""
+
+
+class RopeParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rope_theta: float = Field(gt=0)
+    rope_type: Literal["default"] = "default"
+
+
+class QuantizationConfig(BaseModel):
+    """The `quantization_config` block of an FP8 (W8A8[C8]) Hy3 checkpoint (HY3_SPEC §9)."""
+
+    model_config = ConfigDict(extra="allow")
+    quant_method: Literal["fp8"]
+    activation_scheme: Literal["static", "dynamic"] = "dynamic"
+    ignored_layers: list[str] = Field(default_factory=list)
+    kv_cache_scheme: Literal["static"] | None = None
+
+
+class Hy3Config(BaseModel):
+    """Every field of the Hy3 config.json that influences inference (HY3_SPEC §2)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    architectures: list[str] = Field(default_factory=lambda: ["HYV3ForCausalLM"])
+    model_type: Literal["hy_v3"]
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    moe_intermediate_size: int = Field(gt=0)
+    expert_hidden_dim: int | None = None
+    num_experts: int = Field(gt=0)
+    num_experts_per_tok: int = Field(gt=0)
+    num_shared_experts: int = Field(ge=0)
+    first_k_dense_replace: int | None = Field(default=None, ge=0)
+    mlp_layer_types: list[Literal["dense", "sparse"]] | None = None
+    hidden_act: Literal["silu"] = "silu"
+    rms_norm_eps: float = Field(gt=0)
+    rope_parameters: RopeParameters
+    max_position_embeddings: int = Field(gt=0)
+    qk_norm: Literal[True] = True
+    moe_router_use_sigmoid: Literal[True] = True
+    moe_router_enable_expert_bias: Literal[True] = True
+    route_norm: Literal[True] = True
+    router_scaling_factor: float = Field(gt=0)
+    tie_word_embeddings: Literal[False] = False
+    attention_bias: Literal[False] = False
+    mlp_bias: Literal[False] = False
+    enable_attention_fp32_softmax: bool = False
+    enable_lm_head_fp32: bool = True
+    enable_moe_fp32_combine: bool = False
+    use_grouped_mm: bool = False
+    output_router_logits: bool = False
+    num_nextn_predict_layers: int = Field(default=0, ge=0)
+    initializer_range: float = Field(default=0.006, gt=0)
+    use_cache: bool = True
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    transformers_version: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    sep_token_id: int | None = None
+    eod_token_id: int | None = None
+    quantization_config: QuantizationConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_legacy_names(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "rope_parameters" not in data and "rope_theta" in data:
+            data["rope_parameters"] = {"rope_theta": data.pop("rope_theta"), "rope_type": "default"}
+        if "dtype" not in data and "torch_dtype" in data:
+            data["dtype"] = data.pop("torch_dtype")
+        if data.get("dtype") is None:
+            data.pop("dtype", None)
+        return data
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Hy3Config:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})"
+            )
+        if self.expert_hidden_dim is not None and self.expert_hidden_dim != self.moe_intermediate_size:
+            raise ValueError(
+                f"expert_hidden_dim ({self.expert_hidden_dim}) differs from moe_intermediate_size "
+                f"({self.moe_intermediate_size})"
+            )
+        if self.mlp_layer_types is not None:
+            if len(self.mlp_layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"mlp_layer_types has {len(self.mlp_layer_types)} entries, "
+                    f"num_hidden_layers is {self.num_hidden_layers}"
+                )
+            if self.first_k_dense_replace is not None:
+                derived = _layer_types_from_first_k(self.first_k_dense_replace, self.num_hidden_layers)
+                if derived != list(self.mlp_layer_types):
+                    raise ValueError(
+                        f"mlp_layer_types disagrees with first_k_dense_replace={self.first_k_dense_replace}"
+                    )
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        for name, value in (("bos_token_id", self.bos_token_id), ("pad_token_id", self.pad_token_id), *(
+            ("eos_token_id", e) for e in eos
+        )):
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ValueError(f"{name} ({value}) is outside the vocabulary (vocab_size {self.vocab_size})")
+        return self
+
+    # ---- derived shape helpers -------------------------------------------------------------------
+    @property
+    def layer_types(self) -> list[str]:
+        """`dense` or `sparse` for every main decoder layer (mlp_layer_types, else first_k_dense_replace)."""
+        if self.mlp_layer_types is not None:
+            return list(self.mlp_layer_types)
+        first_k = 1 if self.first_k_dense_replace is None else self.first_k_dense_replace
+        return _layer_types_from_first_k(first_k, self.num_hidden_layers)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with an attention KV cache: the main layers plus the MTP layers."""
+        return self.num_hidden_layers + self.num_nextn_predict_layers
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope_parameters.rope_theta
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.num_shared_experts
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+
+    # ---- IO ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> Hy3Config:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc, source)) from None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Hy3Config:
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise ConfigError(f"{file}: not found (a Hy3 checkpoint directory needs config.json)")
+        try:
+            data = json.loads(file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{file}: not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{file}: expected a JSON object")
+        return cls.from_dict(data, source=str(file))
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The config as written to config.json (HF-compatible, `mlp_layer_types` explicit)."""
+        out = self.model_dump(mode="json", exclude_none=True)
+        out["mlp_layer_types"] = self.layer_types
+        return out
+
+
+def _layer_types_from_first_k(first_k: int, num_layers: int) -> list[str]:
+    return ["dense"] * min(first_k, num_layers) + ["sparse"] * max(num_layers - first_k, 0)
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "missing":
+            lines.append(f"field '{loc}' is required but missing")
+        elif err["type"] == "literal_error":
+            lines.append(f"field '{loc}': {msg}; got {err.get('input')!r} (hy3c implements only this value)")
+        else:
+            lines.append(f"field '{loc}': {msg}")
+    return f"{source}: invalid Hy3 config:\n  " + "\n  ".join(lines)
+
+
+# ---- presets ---------------------------------------------------------------------------------------
+
+_FULL: dict[str, Any] = {
+    "architectures": ["HYV3ForCausalLM"],
+    "model_type": "hy_v3",
+    "vocab_size": 120832,
+    "hidden_size": 4096,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 13312,
+    "moe_intermediate_size": 1536,
+    "expert_hidden_dim": 1536,
+    "num_experts": 192,
+    "num_experts_per_tok": 8,
+    "num_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_theta": 11158840.0, "rope_type": "default"},
+    "max_position_embeddings": 262144,
+    "qk_norm": True,
+    "moe_router_use_sigmoid": True,
+    "moe_router_enable_expert_bias": True,
+    "route_norm": True,
+    "router_scaling_factor": 2.826,
+    "tie_word_embeddings": False,
+    "enable_attention_fp32_softmax": False,
+    "enable_lm_head_fp32": True,
+    "enable_moe_fp32_combine": False,
+    "use_grouped_mm": False,
+    "output_router_logits": True,
+    "num_nextn_predict_layers": 1,
+    "initializer_range": 0.006,
+    "use_cache": True,
+    "dtype": "bfloat16",
+    "transformers_version": "5.6.0",
+    "bos_token_id": 120000,
+    "eos_token_id": 120025,
+    "pad_token_id": 120002,
+    "sep_token_id": 120007,
+    "eod_token_id": 120026,
+}
+
+_TINY_OVERRIDES: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "expert_hidden_dim": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.05,
+    # ids of the special tokens of the tiny tokenizer (hy3c.tokenizer.SPECIAL_TOKENS order)
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 2,
+    "sep_token_id": None,
+    "eod_token_id": 1,
+}
+
+PRESET_NAMES = ("tiny", "real-shapes:N", "full")
+
+
+def preset_config(name: str, **overrides: Any) -> Hy3Config:
+    """Build a named preset; `overrides` replace fields (e.g. token ids matching a tokenizer)."""
+    data = dict(_FULL)
+    if name == "full":
+        pass
+    elif name == "tiny":
+        data.update(_TINY_OVERRIDES)
+    elif name.startswith("real-shapes:"):
+        count = name.split(":", 1)[1]
+        if not count.isdigit() or int(count) < 1:
+            raise ConfigError(f"preset '{name}': expected real-shapes:N with N a positive layer count")
+        data["num_hidden_layers"] = int(count)
+    else:
+        raise ConfigError(f"unknown preset '{name}'; choose one of {', '.join(PRESET_NAMES)}")
+    data.update(overrides)
+    data["mlp_layer_types"] = _layer_types_from_first_k(
+        data["first_k_dense_replace"], data["num_hidden_layers"]
+    )
+    return Hy3Config.from_dict(data, source=f"preset '{name}'")

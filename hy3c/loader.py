@@ -1,0 +1,238 @@
+"""Load a Hy3 checkpoint directory into `Hy3ForCausalLM`, one tensor at a time.
+
+    model = load_model("ckpt/", dtype=torch.float32)
+
+1. `config.json` → `Hy3Config`; the weight files' headers are read (no data).
+2. The naming scheme (hub or transformers, see `hy3c.weight_map`) and the FP8 layout (which linear
+   layers carry e4m3 weights, static or dynamic activation scales) are read off the headers.
+3. Every expected tensor is checked before any data is read: missing, unexpected (unless allow-listed)
+   and mis-shaped or wrongly typed tensors are reported together, by name, in one `CheckpointError`.
+4. The model is allocated empty on the target device and every tensor is streamed into its slot
+   (fused qkv / gate_up rows, stacked expert slices, per-channel FP8 scales), so peak memory is the model
+   plus one checkpoint tensor.
+5. C8 KV scales come from `kv_cache_scales.safetensors` when present (else 1.0).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from hy3c.config import Hy3Config
+from hy3c.logs import log_event
+from hy3c.model.hy3 import Hy3ForCausalLM
+from hy3c.model.layers import QuantLayout
+from hy3c.safetensors_io import CheckpointError, CheckpointFiles, read_headers
+from hy3c.weight_map import Placement, Scheme, detect_scheme, expected_tensors, fp8_module_of, kv_scale_tensors
+
+log = logging.getLogger("hy3c.loader")
+
+KV_SCALES_FILE = "kv_cache_scales.safetensors"
+_FLOAT_DTYPES = {"BF16", "F16", "F32"}
+_MAX_LISTED = 12
+
+
+@dataclass
+class CheckpointLayout:
+    """What a checkpoint holds, read from its headers."""
+
+    config: Hy3Config
+    files: CheckpointFiles
+    scheme: Scheme
+    quant: QuantLayout
+    expected: dict[str, Placement]
+    ignored: list[str] = field(default_factory=list)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    try:
+        return getattr(torch, name)
+    except AttributeError:
+        raise ValueError(f"unknown dtype '{name}'") from None
+
+
+def _quant_layout(config: Hy3Config, files: CheckpointFiles, scheme: Scheme) -> QuantLayout:
+    fp8_names = [n for n, h in files.headers.items() if h.dtype == "F8_E4M3"]
+    if not fp8_names:
+        return QuantLayout()
+    if scheme != "hub":
+        raise CheckpointError(f"{files.root}: FP8 weights are supported in the hub naming scheme only")
+    modules = set()
+    for name in fp8_names:
+        module = fp8_module_of(name, config)
+        if module is None:
+            raise CheckpointError(f"{files.root}: FP8 tensor '{name}' is not a linear weight hy3c runs in FP8")
+        modules.add(module)
+    qc = config.quantization_config
+    if qc is not None:
+        static = qc.activation_scheme == "static"
+    else:
+        static = any(n.endswith(".input_scale") for n in files.headers)
+    return QuantLayout(frozenset(modules), static)
+
+
+def inspect_checkpoint(
+    path: str | Path, with_mtp: bool = True, ignore_unexpected: Iterable[str] = ()
+) -> CheckpointLayout:
+    """Read config and headers and validate every tensor name, shape and dtype (no tensor data read)."""
+    config = Hy3Config.from_dir(path)
+    files = CheckpointFiles.open(path)
+    scheme = detect_scheme(set(files.headers))
+    quant = _quant_layout(config, files, scheme)
+    expected = expected_tensors(config, scheme, quant.fp8_modules, quant.static_activations, with_mtp)
+    fp8_targets = {p.target for p in expected.values() if p.target.rsplit(".", 1)[0] in quant.fp8_modules}
+    fp8_targets |= {f"{m}.{w}" for m in quant.fp8_modules for w in ("w13", "w2")}
+
+    patterns = list(ignore_unexpected)
+    if not with_mtp:
+        patterns += [f"model.layers.{config.num_hidden_layers + d}.*" for d in range(config.num_nextn_predict_layers)]
+    present = set(files.headers)
+    missing = sorted(set(expected) - present, key=_natural)
+    extra = sorted(present - set(expected), key=_natural)
+    ignored = [n for n in extra if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    unexpected = [n for n in extra if n not in set(ignored)]
+    bad: list[str] = []
+    for name in sorted(present & set(expected), key=_natural):
+        header, place = files.headers[name], expected[name]
+        problem = _check_tensor(header.shape, header.dtype, place, place.target in fp8_targets)
+        if problem:
+            bad.append(f"{name}: {problem}")
+    problems = []
+    for title, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped or mistyped", bad)):
+        if names:
+            listed = "\n    ".join(names[:_MAX_LISTED])
+            more = f"\n    ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
+            problems.append(f"  {len(names)} {title} tensor(s):\n    {listed}{more}")
+    if problems:
+        hint = "\n  (unused tensors can be allowed with ignore_unexpected / --ignore-unexpected PATTERN)" if unexpected else ""
+        raise CheckpointError(
+            f"{files.root}: checkpoint does not match its config ({scheme} naming):\n" + "\n".join(problems) + hint
+        )
+    return CheckpointLayout(config, files, scheme, quant, expected, ignored)
+
+
+def _check_tensor(shape: tuple[int, ...], dtype: str, place: Placement, fp8_target: bool) -> str | None:
+    numel = 1
+    for s in shape:
+        numel *= s
+    if place.mode == "copy":
+        if shape != place.shape:
+            return f"shape {list(shape)}, expected {list(place.shape)}"
+        if fp8_target and dtype != "F8_E4M3":
+            return f"dtype {dtype}, expected F8_E4M3 (its fused/stacked siblings are FP8)"
+        if not fp8_target and dtype not in _FLOAT_DTYPES:
+            return f"dtype {dtype}, expected one of {sorted(_FLOAT_DTYPES)}"
+        return None
+    if dtype not in _FLOAT_DTYPES:
+        return f"dtype {dtype}, expected a float scale"
+    allowed = {1, place.shape[0]} if place.shape else {1}
+    if numel not in allowed or len(shape) > 2:
+        return f"shape {list(shape)}, expected a per-tensor scale [1] or {list(place.shape)}"
+    return None
+
+
+def _natural(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in name.replace("_", ".").split(".")]
+
+
+def _place(model_tensors: dict[str, torch.Tensor], place: Placement, src: torch.Tensor, seen_max: set[str]) -> None:
+    target = model_tensors[place.target]
+    view = target[place.index()] if place.region else target
+    if place.mode == "copy":
+        view.copy_(src)
+    elif place.mode == "scale":
+        view.copy_(src.reshape(-1).to(torch.float32).expand(view.shape) if src.numel() == 1 else src.reshape(view.shape))
+    else:
+        value = src.to(torch.float32).reshape(-1).max().reshape(1).expand(view.shape)
+        key = f"{place.target}{place.region}"
+        if key in seen_max:
+            torch.maximum(view, value.to(view.device), out=view)
+        else:
+            view.copy_(value)
+            seen_max.add(key)
+
+
+def _check_coverage(model: Hy3ForCausalLM, expected: dict[str, Placement]) -> None:
+    """Every model tensor except kv_scales must be written completely by the expected placements."""
+    tensors = dict(model.named_parameters())
+    written: dict[str, int] = {}
+    shared_regions: set[tuple[str, tuple]] = set()
+    for place in expected.values():
+        if place.mode == "max":
+            if (place.target, place.region) in shared_regions:
+                continue
+            shared_regions.add((place.target, place.region))
+        n = place.region_numel(tuple(tensors[place.target].shape))
+        written[place.target] = written.get(place.target, 0) + n
+    for name, tensor in tensors.items():
+        if name != "kv_scales" and written.get(name, 0) != tensor.numel():
+            raise RuntimeError(f"hy3c bug: weight map writes {written.get(name, 0)} of {tensor.numel()} elements of {name}")
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+    with_mtp: bool = True,
+    ignore_unexpected: Iterable[str] = (),
+    progress: bool | None = None,
+) -> Hy3ForCausalLM:
+    """Build `Hy3ForCausalLM` from a checkpoint directory (see the module docstring)."""
+    start = time.perf_counter()
+    layout = inspect_checkpoint(path, with_mtp, ignore_unexpected)
+    config = layout.config
+    if not with_mtp:
+        config = config.model_copy(update={"num_nextn_predict_layers": 0})
+    if dtype is None:
+        dtype = config.dtype
+    if isinstance(dtype, str):
+        dtype = _torch_dtype(dtype)
+    model = Hy3ForCausalLM(config, dtype=dtype, device=device, quant=layout.quant)
+    _check_coverage(model, layout.expected)
+    tensors = dict(model.named_parameters())
+    tensors["kv_scales"].fill_(1.0)
+    seen_max: set[str] = set()
+    loaded_bytes = 0
+    bar = tqdm(
+        total=len(layout.expected), desc="loading weights", unit="tensor", disable=None if progress is None else not progress
+    )
+    with torch.no_grad():
+        for name, tensor in layout.files.iter_tensors(set(layout.expected)):
+            _place(tensors, layout.expected[name], tensor, seen_max)
+            loaded_bytes += tensor.numel() * tensor.element_size()
+            bar.update(1)
+        bar.close()
+        kv_found = _load_kv_scales(Path(path), config, tensors, seen_max)
+    model.eval()
+    log_event(
+        log, "checkpoint_loaded", path=str(path), scheme=layout.scheme, tensors=len(layout.expected),
+        gib=loaded_bytes / 2**30, fp8_modules=len(layout.quant.fp8_modules),
+        static_activations=layout.quant.static_activations, kv_scales=kv_found, ignored=len(layout.ignored),
+        seconds=time.perf_counter() - start,
+    )
+    return model
+
+
+def _load_kv_scales(root: Path, config: Hy3Config, tensors: dict[str, torch.Tensor], seen_max: set[str]) -> int:
+    file = root / KV_SCALES_FILE
+    if not file.is_file():
+        return 0
+    headers = read_headers(file)
+    expected = kv_scale_tensors(config)
+    problems = [f"unexpected tensor {n}" for n in sorted(set(headers) - set(expected), key=_natural)]
+    for name, header in headers.items():
+        problem = _check_tensor(header.shape, header.dtype, expected[name], False) if name in expected else None
+        if problem:
+            problems.append(f"{name}: {problem}")
+    if problems:
+        raise CheckpointError(f"{file}: " + "; ".join(problems[:_MAX_LISTED]))
+    for name, tensor in CheckpointFiles(root, headers).iter_tensors(set(headers)):
+        _place(tensors, expected[name], tensor, seen_max)
+    return len(headers)

@@ -1,0 +1,114 @@
+"""Build the flat, paged inputs of one model step from per-request chunks.
+
+A step holds any mix of requests; each contributes a `SeqChunk`: its new tokens, the position of the
+first one (= tokens already in the KV cache) and the pages that cover every position up to the last new
+token. `build_step_batch` turns the chunks into the tensors `Hy3ForCausalLM.forward` takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class SeqChunk:
+    tokens: list[int]
+    start: int
+    pages: list[int]
+    logits: Literal["last", "all", "none"] = "last"
+
+
+@dataclass
+class StepBatch:
+    input_ids: Tensor  # [T] int64
+    positions: Tensor  # [T] int64
+    page_table: Tensor  # [B, max_pages] int32
+    seq_lens: Tensor  # [B] int32
+    query_start_loc: Tensor  # [B + 1] int32
+    slot_mapping: Tensor  # [T] int64
+    logits_indices: Tensor  # [S] int64
+    logits_owner: list[int] = field(default_factory=list)  # request index of each logits row
+
+    def model_args(self, kv_cache: Tensor) -> tuple[Tensor, ...]:
+        """Positional arguments of Hy3ForCausalLM.forward."""
+        return (
+            self.input_ids, self.positions, kv_cache, self.page_table, self.seq_lens, self.query_start_loc,
+            self.slot_mapping, self.logits_indices,
+        )
+
+
+def build_step_batch(chunks: list[SeqChunk], page_size: int, device: torch.device | str = "cpu") -> StepBatch:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_rows: list[int] = []
+    owners: list[int] = []
+    starts = [0]
+    seq_lens = []
+    max_pages = max((len(c.pages) for c in chunks), default=1) or 1
+    table = torch.zeros(len(chunks), max_pages, dtype=torch.int32)
+    for r, chunk in enumerate(chunks):
+        end = chunk.start + len(chunk.tokens)
+        needed = -(-end // page_size)
+        if len(chunk.pages) < needed:
+            raise ValueError(f"request {r}: {len(chunk.pages)} pages cannot hold {end} tokens (page size {page_size})")
+        first_row = len(ids)
+        ids.extend(chunk.tokens)
+        for pos in range(chunk.start, end):
+            positions.append(pos)
+            slots.append(chunk.pages[pos // page_size] * page_size + pos % page_size)
+        if chunk.logits == "all":
+            rows = list(range(first_row, len(ids)))
+        elif chunk.logits == "last" and chunk.tokens:
+            rows = [len(ids) - 1]
+        else:
+            rows = []
+        logits_rows.extend(rows)
+        owners.extend([r] * len(rows))
+        starts.append(len(ids))
+        seq_lens.append(end)
+        table[r, : len(chunk.pages)] = torch.tensor(chunk.pages, dtype=torch.int32)
+
+    def as_tensor(values: list[int], dtype: torch.dtype) -> Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return StepBatch(
+        input_ids=as_tensor(ids, torch.int64),
+        positions=as_tensor(positions, torch.int64),
+        page_table=table.to(device),
+        seq_lens=as_tensor(seq_lens, torch.int32),
+        query_start_loc=as_tensor(starts, torch.int32),
+        slot_mapping=as_tensor(slots, torch.int64),
+        logits_indices=as_tensor(logits_rows, torch.int64),
+        logits_owner=owners,
+    )
+
+
+class PagePool:
+    """A free list of KV pages (the eager generator's allocator; serving has its own LRU pool)."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise RuntimeError(f"KV cache exhausted: need {count} pages, {len(self._free)} free")
+        return [self._free.pop() for _ in range(count)]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    def grow(self, pages: list[int], tokens: int, page_size: int) -> None:
+        """Append pages to `pages` until they hold `tokens` tokens."""
+        missing = -(-tokens // page_size) - len(pages)
+        if missing > 0:
+            pages.extend(self.allocate(missing))

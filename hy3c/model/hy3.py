@@ -1,0 +1,116 @@
+"""The Hy3 causal LM (main model + MTP layers) over a flat, paged token batch.
+
+`forward` is the step function the compiler traces: one call runs any mix of prefill chunks and decode
+tokens of many requests. It returns the fp32 logits of the rows selected by `logits_indices` and the
+post-final-norm hidden states of every token (what the MTP layer consumes).
+
+`mtp_forward` runs MTP depth `depth` (HY3_SPEC §7): it embeds the *next* tokens, concatenates
+enorm(embedding) with hnorm(previous hidden), projects with eh_proj, runs one MoE decoder layer with its
+own KV cache layer (num_hidden_layers + depth) and shares embed_tokens and lm_head with the main model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hy3c.config import Hy3Config
+from hy3c.model.layers import NO_QUANT, AttnMetadata, DecoderLayer, Linear, QuantLayout, RMSNorm, frozen_param
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, config: Hy3Config, depth: int, dtype, device, quant: QuantLayout) -> None:
+        super().__init__()
+        prefix = f"mtp.{depth}"
+        h = config.hidden_size
+        self.enorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.hnorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.eh_proj = Linear(
+            2 * h, h, dtype, device, quant.is_fp8(f"{prefix}.eh_proj"), quant.static_activations
+        )
+        self.layer = DecoderLayer(
+            config, config.num_hidden_layers + depth, True, f"{prefix}.layer", dtype, device, quant
+        )
+        self.final_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+
+
+class Hy3ForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: Hy3Config,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+        quant: QuantLayout = NO_QUANT,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.quant = quant
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, kind == "sparse", f"layers.{i}", dtype, device, quant)
+            for i, kind in enumerate(config.layer_types)
+        )
+        self.norm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.lm_head = Linear(h, config.vocab_size, dtype, device)
+        self.mtp = nn.ModuleList(
+            MTPLayer(config, d, dtype, device, quant) for d in range(config.num_nextn_predict_layers)
+        )
+        # per-tensor K/V dequant scales of every KV layer (used when the cache is FP8)
+        self.kv_scales = frozen_param((config.num_kv_layers, 2), torch.float32, device)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """lm_head in the model dtype, returned as fp32 (HY3_SPEC §12)."""
+        return self.lm_head(hidden).float()
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_cache: Tensor,
+        page_table: Tensor,
+        seq_lens: Tensor,
+        query_start_loc: Tensor,
+        slot_mapping: Tensor,
+        logits_indices: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        meta = AttnMetadata(positions, slot_mapping, page_table, seq_lens, query_start_loc)
+        x = F.embedding(input_ids, self.embed_tokens.weight)
+        for layer in self.layers:
+            x = layer(x, meta, kv_cache, self.kv_scales)
+        hidden = self.norm(x)
+        return self.logits(hidden.index_select(0, logits_indices)), hidden
+
+    def mtp_forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        hidden_prev: Tensor,
+        kv_cache: Tensor,
+        page_table: Tensor,
+        seq_lens: Tensor,
+        query_start_loc: Tensor,
+        slot_mapping: Tensor,
+        logits_indices: Tensor,
+        depth: int = 0,
+    ) -> tuple[Tensor, Tensor]:
+        """input_ids[t] is the token after position t; hidden_prev[t] the (post-norm) hidden at t."""
+        mtp = self.mtp[depth]
+        meta = AttnMetadata(positions, slot_mapping, page_table, seq_lens, query_start_loc)
+        embedded = F.embedding(input_ids, self.embed_tokens.weight)
+        embedded = torch.where((positions == 0)[:, None], torch.zeros_like(embedded), embedded)
+        x = mtp.eh_proj(torch.cat([mtp.enorm(embedded), mtp.hnorm(hidden_prev)], dim=-1))
+        x = mtp.layer(x, meta, kv_cache, self.kv_scales)
+        hidden = mtp.final_layernorm(x)
+        return self.logits(hidden.index_select(0, logits_indices)), hidden
+
+
+def allocate_kv_cache(
+    config: Hy3Config, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str | None = None
+) -> Tensor:
+    """Zeroed paged KV cache [num_kv_layers, 2, num_pages, page_size, num_kv_heads, head_dim]."""
+    shape = (config.num_kv_layers, 2, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)

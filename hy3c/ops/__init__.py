@@ -1,0 +1,26 @@
+"""The L1 canonical `hy3` op dialect (DESIGN §3).
+
+Importing this package registers every op as `torch.ops.hy3.<name>` (a `torch.library.custom_op` with
+a fake implementation). Each op's eager implementation is its pure-torch reference; kernel providers
+are chosen later by the `lower` pass.
+"""
+
+from hy3c.ops import attention, moe, norm, quant, rope
+from hy3c.ops.quant import FP8_DTYPE, FP8_MAX
+
+L1_OPS = (
+    "rms_norm",
+    "qk_norm",
+    "rope",
+    "kv_store",
+    "attention",
+    "router",
+    "moe_experts",
+    "silu_and_mul",
+    "quant_fp8",
+    "quant_fp8_per_token",
+    "dequant_fp8",
+    "scaled_mm",
+)
+
+__all__ = ["FP8_DTYPE", "FP8_MAX", "L1_OPS", "attention", "moe", "norm", "quant", "rope"]

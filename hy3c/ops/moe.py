@@ -1,0 +1,104 @@
+"""MoE ops: `hy3::router`, `hy3::moe_experts`, `hy3::silu_and_mul` (HY3_SPEC §4).
+
+Expert weights are stacked: w13 [E, 2I, H] (gate rows first, then up rows), w2 [E, H, I]. FP8 experts
+carry per-channel dequant scales w13_scale [E, 2I], w2_scale [E, H] and either static activation scales
+a13_scale / a2_scale [1] or none (dynamic per-token activation quantization).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hy3c.ops.quant import FP8_DTYPE, per_token_scale, quantize_fp8, scaled_mm_reference
+
+ROUTER_RENORM_EPS = 1e-20
+
+
+def router_reference(x: Tensor, weight: Tensor, bias: Tensor, top_k: int, scaling: float) -> tuple[Tensor, Tensor]:
+    logits = F.linear(x.float(), weight.float())
+    scores = torch.sigmoid(logits)
+    _, ids = torch.topk(scores + bias.float(), top_k, dim=-1)
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTER_RENORM_EPS) * scaling
+    return weights, ids.to(torch.int32)
+
+
+@torch.library.custom_op("hy3::router", mutates_args=())
+def router(x: Tensor, weight: Tensor, bias: Tensor, top_k: int, scaling: float) -> tuple[Tensor, Tensor]:
+    """fp32 sigmoid router: select top_k of sigmoid(x Wᵀ) + bias, weight by the unbiased scores,
+    renormalise and scale. x [T, H], weight [E, H], bias [E] → (weights [T, k] fp32, ids [T, k] int32)."""
+    return router_reference(x, weight, bias, top_k, scaling)
+
+
+@router.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor, top_k: int, scaling: float) -> tuple[Tensor, Tensor]:
+    shape = (x.shape[0], top_k)
+    return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.int32)
+
+
+def silu_and_mul_reference(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+
+
+@torch.library.custom_op("hy3::silu_and_mul", mutates_args=())
+def silu_and_mul(x: Tensor) -> Tensor:
+    """SwiGLU activation: x [..., 2I] = [gate | up] → silu(gate) * up [..., I]."""
+    return silu_and_mul_reference(x)
+
+
+@silu_and_mul.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def _expert_linear(x: Tensor, w: Tensor, w_scale: Tensor | None, a_scale: Tensor | None) -> Tensor:
+    if w.dtype != FP8_DTYPE:
+        return F.linear(x, w)
+    if a_scale is None:
+        a_scale = per_token_scale(x)
+    return scaled_mm_reference(quantize_fp8(x, a_scale), w, a_scale, w_scale, x.dtype)
+
+
+def moe_experts_reference(
+    x: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    w13_scale: Tensor | None,
+    w2_scale: Tensor | None,
+    a13_scale: Tensor | None,
+    a2_scale: Tensor | None,
+) -> Tensor:
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in topk_ids.unique().tolist():
+        tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
+        gate_up = _expert_linear(x[tokens], w13[e], None if w13_scale is None else w13_scale[e], a13_scale)
+        hidden = silu_and_mul_reference(gate_up)
+        y = _expert_linear(hidden, w2[e], None if w2_scale is None else w2_scale[e], a2_scale)
+        out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots, None])
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op("hy3::moe_experts", mutates_args=())
+def moe_experts(
+    x: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    w13_scale: Tensor | None,
+    w2_scale: Tensor | None,
+    a13_scale: Tensor | None,
+    a2_scale: Tensor | None,
+) -> Tensor:
+    """Σ_j topk_weights[:, j] · expert_{topk_ids[:, j]}(x) with fp32 accumulation; x [T, H] → [T, H]."""
+    return moe_experts_reference(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)
+
+
+@moe_experts.register_fake
+def _(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale):
+    return torch.empty_like(x)

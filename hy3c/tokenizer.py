@@ -1,0 +1,148 @@
+"""Tokenizer: a small real byte-level BPE for random checkpoints, and the runtime wrapper.
+
+* `train_tiny_tokenizer()` trains a byte-level BPE locally with `tokenizers` on a built-in corpus, with
+  the Hy3 special tokens first (ids 0..6), so demos and tests need no download. Any text round-trips
+  (byte-level), which is all a random checkpoint needs.
+* `write_tokenizer_files(dir)` writes `tokenizer.json`, `tokenizer_config.json` and
+  `chat_template.jinja` (the Hy3 chat format of HY3_SPEC §11).
+* `Hy3Tokenizer.from_dir(dir)` loads any checkpoint's `tokenizer.json` + chat template and offers
+  encode / decode / apply_chat_template.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+BOS = "<｜hy_begin▁of▁sentence｜>"
+EOS = "<｜hy_eos｜>"
+PAD = "<｜hy_pad｜>"
+USER = "<｜hy_User｜>"
+ASSISTANT = "<｜hy_Assistant｜>"
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+SPECIAL_TOKENS = (BOS, EOS, PAD, USER, ASSISTANT, THINK_OPEN, THINK_CLOSE)
+
+# Hy3 chat format: <bos>{system}<User>{user}<Assistant>{assistant}<eos> (no role token for system).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}" + USER + "{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}" + ASSISTANT + "{{ message['content'] }}{{ eos_token }}"
+    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
+)
+
+_CORPUS = """
+Hy3 is a mixture-of-experts language model with grouped-query attention, sixty-four query heads and
+eight key-value heads, per-head RMSNorm on queries and keys before the rotary embedding, one hundred
+ninety-two routed experts of which eight are chosen for every token, and one shared expert.
+A compiler traces the model into a graph, rewrites patterns into fused kernels, and writes an artifact
+that a small server runs. The server batches requests continuously, keeps the key-value cache in pages,
+reuses prefixes, and drafts tokens with a multi-token prediction layer.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+Hello, world! How are you today? I am fine, thank you. What is the capital of France? Paris.
+Once upon a time there was a little model that wanted to answer every question quickly and well.
+def main():\n    print("hello")\n    return 0\nfor i in range(10):\n    total += i * i
+The numbers are 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828 42.
+Tokens, pages, experts, kernels, graphs, passes, recipes, artifacts, requests, responses.
+""" * 4
+
+
+def train_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
+    """Byte-level BPE with the Hy3 special tokens at ids 0..6; at most `vocab_size` entries."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    for i, token in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(token) == i, f"special token {token} got id {tok.token_to_id(token)}"
+    return tok
+
+
+def write_tokenizer_files(directory: Path, vocab_size: int, model_max_length: int) -> dict[str, int]:
+    """Write the tiny tokenizer into `directory`; return its special token ids."""
+    tok = train_tiny_tokenizer(min(vocab_size, 512))
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {
+            str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+            for i, t in enumerate(SPECIAL_TOKENS)
+        },
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+
+
+class Hy3Tokenizer:
+    """tokenizer.json + chat template of a checkpoint (or artifact) directory."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None, special: dict[str, str]) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = special.get("bos_token", BOS)
+        self.eos_token = special.get("eos_token", EOS)
+        env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
+        env.globals["raise_exception"] = _raise_template_error
+        self._template = env.from_string(chat_template) if chat_template else None
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> Hy3Tokenizer:
+        directory = Path(directory)
+        file = directory / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: not found (the checkpoint has no tokenizer.json)")
+        tokenizer = Tokenizer.from_file(str(file))
+        config: dict[str, Any] = {}
+        cfg_file = directory / "tokenizer_config.json"
+        if cfg_file.is_file():
+            config = json.loads(cfg_file.read_text())
+        template_file = directory / "chat_template.jinja"
+        template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        special = {k: v for k, v in config.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
+        return cls(tokenizer, template, special)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        if self._template is None:
+            raise ValueError("this checkpoint has no chat template")
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
+            eos_token=self.eos_token, **kwargs,
+        )
+
+
+def _raise_template_error(message: str) -> None:
+    raise ValueError(f"chat template: {message}")
