@@ -135,9 +135,11 @@ class Hy3Config(BaseModel):
                         f"mlp_layer_types disagrees with first_k_dense_replace={self.first_k_dense_replace}"
                     )
         eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        for name, value in (("bos_token_id", self.bos_token_id), ("pad_token_id", self.pad_token_id), *(
-            ("eos_token_id", e) for e in eos
-        )):
+        for name, value in (
+            ("bos_token_id", self.bos_token_id),
+            ("pad_token_id", self.pad_token_id),
+            *(("eos_token_id", e) for e in eos),
+        ):
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name} ({value}) is outside the vocabulary (vocab_size {self.vocab_size})")
         return self
@@ -309,6 +311,8 @@ def preset_config(name: str, **overrides: Any) -> Hy3Config:
     else:
         raise ConfigError(f"unknown preset '{name}'; choose one of {', '.join(PRESET_NAMES)}")
     data.update(overrides)
+    if "moe_intermediate_size" in overrides and "expert_hidden_dim" not in overrides:
+        data["expert_hidden_dim"] = data["moe_intermediate_size"]
     data["mlp_layer_types"] = _layer_types_from_first_k(
         data["first_k_dense_replace"], data["num_hidden_layers"]
     )

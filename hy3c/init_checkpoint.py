@@ -31,7 +31,9 @@ NORM_NOISE = 0.1
 EXPERT_BIAS_STD = 0.02
 
 
-def _random_tensor(name: str, shape: torch.Size, dtype: torch.dtype, seed: int, std: float, device: str) -> torch.Tensor:
+def _random_tensor(
+    name: str, shape: torch.Size, dtype: torch.dtype, seed: int, std: float, device: str
+) -> torch.Tensor:
     gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if name.endswith("norm.weight"):
         t = 1.0 + NORM_NOISE * torch.randn(shape, generator=gen, device=device)
@@ -97,6 +99,15 @@ def init_checkpoint(
                 writer.add(name, tensor)
                 bar.update(1)
         files = writer.close()
-    log_event(log, "checkpoint_written", path=str(out), preset=preset, scheme=scheme, seed=seed,
-              tensors=total, files=len(files), gib=writer.total_bytes / 2**30)
+    log_event(
+        log,
+        "checkpoint_written",
+        path=str(out),
+        preset=preset,
+        scheme=scheme,
+        seed=seed,
+        tensors=total,
+        files=len(files),
+        gib=writer.total_bytes / 2**30,
+    )
     return out

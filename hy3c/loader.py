@@ -30,7 +30,14 @@ from hy3c.logs import log_event
 from hy3c.model.hy3 import Hy3ForCausalLM
 from hy3c.model.layers import QuantLayout
 from hy3c.safetensors_io import CheckpointError, CheckpointFiles, read_headers
-from hy3c.weight_map import Placement, Scheme, detect_scheme, expected_tensors, fp8_module_of, kv_scale_tensors
+from hy3c.weight_map import (
+    Placement,
+    Scheme,
+    detect_scheme,
+    expected_tensors,
+    fp8_module_of,
+    kv_scale_tensors,
+)
 
 log = logging.getLogger("hy3c.loader")
 
@@ -68,7 +75,9 @@ def _quant_layout(config: Hy3Config, files: CheckpointFiles, scheme: Scheme) -> 
     for name in fp8_names:
         module = fp8_module_of(name, config)
         if module is None:
-            raise CheckpointError(f"{files.root}: FP8 tensor '{name}' is not a linear weight hy3c runs in FP8")
+            raise CheckpointError(
+                f"{files.root}: FP8 tensor '{name}' is not a linear weight hy3c runs in FP8"
+            )
         modules.add(module)
     qc = config.quantization_config
     if qc is not None:
@@ -92,7 +101,9 @@ def inspect_checkpoint(
 
     patterns = list(ignore_unexpected)
     if not with_mtp:
-        patterns += [f"model.layers.{config.num_hidden_layers + d}.*" for d in range(config.num_nextn_predict_layers)]
+        patterns += [
+            f"model.layers.{config.num_hidden_layers + d}.*" for d in range(config.num_nextn_predict_layers)
+        ]
     present = set(files.headers)
     missing = sorted(set(expected) - present, key=_natural)
     extra = sorted(present - set(expected), key=_natural)
@@ -111,9 +122,15 @@ def inspect_checkpoint(
             more = f"\n    ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
             problems.append(f"  {len(names)} {title} tensor(s):\n    {listed}{more}")
     if problems:
-        hint = "\n  (unused tensors can be allowed with ignore_unexpected / --ignore-unexpected PATTERN)" if unexpected else ""
+        hint = (
+            "\n  (unused tensors can be allowed with ignore_unexpected / --ignore-unexpected PATTERN)"
+            if unexpected
+            else ""
+        )
         raise CheckpointError(
-            f"{files.root}: checkpoint does not match its config ({scheme} naming):\n" + "\n".join(problems) + hint
+            f"{files.root}: checkpoint does not match its config ({scheme} naming):\n"
+            + "\n".join(problems)
+            + hint
         )
     return CheckpointLayout(config, files, scheme, quant, expected, ignored)
 
@@ -142,13 +159,19 @@ def _natural(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in name.replace("_", ".").split(".")]
 
 
-def _place(model_tensors: dict[str, torch.Tensor], place: Placement, src: torch.Tensor, seen_max: set[str]) -> None:
+def _place(
+    model_tensors: dict[str, torch.Tensor], place: Placement, src: torch.Tensor, seen_max: set[str]
+) -> None:
     target = model_tensors[place.target]
     view = target[place.index()] if place.region else target
     if place.mode == "copy":
         view.copy_(src)
     elif place.mode == "scale":
-        view.copy_(src.reshape(-1).to(torch.float32).expand(view.shape) if src.numel() == 1 else src.reshape(view.shape))
+        view.copy_(
+            src.reshape(-1).to(torch.float32).expand(view.shape)
+            if src.numel() == 1
+            else src.reshape(view.shape)
+        )
     else:
         value = src.to(torch.float32).reshape(-1).max().reshape(1).expand(view.shape)
         key = f"{place.target}{place.region}"
@@ -173,7 +196,9 @@ def _check_coverage(model: Hy3ForCausalLM, expected: dict[str, Placement]) -> No
         written[place.target] = written.get(place.target, 0) + n
     for name, tensor in tensors.items():
         if name != "kv_scales" and written.get(name, 0) != tensor.numel():
-            raise RuntimeError(f"hy3c bug: weight map writes {written.get(name, 0)} of {tensor.numel()} elements of {name}")
+            raise RuntimeError(
+                f"hy3c bug: weight map writes {written.get(name, 0)} of {tensor.numel()} elements of {name}"
+            )
 
 
 def load_model(
@@ -201,7 +226,10 @@ def load_model(
     seen_max: set[str] = set()
     loaded_bytes = 0
     bar = tqdm(
-        total=len(layout.expected), desc="loading weights", unit="tensor", disable=None if progress is None else not progress
+        total=len(layout.expected),
+        desc="loading weights",
+        unit="tensor",
+        disable=None if progress is None else not progress,
     )
     with torch.no_grad():
         for name, tensor in layout.files.iter_tensors(set(layout.expected)):
@@ -212,15 +240,24 @@ def load_model(
         kv_found = _load_kv_scales(Path(path), config, tensors, seen_max)
     model.eval()
     log_event(
-        log, "checkpoint_loaded", path=str(path), scheme=layout.scheme, tensors=len(layout.expected),
-        gib=loaded_bytes / 2**30, fp8_modules=len(layout.quant.fp8_modules),
-        static_activations=layout.quant.static_activations, kv_scales=kv_found, ignored=len(layout.ignored),
+        log,
+        "checkpoint_loaded",
+        path=str(path),
+        scheme=layout.scheme,
+        tensors=len(layout.expected),
+        gib=loaded_bytes / 2**30,
+        fp8_modules=len(layout.quant.fp8_modules),
+        static_activations=layout.quant.static_activations,
+        kv_scales=kv_found,
+        ignored=len(layout.ignored),
         seconds=time.perf_counter() - start,
     )
     return model
 
 
-def _load_kv_scales(root: Path, config: Hy3Config, tensors: dict[str, torch.Tensor], seen_max: set[str]) -> int:
+def _load_kv_scales(
+    root: Path, config: Hy3Config, tensors: dict[str, torch.Tensor], seen_max: set[str]
+) -> int:
     file = root / KV_SCALES_FILE
     if not file.is_file():
         return 0
@@ -228,7 +265,9 @@ def _load_kv_scales(root: Path, config: Hy3Config, tensors: dict[str, torch.Tens
     expected = kv_scale_tensors(config)
     problems = [f"unexpected tensor {n}" for n in sorted(set(headers) - set(expected), key=_natural)]
     for name, header in headers.items():
-        problem = _check_tensor(header.shape, header.dtype, expected[name], False) if name in expected else None
+        problem = (
+            _check_tensor(header.shape, header.dtype, expected[name], False) if name in expected else None
+        )
         if problem:
             problems.append(f"{name}: {problem}")
     if problems:

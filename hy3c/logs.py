@@ -13,10 +13,7 @@ from typing import Any
 
 
 def _fmt_value(value: Any) -> str:
-    if isinstance(value, float):
-        text = f"{value:.4g}"
-    else:
-        text = str(value)
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
     if not text or any(ch in text for ch in ' ="'):
         text = '"' + text.replace('"', '\\"') + '"'
     return text

@@ -78,7 +78,9 @@ class CheckpointFiles:
                 raise CheckpointError(f"{index}: weight_map disagrees with the shard contents (e.g. {diff})")
             for name, shard in weight_map.items():
                 if headers[name].file.name != Path(shard).name:
-                    raise CheckpointError(f"{index}: {name} is listed in {shard} but stored in {headers[name].file.name}")
+                    raise CheckpointError(
+                        f"{index}: {name} is listed in {shard} but stored in {headers[name].file.name}"
+                    )
             return cls(root, headers)
         single = root / single_name
         if single.is_file():
@@ -136,7 +138,10 @@ class ShardedWriter:
     """Accumulate tensors and flush them into shards of at most `max_shard_bytes` (HF naming)."""
 
     def __init__(
-        self, directory: Path, max_shard_bytes: int = 4 << 30, names: tuple[str, str] = (INDEX_NAME, SINGLE_NAME),
+        self,
+        directory: Path,
+        max_shard_bytes: int = 4 << 30,
+        names: tuple[str, str] = (INDEX_NAME, SINGLE_NAME),
         metadata: dict[str, str] | None = None,
     ) -> None:
         self.directory = directory

@@ -40,7 +40,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
 )
 
-_CORPUS = """
+_CORPUS = (
+    """
 Hy3 is a mixture-of-experts language model with grouped-query attention, sixty-four query heads and
 eight key-value heads, per-head RMSNorm on queries and keys before the rotary embedding, one hundred
 ninety-two routed experts of which eight are chosen for every token, and one shared expert.
@@ -53,7 +54,9 @@ Once upon a time there was a little model that wanted to answer every question q
 def main():\n    print("hello")\n    return 0\nfor i in range(10):\n    total += i * i
 The numbers are 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828 42.
 Tokens, pages, experts, kernels, graphs, passes, recipes, artifacts, requests, responses.
-""" * 4
+"""
+    * 4
+)
 
 
 def train_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
@@ -86,7 +89,14 @@ def write_tokenizer_files(directory: Path, vocab_size: int, model_max_length: in
         "model_max_length": model_max_length,
         "chat_template": CHAT_TEMPLATE,
         "added_tokens_decoder": {
-            str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+            str(i): {
+                "content": t,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
             for i, t in enumerate(SPECIAL_TOKENS)
         },
     }
@@ -135,12 +145,17 @@ class Hy3Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         if self._template is None:
             raise ValueError("this checkpoint has no chat template")
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
-            eos_token=self.eos_token, **kwargs,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **kwargs,
         )
 
 

@@ -55,7 +55,12 @@ class Placement:
 
 
 def detect_scheme(names: set[str]) -> Scheme:
-    markers = (".mlp.experts.gate_up_proj", ".mlp.gate.weight", ".mlp.e_score_correction_bias", ".shared_experts.")
+    markers = (
+        ".mlp.experts.gate_up_proj",
+        ".mlp.gate.weight",
+        ".mlp.e_score_correction_bias",
+        ".shared_experts.",
+    )
     return "transformers" if any(m in n for n in names for m in markers) else "hub"
 
 
@@ -68,7 +73,13 @@ class _Ctx:
 
 
 def _linear(
-    ctx: _Ctx, out: dict[str, Placement], src: str, module: str, rows: tuple[int, int], full_rows: int, cols: int
+    ctx: _Ctx,
+    out: dict[str, Placement],
+    src: str,
+    module: str,
+    rows: tuple[int, int],
+    full_rows: int,
+    cols: int,
 ) -> None:
     """A (possibly fused) linear: `src` fills rows[0]:rows[1] of `module`'s weight [full_rows, cols]."""
     n = rows[1] - rows[0]
@@ -84,7 +95,9 @@ def _decoder_layer(ctx: _Ctx, out: dict[str, Placement], src: str, dst: str, spa
     c = ctx.config
     h, q, kv = c.hidden_size, c.q_size, c.kv_size
     out[f"{src}.input_layernorm.weight"] = Placement(f"{dst}.input_layernorm.weight", (), (h,))
-    out[f"{src}.post_attention_layernorm.weight"] = Placement(f"{dst}.post_attention_layernorm.weight", (), (h,))
+    out[f"{src}.post_attention_layernorm.weight"] = Placement(
+        f"{dst}.post_attention_layernorm.weight", (), (h,)
+    )
     attn, qkv = f"{src}.self_attn", f"{dst}.self_attn.qkv_proj"
     total = q + 2 * kv
     _linear(ctx, out, f"{attn}.q_proj", qkv, (0, q), total, h)
@@ -113,7 +126,9 @@ def _decoder_layer(ctx: _Ctx, out: dict[str, Placement], src: str, dst: str, spa
                 region: Region = (x, rows) if target == "w13" else (x,)
                 out[f"{name}.weight"] = Placement(f"{experts}.{target}", region, shape)
                 if fp8:
-                    out[f"{name}.weight_scale"] = Placement(f"{experts}.{target}_scale", (x, rows), (rows[1] - rows[0],), "scale")
+                    out[f"{name}.weight_scale"] = Placement(
+                        f"{experts}.{target}_scale", (x, rows), (rows[1] - rows[0],), "scale"
+                    )
                     if ctx.static:
                         act = "a13_scale" if target == "w13" else "a2_scale"
                         out[f"{name}.input_scale"] = Placement(f"{experts}.{act}", (), (1,), "max")
@@ -136,7 +151,10 @@ def _mlp(ctx: _Ctx, out: dict[str, Placement], src: str, dst: str, inter: int) -
 
 
 def expected_tensors(
-    config: Hy3Config, scheme: Scheme, fp8_modules: frozenset[str] = frozenset(), static_activations: bool = False,
+    config: Hy3Config,
+    scheme: Scheme,
+    fp8_modules: frozenset[str] = frozenset(),
+    static_activations: bool = False,
     with_mtp: bool = True,
 ) -> dict[str, Placement]:
     ctx = _Ctx(config, scheme, fp8_modules, static_activations)
@@ -153,7 +171,9 @@ def expected_tensors(
         _decoder_layer(ctx, out, src, f"{dst}.layer", True)
         for norm in ("enorm", "hnorm", "final_layernorm"):
             out[f"{src}.{norm}.weight"] = Placement(f"{dst}.{norm}.weight", (), (c.hidden_size,))
-        _linear(ctx, out, f"{src}.eh_proj", f"{dst}.eh_proj", (0, c.hidden_size), c.hidden_size, 2 * c.hidden_size)
+        _linear(
+            ctx, out, f"{src}.eh_proj", f"{dst}.eh_proj", (0, c.hidden_size), c.hidden_size, 2 * c.hidden_size
+        )
     return out
 
 
@@ -177,7 +197,11 @@ def fp8_module_of(name: str, config: Hy3Config) -> str | None:
     if not name.endswith(".weight") or len(parts) < 4 or parts[:2] != ["model", "layers"]:
         return None
     layer = int(parts[2])
-    prefix = f"layers.{layer}" if layer < config.num_hidden_layers else f"mtp.{layer - config.num_hidden_layers}.layer"
+    prefix = (
+        f"layers.{layer}"
+        if layer < config.num_hidden_layers
+        else f"mtp.{layer - config.num_hidden_layers}.layer"
+    )
     rest = parts[3:-1]
     if rest == ["eh_proj"]:
         return f"mtp.{layer - config.num_hidden_layers}.eh_proj"

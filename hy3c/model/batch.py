@@ -36,8 +36,14 @@ class StepBatch:
     def model_args(self, kv_cache: Tensor) -> tuple[Tensor, ...]:
         """Positional arguments of Hy3ForCausalLM.forward."""
         return (
-            self.input_ids, self.positions, kv_cache, self.page_table, self.seq_lens, self.query_start_loc,
-            self.slot_mapping, self.logits_indices,
+            self.input_ids,
+            self.positions,
+            kv_cache,
+            self.page_table,
+            self.seq_lens,
+            self.query_start_loc,
+            self.slot_mapping,
+            self.logits_indices,
         )
 
 
@@ -55,7 +61,9 @@ def build_step_batch(chunks: list[SeqChunk], page_size: int, device: torch.devic
         end = chunk.start + len(chunk.tokens)
         needed = -(-end // page_size)
         if len(chunk.pages) < needed:
-            raise ValueError(f"request {r}: {len(chunk.pages)} pages cannot hold {end} tokens (page size {page_size})")
+            raise ValueError(
+                f"request {r}: {len(chunk.pages)} pages cannot hold {end} tokens (page size {page_size})"
+            )
         first_row = len(ids)
         ids.extend(chunk.tokens)
         for pos in range(chunk.start, end):

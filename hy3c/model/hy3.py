@@ -109,7 +109,11 @@ class Hy3ForCausalLM(nn.Module):
 
 
 def allocate_kv_cache(
-    config: Hy3Config, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str | None = None
+    config: Hy3Config,
+    num_pages: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
 ) -> Tensor:
     """Zeroed paged KV cache [num_kv_layers, 2, num_pages, page_size, num_kv_heads, head_dim]."""
     shape = (config.num_kv_layers, 2, num_pages, page_size, config.num_key_value_heads, config.head_dim)

@@ -50,7 +50,9 @@ class AttnMetadata:
     query_start_loc: Tensor  # [B + 1] int32
 
 
-def frozen_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
+def frozen_param(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None
+) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
@@ -68,7 +70,12 @@ class Linear(nn.Module):
     """y = x Wᵀ (no bias). FP8: x is quantized (static or per-token) and multiplied by `hy3.scaled_mm`."""
 
     def __init__(
-        self, in_features: int, out_features: int, dtype: torch.dtype, device=None, fp8: bool = False,
+        self,
+        in_features: int,
+        out_features: int,
+        dtype: torch.dtype,
+        device=None,
+        fp8: bool = False,
         static_input: bool = False,
     ) -> None:
         super().__init__()
@@ -98,7 +105,9 @@ def _linear(cfg_in: int, cfg_out: int, name: str, dtype, device, quant: QuantLay
 class Attention(nn.Module):
     """qkv GEMM → per-head QK RMSNorm → RoPE → paged KV store → paged causal GQA attention → o GEMM."""
 
-    def __init__(self, config: Hy3Config, kv_layer: int, prefix: str, dtype, device, quant: QuantLayout) -> None:
+    def __init__(
+        self, config: Hy3Config, kv_layer: int, prefix: str, dtype, device, quant: QuantLayout
+    ) -> None:
         super().__init__()
         self.kv_layer = kv_layer
         self.num_heads = config.num_attention_heads
@@ -127,7 +136,13 @@ class Attention(nn.Module):
         k = hy3.rope(k, meta.positions, self.theta)
         hy3.kv_store(k, v, kv_cache, kv_scales, self.kv_layer, meta.slot_mapping)
         o = hy3.attention(
-            q, kv_cache, kv_scales, self.kv_layer, meta.page_table, meta.seq_lens, meta.query_start_loc,
+            q,
+            kv_cache,
+            kv_scales,
+            self.kv_layer,
+            meta.page_table,
+            meta.seq_lens,
+            meta.query_start_loc,
             self.sm_scale,
         )
         return self.o_proj(o.reshape(num_tokens, q_size))
@@ -136,7 +151,9 @@ class Attention(nn.Module):
 class DenseMLP(nn.Module):
     """SwiGLU FFN: down(silu(gate x) * up x), gate and up fused into one GEMM (gate rows first)."""
 
-    def __init__(self, hidden: int, intermediate: int, prefix: str, dtype, device, quant: QuantLayout) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, prefix: str, dtype, device, quant: QuantLayout
+    ) -> None:
         super().__init__()
         self.gate_up_proj = _linear(hidden, 2 * intermediate, f"{prefix}.gate_up_proj", dtype, device, quant)
         self.down_proj = _linear(intermediate, hidden, f"{prefix}.down_proj", dtype, device, quant)
@@ -161,7 +178,14 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         return hy3.moe_experts(
-            x, topk_weights, topk_ids, self.w13, self.w2, self.w13_scale, self.w2_scale, self.a13_scale,
+            x,
+            topk_weights,
+            topk_ids,
+            self.w13,
+            self.w2,
+            self.w13_scale,
+            self.w2_scale,
+            self.a13_scale,
             self.a2_scale,
         )
 
@@ -185,9 +209,18 @@ class MoE(nn.Module):
         self.fp32_combine = config.enable_moe_fp32_combine
         self.router = Router(config, device)
         self.expert_bias = frozen_param((config.num_experts,), torch.float32, device)
-        self.experts = Experts(config, dtype, device, quant.is_fp8(f"{prefix}.experts"), quant.static_activations)
+        self.experts = Experts(
+            config, dtype, device, quant.is_fp8(f"{prefix}.experts"), quant.static_activations
+        )
         self.shared_mlp = (
-            DenseMLP(config.hidden_size, config.shared_intermediate_size, f"{prefix}.shared_mlp", dtype, device, quant)
+            DenseMLP(
+                config.hidden_size,
+                config.shared_intermediate_size,
+                f"{prefix}.shared_mlp",
+                dtype,
+                device,
+                quant,
+            )
             if config.num_shared_experts
             else None
         )

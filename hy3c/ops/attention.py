@@ -39,7 +39,9 @@ def kv_store_reference(
 
 
 @torch.library.custom_op("hy3::kv_store", mutates_args=("kv_cache",))
-def kv_store(k: Tensor, v: Tensor, kv_cache: Tensor, kv_scales: Tensor, layer: int, slot_mapping: Tensor) -> None:
+def kv_store(
+    k: Tensor, v: Tensor, kv_cache: Tensor, kv_scales: Tensor, layer: int, slot_mapping: Tensor
+) -> None:
     """Write k, v [T, num_kv_heads, head_dim] into the pages of `layer` at slot_mapping [T] (int64)."""
     kv_store_reference(k, v, kv_cache, kv_scales, layer, slot_mapping)
 

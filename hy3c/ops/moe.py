@@ -16,7 +16,9 @@ from hy3c.ops.quant import FP8_DTYPE, per_token_scale, quantize_fp8, scaled_mm_r
 ROUTER_RENORM_EPS = 1e-20
 
 
-def router_reference(x: Tensor, weight: Tensor, bias: Tensor, top_k: int, scaling: float) -> tuple[Tensor, Tensor]:
+def router_reference(
+    x: Tensor, weight: Tensor, bias: Tensor, top_k: int, scaling: float
+) -> tuple[Tensor, Tensor]:
     logits = F.linear(x.float(), weight.float())
     scores = torch.sigmoid(logits)
     _, ids = torch.topk(scores + bias.float(), top_k, dim=-1)

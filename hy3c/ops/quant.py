@@ -60,7 +60,9 @@ def _(q: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
     return torch.empty_like(q, dtype=out_dtype)
 
 
-def scaled_mm_reference(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+def scaled_mm_reference(
+    a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, out_dtype: torch.dtype
+) -> Tensor:
     acc = a.float() @ b.float().t()
     return (acc * a_scale.float().reshape(-1, 1) * b_scale.float().reshape(1, -1)).to(out_dtype)
 

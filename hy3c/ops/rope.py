@@ -12,7 +12,9 @@ from torch import Tensor
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
     """cos, sin tables [T, head_dim] in fp32 for the given absolute positions."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    )
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()

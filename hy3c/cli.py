@@ -1,0 +1,172 @@
+"""The `hy3c` command line.
+
+    hy3c init-checkpoint --preset tiny --seed 0 --out ckpt/        random Hy3 checkpoint (HF layout)
+    hy3c convert-fp8 --model ckpt/ --out ckpt-fp8/                 BF16 → FP8 W8A8C8 hub format
+    hy3c generate --model ckpt/ --prompt "Hello" --max-tokens 32   eager paged-KV generation
+    hy3c demo                                                      all of the above on a tiny model
+
+Every command exits with status 2 and a one-line `error: ...` message (no traceback) on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from hy3c.logs import setup_logging
+
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _add_init_checkpoint(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("init-checkpoint", help="write a random Hy3 checkpoint in the Hugging Face layout")
+    p.add_argument("--preset", default="tiny", help="tiny | real-shapes:N | full")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--scheme", choices=("hub", "transformers"), default="hub", help="tensor naming scheme")
+    p.add_argument("--fp8", choices=("static", "dynamic"), help="also quantize to the FP8 W8A8C8 format")
+    p.add_argument("--max-shard-gib", type=float, default=4.0)
+    p.add_argument("--device", default="cpu", help="device that generates the random tensors")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_run_init_checkpoint)
+
+
+def _run_init_checkpoint(args: argparse.Namespace) -> None:
+    from hy3c.init_checkpoint import init_checkpoint
+
+    shard = int(args.max_shard_gib * 2**30)
+    if args.fp8 is None:
+        init_checkpoint(args.preset, args.out, args.seed, args.scheme, shard, args.overwrite, args.device)
+    else:
+        with tempfile.TemporaryDirectory(dir=args.out.parent if args.out.parent.exists() else None) as tmp:
+            bf16 = Path(tmp) / "bf16"
+            init_checkpoint(args.preset, bf16, args.seed, "hub", shard, False, args.device)
+            _convert(bf16, args.out, args.fp8, args.seed, args.overwrite, args.device, shard)
+    print(args.out)
+
+
+def _convert(src: Path, out: Path, scheme: str, seed: int, overwrite: bool, device: str, shard: int) -> None:
+    from hy3c.fp8_convert import convert_to_fp8
+    from hy3c.loader import load_model
+
+    model = load_model(src, device=device)
+    convert_to_fp8(model, src, out, scheme, seed=seed, overwrite=overwrite, max_shard_bytes=shard)
+
+
+def _add_convert_fp8(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert-fp8", help="quantize a BF16 Hy3 checkpoint into the FP8 W8A8C8 hub format")
+    p.add_argument("--model", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--activation", choices=("static", "dynamic"), default="static")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random calibration tokens")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-shard-gib", type=float, default=4.0)
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_run_convert_fp8)
+
+
+def _run_convert_fp8(args: argparse.Namespace) -> None:
+    shard = int(args.max_shard_gib * 2**30)
+    _convert(args.model, args.out, args.activation, args.seed, args.overwrite, args.device, shard)
+    print(args.out)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text eagerly with the paged-KV model")
+    p.add_argument("--model", required=True, type=Path, help="checkpoint directory")
+    p.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--dtype", choices=_DTYPES, help="default: the checkpoint's dtype")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--show-ids", action="store_true", help="print the generated token ids too")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from hy3c.generate import generate_tokens
+    from hy3c.loader import load_model
+    from hy3c.sampling import SamplingParams
+    from hy3c.tokenizer import Hy3Tokenizer
+
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be at least 1")
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = Hy3Tokenizer.from_dir(args.model)
+    model = load_model(args.model, dtype=args.dtype, device=device)
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
+        for p in args.prompt
+    ]
+    prompts = [tokenizer.encode(t) for t in texts]
+    outputs = generate_tokens(model, prompts, args.max_tokens, params, page_size=args.page_size)
+    for ids in outputs:
+        print(tokenizer.decode(ids))
+        if args.show_ids:
+            print(" ".join(map(str, ids)))
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="end to end on a tiny random checkpoint: init-checkpoint → generate")
+    p.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary directory)")
+    p.add_argument("--prompt", default="Hello, Hy3!")
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.workdir or Path(tmp)
+        ckpt = root / "tiny-ckpt"
+        if not ckpt.exists():
+            _run_init_checkpoint(build_parser().parse_args(["init-checkpoint", "--out", str(ckpt)]))
+        generate = ["generate", "--model", str(ckpt), "--prompt", args.prompt, "--chat", "--max-tokens", "16"]
+        print(f"$ hy3c {' '.join(generate)}")
+        _run_generate(build_parser().parse_args(generate))
+
+
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_init_checkpoint,
+    _add_convert_fp8,
+    _add_generate,
+    _add_demo,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hy3c", description="Compiler-driven inference engine for Tencent Hy3"
+    )
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in _COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as exc:
+        if str(args.log_level).upper() == "DEBUG":
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

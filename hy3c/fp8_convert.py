@@ -1,0 +1,195 @@
+"""Convert a BF16 Hy3 checkpoint into the FP8 "W8A8C8" hub format (HY3_SPEC §9).
+
+    convert_to_fp8("ckpt-bf16/", "ckpt-fp8/", activation_scheme="static")
+
+* Weights of every attention / dense / shared / expert projection (and the MTP eh_proj) become
+  float8_e4m3fn with a per-tensor `weight_scale` = absmax / 448, one per checkpoint tensor, as
+  AngelSlim's vLLM-oriented FP8 tool writes them. Embeddings, lm_head, the router, expert bias and norms
+  stay in high precision.
+* `activation_scheme="static"` calibrates per-tensor `input_scale`s (absmax / 448) by running the model
+  over calibration tokens; q/k/v share their fused module's scale, gate/up likewise, experts share one
+  scale per layer for their inputs and one for their intermediate activations.
+* KV ("C8") scales of post-norm, post-RoPE K and of V per layer go to `kv_cache_scales.safetensors`.
+* `config.json` gains the `quantization_config` block; the output directory is written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections import defaultdict
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from hy3c.logs import log_event
+from hy3c.model.batch import SeqChunk, build_step_batch
+from hy3c.model.hy3 import Hy3ForCausalLM, allocate_kv_cache
+from hy3c.model.layers import Experts, Linear
+from hy3c.ops.moe import silu_and_mul_reference
+from hy3c.ops.quant import FP8_MAX, quantize_fp8
+from hy3c.safetensors_io import ShardedWriter, atomic_output_dir
+from hy3c.weight_map import expected_tensors, kv_scale_tensors
+
+log = logging.getLogger("hy3c.fp8_convert")
+
+_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+_MIN_SCALE = 1e-8
+
+
+def fp8_module_paths(model: Hy3ForCausalLM) -> frozenset[str]:
+    """Linear layers and expert stacks that the W8A8 format quantizes (not lm_head)."""
+    return frozenset(
+        name
+        for name, mod in model.named_modules()
+        if (isinstance(mod, Linear) and name != "lm_head") or isinstance(mod, Experts)
+    )
+
+
+def _abs_max(x: torch.Tensor) -> float:
+    return float(x.detach().abs().max()) if x.numel() else 0.0
+
+
+def calibrate(model: Hy3ForCausalLM, token_batches: list[list[int]], page_size: int = 16) -> dict[str, float]:
+    """absmax of every quantized module's input (experts: `<path>.a13` and `<path>.a2`) and of every KV
+    layer's K and V (`kv.<layer>.k|v`), over the calibration sequences."""
+    stats: dict[str, float] = defaultdict(float)
+    handles = []
+
+    def linear_hook(name: str):
+        def hook(_mod, args):
+            stats[name] = max(stats[name], _abs_max(args[0]))
+
+        return hook
+
+    def experts_hook(name: str):
+        def hook(mod: Experts, args):
+            x, _, ids = args
+            stats[f"{name}.a13"] = max(stats[f"{name}.a13"], _abs_max(x))
+            for e in ids.unique().tolist():
+                tokens = (ids == e).any(dim=-1)
+                inter = silu_and_mul_reference(F.linear(x[tokens], mod.w13[e]))
+                stats[f"{name}.a2"] = max(stats[f"{name}.a2"], _abs_max(inter))
+
+        return hook
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear) and name != "lm_head":
+            handles.append(mod.register_forward_pre_hook(linear_hook(name)))
+        elif isinstance(mod, Experts):
+            handles.append(mod.register_forward_pre_hook(experts_hook(name)))
+    device = model.embed_tokens.weight.device
+    try:
+        with torch.no_grad():
+            for ids in token_batches:
+                pages = list(range(-(-len(ids) // page_size)))
+                kv = allocate_kv_cache(model.config, len(pages), page_size, model.dtype, device)
+                batch = build_step_batch([SeqChunk(ids, 0, pages, "all")], page_size, device)
+                _, hidden = model(*batch.model_args(kv))
+                if len(model.mtp) and len(ids) > 1:
+                    mtp_batch = build_step_batch([SeqChunk(ids[1:], 0, pages, "none")], page_size, device)
+                    model.mtp_forward(
+                        mtp_batch.input_ids,
+                        mtp_batch.positions,
+                        hidden[:-1],
+                        kv,
+                        mtp_batch.page_table,
+                        mtp_batch.seq_lens,
+                        mtp_batch.query_start_loc,
+                        mtp_batch.slot_mapping,
+                        mtp_batch.logits_indices,
+                    )
+                for layer in range(model.config.num_kv_layers):
+                    for which, kind in enumerate("kv"):
+                        key = f"kv.{layer}.{kind}"
+                        stats[key] = max(stats[key], _abs_max(kv[layer, which]))
+    finally:
+        for h in handles:
+            h.remove()
+    return dict(stats)
+
+
+def _scale(absmax: float) -> torch.Tensor:
+    return torch.tensor([max(absmax / FP8_MAX, _MIN_SCALE)], dtype=torch.float32)
+
+
+def _input_scale_key(target: str) -> str:
+    """Calibration key of the module whose input a checkpoint `input_scale` describes."""
+    module, leaf = target.rsplit(".", 1)
+    if leaf in ("w13", "a13_scale", "w13_scale"):
+        return f"{module}.a13"
+    if leaf in ("w2", "a2_scale", "w2_scale"):
+        return f"{module}.a2"
+    return module
+
+
+def convert_to_fp8(
+    model: Hy3ForCausalLM,
+    source_dir: str | Path,
+    out: str | Path,
+    activation_scheme: Literal["static", "dynamic"] = "static",
+    calibration: list[list[int]] | None = None,
+    seed: int = 0,
+    overwrite: bool = False,
+    max_shard_bytes: int = 4 << 30,
+) -> Path:
+    """Write the FP8 hub-format checkpoint of `model` (loaded in high precision from `source_dir`)."""
+    source_dir, out = Path(source_dir), Path(out)
+    config = model.config
+    if calibration is None:
+        gen = torch.Generator().manual_seed(seed)
+        calibration = [torch.randint(0, config.vocab_size, (64,), generator=gen).tolist() for _ in range(4)]
+    stats = calibrate(model, calibration)
+    fp8_modules = fp8_module_paths(model)
+    static = activation_scheme == "static"
+    expected = expected_tensors(config, "hub", fp8_modules, static)
+    params = dict(model.named_parameters())
+    with atomic_output_dir(out, overwrite) as tmp:
+        for name in _COPIED_FILES:
+            if (source_dir / name).is_file():
+                shutil.copy2(source_dir / name, tmp / name)
+        data = config.to_json_dict()
+        data["quantization_config"] = {
+            "quant_method": "fp8",
+            "activation_scheme": activation_scheme,
+            "ignored_layers": ["lm_head", "model.embed_tokens"],
+            "kv_cache_scheme": "static",
+        }
+        (tmp / "config.json").write_text(json.dumps(data, indent=2))
+        writer = ShardedWriter(tmp, max_shard_bytes)
+        for name, place in tqdm(expected.items(), desc="writing fp8", unit="tensor", disable=None):
+            leaf = name.rsplit(".", 1)[1]
+            if leaf == "input_scale":
+                writer.add(name, _scale(stats[_input_scale_key(place.target)]))
+                continue
+            weight_target = place.target.removesuffix("_scale") if leaf == "weight_scale" else place.target
+            weight_name = name.removesuffix("_scale") if leaf == "weight_scale" else name
+            source = params[weight_target]
+            region = expected[weight_name].index() if expected[weight_name].region else ()
+            value = source[region] if region else source
+            module = weight_target.rsplit(".", 1)[0]
+            if module in fp8_modules and leaf in ("weight", "weight_scale"):
+                scale = _scale(_abs_max(value))
+                writer.add(name, scale if leaf == "weight_scale" else quantize_fp8(value, scale))
+            else:
+                writer.add(name, value.clone())
+        writer.close()
+        kv = {
+            name: _scale(stats[f"kv.{p.region[0]}.{'kv'[p.region[1][0]]}"])
+            for name, p in kv_scale_tensors(config).items()
+        }
+        save_file(kv, str(tmp / "kv_cache_scales.safetensors"))
+    log_event(
+        log,
+        "fp8_checkpoint_written",
+        path=str(out),
+        activation_scheme=activation_scheme,
+        fp8_modules=len(fp8_modules),
+        calibration_sequences=len(calibration),
+    )
+    return out

@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random Hy3 checkpoints (written once per session) and the gpu marker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hy3c.init_checkpoint import init_checkpoint
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """The tiny preset, hub naming, seed 0."""
+    return init_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def make_ckpt(tmp_path_factory):
+    """Factory: write (and cache) a tiny checkpoint with config overrides."""
+    cache: dict[tuple, Path] = {}
+
+    def make(seed: int = 0, scheme: str = "hub", max_shard_bytes: int = 4 << 30, **overrides) -> Path:
+        key = (seed, scheme, max_shard_bytes, tuple(sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp("ckpt") / "model"
+            cache[key] = init_checkpoint("tiny", out, seed, scheme, max_shard_bytes, **overrides)
+        return cache[key]
+
+    return make

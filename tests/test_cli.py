@@ -1,0 +1,98 @@
+import torch
+
+import hy3c
+from hy3c.cli import main
+from hy3c.loader import load_model
+from hy3c.reference import model_logits
+from hy3c.tokenizer import Hy3Tokenizer
+
+
+def test_init_checkpoint_then_generate(tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    assert main(["init-checkpoint", "--preset", "tiny", "--seed", "1", "--out", str(out)]) == 0
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+    ):
+        assert (out / name).is_file()
+    capsys.readouterr()
+    assert (
+        main(["generate", "--model", str(out), "--prompt", "Hello", "--max-tokens", "5", "--show-ids"]) == 0
+    )
+    stdout = capsys.readouterr().out
+    assert stdout.endswith("\n")
+    text, ids = stdout[:-1].rsplit("\n", 1)  # the generated text may itself hold newlines
+    tok = Hy3Tokenizer.from_dir(out)
+    assert 1 <= len(ids.split()) <= 5 and tok.decode([int(i) for i in ids.split()]) == text
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(out),
+                "--prompt",
+                "Hi",
+                "--chat",
+                "--temperature",
+                "0.8",
+                "--seed",
+                "3",
+            ]
+        )
+        == 0
+    )
+
+
+def test_chat_template_renders_the_hy3_format(tiny_ckpt):
+    tok = Hy3Tokenizer.from_dir(tiny_ckpt)
+    text = tok.apply_chat_template(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Bye"},
+        ]
+    )
+    assert text == (
+        "<｜hy_begin▁of▁sentence｜>Be brief.<｜hy_User｜>Hi<｜hy_Assistant｜>Hello<｜hy_eos｜>"
+        "<｜hy_User｜>Bye<｜hy_Assistant｜>"
+    )
+    ids = tok.encode(text)
+    assert ids[0] == 0 and tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_fp8_init_checkpoint(tmp_path):
+    out = tmp_path / "fp8"
+    assert main(["init-checkpoint", "--out", str(out), "--fp8", "dynamic"]) == 0
+    model = load_model(out, progress=False)
+    assert model.layers[0].mlp.gate_up_proj.is_fp8 and model.layers[0].mlp.gate_up_proj.input_scale is None
+
+
+def test_bad_input_exits_with_a_message(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+    assert "error:" in capsys.readouterr().err
+    out = tmp_path / "c"
+    assert main(["init-checkpoint", "--out", str(out)]) == 0
+    assert main(["init-checkpoint", "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["init-checkpoint", "--out", str(tmp_path / "d"), "--preset", "huge"]) == 2
+    assert "unknown preset" in capsys.readouterr().err
+
+
+def test_reference_logits_public_function(tiny_ckpt):
+    ids = torch.randint(0, 512, (2, 9))
+    out = hy3c.reference_logits(tiny_ckpt, ids)
+    assert out.shape == (2, 9, 512) and out.dtype == torch.float32
+    torch.testing.assert_close(
+        out, model_logits(load_model(tiny_ckpt, dtype=torch.float32, progress=False), ids)
+    )
+    assert hy3c.reference_logits(tiny_ckpt, ids[0]).shape == (1, 9, 512)
+    try:
+        hy3c.reference_logits(tiny_ckpt, torch.tensor([[600]]))
+    except ValueError as exc:
+        assert "input_ids must lie in" in str(exc)
+    else:
+        raise AssertionError("out-of-vocabulary ids must be rejected")
