@@ -18,7 +18,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,10 +159,7 @@ def _natural(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in name.replace("_", ".").split(".")]
 
 
-def _place(
-    model_tensors: dict[str, torch.Tensor], place: Placement, src: torch.Tensor, seen_max: set[str]
-) -> None:
-    target = model_tensors[place.target]
+def _place(target: torch.Tensor, place: Placement, src: torch.Tensor, first: bool) -> None:
     view = target[place.index()] if place.region else target
     if place.mode == "copy":
         view.copy_(src)
@@ -174,12 +171,36 @@ def _place(
         )
     else:
         value = src.to(torch.float32).reshape(-1).max().reshape(1).expand(view.shape)
-        key = f"{place.target}{place.region}"
-        if key in seen_max:
-            torch.maximum(view, value.to(view.device), out=view)
-        else:
+        if first:
             view.copy_(value)
-            seen_max.add(key)
+        else:
+            torch.maximum(view, value, out=view)
+
+
+def assemble_tensors(
+    layout: CheckpointLayout, shapes: dict[str, torch.Tensor], kv_root: Path | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (model tensor name, CPU tensor) for every entry of `shapes` (name → tensor giving shape and
+    dtype, e.g. a meta model's parameters), each assembled from its checkpoint tensors when needed:
+    fused q/k/v and gate/up rows, stacked experts, expanded per-tensor FP8 scales. `kv_scales` comes
+    from `kv_cache_scales.safetensors` under `kv_root` (1.0 where absent)."""
+    sources: dict[str, list[tuple[str, Placement]]] = {}
+    for name, place in layout.expected.items():
+        sources.setdefault(place.target, []).append((name, place))
+    with layout.files.reader() as read:
+        for target, like in shapes.items():
+            out = torch.empty(like.shape, dtype=like.dtype)
+            if target == "kv_scales":
+                out.fill_(1.0)
+                _load_kv_scales(kv_root, layout.config, out)
+            else:
+                seen: set[tuple] = set()
+                for name, place in sources.get(target, []):
+                    key = (place.region, place.mode)
+                    _place(out, place, read(name), first=key not in seen)
+                    seen.add(key)
+            yield target, out
+            del out  # keep at most one assembled tensor alive (with the consumer's reference)
 
 
 def _check_coverage(model: Hy3ForCausalLM, expected: dict[str, Placement]) -> None:
@@ -215,29 +236,24 @@ def load_model(
     config = layout.config
     if not with_mtp:
         config = config.model_copy(update={"num_nextn_predict_layers": 0})
-    if dtype is None:
-        dtype = config.dtype
     if isinstance(dtype, str):
         dtype = _torch_dtype(dtype)
-    model = Hy3ForCausalLM(config, dtype=dtype, device=device, quant=layout.quant)
-    _check_coverage(model, layout.expected)
-    tensors = dict(model.named_parameters())
-    tensors["kv_scales"].fill_(1.0)
-    seen_max: set[str] = set()
-    loaded_bytes = 0
-    bar = tqdm(
-        total=len(layout.expected),
-        desc="loading weights",
-        unit="tensor",
-        disable=None if progress is None else not progress,
+    model = Hy3ForCausalLM(
+        config, dtype=dtype or _torch_dtype(config.dtype), device=device, quant=layout.quant
     )
-    with torch.no_grad():
-        for name, tensor in layout.files.iter_tensors(set(layout.expected)):
-            _place(tensors, layout.expected[name], tensor, seen_max)
+    _check_coverage(model, layout.expected)
+    params = dict(model.named_parameters())
+    loaded_bytes = 0
+    disable = None if progress is None else not progress
+    with (
+        torch.no_grad(),
+        tqdm(total=len(params), desc="loading weights", unit="tensor", disable=disable) as bar,
+    ):
+        for name, tensor in assemble_tensors(layout, params, Path(path)):
+            params[name].copy_(tensor)
             loaded_bytes += tensor.numel() * tensor.element_size()
+            del tensor
             bar.update(1)
-        bar.close()
-        kv_found = _load_kv_scales(Path(path), config, tensors, seen_max)
     model.eval()
     log_event(
         log,
@@ -248,19 +264,17 @@ def load_model(
         gib=loaded_bytes / 2**30,
         fp8_modules=len(layout.quant.fp8_modules),
         static_activations=layout.quant.static_activations,
-        kv_scales=kv_found,
         ignored=len(layout.ignored),
         seconds=time.perf_counter() - start,
     )
     return model
 
 
-def _load_kv_scales(
-    root: Path, config: Hy3Config, tensors: dict[str, torch.Tensor], seen_max: set[str]
-) -> int:
-    file = root / KV_SCALES_FILE
-    if not file.is_file():
-        return 0
+def _load_kv_scales(root: Path | None, config: Hy3Config, out: torch.Tensor) -> None:
+    """Fill kv_scales [num_kv_layers, 2] from kv_cache_scales.safetensors, if the checkpoint has one."""
+    file = root / KV_SCALES_FILE if root is not None else None
+    if file is None or not file.is_file():
+        return
     headers = read_headers(file)
     expected = kv_scale_tensors(config)
     problems = [f"unexpected tensor {n}" for n in sorted(set(headers) - set(expected), key=_natural)]
@@ -272,6 +286,6 @@ def _load_kv_scales(
             problems.append(f"{name}: {problem}")
     if problems:
         raise CheckpointError(f"{file}: " + "; ".join(problems[:_MAX_LISTED]))
-    for name, tensor in CheckpointFiles(root, headers).iter_tensors(set(headers)):
-        _place(tensors, expected[name], tensor, seen_max)
-    return len(headers)
+    with CheckpointFiles(root, headers).reader() as read:
+        for name in headers:
+            _place(out, expected[name], read(name), first=True)

@@ -13,9 +13,10 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -87,24 +88,22 @@ class CheckpointFiles:
             return cls(root, read_headers(single))
         raise CheckpointError(f"{root}: no {single_name} or {index_name}")
 
-    def by_file(self) -> dict[Path, list[str]]:
-        groups: dict[Path, list[str]] = {}
-        for name, header in self.headers.items():
-            groups.setdefault(header.file, []).append(name)
-        return groups
+    @contextlib.contextmanager
+    def reader(self) -> Iterator[Callable[[str], torch.Tensor]]:
+        """A `read(name) -> tensor` function over all files (memory-mapped; one tensor copied per call)."""
+        handles: dict[Path, Any] = {}
+        with contextlib.ExitStack() as stack:
 
-    def iter_tensors(self, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (name, tensor) for the requested names, file by file, one tensor in memory at a time."""
-        for file, file_names in sorted(self.by_file().items()):
-            wanted = [n for n in file_names if n in names]
-            if not wanted:
-                continue
-            try:
-                with safe_open(file, framework="pt") as f:
-                    for name in wanted:
-                        yield name, f.get_tensor(name)
-            except SafetensorError as exc:
-                raise CheckpointError(f"{file}: corrupt tensor data ({exc})") from None
+            def read(name: str) -> torch.Tensor:
+                file = self.headers[name].file
+                try:
+                    if file not in handles:
+                        handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+                    return handles[file].get_tensor(name)
+                except SafetensorError as exc:
+                    raise CheckpointError(f"{file}: corrupt tensor data for {name} ({exc})") from None
+
+            yield read
 
 
 @contextlib.contextmanager

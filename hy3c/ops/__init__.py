@@ -5,7 +5,7 @@ a fake implementation). Each op's eager implementation is its pure-torch referen
 are chosen later by the `lower` pass.
 """
 
-from hy3c.ops import attention, moe, norm, quant, rope
+from hy3c.ops import attention, fused, moe, norm, quant, rope
 from hy3c.ops.quant import FP8_DTYPE, FP8_MAX
 
 L1_OPS = (
@@ -22,5 +22,6 @@ L1_OPS = (
     "dequant_fp8",
     "scaled_mm",
 )
+L2_OPS = ("add_rms_norm",)
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "L1_OPS", "attention", "moe", "norm", "quant", "rope"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "L1_OPS", "L2_OPS", "attention", "fused", "moe", "norm", "quant", "rope"]

@@ -1,0 +1,108 @@
+"""Trace the Hy3 step function into an FX graph (torch.export, non-strict, meta device).
+
+    gm = trace_step(config, torch.bfloat16, quant_layout)
+
+The model is built on the meta device (no weight memory: the full 80-layer config traces on a laptop)
+and exported with the token count, batch size, page-table width, KV page count and number of logits
+rows dynamic. The exported graph is then *unlifted*: parameters become `get_attr` nodes of a plain
+`GraphModule` (holding meta tensors), so passes can retype or add weights, and the user inputs are the
+eight step inputs of `Hy3ForCausalLM.forward`. Every node keeps its FakeTensor `meta["val"]` and its
+`nn_module_stack`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.export import Dim
+
+from hy3c.config import Hy3Config
+from hy3c.model.hy3 import Hy3ForCausalLM
+from hy3c.model.layers import NO_QUANT, QuantLayout
+
+STEP_INPUTS = (
+    "input_ids",
+    "positions",
+    "kv_cache",
+    "page_table",
+    "seq_lens",
+    "query_start_loc",
+    "slot_mapping",
+    "logits_indices",
+)
+STEP_OUTPUTS = ("logits", "hidden")
+
+
+def example_step_inputs(
+    config: Hy3Config, dtype: torch.dtype, device: str = "meta"
+) -> tuple[torch.Tensor, ...]:
+    """Inputs with every dynamic dim distinct and >= 2 (so none is specialized while tracing)."""
+    tokens, seqs, pages, logits, kv_pages = 11, 3, 5, 3, 17
+    i64, i32 = torch.int64, torch.int32
+    kv_shape = (config.num_kv_layers, 2, kv_pages, 16, config.num_key_value_heads, config.head_dim)
+    return (
+        torch.zeros(tokens, dtype=i64, device=device),
+        torch.zeros(tokens, dtype=i64, device=device),
+        torch.zeros(kv_shape, dtype=dtype, device=device),
+        torch.zeros(seqs, pages, dtype=i32, device=device),
+        torch.zeros(seqs, dtype=i32, device=device),
+        torch.zeros(seqs + 1, dtype=i32, device=device),
+        torch.zeros(tokens, dtype=i64, device=device),
+        torch.zeros(logits, dtype=i64, device=device),
+    )
+
+
+def _dynamic_shapes() -> tuple[dict[int, object], ...]:
+    tokens = Dim("num_tokens", min=1, max=1 << 22)
+    seqs = Dim("num_seqs", min=1, max=1 << 16)
+    pages = Dim("max_pages", min=1, max=1 << 20)
+    kv_pages = Dim("kv_pages", min=1, max=1 << 26)
+    page = Dim("page_size", min=1, max=1 << 12)
+    logits = Dim("num_logits", min=1, max=1 << 22)
+    return (
+        {0: tokens},
+        {0: tokens},
+        {2: kv_pages, 3: page},
+        {0: seqs, 1: pages},
+        {0: seqs},
+        {0: seqs + 1},
+        {0: tokens},
+        {0: logits},
+    )
+
+
+def unlift(ep: torch.export.ExportedProgram) -> fx.GraphModule:
+    """Turn lifted parameter/buffer placeholders into get_attr nodes of a plain GraphModule."""
+    sig = ep.graph_signature
+    owner_of = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    root = torch.nn.Module()
+    for fqn, tensor in ep.state_dict.items():
+        *path, leaf = fqn.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
+    graph = ep.graph_module.graph
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and node.name in owner_of:
+            with graph.inserting_before(first_op):
+                attr = graph.create_node("get_attr", owner_of[node.name])
+            attr.meta = dict(node.meta)
+            node.replace_all_uses_with(attr)
+            graph.erase_node(node)
+    gm = fx.GraphModule(root, graph)
+    gm.graph.eliminate_dead_code()  # unused parameters (e.g. the MTP layer's, which the step does not call)
+    gm.recompile()
+    return gm
+
+
+def trace_step(config: Hy3Config, dtype: torch.dtype, quant: QuantLayout = NO_QUANT) -> fx.GraphModule:
+    model = Hy3ForCausalLM(config, dtype=dtype, device="meta", quant=quant)
+    with torch.no_grad():
+        ep = torch.export.export(
+            model, example_step_inputs(config, dtype), dynamic_shapes=_dynamic_shapes(), strict=False
+        )
+    return unlift(ep)

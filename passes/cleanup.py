@@ -1,0 +1,54 @@
+"""cleanup: drop no-op reshapes/views/casts and tracing-only assertions; dead code goes with them.
+
+Before:  %reshape_3: bf16[s0, 8192] = aten.reshape(%view_2, [%sym_size_int_1, 8192])   (already [s0, 8192])
+         %_assert_tensor_metadata_default = aten._assert_tensor_metadata(%linear_12, dtype=bf16, device=meta)
+After:   uses of %reshape_3 read %view_2 directly; the assertion (which pins the trace device) is gone.
+"""
+
+from __future__ import annotations
+
+import torch
+from hy3c.passes.base import CompileCtx, Pass, PassConfig, Site, Stage
+from hy3c.passes.graph_utils import layer_of, op_name
+from hy3c.passes.registry import register_pass
+from torch import fx
+
+aten = torch.ops.aten
+_SHAPE_OPS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+_CAST_OPS = {aten.to.dtype, aten._to_copy.default}
+_ASSERTS = {aten._assert_tensor_metadata.default}
+
+
+def _same_tensor_type(a: object, b: object) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.stride() == b.stride()
+    )
+
+
+@register_pass
+class Cleanup(Pass):
+    name = "cleanup"
+    stage = Stage.CLEANUP
+
+    def run(self, gm: fx.GraphModule, ctx: CompileCtx, config: PassConfig) -> list[Site]:
+        sites = []
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target in _ASSERTS:
+                sites.append(Site(node=node.name, layer=layer_of(node), detail="removed tracing assertion"))
+                gm.graph.erase_node(node)
+                continue
+            if node.target in _SHAPE_OPS | _CAST_OPS and node.kwargs.keys() <= {"dtype"}:
+                src = node.args[0]
+                if isinstance(src, fx.Node) and _same_tensor_type(src.meta.get("val"), node.meta.get("val")):
+                    node.replace_all_uses_with(src)
+                    sites.append(
+                        Site(node=node.name, layer=layer_of(node), detail=f"no-op {op_name(node.target)}")
+                    )
+                    gm.graph.erase_node(node)
+        return sites
