@@ -3,7 +3,9 @@
     hy3c init-checkpoint --preset tiny --seed 0 --out ckpt/        random Hy3 checkpoint (HF layout)
     hy3c convert-fp8 --model ckpt/ --out ckpt-fp8/                 BF16 → FP8 W8A8C8 hub format
     hy3c generate --model ckpt/ --prompt "Hello" --max-tokens 32   eager paged-KV generation
-    hy3c demo                                                      all of the above on a tiny model
+    hy3c compile --model ckpt/ --recipe h20-w8a8c8 --out art/       trace + passes + package
+    hy3c inspect art/ passes|ops|graph|diff|why-not|cache-key      what every pass did
+    hy3c demo                                                      end to end on a tiny model
 
 Every command exits with status 2 and a one-line `error: ...` message (no traceback) on bad input.
 """
@@ -17,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hy3c.logs import setup_logging
+from hy3c.recipe import SHIPPED, load_recipe
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
@@ -118,6 +121,84 @@ def _run_generate(args: argparse.Namespace) -> None:
             print(" ".join(map(str, ids)))
 
 
+def _add_compile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compile", help="trace + passes + quantize + package into an artifact directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="checkpoint directory")
+    src.add_argument("--preset", help="compile a config preset without weights (inspect only), e.g. full")
+    p.add_argument("--recipe", required=True, help=f"shipped recipe ({', '.join(SHIPPED)}) or a YAML file")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key, e.g. quant.kv=bf16 or passes.lower.priority=[torch]",
+    )
+    p.add_argument("--dump-graphs", action="store_true", help="keep the graph after every pass in graphs/")
+    p.add_argument("--max-shard-gib", type=float, default=4.0)
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_run_compile)
+
+
+def _run_compile(args: argparse.Namespace) -> None:
+    from hy3c.compiler.driver import compile_artifact
+    from hy3c.inspect_artifact import format_pass_table
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    summary = compile_artifact(
+        recipe,
+        args.out,
+        checkpoint=args.model,
+        preset=args.preset,
+        dump_graphs=args.dump_graphs,
+        overwrite=args.overwrite,
+        max_shard_bytes=int(args.max_shard_gib * 2**30),
+    )
+    report = {"passes": [r.model_dump(mode="json") for r in summary.results]}
+    print(format_pass_table(report))
+    t = summary.timings
+    print(
+        f"\n{summary.out}: trace {t['trace_s']:.1f}s, passes {t['passes_s']:.1f}s, "
+        f"package {t['package_s']:.1f}s, weights {summary.weights_bytes / 2**20:.1f} MiB"
+    )
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="show what the passes did to an artifact")
+    p.add_argument("artifact", type=Path)
+    p.add_argument("what", choices=("passes", "ops", "graph", "diff", "why-not", "cache-key"))
+    p.add_argument("names", nargs="*", help="diff: PASS1 PASS2; why-not: PASS")
+    p.add_argument("--after", help="ops / graph: the pass whose output to show ('traced' = before any pass)")
+    p.add_argument("--layer", type=int, help="graph: only this decoder layer's nodes")
+    p.add_argument("--node", help="why-not: the node name (as in the graph dumps)")
+    p.set_defaults(func=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> None:
+    from hy3c.inspect_artifact import inspect_command
+
+    first = args.names[0] if args.names else None
+    second = args.names[1] if len(args.names) > 1 else None
+    if args.what == "diff" and second is None:
+        raise ValueError("inspect diff needs two pass names: diff PASS1 PASS2")
+    after = first if args.what == "why-not" else args.after
+    print(
+        inspect_command(
+            args.artifact,
+            args.what,
+            after=after,
+            layer=args.layer,
+            first=first,
+            second=second,
+            node=args.node,
+        ),
+        end="",
+    )
+    print()
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="end to end on a tiny random checkpoint: init-checkpoint → generate")
     p.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary directory)")
@@ -140,6 +221,8 @@ _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_init_checkpoint,
     _add_convert_fp8,
     _add_generate,
+    _add_compile,
+    _add_inspect,
     _add_demo,
 )
 

@@ -8,12 +8,24 @@ prefill/decode batches and ragged lengths go through the same `forward` the comp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from hy3c.config import Hy3Config
 from hy3c.model.batch import PagePool, SeqChunk, build_step_batch
-from hy3c.model.hy3 import Hy3ForCausalLM, allocate_kv_cache
 from hy3c.sampling import SamplingParams, sample_next
+
+
+class StepModel(Protocol):
+    """What generation needs: `Hy3ForCausalLM` and a compiled artifact's `Runner` both qualify."""
+
+    config: Hy3Config
+    device: torch.device
+
+    def allocate_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor: ...
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -33,25 +45,24 @@ class _Request:
 
 
 def generate_tokens(
-    model: Hy3ForCausalLM,
+    model: StepModel,
     prompts: list[list[int]],
     max_tokens: int,
     params: SamplingParams | list[SamplingParams] | None = None,
     stop_ids: list[int] | None = None,
     page_size: int = 16,
     prefill_chunk: int = 512,
-    kv_dtype: torch.dtype | None = None,
 ) -> list[list[int]]:
     """Generate up to `max_tokens` tokens after each prompt; returns the generated ids per prompt
     (a stop token ends a request and is not included)."""
     if any(not p for p in prompts):
         raise ValueError("every prompt needs at least one token")
     params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-    device = model.embed_tokens.weight.device
+    device = model.device
     stop = set(stop_ids if stop_ids is not None else model.config.eos_token_ids)
     total_pages = sum(-(-(len(p) + max_tokens) // page_size) for p in prompts)
     pool = PagePool(total_pages)
-    kv_cache = allocate_kv_cache(model.config, total_pages, page_size, kv_dtype or model.dtype, device)
+    kv_cache = model.allocate_kv_cache(total_pages, page_size)
     requests = [_Request(p, sp, max_tokens, sp.make_generator(device)) for p, sp in zip(prompts, params_list)]
     with torch.no_grad():
         while True:

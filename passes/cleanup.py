@@ -1,8 +1,9 @@
-"""cleanup: drop no-op reshapes/views/casts and tracing-only assertions; dead code goes with them.
+"""cleanup: drop no-op reshapes, views and casts (same shape, dtype and strides); dead code goes too.
 
-Before:  %reshape_3: bf16[s0, 8192] = aten.reshape(%view_2, [%sym_size_int_1, 8192])   (already [s0, 8192])
-         %_assert_tensor_metadata_default = aten._assert_tensor_metadata(%linear_12, dtype=bf16, device=meta)
-After:   uses of %reshape_3 read %view_2 directly; the assertion (which pins the trace device) is gone.
+Before:  %linear_12: f32[s66, 512] = aten.linear(%index_select, %lm_head.weight)
+         %to: f32[s66, 512] = aten.to(%linear_12, f32)          (an fp32 model: .float() is a no-op)
+         return (%to, %getitem_23)
+After:   return (%linear_12, %getitem_23)
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from torch import fx
 aten = torch.ops.aten
 _SHAPE_OPS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 _CAST_OPS = {aten.to.dtype, aten._to_copy.default}
-_ASSERTS = {aten._assert_tensor_metadata.default}
 
 
 def _same_tensor_type(a: object, b: object) -> bool:
@@ -38,10 +38,6 @@ class Cleanup(Pass):
         sites = []
         for node in list(gm.graph.nodes):
             if node.op != "call_function":
-                continue
-            if node.target in _ASSERTS:
-                sites.append(Site(node=node.name, layer=layer_of(node), detail="removed tracing assertion"))
-                gm.graph.erase_node(node)
                 continue
             if node.target in _SHAPE_OPS | _CAST_OPS and node.kwargs.keys() <= {"dtype"}:
                 src = node.args[0]

@@ -69,13 +69,13 @@ class PassManager:
             nodes_before=nodes_before,
             nodes_after=nodes_before,
         )
-        reason = "disabled in the recipe" if not spec.enabled else pass_.gate(self.ctx, config)
-        if reason is not None:
-            result.skip_reason = reason
-            log_event(log, "pass_skipped", name=spec.name, reason=reason)
-            return result
         start = time.perf_counter()
         try:
+            reason = "disabled in the recipe" if not spec.enabled else pass_.gate(self.ctx, config)
+            if reason is not None:
+                result.skip_reason = reason
+                log_event(log, "pass_skipped", name=spec.name, reason=reason)
+                return result
             sites = pass_.run(gm, self.ctx, config)
             gm.graph.eliminate_dead_code()
             gm.graph.lint()

@@ -64,6 +64,8 @@ class Quantize(Pass):
             )
         if ctx.quant.weights == "none":
             return "quant.weights is none"
+        if ctx.checkpoint_fp8 and not (ctx.quant.activations == "dynamic" and ctx.checkpoint_static_scales):
+            return "the checkpoint's weights are already FP8 with the activation scheme the recipe asks for"
         return None
 
     def run(self, gm: fx.GraphModule, ctx: CompileCtx, config: PassConfig) -> list[Site]:

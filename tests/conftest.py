@@ -43,3 +43,7 @@ def make_ckpt(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/*.json from this run")

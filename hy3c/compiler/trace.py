@@ -7,7 +7,8 @@ and exported with the token count, batch size, page-table width, KV page count a
 rows dynamic. The exported graph is then *unlifted*: parameters become `get_attr` nodes of a plain
 `GraphModule` (holding meta tensors), so passes can retype or add weights, and the user inputs are the
 eight step inputs of `Hy3ForCausalLM.forward`. Every node keeps its FakeTensor `meta["val"]` and its
-`nn_module_stack`.
+`nn_module_stack`. Export's `_assert_tensor_metadata` checks are dropped: they pin the meta device the
+graph was traced on.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def unlift(ep: torch.export.ExportedProgram) -> fx.GraphModule:
                 attr = graph.create_node("get_attr", owner_of[node.name])
             attr.meta = dict(node.meta)
             node.replace_all_uses_with(attr)
+            graph.erase_node(node)
+    for node in list(graph.nodes):  # tracing-time checks that pin the meta device
+        if node.target is torch.ops.aten._assert_tensor_metadata.default:
             graph.erase_node(node)
     gm = fx.GraphModule(root, graph)
     gm.graph.eliminate_dead_code()  # unused parameters (e.g. the MTP layer's, which the step does not call)

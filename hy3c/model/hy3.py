@@ -62,6 +62,17 @@ class Hy3ForCausalLM(nn.Module):
         # per-tensor K/V dequant scales of every KV layer (used when the cache is FP8)
         self.kv_scales = frozen_param((config.num_kv_layers, 2), torch.float32, device)
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    def allocate_kv_cache(self, num_pages: int, page_size: int) -> Tensor:
+        return allocate_kv_cache(self.config, num_pages, page_size, self.kv_dtype, self.device)
+
     def logits(self, hidden: Tensor) -> Tensor:
         """lm_head in the model dtype, returned as fp32 (HY3_SPEC §12)."""
         return self.lm_head(hidden).float()

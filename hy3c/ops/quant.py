@@ -79,3 +79,23 @@ def scaled_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, out_dtype:
 @scaled_mm.register_fake
 def _(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def quantize_weight(weight: Tensor, granularity: str) -> tuple[Tensor, Tensor]:
+    """FP8 e4m3 weight and its dequant scale, over the last (input) dim.
+
+    weight [N, K] → scale [N] (channel) or [1] (tensor); stacked experts [E, R, C] → [E, R] or [E, 1].
+    """
+    w = weight.float()
+    if granularity == "channel":
+        absmax = w.abs().amax(dim=-1)
+    elif granularity == "tensor":
+        absmax = (
+            w.abs().reshape(w.shape[0], -1).amax(dim=-1, keepdim=True)
+            if w.dim() == 3
+            else w.abs().amax().reshape(1)
+        )
+    else:
+        raise ValueError(f"unknown weight scale granularity {granularity!r} (tensor | channel)")
+    scale = (absmax / FP8_MAX).clamp_min(_MIN_SCALE)
+    return quantize_fp8(w, scale.unsqueeze(-1)), scale

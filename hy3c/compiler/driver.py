@@ -1,0 +1,217 @@
+"""`hy3c compile`: checkpoint (or a config preset) + recipe → artifact directory (DESIGN §1, §5).
+
+    summary = compile_artifact(recipe, out, checkpoint="ckpt/")       # or preset="full" (no weights)
+
+Steps: read the checkpoint's config and headers → trace the step function on the meta device → run the
+recipe's passes → write `program/step.json`, the weights (converted as the passes planned),
+`compile_report.json`, optional `graphs/` dumps, the tokenizer files and `manifest.json`, all inside a
+temporary directory renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import hy3c
+from hy3c.compiler.package import write_weights
+from hy3c.compiler.serialize import graph_to_json
+from hy3c.compiler.trace import STEP_INPUTS, STEP_OUTPUTS, trace_step
+from hy3c.config import Hy3Config, preset_config
+from hy3c.loader import CheckpointLayout, inspect_checkpoint
+from hy3c.logs import log_event
+from hy3c.model.layers import NO_QUANT
+from hy3c.passes.base import CompileCtx, PassResult
+from hy3c.passes.manager import PassError, PassManager
+from hy3c.passes.registry import PASS_REGISTRY
+from hy3c.recipe import Recipe, RecipeError
+from hy3c.safetensors_io import atomic_output_dir
+
+log = logging.getLogger("hy3c.compile")
+
+FORMAT_VERSION = 1
+PROGRAM_FILE = "program/step.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+class CompileError(ValueError):
+    """A compile request that cannot be satisfied; the message names the recipe key or file."""
+
+
+@dataclass
+class CompileSummary:
+    out: Path
+    results: list[PassResult]
+    timings: dict[str, float]
+    weights_bytes: int
+
+
+def _sha(data: object) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def pass_source_hashes(recipe: Recipe) -> dict[str, str]:
+    """sha256 of the source module of every pass in the recipe (editing a pass changes the cache key)."""
+    out = {}
+    for spec in recipe.passes:
+        module = inspect.getmodule(PASS_REGISTRY[spec.name])
+        out[spec.name] = hashlib.sha256(inspect.getsource(module).encode()).hexdigest()
+    return out
+
+
+def _check_supported(recipe: Recipe, layout: CheckpointLayout | None) -> None:
+    par = recipe.parallel
+    for key, value, default in (
+        ("tp", par.tp, 1),
+        ("ep", par.ep, 1),
+        ("sp", par.sp, False),
+        ("dp_attention", par.dp_attention, False),
+    ):
+        if value != default:
+            raise CompileError(
+                f"recipe key parallel.{key}={value}: multi-GPU sharding is not implemented yet (use {default})"
+            )
+    if layout is not None and layout.quant.fp8_modules and recipe.quant.weights == "none":
+        raise CompileError(
+            "recipe key quant.weights=none, but the checkpoint's weights are FP8 (use quant.weights=fp8)"
+        )
+
+
+def _versions() -> dict[str, str | None]:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"hy3c": hy3c.__version__, "torch": torch.__version__, "triton": triton_version}
+
+
+def compile_artifact(
+    recipe: Recipe,
+    out: str | Path,
+    checkpoint: str | Path | None = None,
+    preset: str | None = None,
+    dump_graphs: bool = False,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    max_shard_bytes: int = 4 << 30,
+) -> CompileSummary:
+    if (checkpoint is None) == (preset is None):
+        raise CompileError(
+            "give exactly one of a checkpoint directory (--model) or a config preset (--preset)"
+        )
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    layout = inspect_checkpoint(checkpoint) if checkpoint is not None else None
+    config: Hy3Config = layout.config if layout is not None else preset_config(preset)
+    _check_supported(recipe, layout)
+    dtype = getattr(torch, recipe.dtype)
+    quant = layout.quant if layout is not None else NO_QUANT
+    gm = trace_step(config, dtype, quant)
+    timings["trace_s"] = time.perf_counter() - start
+    ctx = CompileCtx(
+        model=config,
+        parallel=recipe.parallel,
+        target=recipe.target,
+        device_type=recipe.device_type,
+        quant=recipe.quant,
+        dtype=recipe.dtype,
+        token_range=recipe.token_range,
+        checkpoint_static_scales=quant.static_activations,
+        checkpoint_fp8=bool(quant.fp8_modules),
+    )
+    out = Path(out)
+    with atomic_output_dir(out, overwrite) as tmp:
+        t0 = time.perf_counter()
+        try:
+            results = PassManager(recipe.passes, ctx, tmp / "graphs" if dump_graphs else None).run(gm)
+        except PassError as exc:
+            raise CompileError(str(exc)) from None
+        timings["passes_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        (tmp / "program").mkdir()
+        program = json.dumps(graph_to_json(gm))
+        (tmp / PROGRAM_FILE).write_text(program)
+        weight_files: list[dict[str, Any]] = []
+        if layout is not None:
+            weight_files = write_weights(gm, layout, Path(checkpoint), dtype, tmp, max_shard_bytes, progress)
+            for name in TOKENIZER_FILES:
+                if (Path(checkpoint) / name).is_file():
+                    shutil.copy2(Path(checkpoint) / name, tmp / name)
+        timings["package_s"] = time.perf_counter() - t0
+        timings["total_s"] = time.perf_counter() - start
+        versions = _versions()
+        cache_key_parts = {
+            "model": _sha(config.to_json_dict()),
+            "recipe": _sha(recipe.model_dump(mode="json")),
+            "passes": pass_source_hashes(recipe),
+            "weights": _sha([f["sha256"] for f in weight_files]) if weight_files else None,
+            **versions,
+        }
+        report = {
+            "recipe": recipe.name,
+            "source": str(checkpoint) if checkpoint is not None else f"preset:{preset}",
+            "num_layers": config.num_hidden_layers,
+            "passes": [r.model_dump(mode="json") for r in results],
+            "timings": timings,
+        }
+        (tmp / "compile_report.json").write_text(json.dumps(report, indent=2))
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "versions": versions,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "model_config": config.to_json_dict(),
+            "recipe": recipe.model_dump(mode="json"),
+            "source": {
+                "checkpoint": str(checkpoint) if checkpoint is not None else None,
+                "preset": preset,
+                "scheme": layout.scheme if layout is not None else None,
+                "fp8_checkpoint": bool(quant.fp8_modules),
+                "quant_layout": {
+                    "fp8_modules": sorted(quant.fp8_modules),
+                    "static_activations": quant.static_activations,
+                },
+            },
+            "program": {
+                "file": PROGRAM_FILE,
+                "sha256": hashlib.sha256(program.encode()).hexdigest(),
+                "inputs": list(STEP_INPUTS),
+                "outputs": list(STEP_OUTPUTS),
+            },
+            "weights": {"files": weight_files} if layout is not None else None,
+            "kv_cache": {"dtype": kv_cache_dtype(recipe)},
+            "cache_key": {"key": _sha(cache_key_parts), "parts": cache_key_parts},
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    weights_bytes = sum(int(f["bytes"]) for f in weight_files)
+    log_event(
+        log,
+        "artifact_written",
+        path=str(out),
+        recipe=recipe.name,
+        seconds=timings["total_s"],
+        weights_gib=weights_bytes / 2**30,
+        passes=len(results),
+    )
+    return CompileSummary(out, results, timings, weights_bytes)
+
+
+def kv_cache_dtype(recipe: Recipe) -> str:
+    if recipe.quant.kv == "fp8":
+        return "float8_e4m3fn"
+    if recipe.quant.kv == "bf16":
+        return "bfloat16"
+    return recipe.dtype
+
+
+__all__ = ["CompileError", "CompileSummary", "RecipeError", "compile_artifact"]

@@ -1,0 +1,75 @@
+"""Write the artifact's weights: stream checkpoint tensors, apply the passes' weight plan, write shards.
+
+Each graph parameter is assembled from the checkpoint one at a time (`hy3c.loader.assemble_tensors`);
+weights listed in the quantize pass's plan are converted to FP8 with their scales; everything else is
+cast to the dtype the graph expects. Peak memory is one parameter plus one pending shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from torch import fx
+from tqdm import tqdm
+
+from hy3c.loader import CheckpointLayout, assemble_tensors
+from hy3c.ops.quant import quantize_weight
+from hy3c.passes.quantize import weight_plan
+from hy3c.safetensors_io import ShardedWriter
+
+WEIGHTS_DIR = "weights"
+WEIGHT_NAMES = ("rank0.safetensors.index.json", "rank0.safetensors")
+
+
+def file_sha256(path: Path, chunk: int = 16 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_weights(
+    gm: fx.GraphModule,
+    layout: CheckpointLayout,
+    checkpoint: Path,
+    source_dtype: torch.dtype,
+    out: Path,
+    max_shard_bytes: int = 4 << 30,
+    progress: bool | None = None,
+) -> list[dict[str, object]]:
+    """Write every parameter of gm into out/weights/; returns [{name, bytes, sha256}] per file."""
+    params = dict(gm.named_parameters())
+    plan = weight_plan(gm)
+    produced_with_weight = {entry["scale"] for entry in plan.values()}
+    sources = {}
+    for fqn, param in params.items():
+        if fqn in produced_with_weight:
+            continue
+        dtype = source_dtype if fqn in plan else param.dtype
+        sources[fqn] = torch.empty(param.shape, dtype=dtype, device="meta")
+    directory = out / WEIGHTS_DIR
+    directory.mkdir(parents=True)
+    writer = ShardedWriter(directory, max_shard_bytes, names=WEIGHT_NAMES)
+    disable = None if progress is None else not progress
+    with tqdm(total=len(sources), desc="packaging weights", unit="tensor", disable=disable) as bar:
+        for fqn, tensor in assemble_tensors(layout, sources, checkpoint):
+            if fqn in plan:
+                quantized, scale = quantize_weight(tensor, plan[fqn]["granularity"])
+                writer.add(fqn, quantized)
+                writer.add(plan[fqn]["scale"], scale.to(params[plan[fqn]["scale"]].dtype))
+            else:
+                writer.add(fqn, tensor.to(params[fqn].dtype))
+            del tensor
+            bar.update(1)
+    files = writer.close()
+    return [
+        {
+            "name": f"{WEIGHTS_DIR}/{name}",
+            "bytes": (directory / name).stat().st_size,
+            "sha256": file_sha256(directory / name),
+        }
+        for name in files
+    ]

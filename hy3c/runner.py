@@ -1,0 +1,106 @@
+"""Runner: executes the compiled step program (eagerly, or through torch.compile / Inductor).
+
+A runner has the same calling convention as `Hy3ForCausalLM.forward` (the eight step inputs →
+(logits, hidden)) plus `config`, `device`, `kv_dtype` and `allocate_kv_cache`, so the generator and the
+serving engine drive either one.
+
+Compilation marks every batch-dependent dimension (tokens, requests, page-table width, KV page count,
+logits rows) as unbacked, so one compiled graph serves every batch shape: no recompilation, no 0/1
+specialization. The Inductor/AOT caches are saved into `<artifact>/compile_cache/<key>.bin` after the
+first compiled step on a device and loaded before compiling on the next start (warm start).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from hy3c.config import Hy3Config
+from hy3c.logs import log_event
+from hy3c.model.hy3 import allocate_kv_cache
+from hy3c.recipe import Recipe
+
+log = logging.getLogger("hy3c.runner")
+
+# step input index → dims that vary from step to step
+_DYNAMIC_DIMS = {0: (0,), 1: (0,), 2: (2,), 3: (0, 1), 4: (0,), 5: (0,), 6: (0,), 7: (0,)}
+CACHE_DIR = "compile_cache"
+
+
+class Runner:
+    def __init__(
+        self,
+        path: Path,
+        manifest: dict[str, Any],
+        config: Hy3Config,
+        recipe: Recipe,
+        gm: fx.GraphModule,
+        device: torch.device,
+        compile: bool,
+    ) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.config = config
+        self.recipe = recipe
+        self.gm = gm
+        self.device = device
+        self.dtype = getattr(torch, recipe.dtype)
+        self.kv_dtype = getattr(torch, manifest["kv_cache"]["dtype"])
+        self.compiled = compile
+        self._fn = torch.compile(gm, dynamic=False, fullgraph=True) if compile else gm
+        self._cache_file = path / CACHE_DIR / f"{self._cache_key()}.bin"
+        self._cache_saved = False
+        if compile:
+            self._load_compile_cache()
+
+    def _cache_key(self) -> str:
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        parts = [self.manifest["cache_key"]["key"], self.device.type, name, torch.__version__]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+    def _load_compile_cache(self) -> None:
+        if self._cache_file.is_file():
+            start = time.perf_counter()
+            torch.compiler.load_cache_artifacts(self._cache_file.read_bytes())
+            self._cache_saved = True
+            log_event(
+                log, "compile_cache_loaded", file=str(self._cache_file), seconds=time.perf_counter() - start
+            )
+
+    def _save_compile_cache(self) -> None:
+        self._cache_saved = True
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return
+        data, _ = saved
+        try:
+            self._cache_file.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self._cache_file.parent, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self._cache_file)
+            log_event(log, "compile_cache_saved", file=str(self._cache_file), mib=len(data) / 2**20)
+        except OSError as exc:
+            log_event(log, "compile_cache_not_saved", level=logging.WARNING, reason=str(exc))
+
+    def allocate_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
+        return allocate_kv_cache(self.config, num_pages, page_size, self.kv_dtype, self.device)
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.compiled:
+            for index, dims in _DYNAMIC_DIMS.items():
+                for dim in dims:
+                    torch._dynamo.decorators.mark_unbacked(args[index], dim)
+        with torch.no_grad():
+            out = self._fn(*args)
+        if self.compiled and not self._cache_saved:
+            self._save_compile_cache()
+        return out

@@ -1,0 +1,182 @@
+"""Each pass on the traced Hy3 graph: matched sites as a formula of the layer count, op delta,
+numerical equality with the unfused graph, graph lint."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hy3c.passes.manager import PassError, PassManager
+
+from hy3c.compiler.trace import trace_step
+from hy3c.config import preset_config
+from hy3c.loader import load_model
+from hy3c.model import SeqChunk, build_step_batch
+from hy3c.recipe import PassSpec
+
+from .conftest import bind_weights, make_ctx
+
+
+def _run(gm, ctx, *names, **configs):
+    specs = [PassSpec(name=n, config=configs.get(n, {})) for n in names]
+    return PassManager(specs, ctx).run(gm)
+
+
+def _step(fn, config, dtype, lengths=(5, 1, 19)):
+    kv = torch.zeros(config.num_kv_layers, 2, 16, 8, config.num_key_value_heads, config.head_dim, dtype=dtype)
+    chunks, page = [], 0
+    for n in lengths:
+        pages = list(range(page, page + -(-n // 8)))
+        page += len(pages)
+        chunks.append(SeqChunk(list(range(3, 3 + n)), 0, pages, "all"))
+    batch = build_step_batch(chunks, 8)
+    with torch.no_grad():
+        return fn(*batch.model_args(kv))
+
+
+@pytest.mark.parametrize("layers", [1, 3, 4])
+def test_fuse_add_rms_norm_sites_delta_and_numerics(make_ckpt, layers):
+    ckpt = make_ckpt(seed=6, num_hidden_layers=layers)
+    model = load_model(ckpt, dtype=torch.float32, progress=False)
+    gm = trace_step(model.config, torch.float32)
+    unfused = bind_weights(copy.deepcopy(gm), ckpt, torch.float32)
+    (result,) = _run(gm, make_ctx(model.config), "fuse_add_rms_norm")
+    n = 2 * layers  # 2 per layer, minus the first layer's input norm, plus the final norm
+    assert result.matches == n
+    assert result.ops_delta == {
+        "aten.add": -n,
+        "hy3.rms_norm": -n,
+        "hy3.add_rms_norm": n,
+        "getitem": 2 * n - 1,
+    }
+    assert result.ops_after["hy3.rms_norm"] == 1  # the first layer's input norm has no residual add
+    assert {s.layer for s in result.sites} == set(range(layers)) | {None}
+    gm.graph.lint()
+    fused = bind_weights(gm, ckpt, torch.float32)
+    for out, ref in zip(
+        _step(fused, model.config, torch.float32), _step(unfused, model.config, torch.float32)
+    ):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for out, ref in zip(_step(fused, model.config, torch.float32), _step(model, model.config, torch.float32)):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fuse_add_rms_norm_bf16_within_one_percent(tiny_ckpt):
+    model = load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False)
+    gm = trace_step(model.config, torch.bfloat16)
+    _run(gm, make_ctx(model.config, overrides=["dtype=bfloat16"]), "fuse_add_rms_norm")
+    fused = bind_weights(gm, tiny_ckpt, torch.bfloat16)
+    out = _step(fused, model.config, torch.bfloat16)[1].float()
+    ref = _step(model, model.config, torch.bfloat16)[1].float()
+    assert (out - ref).norm() / ref.norm() < 1e-2
+
+
+def test_pattern_literals_are_revalidated(traced):
+    gm, _ = traced
+    config = preset_config("tiny", rms_norm_eps=1e-6)  # the graph was traced with eps 1e-5
+    (result,) = _run(gm, make_ctx(config), "fuse_add_rms_norm")
+    assert result.matches == 0
+    from hy3c.passes.fuse_add_rms_norm import FuseAddRmsNorm
+
+    norm = next(n for n in gm.graph.nodes if n.name == "rms_norm_1")
+    assert "literal eps=1e-05 differs from the model's 1e-06" in FuseAddRmsNorm().rewriter(
+        make_ctx(config)
+    ).explain(norm)
+
+
+def test_quantize_dynamic_fp8_sites_and_delta(traced):
+    gm, _ = traced
+    cfg = preset_config("tiny")
+    ctx = make_ctx(cfg, overrides=["quant.weights=fp8", "quant.activations=dynamic"])
+    (result,) = _run(gm, ctx, "quantize")
+    layers = cfg.num_hidden_layers
+    moe = cfg.layer_types.count("sparse")
+    linears = 4 * layers  # qkv, o, gate_up, down (dense or shared expert) per layer; lm_head stays bf16
+    assert result.matches == linears + moe
+    assert result.ops_delta == {
+        "aten.linear": -linears,
+        "hy3.quant_fp8_per_token": linears,
+        "hy3.scaled_mm": linears,
+        "getitem": 2 * linears,
+    }
+    params = dict(gm.named_parameters())
+    assert params["layers.1.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
+    assert params["layers.1.self_attn.qkv_proj.weight_scale"].shape == (cfg.q_size + 2 * cfg.kv_size,)
+    assert params["layers.1.mlp.experts.w13_scale"].shape == (cfg.num_experts, 2 * cfg.moe_intermediate_size)
+    assert (
+        params["lm_head.weight"].dtype == torch.float32
+        and params["layers.1.mlp.router.weight"].dtype == torch.float32
+    )
+
+
+def test_quantize_per_tensor_scales(traced):
+    gm, _ = traced
+    ctx = make_ctx(
+        preset_config("tiny"),
+        overrides=["quant.weights=fp8", "quant.activations=dynamic", "quant.weight_scales=tensor"],
+    )
+    _run(gm, ctx, "quantize")
+    params = dict(gm.named_parameters())
+    assert params["layers.0.mlp.down_proj.weight_scale"].shape == (1,)
+    assert params["layers.2.mlp.experts.w2_scale"].shape == (8, 1)
+
+
+def test_static_activations_need_checkpoint_scales(traced):
+    gm, _ = traced
+    ctx = make_ctx(preset_config("tiny"), overrides=["quant.weights=fp8", "quant.activations=static"])
+    with pytest.raises(PassError, match="quant.activations=static needs an FP8 checkpoint"):
+        _run(gm, ctx, "quantize")
+
+
+def test_lower_records_providers_and_honours_priority(traced, monkeypatch):
+    from hy3c.kernels import registry
+
+    gm, _ = traced
+    fake = registry.Provider(
+        "triton",
+        "silu_and_mul",
+        torch.ops.hy3.silu_and_mul.default,
+        frozenset({"cpu"}),
+        supports=lambda node: None if "layers.0" in str(node.meta.get("nn_module_stack")) else "only layer 0",
+    )
+    monkeypatch.setitem(registry._PROVIDERS, "silu_and_mul", [*registry._PROVIDERS["silu_and_mul"], fake])
+    (result,) = _run(gm, make_ctx(preset_config("tiny")), "lower", lower={"priority": ["triton", "torch"]})
+    providers = result.summary["providers"]
+    assert providers["hy3.silu_and_mul"] == {"triton": 1, "torch": 2}
+    assert providers["hy3.attention"] == {"torch": 3}
+    assert result.matches == sum(sum(c.values()) for c in providers.values())
+    assert any("triton: only layer 0" in s.detail for s in result.sites)
+
+
+def test_lower_rejects_unknown_provider(traced):
+    gm, _ = traced
+    with pytest.raises(PassError, match="unknown providers"):
+        _run(gm, make_ctx(preset_config("tiny")), "lower", lower={"priority": ["cutlass"]})
+
+
+def test_cleanup_removes_noop_casts(traced):
+    gm, ckpt = traced
+    before = bind_weights(copy.deepcopy(gm), ckpt, torch.float32)
+    (result,) = _run(gm, make_ctx(preset_config("tiny")), "cleanup")
+    assert result.ops_delta == {"aten.to": -1}  # fp32 logits: .float() is a no-op
+    after = bind_weights(gm, ckpt, torch.float32)
+    cfg = preset_config("tiny")
+    for out, ref in zip(_step(after, cfg, torch.float32), _step(before, cfg, torch.float32)):
+        assert torch.equal(out, ref)
+
+
+def test_disabled_and_gated_passes_are_reported(traced):
+    gm, _ = traced
+    specs = [PassSpec(name="quantize"), PassSpec(name="fuse_add_rms_norm", enabled=False)]
+    results = PassManager(specs, make_ctx(preset_config("tiny"))).run(gm)
+    assert [(r.status, r.skip_reason) for r in results] == [
+        ("skipped", "quant.weights is none"),
+        ("skipped", "disabled in the recipe"),
+    ]
+
+
+def test_kv_store_survives_dead_code_elimination(traced):
+    gm, _ = traced
+    _run(gm, make_ctx(preset_config("tiny")), "fuse_add_rms_norm", "lower", "cleanup")
+    assert sum(n.target is torch.ops.hy3.kv_store.default for n in gm.graph.nodes) == 3
