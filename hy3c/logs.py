@@ -30,8 +30,16 @@ class _LogfmtFormatter(logging.Formatter):
         return f"ts={ts} level={record.levelname.lower()} logger={record.name} event={record.getMessage()}"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of each record (it may be swapped, e.g. by pytest)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def setup_logging(level: str | int = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(_LogfmtFormatter())
     root = logging.getLogger("hy3c")
     root.handlers[:] = [handler]
