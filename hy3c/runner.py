@@ -6,8 +6,10 @@ serving engine drive either one.
 
 Compilation marks every batch-dependent dimension (tokens, requests, page-table width, KV page count,
 logits rows) as unbacked, so one compiled graph serves every batch shape: no recompilation, no 0/1
-specialization. The Inductor/AOT caches are saved into `<artifact>/compile_cache/<key>.bin` after the
-first compiled step on a device and loaded before compiling on the next start (warm start).
+specialization. Inductor's caches (FX graph, AOT autograd, generated kernels and their compiled
+binaries) are directed into `<artifact>/compile_cache/<key>/`, keyed by the artifact's cache key, the
+device and the torch version: the first run on a device fills it, later starts reuse it (warm start).
+If the artifact directory is read-only, Inductor's default cache directory is used.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -55,41 +55,25 @@ class Runner:
         self.dtype = getattr(torch, recipe.dtype)
         self.kv_dtype = getattr(torch, manifest["kv_cache"]["dtype"])
         self.compiled = compile
-        self._fn = torch.compile(gm, dynamic=False, fullgraph=True) if compile else gm
-        self._cache_file = path / CACHE_DIR / f"{self._cache_key()}.bin"
-        self._cache_saved = False
         if compile:
-            self._load_compile_cache()
+            self._use_artifact_cache()
+        self._fn = torch.compile(gm, dynamic=False, fullgraph=True) if compile else gm
 
     def _cache_key(self) -> str:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         parts = [self.manifest["cache_key"]["key"], self.device.type, name, torch.__version__]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
-    def _load_compile_cache(self) -> None:
-        if self._cache_file.is_file():
-            start = time.perf_counter()
-            torch.compiler.load_cache_artifacts(self._cache_file.read_bytes())
-            self._cache_saved = True
-            log_event(
-                log, "compile_cache_loaded", file=str(self._cache_file), seconds=time.perf_counter() - start
-            )
-
-    def _save_compile_cache(self) -> None:
-        self._cache_saved = True
-        saved = torch.compiler.save_cache_artifacts()
-        if saved is None:
-            return
-        data, _ = saved
+    def _use_artifact_cache(self) -> None:
+        directory = self.path / CACHE_DIR / self._cache_key()
         try:
-            self._cache_file.parent.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self._cache_file.parent, prefix=".tmp-")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self._cache_file)
-            log_event(log, "compile_cache_saved", file=str(self._cache_file), mib=len(data) / 2**20)
+            directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            log_event(log, "compile_cache_not_saved", level=logging.WARNING, reason=str(exc))
+            log_event(log, "compile_cache_unavailable", level=logging.WARNING, reason=str(exc))
+            return
+        warm = any(directory.iterdir())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
+        log_event(log, "compile_cache", dir=str(directory), warm=warm)
 
     def allocate_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
         return allocate_kv_cache(self.config, num_pages, page_size, self.kv_dtype, self.device)
@@ -100,7 +84,4 @@ class Runner:
                 for dim in dims:
                     torch._dynamo.decorators.mark_unbacked(args[index], dim)
         with torch.no_grad():
-            out = self._fn(*args)
-        if self.compiled and not self._cache_saved:
-            self._save_compile_cache()
-        return out
+            return self._fn(*args)

@@ -83,7 +83,8 @@ def test_compiled_artifact_matches_eager_without_recompiling(cpu_art, tiny_ckpt)
         torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     # the first compiled step saved the warm-start cache; a new runner loads it
-    assert len(list((cpu_art / "compile_cache").glob("*.bin"))) == 1
+    (cache,) = (cpu_art / "compile_cache").iterdir()
+    assert any(cache.rglob("*.py"))  # Inductor wrote its generated code there
 
 
 def test_fp8_artifact_agrees_with_bf16_reference(tiny_ckpt, tmp_path):
