@@ -79,7 +79,10 @@ def _run_convert_fp8(args: argparse.Namespace) -> None:
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text eagerly with the paged-KV model")
-    p.add_argument("--model", required=True, type=Path, help="checkpoint directory")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, help="checkpoint directory (eager model)")
+    source.add_argument("--artifact", type=Path, help="compiled artifact directory (hy3c compile)")
+    p.add_argument("--eager", action="store_true", help="with --artifact: run the program without torch.compile")
     p.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -106,9 +109,15 @@ def _run_generate(args: argparse.Namespace) -> None:
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = Hy3Tokenizer.from_dir(args.model)
-    model = load_model(args.model, dtype=args.dtype, device=device)
+    if args.artifact is not None:
+        from hy3c.artifact import load
+
+        tokenizer = Hy3Tokenizer.from_dir(args.artifact)
+        model = load(args.artifact, device=args.device, compile=not args.eager)
+    else:
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        tokenizer = Hy3Tokenizer.from_dir(args.model)
+        model = load_model(args.model, dtype=args.dtype, device=device)
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
         for p in args.prompt
@@ -200,7 +209,7 @@ def _run_inspect(args: argparse.Namespace) -> None:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="end to end on a tiny random checkpoint: init-checkpoint → generate")
+    p = sub.add_parser("demo", help="end to end on a tiny random checkpoint: init-checkpoint → compile → generate")
     p.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary directory)")
     p.add_argument("--prompt", default="Hello, Hy3!")
     p.set_defaults(func=_run_demo)
@@ -212,9 +221,15 @@ def _run_demo(args: argparse.Namespace) -> None:
         ckpt = root / "tiny-ckpt"
         if not ckpt.exists():
             _run_init_checkpoint(build_parser().parse_args(["init-checkpoint", "--out", str(ckpt)]))
-        generate = ["generate", "--model", str(ckpt), "--prompt", args.prompt, "--chat", "--max-tokens", "16"]
-        print(f"$ hy3c {' '.join(generate)}")
-        _run_generate(build_parser().parse_args(generate))
+        art = root / "tiny-art"
+        steps = [
+            ["compile", "--model", str(ckpt), "--recipe", "cpu-reference", "--out", str(art), "--overwrite"],
+            ["generate", "--artifact", str(art), "--prompt", args.prompt, "--chat", "--max-tokens", "16"],
+        ]
+        for step in steps:
+            print(f"$ hy3c {' '.join(step)}")
+            parsed = build_parser().parse_args(step)
+            parsed.func(parsed)
 
 
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
