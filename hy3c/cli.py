@@ -82,7 +82,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path, help="checkpoint directory (eager model)")
     source.add_argument("--artifact", type=Path, help="compiled artifact directory (hy3c compile)")
-    p.add_argument("--eager", action="store_true", help="with --artifact: run the program without torch.compile")
+    p.add_argument(
+        "--eager", action="store_true", help="with --artifact: run the program without torch.compile"
+    )
     p.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -209,7 +211,9 @@ def _run_inspect(args: argparse.Namespace) -> None:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="end to end on a tiny random checkpoint: init-checkpoint → compile → generate")
+    p = sub.add_parser(
+        "demo", help="end to end on a tiny random checkpoint: init-checkpoint → compile → generate"
+    )
     p.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary directory)")
     p.add_argument("--prompt", default="Hello, Hy3!")
     p.set_defaults(func=_run_demo)

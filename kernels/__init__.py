@@ -1,5 +1,17 @@
-"""Kernel providers for the hy3 ops (see `hy3c.kernels.registry`)."""
+"""Kernel providers for the hy3 ops (see `hy3c.kernels.registry`).
+
+Importing this package registers the torch reference providers and, when Triton is installed, the
+Triton kernels (usable on CUDA; under TRITON_INTERPRET=1 they also run on CPU tensors for tests).
+"""
 
 from hy3c.kernels.registry import Provider, provider_by_target, providers_for, register_provider
 
-__all__ = ["Provider", "provider_by_target", "providers_for", "register_provider"]
+try:
+    import triton  # noqa: F401
+except ImportError:  # a CPU-only install without triton: the torch providers remain
+    HAVE_TRITON = False
+else:
+    HAVE_TRITON = True
+    from hy3c.kernels import paged_attention, qknorm_rope_kvstore  # noqa: F401
+
+__all__ = ["HAVE_TRITON", "Provider", "provider_by_target", "providers_for", "register_provider"]

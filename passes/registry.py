@@ -15,7 +15,14 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
 
 
 def _load_builtin_passes() -> None:
-    from hy3c.passes import cleanup, fuse_add_rms_norm, lower, quantize  # noqa: F401
+    from hy3c.passes import (  # noqa: F401
+        cleanup,
+        fuse_add_rms_norm,
+        fuse_qknorm_rope_kv,
+        lower,
+        plan_attention,
+        quantize,
+    )
 
 
 _load_builtin_passes()

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
 import torch
+
+# Triton kernels run in the CPU interpreter when there is no GPU; this must happen before any
+# @triton.jit function is defined, i.e. before hy3c.kernels is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from tests.kernels.interp_shim import install as _install_interpreter_fixes
+
+    _install_interpreter_fixes()
+
+import pytest
 
 from hy3c.init_checkpoint import init_checkpoint
 

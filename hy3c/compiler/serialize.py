@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import fx
 
+import hy3c.kernels  # noqa: F401  (registers the kernel providers' ops a program may call)
+
 FORMAT = 1
 _ALLOWED_NAMESPACES = ("aten", "hy3")
 

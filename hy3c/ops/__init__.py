@@ -22,6 +22,6 @@ L1_OPS = (
     "dequant_fp8",
     "scaled_mm",
 )
-L2_OPS = ("add_rms_norm",)
+L2_OPS = ("add_rms_norm", "qknorm_rope_quant_kvstore", "attention_plan", "paged_attention")
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "L1_OPS", "L2_OPS", "attention", "fused", "moe", "norm", "quant", "rope"]

@@ -180,3 +180,49 @@ def test_kv_store_survives_dead_code_elimination(traced):
     gm, _ = traced
     _run(gm, make_ctx(preset_config("tiny")), "fuse_add_rms_norm", "lower", "cleanup")
     assert sum(n.target is torch.ops.hy3.kv_store.default for n in gm.graph.nodes) == 3
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_fuse_qknorm_rope_kv_one_site_per_layer(make_ckpt, layers):
+    ckpt = make_ckpt(seed=7, num_hidden_layers=layers)
+    model = load_model(ckpt, dtype=torch.float32, progress=False)
+    gm = trace_step(model.config, torch.float32)
+    (result,) = _run(gm, make_ctx(model.config), "fuse_qknorm_rope_kv")
+    n = layers
+    assert result.matches == n and sorted(s.layer for s in result.sites) == list(range(n))
+    assert result.ops_delta == {
+        "aten.reshape": -3 * n,
+        "aten.split_with_sizes": -n,
+        "getitem": -3 * n,
+        "hy3.kv_store": -n,
+        "hy3.qk_norm": -2 * n,
+        "hy3.rope": -2 * n,
+        "hy3.qknorm_rope_quant_kvstore": n,
+    }
+    gm.graph.lint()
+    fused = bind_weights(gm, ckpt, torch.float32)
+    for out, ref in zip(_step(fused, model.config, torch.float32), _step(model, model.config, torch.float32)):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fuse_qknorm_rope_kv_checks_head_layout(traced):
+    gm, _ = traced
+    other = preset_config(
+        "tiny", num_attention_heads=8, num_key_value_heads=1
+    )  # not the traced model's heads
+    (result,) = _run(gm, make_ctx(other), "fuse_qknorm_rope_kv")
+    assert result.matches == 0
+
+
+def test_plan_attention_one_plan_shared_by_all_layers(traced):
+    gm, ckpt = traced
+    cfg = preset_config("tiny")
+    (result,) = _run(gm, make_ctx(cfg), "plan_attention")
+    assert result.matches == cfg.num_hidden_layers
+    assert result.ops_delta == {"hy3.attention": -3, "hy3.paged_attention": 3, "hy3.attention_plan": 1}
+    plan = next(n for n in gm.graph.nodes if n.target is torch.ops.hy3.attention_plan.default)
+    assert len(plan.users) == cfg.num_hidden_layers
+    model = load_model(ckpt, dtype=torch.float32, progress=False)
+    out = _step(bind_weights(gm, ckpt, torch.float32), cfg, torch.float32)
+    for a, b in zip(out, _step(model, cfg, torch.float32)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

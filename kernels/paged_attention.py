@@ -1,0 +1,683 @@
+"""Triton paged GQA attention over the hy3c KV cache (bf16 or FP8 e4m3 with per-tensor scales).
+
+`hy3_triton::paged_attention` implements `hy3::paged_attention` and picks, from shapes alone (no host
+sync, so CUDA graphs capture it):
+  * a pure decode step (one query per request): **dynamic split-KV** decode. The step's KV tiles
+    (`attention_plan` row 0) are dealt in equal contiguous ranges to a fixed grid of CTAs × KV heads;
+    each CTA walks its range, emitting one partial softmax result (o, lse) per request it touches into
+    slot `cta + request`; a combine kernel merges each request's partials. All 8 query heads of a KV
+    head share each K/V load (GQA).
+  * anything else (prefill chunks over a cached prefix, mixed batches): a causal flash-attention
+    kernel over query blocks (`attention_plan` row 1) × KV heads, the query block's tokens × the
+    group's heads forming the MMA rows.
+`decode_attention_static` is the static split-KV baseline (every request cut into the same number of
+splits), kept for benchmarks.
+
+FP8 K/V are loaded as e4m3, widened to the query dtype for the MMA, and their per-tensor scales are
+applied to the scores (K) and to the output (V).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from hy3c.kernels.attention_plan import KV_TILE, prefill_q_block
+from hy3c.kernels.registry import Provider, register_provider
+from torch import Tensor
+
+from hy3c.ops.quant import FP8_DTYPE
+
+BLOCK_N = 64
+DECODE_SPLITS_STATIC = 16
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_request(starts_ptr, t, num_requests, ITERS: tl.constexpr):
+    """Largest r in [0, num_requests) with starts[r] <= t (binary search over the prefix sums)."""
+    lo = 0
+    hi = num_requests
+    for _ in range(ITERS):
+        mid = (lo + hi) // 2
+        go_right = (tl.load(starts_ptr + mid) <= t) & (mid < hi)
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _attend_block(
+    q,
+    m_i,
+    l_i,
+    acc,
+    cache_k,
+    cache_v,
+    page_row_ptr,
+    key_start,
+    key_limit,
+    row_limit,
+    head,
+    stride_page,
+    stride_off,
+    stride_head,
+    page_size,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """One BLOCK_N block of keys [key_start, key_start + BLOCK_N) for the rows of q (online softmax)."""
+    n = key_start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    valid = n < key_limit
+    page = tl.load(page_row_ptr + n // page_size, mask=valid, other=0)
+    offs = page.to(tl.int64) * stride_page + (n % page_size) * stride_off + head * stride_head
+    k = tl.load(cache_k + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if CAUSAL:
+        mask = valid[None, :] & (n[None, :] <= row_limit[:, None])
+    else:
+        mask = valid[None, :] & (row_limit[:, None] >= 0)
+    s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    v = tl.load(cache_v + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_dynamic_kernel(
+    q_ptr,
+    cache_ptr,
+    scales_ptr,
+    page_table_ptr,
+    seq_lens_ptr,
+    plan_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    layer,
+    num_requests,
+    num_ctas,
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_cl,
+    stride_ckv,
+    stride_cpage,
+    stride_coff,
+    stride_chead,
+    page_size,
+    stride_pt,
+    stride_po_slot,
+    stride_po_head,
+    stride_pl_slot,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    SEARCH_ITERS: tl.constexpr,
+):
+    cta = tl.program_id(0)
+    head = tl.program_id(1)
+    total = tl.load(plan_ptr + num_requests)
+    quota = tl.maximum(tl.cdiv(total, num_ctas), 1)
+    t = cta * quota
+    t_end = tl.minimum(t + quota, total)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    cache_k = cache_ptr + layer * stride_cl
+    cache_v = cache_k + stride_ckv
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:
+        k_scale = tl.load(scales_ptr + layer * 2)
+        v_scale = tl.load(scales_ptr + layer * 2 + 1)
+    qk_scale = sm_scale * k_scale * _LOG2E
+    while t < t_end:
+        r = _find_request(plan_ptr, t, num_requests, SEARCH_ITERS)
+        first_tile = tl.load(plan_ptr + r)
+        seg_end = tl.minimum(t_end, tl.load(plan_ptr + r + 1))
+        length = tl.load(seq_lens_ptr + r)
+        q = tl.load(
+            q_ptr + r * stride_qt + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
+            mask=(g < GROUP)[:, None],
+            other=0.0,
+        )
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        rows = tl.zeros([GROUP_PAD], tl.int32)
+        key = (t - first_tile) * KV_TILE
+        key_end = tl.minimum((seg_end - first_tile) * KV_TILE, length)
+        while key < key_end:
+            m_i, l_i, acc = _attend_block(
+                q,
+                m_i,
+                l_i,
+                acc,
+                cache_k,
+                cache_v,
+                page_table_ptr + r * stride_pt,
+                key,
+                key_end,
+                rows,
+                head,
+                stride_cpage,
+                stride_coff,
+                stride_chead,
+                page_size,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_N,
+                False,
+            )
+            key += BLOCK_N
+        slot = cta + r
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(
+            part_o_ptr + slot * stride_po_slot + head * stride_po_head + g[:, None] * HEAD_DIM + d[None, :],
+            out,
+            mask=(g < GROUP)[:, None],
+        )
+        tl.store(part_lse_ptr + slot * stride_pl_slot + head * GROUP_PAD + g, lse)
+        t = seg_end
+
+
+@triton.jit
+def _decode_combine_kernel(
+    out_ptr,
+    plan_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    num_requests,
+    num_ctas,
+    stride_ot,
+    stride_oh,
+    stride_po_slot,
+    stride_po_head,
+    stride_pl_slot,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    STATIC_SPLITS: tl.constexpr,
+):
+    r = tl.program_id(0)
+    head = tl.program_id(1)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    if STATIC_SPLITS > 0:
+        first_slot = r * STATIC_SPLITS
+        last_slot = first_slot + STATIC_SPLITS
+    else:
+        total = tl.load(plan_ptr + num_requests)
+        quota = tl.maximum(tl.cdiv(total, num_ctas), 1)
+        first_tile = tl.load(plan_ptr + r)
+        last_tile = tl.load(plan_ptr + r + 1)
+        first_slot = first_tile // quota + r
+        last_slot = tl.where(last_tile > first_tile, (last_tile - 1) // quota + r + 1, first_slot)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total_w = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    slot = first_slot
+    while slot < last_slot:
+        lse = tl.load(part_lse_ptr + slot * stride_pl_slot + head * GROUP_PAD + g)
+        o = tl.load(
+            part_o_ptr + slot * stride_po_slot + head * stride_po_head + g[:, None] * HEAD_DIM + d[None, :],
+            mask=(g < GROUP)[:, None],
+            other=0.0,
+        )
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        total_w = total_w * alpha + w
+        m = m_new
+        slot += 1
+    result = acc / tl.where(total_w == 0.0, 1.0, total_w)[:, None]
+    tl.store(
+        out_ptr + r * stride_ot + (head * GROUP + g)[:, None] * stride_oh + d[None, :],
+        result.to(out_ptr.dtype.element_ty),
+        mask=(g < GROUP)[:, None],
+    )
+
+
+@triton.jit
+def _decode_static_kernel(
+    q_ptr,
+    cache_ptr,
+    scales_ptr,
+    page_table_ptr,
+    seq_lens_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    layer,
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_cl,
+    stride_ckv,
+    stride_cpage,
+    stride_coff,
+    stride_chead,
+    page_size,
+    stride_pt,
+    stride_po_slot,
+    stride_po_head,
+    stride_pl_slot,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    r = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    length = tl.load(seq_lens_ptr + r)
+    per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    key = split * per_split
+    key_end = tl.minimum(key + per_split, length)
+    cache_k = cache_ptr + layer * stride_cl
+    cache_v = cache_k + stride_ckv
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:
+        k_scale = tl.load(scales_ptr + layer * 2)
+        v_scale = tl.load(scales_ptr + layer * 2 + 1)
+    q = tl.load(
+        q_ptr + r * stride_qt + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
+        mask=(g < GROUP)[:, None],
+        other=0.0,
+    )
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    rows = tl.zeros([GROUP_PAD], tl.int32)
+    while key < key_end:
+        m_i, l_i, acc = _attend_block(
+            q,
+            m_i,
+            l_i,
+            acc,
+            cache_k,
+            cache_v,
+            page_table_ptr + r * stride_pt,
+            key,
+            key_end,
+            rows,
+            head,
+            stride_cpage,
+            stride_coff,
+            stride_chead,
+            page_size,
+            sm_scale * k_scale * _LOG2E,
+            HEAD_DIM,
+            BLOCK_N,
+            False,
+        )
+        key += BLOCK_N
+    slot = r * SPLITS + split
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+    tl.store(
+        part_o_ptr + slot * stride_po_slot + head * stride_po_head + g[:, None] * HEAD_DIM + d[None, :],
+        out,
+        mask=(g < GROUP)[:, None],
+    )
+    tl.store(part_lse_ptr + slot * stride_pl_slot + head * GROUP_PAD + g, lse)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    out_ptr,
+    cache_ptr,
+    scales_ptr,
+    page_table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    plan_ptr,
+    layer,
+    num_requests,
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cl,
+    stride_ckv,
+    stride_cpage,
+    stride_coff,
+    stride_chead,
+    page_size,
+    stride_pt,
+    GROUP: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    SEARCH_ITERS: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    q_starts = plan_ptr + num_requests + 1
+    if tile >= tl.load(q_starts + num_requests):
+        return
+    r = _find_request(q_starts, tile, num_requests, SEARCH_ITERS)
+    block = tile - tl.load(q_starts + r)
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    length = tl.load(seq_lens_ptr + r)
+    ROWS: tl.constexpr = Q_BLOCK * GROUP
+    m_rows = tl.arange(0, ROWS)
+    token = block * Q_BLOCK + m_rows // GROUP
+    qh = head * GROUP + m_rows % GROUP
+    row_ok = token < q_len
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + (q_start + token)[:, None].to(tl.int64) * stride_qt + qh[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    position = length - q_len + token  # absolute position of each query row
+    row_limit = tl.where(row_ok, position, -1)
+    cache_k = cache_ptr + layer * stride_cl
+    cache_v = cache_k + stride_ckv
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:
+        k_scale = tl.load(scales_ptr + layer * 2)
+        v_scale = tl.load(scales_ptr + layer * 2 + 1)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    key_end = tl.minimum(length - q_len + (block + 1) * Q_BLOCK, length)
+    key = 0
+    while key < key_end:
+        m_i, l_i, acc = _attend_block(
+            q,
+            m_i,
+            l_i,
+            acc,
+            cache_k,
+            cache_v,
+            page_table_ptr + r * stride_pt,
+            key,
+            key_end,
+            row_limit,
+            head,
+            stride_cpage,
+            stride_coff,
+            stride_chead,
+            page_size,
+            sm_scale * k_scale * _LOG2E,
+            HEAD_DIM,
+            BLOCK_N,
+            True,
+        )
+        key += BLOCK_N
+    result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
+    tl.store(
+        out_ptr + (q_start + token)[:, None].to(tl.int64) * stride_ot + qh[:, None] * stride_oh + d[None, :],
+        result.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
+def _search_iters(num_requests: int) -> int:
+    return max(int(num_requests).bit_length() + 1, 1)
+
+
+def _cache_strides(kv_cache: Tensor) -> tuple[int, ...]:
+    return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4)
+
+
+def num_decode_ctas(device: torch.device, num_kv_heads: int) -> int:
+    """CTAs per KV head for dynamic decode: about two waves of the GPU's SMs (16 on CPU)."""
+    if device.type != "cuda":
+        return 16
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(2 * sms // num_kv_heads, 1)
+
+
+def _group(q: Tensor, kv_cache: Tensor) -> tuple[int, int, int]:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[4]
+    return num_heads // num_kv_heads, num_kv_heads, head_dim
+
+
+def decode_attention_dynamic(
+    q: Tensor,
+    kv_cache: Tensor,
+    kv_scales: Tensor,
+    layer: int,
+    page_table: Tensor,
+    seq_lens: Tensor,
+    sm_scale: float,
+    plan: Tensor,
+    num_ctas: int | None = None,
+) -> Tensor:
+    group, num_kv_heads, head_dim = _group(q, kv_cache)
+    num_requests = seq_lens.shape[0]
+    num_ctas = num_ctas or num_decode_ctas(q.device, num_kv_heads)
+    group_pad = max(16, triton.next_power_of_2(group))
+    slots = num_ctas + num_requests
+    part_o = torch.empty((slots, num_kv_heads, group, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((slots, num_kv_heads, group_pad), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim)
+    _decode_dynamic_kernel[(num_ctas, num_kv_heads)](
+        q,
+        kv_cache,
+        kv_scales,
+        page_table,
+        seq_lens,
+        plan,
+        part_o,
+        part_lse,
+        layer,
+        num_requests,
+        num_ctas,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        *_cache_strides(kv_cache),
+        kv_cache.shape[3],
+        page_table.stride(0),
+        part_o.stride(0),
+        part_o.stride(1),
+        part_lse.stride(0),
+        KV_TILE=KV_TILE,
+        BLOCK_N=BLOCK_N,
+        FP8=kv_cache.dtype == FP8_DTYPE,
+        SEARCH_ITERS=_search_iters(num_requests),
+        **common,
+    )
+    _decode_combine_kernel[(num_requests, num_kv_heads)](
+        out,
+        plan,
+        part_o,
+        part_lse,
+        num_requests,
+        num_ctas,
+        out.stride(0),
+        out.stride(1),
+        part_o.stride(0),
+        part_o.stride(1),
+        part_lse.stride(0),
+        STATIC_SPLITS=0,
+        **common,
+    )
+    return out
+
+
+def decode_attention_static(
+    q: Tensor,
+    kv_cache: Tensor,
+    kv_scales: Tensor,
+    layer: int,
+    page_table: Tensor,
+    seq_lens: Tensor,
+    sm_scale: float,
+    splits: int = DECODE_SPLITS_STATIC,
+) -> Tensor:
+    """Baseline: every request split into `splits` equal KV ranges, whatever its length."""
+    group, num_kv_heads, head_dim = _group(q, kv_cache)
+    num_requests = seq_lens.shape[0]
+    group_pad = max(16, triton.next_power_of_2(group))
+    part_o = torch.empty(
+        (num_requests * splits, num_kv_heads, group, head_dim), dtype=torch.float32, device=q.device
+    )
+    part_lse = torch.empty(
+        (num_requests * splits, num_kv_heads, group_pad), dtype=torch.float32, device=q.device
+    )
+    out = torch.empty_like(q)
+    common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim)
+    _decode_static_kernel[(num_requests, num_kv_heads, splits)](
+        q,
+        kv_cache,
+        kv_scales,
+        page_table,
+        seq_lens,
+        part_o,
+        part_lse,
+        layer,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        *_cache_strides(kv_cache),
+        kv_cache.shape[3],
+        page_table.stride(0),
+        part_o.stride(0),
+        part_o.stride(1),
+        part_lse.stride(0),
+        SPLITS=splits,
+        BLOCK_N=BLOCK_N,
+        FP8=kv_cache.dtype == FP8_DTYPE,
+        **common,
+    )
+    _decode_combine_kernel[(num_requests, num_kv_heads)](
+        out,
+        seq_lens,
+        part_o,
+        part_lse,
+        num_requests,
+        1,
+        out.stride(0),
+        out.stride(1),
+        part_o.stride(0),
+        part_o.stride(1),
+        part_lse.stride(0),
+        STATIC_SPLITS=splits,
+        **common,
+    )
+    return out
+
+
+def prefill_attention(
+    q: Tensor,
+    kv_cache: Tensor,
+    kv_scales: Tensor,
+    layer: int,
+    page_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    sm_scale: float,
+    plan: Tensor,
+) -> Tensor:
+    group, num_kv_heads, head_dim = _group(q, kv_cache)
+    num_requests = seq_lens.shape[0]
+    q_block = prefill_q_block(group)
+    out = torch.empty_like(q)
+    max_tiles = triton.cdiv(q.shape[0], q_block) + num_requests
+    _prefill_kernel[(max_tiles, num_kv_heads)](
+        q,
+        out,
+        kv_cache,
+        kv_scales,
+        page_table,
+        seq_lens,
+        query_start_loc,
+        plan,
+        layer,
+        num_requests,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *_cache_strides(kv_cache),
+        kv_cache.shape[3],
+        page_table.stride(0),
+        GROUP=group,
+        Q_BLOCK=q_block,
+        HEAD_DIM=head_dim,
+        BLOCK_N=BLOCK_N,
+        FP8=kv_cache.dtype == FP8_DTYPE,
+        SEARCH_ITERS=_search_iters(num_requests),
+    )
+    return out
+
+
+@torch.library.custom_op("hy3_triton::paged_attention", mutates_args=())
+def paged_attention(
+    q: Tensor,
+    kv_cache: Tensor,
+    kv_scales: Tensor,
+    layer: int,
+    page_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    sm_scale: float,
+    plan: Tensor,
+) -> Tensor:
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    if q.shape[0] == seq_lens.shape[0]:  # one query per request: a decode step
+        return decode_attention_dynamic(q, kv_cache, kv_scales, layer, page_table, seq_lens, sm_scale, plan)
+    return prefill_attention(
+        q, kv_cache, kv_scales, layer, page_table, seq_lens, query_start_loc, sm_scale, plan
+    )
+
+
+@paged_attention.register_fake
+def _(q, kv_cache, kv_scales, layer, page_table, seq_lens, query_start_loc, sm_scale, plan):
+    return torch.empty_like(q)
+
+
+def _supports(node) -> str | None:
+    q = node.args[0].meta.get("val")
+    cache = node.args[1].meta.get("val")
+    if q is None or cache is None:
+        return None
+    head_dim, group = q.shape[-1], q.shape[1] // cache.shape[4]
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        return f"head_dim {head_dim} is not a power of two >= 16"
+    if group & (group - 1):
+        return f"GQA group {group} is not a power of two"
+    return None
+
+
+register_provider(
+    Provider(
+        "triton",
+        "paged_attention",
+        torch.ops.hy3_triton.paged_attention.default,
+        frozenset({"cuda"}),
+        cuda_graph_safe=True,
+        supports=_supports,
+    )
+)

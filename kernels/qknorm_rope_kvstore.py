@@ -1,0 +1,263 @@
+"""Triton: per-head QK RMSNorm + neox RoPE + FP8 quantization + paged KV store, in one pass over qkv.
+
+`hy3_triton::qknorm_rope_quant_kvstore` implements the L2 op `hy3::qknorm_rope_quant_kvstore`. One
+program handles one token and a group of heads of one kind:
+  * q heads (in groups of up to MAX_Q_GROUP): RMSNorm with q_norm, RoPE, written to q_out;
+  * the kv heads' K: RMSNorm with k_norm, RoPE, quantized with kv_scales[layer, 0], stored at the slot;
+  * the kv heads' V: quantized with kv_scales[layer, 1], stored at the slot.
+Angles are position × inv_freq with inv_freq computed on the host exactly like the reference (so long
+contexts rotate identically). Rounding follows the reference: normalized value rounded to the model
+dtype, times the weight, rounded again, rotated in fp32, rounded once more.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from hy3c.kernels.registry import Provider, register_provider
+from torch import Tensor
+
+from hy3c.ops.quant import FP8_DTYPE
+
+MAX_Q_GROUP = 8
+_INV_FREQ: dict[tuple[str, int, float], Tensor] = {}
+
+
+def inv_freq(device: torch.device, head_dim: int, theta: float) -> Tensor:
+    """fp32 [head_dim / 2] rotary inverse frequencies, as the reference computes them (cached)."""
+    key = (str(device), head_dim, theta)
+    if key not in _INV_FREQ:
+        steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+        _INV_FREQ[key] = 1.0 / (theta**steps)
+    return _INV_FREQ[key]
+
+
+@triton.jit
+def _norm_rope(
+    x1, x2, w1, w2, cos, sin, eps, HALF: tl.constexpr, ROPE: tl.constexpr, OUT_DTYPE: tl.constexpr
+):
+    """x1, x2 [H, HALF] fp32 halves of each head → normed (and rotated) halves, rounded like the reference."""
+    ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+    r = tl.rsqrt(ms + eps)[:, None]
+    n1 = (w1[None, :] * (x1 * r).to(OUT_DTYPE).to(tl.float32)).to(OUT_DTYPE).to(tl.float32)
+    n2 = (w2[None, :] * (x2 * r).to(OUT_DTYPE).to(tl.float32)).to(OUT_DTYPE).to(tl.float32)
+    if ROPE:
+        o1 = n1 * cos[None, :] - n2 * sin[None, :]
+        o2 = n2 * cos[None, :] + n1 * sin[None, :]
+        return o1, o2
+    return n1, n2
+
+
+@triton.jit
+def _qknorm_rope_kvstore_kernel(
+    qkv_ptr,
+    pos_ptr,
+    qw_ptr,
+    kw_ptr,
+    inv_freq_ptr,
+    q_out_ptr,
+    cache_ptr,
+    scales_ptr,
+    slot_ptr,
+    eps,
+    layer,
+    stride_qkv_t,
+    stride_q_t,
+    stride_q_h,
+    stride_c_layer,
+    stride_c_kv,
+    stride_c_page,
+    stride_c_off,
+    stride_c_head,
+    page_size,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    Q_GROUP: tl.constexpr,
+    FP8: tl.constexpr,
+    KV_POW2: tl.constexpr,
+):
+    t = tl.program_id(0)
+    group = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)
+    row = qkv_ptr + t * stride_qkv_t
+    out_dtype = q_out_ptr.dtype.element_ty
+    num_q_groups: tl.constexpr = NUM_Q_HEADS // Q_GROUP
+    pos = tl.load(pos_ptr + t).to(tl.float32)
+    angles = pos * tl.load(inv_freq_ptr + d)
+    cos = tl.cos(angles)
+    sin = tl.sin(angles)
+    if group < num_q_groups:
+        h = group * Q_GROUP + tl.arange(0, Q_GROUP)
+        base = row + h[:, None] * HEAD_DIM + d[None, :]
+        x1 = tl.load(base).to(tl.float32)
+        x2 = tl.load(base + HALF).to(tl.float32)
+        o1, o2 = _norm_rope(
+            x1,
+            x2,
+            tl.load(qw_ptr + d).to(tl.float32),
+            tl.load(qw_ptr + HALF + d).to(tl.float32),
+            cos,
+            sin,
+            eps,
+            HALF,
+            True,
+            out_dtype,
+        )
+        dst = q_out_ptr + t * stride_q_t + h[:, None] * stride_q_h + d[None, :]
+        tl.store(dst, o1.to(out_dtype))
+        tl.store(dst + HALF, o2.to(out_dtype))
+        return
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    is_v = group - num_q_groups  # 0: K, 1: V
+    hk = tl.arange(0, KV_POW2)
+    hmask = hk < NUM_KV_HEADS
+    src = row + (NUM_Q_HEADS + is_v * NUM_KV_HEADS) * HEAD_DIM + hk[:, None] * HEAD_DIM + d[None, :]
+    x1 = tl.load(src, mask=hmask[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=hmask[:, None], other=0.0).to(tl.float32)
+    if is_v == 0:
+        x1, x2 = _norm_rope(
+            x1,
+            x2,
+            tl.load(kw_ptr + d).to(tl.float32),
+            tl.load(kw_ptr + HALF + d).to(tl.float32),
+            cos,
+            sin,
+            eps,
+            HALF,
+            True,
+            out_dtype,
+        )
+        x1 = x1.to(out_dtype).to(tl.float32)
+        x2 = x2.to(out_dtype).to(tl.float32)
+    page = slot // page_size
+    offset = slot % page_size
+    dst = (
+        cache_ptr
+        + layer * stride_c_layer
+        + is_v * stride_c_kv
+        + page * stride_c_page
+        + offset * stride_c_off
+        + hk[:, None] * stride_c_head
+        + d[None, :]
+    )
+    cache_dtype = cache_ptr.dtype.element_ty
+    if FP8:
+        scale = tl.load(scales_ptr + layer * 2 + is_v)
+        x1 = tl.clamp(x1 / scale, -448.0, 448.0)
+        x2 = tl.clamp(x2 / scale, -448.0, 448.0)
+    tl.store(dst, x1.to(cache_dtype), mask=hmask[:, None])
+    tl.store(dst + HALF, x2.to(cache_dtype), mask=hmask[:, None])
+
+
+def q_group(num_heads: int) -> int:
+    """q heads per program: the largest power of two <= MAX_Q_GROUP dividing num_heads."""
+    group = MAX_Q_GROUP
+    while num_heads % group:
+        group //= 2
+    return group
+
+
+def _check(qkv: Tensor, kv_cache: Tensor, num_heads: int, num_kv_heads: int) -> int:
+    head_dim = kv_cache.shape[-1]
+    if qkv.shape[-1] != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv width {qkv.shape[-1]} != (heads {num_heads} + 2·{num_kv_heads}) × {head_dim}")
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim {head_dim} must be a power of two")
+    return head_dim
+
+
+@torch.library.custom_op("hy3_triton::qknorm_rope_quant_kvstore", mutates_args=("kv_cache",))
+def qknorm_rope_quant_kvstore(
+    qkv: Tensor,
+    positions: Tensor,
+    q_norm_weight: Tensor,
+    k_norm_weight: Tensor,
+    eps: float,
+    theta: float,
+    kv_cache: Tensor,
+    kv_scales: Tensor,
+    layer: int,
+    slot_mapping: Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> Tensor:
+    head_dim = _check(qkv, kv_cache, num_heads, num_kv_heads)
+    num_tokens = qkv.shape[0]
+    q = qkv.new_empty((num_tokens, num_heads, head_dim))
+    if num_tokens == 0:
+        return q
+    qkv = qkv.contiguous() if qkv.stride(-1) != 1 else qkv
+    group = q_group(num_heads)
+    grid = (num_tokens, num_heads // group + 2)
+    _qknorm_rope_kvstore_kernel[grid](
+        qkv,
+        positions,
+        q_norm_weight,
+        k_norm_weight,
+        inv_freq(qkv.device, head_dim, theta),
+        q,
+        kv_cache,
+        kv_scales,
+        slot_mapping,
+        eps,
+        layer,
+        qkv.stride(0),
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        kv_cache.stride(4),
+        kv_cache.shape[3],
+        NUM_Q_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        Q_GROUP=group,
+        FP8=kv_cache.dtype == FP8_DTYPE,
+        KV_POW2=triton.next_power_of_2(num_kv_heads),
+    )
+    return q
+
+
+@qknorm_rope_quant_kvstore.register_fake
+def _(
+    qkv,
+    positions,
+    q_norm_weight,
+    k_norm_weight,
+    eps,
+    theta,
+    kv_cache,
+    kv_scales,
+    layer,
+    slot_mapping,
+    num_heads,
+    num_kv_heads,
+):
+    return qkv.new_empty((qkv.shape[0], num_heads, kv_cache.shape[-1]))
+
+
+def _supports(node) -> str | None:
+    cache = node.args[6].meta.get("val")
+    head_dim = cache.shape[-1] if cache is not None else 0
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two"
+    return None
+
+
+register_provider(
+    Provider(
+        "triton",
+        "qknorm_rope_quant_kvstore",
+        torch.ops.hy3_triton.qknorm_rope_quant_kvstore.default,
+        frozenset({"cuda"}),
+        cuda_graph_safe=True,
+        supports=_supports,
+    )
+)
