@@ -3,6 +3,8 @@ torch reference, under TRITON_INTERPRET=1 on CPU; the schedule as a pure functio
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hy3c.kernels import attention_plan as plan_mod
@@ -28,7 +30,7 @@ def _case(
     pages_per = [-(-n // page_size) for n in lengths]
     num_pages = sum(pages_per) + 2
     order = torch.randperm(num_pages).tolist()
-    table = torch.zeros(len(lengths), max(pages_per + [1]), dtype=torch.int32)
+    table = torch.zeros(len(lengths), max([*pages_per, 1]), dtype=torch.int32)
     cache = torch.zeros(2, 2, num_pages, page_size, kv_heads, head_dim, dtype=cache_dtype)
     scales = torch.tensor([[1.0, 1.0], [0.02, 0.03]])
     cursor = 0
@@ -133,7 +135,7 @@ def test_combine_weights_merge_split_softmax_exactly():
     full = torch.softmax(scores, -1) @ values
     cuts = [0, 256, 512, 700]
     parts = []
-    for lo, hi in zip(cuts, cuts[1:]):
+    for lo, hi in itertools.pairwise(cuts):
         s = scores[:, lo:hi]
         parts.append((torch.softmax(s, -1) @ values[lo:hi], torch.logsumexp(s, -1)))
     lse = torch.stack([p[1] for p in parts])
