@@ -24,7 +24,9 @@ import torch
 from torch import fx
 
 from hy3c.config import Hy3Config
+from hy3c.cuda_graphs import DecodeGraphs
 from hy3c.logs import log_event
+from hy3c.model.batch import StepBatch
 from hy3c.model.hy3 import allocate_kv_cache
 from hy3c.recipe import Recipe
 
@@ -55,6 +57,7 @@ class Runner:
         self.dtype = getattr(torch, recipe.dtype)
         self.kv_dtype = getattr(torch, manifest["kv_cache"]["dtype"])
         self.compiled = compile
+        self.decode_graphs: DecodeGraphs | None = None
         if compile:
             self._use_artifact_cache()
         self._fn = torch.compile(gm, dynamic=False, fullgraph=True) if compile else gm
@@ -78,7 +81,33 @@ class Runner:
     def allocate_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
         return allocate_kv_cache(self.config, num_pages, page_size, self.kv_dtype, self.device)
 
+    def capture_decode_graphs(
+        self, kv_cache: torch.Tensor, max_pages: int, batch_sizes: list[int] | None = None
+    ) -> str | None:
+        """Capture CUDA graphs for decode steps over `kv_cache` (the recipe's batch sizes by default).
+        Returns None on success, else why nothing was captured (steps then run uncaptured)."""
+        sizes = batch_sizes if batch_sizes is not None else self.recipe.cuda_graphs.decode_batch_sizes
+        if not sizes:
+            return "the recipe lists no decode batch sizes"
+        result = DecodeGraphs.capture(self._run, self.gm, kv_cache, sizes, max_pages)
+        if isinstance(result, str):
+            log_event(log, "cuda_graphs_skipped", reason=result)
+            return result
+        self.decode_graphs = result
+        return None
+
+    def step(self, batch: StepBatch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one step, replaying a captured decode graph when one covers the batch."""
+        if self.decode_graphs is not None:
+            out = self.decode_graphs.run(batch, kv_cache)
+            if out is not None:
+                return out
+        return self(*batch.model_args(kv_cache))
+
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._run(*args)
+
+    def _run(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.compiled:
             for index, dims in _DYNAMIC_DIMS.items():
                 for dim in dims:

@@ -1,9 +1,10 @@
 """Kernel providers for the hy3 ops (see `hy3c.kernels.registry`).
 
-Importing this package registers the torch reference providers and, when Triton is installed, the
-Triton kernels (usable on CUDA; under TRITON_INTERPRET=1 they also run on CPU tensors for tests).
+Importing this package registers the torch reference providers, the `cublas` providers (vendor GEMMs
+through torch) and, when Triton is installed, the Triton kernels (usable on CUDA; under TRITON_INTERPRET=1 they also run on CPU tensors for tests).
 """
 
+from hy3c.kernels import torch_cuda  # noqa: F401
 from hy3c.kernels.registry import Provider, provider_by_target, providers_for, register_provider
 
 try:

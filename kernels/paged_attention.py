@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from hy3c.kernels.attention_plan import KV_TILE, prefill_q_block
-from hy3c.kernels.registry import Provider, register_provider
 from torch import Tensor
 
+from hy3c.kernels.attention_plan import KV_TILE, prefill_q_block
+from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
 BLOCK_N = 64
@@ -40,9 +40,9 @@ def _find_request(starts_ptr, t, num_requests, ITERS: tl.constexpr):
     hi = num_requests
     for _ in range(ITERS):
         mid = (lo + hi) // 2
-        go_right = (tl.load(starts_ptr + mid) <= t) & (mid < hi)
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid)
+        go_right = ((tl.load(starts_ptr + mid) <= t) & (mid < hi)).to(tl.int32)
+        lo = lo + (mid - lo) * go_right
+        hi = hi + (mid - hi) * (1 - go_right)
     return lo
 
 
@@ -155,9 +155,9 @@ def _decode_dynamic_kernel(
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         rows = tl.zeros([GROUP_PAD], tl.int32)
-        key = (t - first_tile) * KV_TILE
+        key_begin = (t - first_tile) * KV_TILE
         key_end = tl.minimum((seg_end - first_tile) * KV_TILE, length)
-        while key < key_end:
+        for key in range(key_begin, key_end, BLOCK_N):
             m_i, l_i, acc = _attend_block(
                 q,
                 m_i,
@@ -179,7 +179,6 @@ def _decode_dynamic_kernel(
                 BLOCK_N,
                 False,
             )
-            key += BLOCK_N
         slot = cta + r
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
@@ -288,8 +287,8 @@ def _decode_static_kernel(
     d = tl.arange(0, HEAD_DIM)
     length = tl.load(seq_lens_ptr + r)
     per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
-    key = split * per_split
-    key_end = tl.minimum(key + per_split, length)
+    key_begin = split * per_split
+    key_end = tl.minimum(key_begin + per_split, length)
     cache_k = cache_ptr + layer * stride_cl
     cache_v = cache_k + stride_ckv
     k_scale = 1.0
@@ -306,7 +305,7 @@ def _decode_static_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     rows = tl.zeros([GROUP_PAD], tl.int32)
-    while key < key_end:
+    for key in range(key_begin, key_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q,
             m_i,
@@ -328,7 +327,6 @@ def _decode_static_kernel(
             BLOCK_N,
             False,
         )
-        key += BLOCK_N
     slot = r * SPLITS + split
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
@@ -405,8 +403,7 @@ def _prefill_kernel(
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     key_end = tl.minimum(length - q_len + (block + 1) * Q_BLOCK, length)
-    key = 0
-    while key < key_end:
+    for key in range(0, key_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q,
             m_i,
@@ -428,7 +425,6 @@ def _prefill_kernel(
             BLOCK_N,
             True,
         )
-        key += BLOCK_N
     result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
     tl.store(
         out_ptr + (q_start + token)[:, None].to(tl.int64) * stride_ot + qh[:, None] * stride_oh + d[None, :],

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from hy3c.kernels.registry import Provider, register_provider
 from torch import Tensor
 
+from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
 MAX_Q_GROUP = 8

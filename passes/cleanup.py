@@ -9,10 +9,11 @@ After:   return (%linear_12, %getitem_23)
 from __future__ import annotations
 
 import torch
+from torch import fx
+
 from hy3c.passes.base import CompileCtx, Pass, PassConfig, Site, Stage
 from hy3c.passes.graph_utils import layer_of, op_name
 from hy3c.passes.registry import register_pass
-from torch import fx
 
 aten = torch.ops.aten
 _SHAPE_OPS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}

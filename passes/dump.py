@@ -8,8 +8,9 @@ One line per node, in the form the pass docstrings use:
 from __future__ import annotations
 
 import torch
-from hy3c.passes.graph_utils import layer_of, op_name
 from torch import fx
+
+from hy3c.passes.graph_utils import layer_of, op_name
 
 _SHORT = {
     torch.float32: "f32",

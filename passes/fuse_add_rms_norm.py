@@ -18,12 +18,13 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch import fx
+from torch._inductor.pattern_matcher import MULTIPLE, CallFunction, KeywordArg, Match
+
 from hy3c.passes.base import CompileCtx, Pass, PassConfig, Site, Stage
 from hy3c.passes.graph_utils import copy_meta, fake_mode_of, infer_val, layer_of
 from hy3c.passes.patterns import PatternRewriter
 from hy3c.passes.registry import register_pass
-from torch import fx
-from torch._inductor.pattern_matcher import MULTIPLE, CallFunction, KeywordArg, Match
 
 aten, hy3 = torch.ops.aten, torch.ops.hy3
 

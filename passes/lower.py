@@ -13,12 +13,13 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from pydantic import Field
+from torch import fx
+
 from hy3c.kernels.registry import PROVIDER_NAMES, provider_by_target, providers_for
 from hy3c.passes.base import CompileCtx, Pass, PassConfig, Site, Stage
 from hy3c.passes.graph_utils import layer_of
 from hy3c.passes.registry import register_pass
-from pydantic import Field
-from torch import fx
 
 
 class LowerConfig(PassConfig):

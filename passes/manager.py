@@ -11,13 +11,13 @@ import logging
 import time
 from pathlib import Path
 
+from torch import fx
+
+from hy3c.logs import log_event
 from hy3c.passes.base import CompileCtx, Pass, PassConfig, PassResult
 from hy3c.passes.dump import format_graph
 from hy3c.passes.graph_utils import histogram_delta, op_histogram
 from hy3c.passes.registry import PASS_REGISTRY
-from torch import fx
-
-from hy3c.logs import log_event
 from hy3c.recipe import PassSpec
 
 log = logging.getLogger("hy3c.passes")

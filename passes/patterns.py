@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hy3c.passes.base import Site
 from torch import fx
 from torch._inductor.pattern_matcher import FailedMatch, Match, PatternExpr
+
+from hy3c.passes.base import Site
 
 Rewrite = Callable[[Match, fx.Graph], Site]
 Check = Callable[[Match], str | None]  # None = ok, else why the match is rejected

@@ -15,11 +15,12 @@ After:
 from __future__ import annotations
 
 import torch
+from torch import fx
+
 from hy3c.kernels.attention_plan import KV_TILE, prefill_q_block
 from hy3c.passes.base import CompileCtx, Pass, PassConfig, Site, Stage
 from hy3c.passes.graph_utils import copy_meta, fake_mode_of, infer_val, layer_of
 from hy3c.passes.registry import register_pass
-from torch import fx
 
 hy3 = torch.ops.hy3
 

@@ -22,6 +22,9 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch import fx
+
+from hy3c.ops.quant import FP8_DTYPE
 from hy3c.passes.base import CompileCtx, Pass, PassConfig, Site, Stage
 from hy3c.passes.graph_utils import (
     add_attr,
@@ -33,9 +36,6 @@ from hy3c.passes.graph_utils import (
     set_attr,
 )
 from hy3c.passes.registry import register_pass
-from torch import fx
-
-from hy3c.ops.quant import FP8_DTYPE
 
 aten, hy3 = torch.ops.aten, torch.ops.hy3
 WEIGHT_PLAN = "hy3c.weight_plan"

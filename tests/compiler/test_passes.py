@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
-from hy3c.passes.manager import PassError, PassManager
 
 from hy3c.compiler.trace import trace_step
 from hy3c.config import preset_config
 from hy3c.loader import load_model
 from hy3c.model import SeqChunk, build_step_batch
+from hy3c.passes.manager import PassError, PassManager
 from hy3c.recipe import PassSpec
 
 from .conftest import bind_weights, make_ctx

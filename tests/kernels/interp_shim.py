@@ -69,7 +69,17 @@ def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     return _orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
 
+_orig_patch_lang_tensor = _interp._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor, scope) -> None:
+    """Scalars loaded from memory are 1-element arrays in the interpreter; let them index (range bounds)."""
+    _orig_patch_lang_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+
 def install() -> None:
+    _interp._patch_lang_tensor = _patch_lang_tensor
     builder = _interp.InterpreterBuilder
     builder.cast_impl = _cast_impl
     for name in (

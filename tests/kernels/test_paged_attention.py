@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 import torch
-from hy3c.kernels import attention_plan as plan_mod
-from hy3c.kernels.paged_attention import decode_attention_dynamic, decode_attention_static, prefill_attention
 
 import hy3c.ops  # noqa: F401
+from hy3c.kernels import attention_plan as plan_mod
+from hy3c.kernels.paged_attention import decode_attention_dynamic, decode_attention_static, prefill_attention
 from hy3c.ops.quant import FP8_DTYPE
 
 hy3 = torch.ops.hy3

@@ -1,0 +1,215 @@
+"""Attention-path benchmark on one GPU (H200): correctness first, then every variant and its peers.
+
+    python bench/attention_bench.py [--quick]     # prints a markdown table, writes $OUT/attention.json
+
+1. Fused QK-norm + RoPE + FP8 quant + KV store at 16K tokens (Hy3 heads 64/8 × 128): the eager chain
+   of hy3 L1 reference ops, `torch.compile` of that chain, the Triton kernel; bytes floor at 4.25 TB/s.
+2. Decode attention, batch 32 of mixed lengths (1K…128K, the peer set: seed 1), page 64: dynamic
+   split-KV vs static split-KV (16 splits), bf16 and FP8 KV, vs a loop of torch SDPA over contiguous
+   bf16 KV; % of copy bandwidth on the KV bytes read. Then a single 128K request.
+3. Causal prefill attention at 8K and 32K tokens vs torch SDPA (flash).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+import hy3c.kernels
+import hy3c.ops  # noqa: F401
+from hy3c.kernels import attention_plan as plan_mod
+from hy3c.kernels.paged_attention import decode_attention_dynamic, decode_attention_static, prefill_attention
+from hy3c.ops.fused import qknorm_rope_quant_kvstore_reference
+from hy3c.ops.quant import FP8_DTYPE
+
+BW = 4.25e12  # measured H200 copy bandwidth, bytes/s
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 64, 8, 128, 64
+hy3 = torch.ops.hy3
+ROWS: list[tuple[str, ...]] = []
+RESULTS: dict[str, dict] = {}
+
+
+def bench(fn) -> float:
+    return do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def row(
+    name: str, ms: float, floor_ms: float | None = None, base_ms: float | None = None, base_name: str = ""
+) -> None:
+    pct = f"{floor_ms / ms * 100:.0f}%" if floor_ms else ""
+    ratio = f"{base_ms / ms:.2f}× vs {base_name}" if base_ms else ""
+    ROWS.append((name, f"{ms:.3f}", pct, ratio))
+    RESULTS[name] = {
+        "ms": ms,
+        "floor_ms": floor_ms,
+        "vs": base_name,
+        "speedup": base_ms / ms if base_ms else None,
+    }
+
+
+def qknorm_bench(tokens: int) -> None:
+    d = "cuda"
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=d, dtype=torch.bfloat16)
+    pos = torch.arange(tokens, device=d)
+    qw = 1 + 0.1 * torch.randn(HEAD_DIM, device=d, dtype=torch.bfloat16)
+    kw = 1 + 0.1 * torch.randn(HEAD_DIM, device=d, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 2, tokens // PAGE + 1, PAGE, KV_HEADS, HEAD_DIM, dtype=FP8_DTYPE, device=d)
+    scales = torch.tensor([[0.05, 0.04]], device=d)
+    slots = torch.randperm(tokens + PAGE, device=d)[:tokens]
+    args = (qkv, pos, qw, kw, 1e-5, 11158840.0, cache, scales, 0, slots, HEADS, KV_HEADS)
+    ref_cache = cache.clone()
+    q_ref = qknorm_rope_quant_kvstore_reference(*args[:6], ref_cache, *args[7:])
+    q_tri = torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*args)
+    err_q = (q_tri.float() - q_ref.float()).abs().max().item()
+    err_kv = (cache.float() - ref_cache.float()).abs().max().item()
+    RESULTS["qknorm_correctness"] = {"max_abs_err_q": err_q, "max_abs_err_kv": err_kv}
+    eager = bench(lambda: qknorm_rope_quant_kvstore_reference(*args))
+    compiled_fn = torch.compile(qknorm_rope_quant_kvstore_reference)
+    compiled_fn(*args)
+    inductor = bench(lambda: compiled_fn(*args))
+    triton_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*args))
+    floor = (
+        (
+            tokens * (HEADS + 2 * KV_HEADS) * HEAD_DIM * 2
+            + tokens * HEADS * HEAD_DIM * 2
+            + tokens * 2 * KV_HEADS * HEAD_DIM
+        )
+        / BW
+        * 1e3
+    )
+    row(f"qknorm+rope+fp8+kvstore T={tokens}: eager L1 chain", eager, floor)
+    row(f"qknorm+rope+fp8+kvstore T={tokens}: torch.compile chain", inductor, floor, eager, "eager")
+    row(f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton", triton_ms, floor, inductor, "torch.compile")
+
+
+def _paged_cache(lengths: list[int], dtype: torch.dtype, kv_scale: float):
+    d = "cuda"
+    pages_per = [-(-n // PAGE) for n in lengths]
+    total = sum(pages_per)
+    cache = torch.empty(1, 2, total, PAGE, KV_HEADS, HEAD_DIM, dtype=dtype, device=d)
+    chunk = 1 << 14
+    for start in range(0, total, chunk):  # random K/V, filled in chunks to bound temporaries
+        n = min(chunk, total - start)
+        cache[:, :, start : start + n] = (
+            torch.randn(1, 2, n, PAGE, KV_HEADS, HEAD_DIM, device=d) / kv_scale
+        ).to(dtype)
+    order = torch.randperm(total, device=d).int()
+    table = torch.zeros(len(lengths), max(pages_per), dtype=torch.int32, device=d)
+    cursor = 0
+    for r, p in enumerate(pages_per):
+        table[r, :p] = order[cursor : cursor + p]
+        cursor += p
+    scales = torch.tensor([[kv_scale, kv_scale]], device=d)
+    return cache, table, scales
+
+
+def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
+    d = "cuda"
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=d)
+    qsl = torch.arange(len(lengths) + 1, dtype=torch.int32, device=d)
+    q = torch.randn(len(lengths), HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
+    plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
+    scale = HEAD_DIM**-0.5
+    tokens = sum(lengths)
+    for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
+        cache, table, scales = _paged_cache(lengths, dtype, kv_scale)
+        kv_bytes = tokens * KV_HEADS * HEAD_DIM * 2 * cache.element_size()
+        floor = kv_bytes / BW * 1e3
+        dyn = decode_attention_dynamic(q, cache, scales, 0, table, seq_lens, scale, plan)
+        if len(lengths) <= 32:  # correctness against the torch reference on the same paged data
+            ref = hy3.attention(q, cache, scales, 0, table, seq_lens, qsl, scale)
+            RESULTS[f"decode_{label}_{dtype}_max_abs_err"] = (dyn.float() - ref.float()).abs().max().item()
+        name = "bf16" if dtype == torch.bfloat16 else "fp8"
+        kv = (cache, scales, 0, table, seq_lens, scale)
+        t_dyn = bench(lambda kv=kv: decode_attention_dynamic(q, *kv, plan))
+        t_static = bench(lambda kv=kv: decode_attention_static(q, *kv))
+        row(f"decode {label} {name} KV: static split-KV (16)", t_static, floor)
+        row(f"decode {label} {name} KV: dynamic split-KV", t_dyn, floor, t_static, "static")
+        if sdpa_ms is not None:
+            row(f"decode {label} {name} KV: dynamic vs SDPA loop", t_dyn, floor, sdpa_ms, "SDPA loop (bf16)")
+        del cache, kv
+
+
+def sdpa_loop_ms(lengths: list[int]) -> float:
+    d = "cuda"
+    q = torch.randn(len(lengths), HEADS, 1, HEAD_DIM, device=d, dtype=torch.bfloat16)
+    ks = [torch.randn(1, KV_HEADS, n, HEAD_DIM, device=d, dtype=torch.bfloat16) for n in lengths]
+    vs = [torch.randn_like(k) for k in ks]
+    ms = bench(
+        lambda: [
+            F.scaled_dot_product_attention(q[i : i + 1], ks[i], vs[i], enable_gqa=True)
+            for i in range(len(lengths))
+        ]
+    )
+    tokens = sum(lengths)
+    row(
+        f"decode B={len(lengths)} SDPA loop, contiguous bf16 KV (peer)",
+        ms,
+        tokens * KV_HEADS * HEAD_DIM * 4 / BW * 1e3,
+    )
+    return ms
+
+
+def prefill_bench(tokens: int) -> None:
+    d = "cuda"
+    cache, table, scales = _paged_cache([tokens], torch.bfloat16, 1.0)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
+    seq_lens = torch.tensor([tokens], dtype=torch.int32, device=d)
+    qsl = torch.tensor([0, tokens], dtype=torch.int32, device=d)
+    plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
+    ours = bench(lambda: prefill_attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan))
+    qq = torch.randn(1, HEADS, tokens, HEAD_DIM, device=d, dtype=torch.bfloat16)
+    kk = torch.randn(1, KV_HEADS, tokens, HEAD_DIM, device=d, dtype=torch.bfloat16)
+    vv = torch.randn_like(kk)
+    sdpa = bench(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True))
+    flops = 4 * HEADS * tokens * tokens * HEAD_DIM / 2
+    row(f"prefill {tokens} causal: SDPA (flash, contiguous)", sdpa)
+    row(f"prefill {tokens} causal: hy3c Triton paged", ours, None, sdpa, "SDPA")
+    RESULTS[f"prefill_{tokens}_tflops"] = {"hy3c": flops / ours / 1e9, "sdpa": flops / sdpa / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="smaller shapes (smoke test)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    qknorm_bench(2048 if args.quick else 16384)
+    gen = torch.Generator().manual_seed(1)
+    lengths = [int(x) for x in torch.randint(1024, 131072, (32,), generator=gen)]
+    lengths[0] = 131072
+    if args.quick:
+        lengths = [n // 16 for n in lengths]
+    sdpa = sdpa_loop_ms(lengths)
+    decode_bench(lengths, f"B=32 mixed ({sum(lengths) / 1e6:.2f}M tok)", sdpa)
+    single = [lengths[0]]
+    decode_bench(single, f"B=1 {lengths[0] // 1024}K", sdpa_loop_ms(single))
+    for tokens in (2048,) if args.quick else (8192, 32768):
+        prefill_bench(tokens)
+    RESULTS["env"] = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    print("| case | ms | % of copy BW | ratio |")
+    print("|---|---|---|---|")
+    for r in ROWS:
+        print("| " + " | ".join(r) + " |")
+    print(
+        json.dumps(
+            {k: v for k, v in RESULTS.items() if "err" in k or k == "env" or "correct" in k}, default=str
+        )
+    )
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "attention.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The Triton and cublas kernels at real Hy3 shapes on a CUDA GPU (skipped on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hy3c.kernels
+import hy3c.ops  # noqa: F401
+from hy3c.kernels import attention_plan as plan_mod
+from hy3c.kernels.paged_attention import decode_attention_dynamic, decode_attention_static, prefill_attention
+from hy3c.ops.quant import FP8_DTYPE
+
+pytestmark = pytest.mark.gpu
+hy3 = torch.ops.hy3
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 64, 8, 128, 64
+
+
+def _paged(lengths, new, cache_dtype, device="cuda"):
+    pages_per = [-(-n // PAGE) for n in lengths]
+    total = sum(pages_per)
+    order = torch.randperm(total, device=device)
+    table = torch.zeros(len(lengths), max(pages_per), dtype=torch.int32, device=device)
+    cache = torch.zeros(1, 2, total, PAGE, KV_HEADS, HEAD_DIM, dtype=cache_dtype, device=device)
+    scales = torch.tensor([[0.05, 0.04]], device=device)
+    cursor = 0
+    for r, n in enumerate(lengths):
+        pages = order[cursor : cursor + pages_per[r]]
+        cursor += pages_per[r]
+        table[r, : len(pages)] = pages.int()
+        pos = torch.arange(n, device=device)
+        slots = pages[pos // PAGE].long() * PAGE + pos % PAGE
+        hy3.kv_store(
+            torch.randn(n, KV_HEADS, HEAD_DIM, device=device),
+            torch.randn(n, KV_HEADS, HEAD_DIM, device=device),
+            cache,
+            scales,
+            0,
+            slots,
+        )
+    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q = torch.randn(int(qsl[-1]), HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    return q, cache, scales, table, seq_lens, qsl
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
+def test_decode_attention_real_shapes(cache_dtype):
+    lengths = [1, 63, 64, 65, 1000, 4097, 20000, 333]
+    q, cache, scales, table, seq_lens, qsl = _paged(lengths, [1] * len(lengths), cache_dtype)
+    ref = hy3.attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5).float()
+    plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
+    dyn = decode_attention_dynamic(q, cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan)
+    static = decode_attention_static(q, cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5)
+    torch.testing.assert_close(dyn.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(static.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
+def test_prefill_attention_real_shapes(cache_dtype):
+    lengths, new = [2048, 700, 5], [2048, 300, 1]
+    q, cache, scales, table, seq_lens, qsl = _paged(lengths, new, cache_dtype)
+    ref = hy3.attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5).float()
+    plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
+    out = prefill_attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
+def test_qknorm_rope_kvstore_real_shapes(cache_dtype):
+    tokens = 4096
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 200000, (tokens,), device="cuda")
+    qw = 1 + 0.1 * torch.randn(HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    kw = 1 + 0.1 * torch.randn(HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    caches = [
+        torch.zeros(2, 2, tokens // PAGE + 1, PAGE, KV_HEADS, HEAD_DIM, dtype=cache_dtype, device="cuda")
+        for _ in range(2)
+    ]
+    scales = torch.tensor([[0.1, 0.1], [0.05, 0.04]], device="cuda")
+    slots = torch.randperm(tokens + PAGE, device="cuda")[:tokens]
+    slots[::7] = -1
+    args = (pos, qw, kw, 1e-5, 11158840.0)
+    q_tri = torch.ops.hy3_triton.qknorm_rope_quant_kvstore(
+        qkv, *args, caches[0], scales, 1, slots, HEADS, KV_HEADS
+    )
+    q_ref = hy3.qknorm_rope_quant_kvstore(qkv, *args, caches[1], scales, 1, slots, HEADS, KV_HEADS)
+    torch.testing.assert_close(q_tri.float(), q_ref.float(), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        caches[0].float(), caches[1].float(), atol=0.07, rtol=0.07
+    )  # one fp8 ulp at most
+
+
+def test_grouped_moe_real_shapes():
+    tokens, experts, top_k, hidden, inter = 128, 192, 8, 4096, 1536
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w13 = 0.02 * torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16)
+    w2 = 0.02 * torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)]).int()
+    w = torch.rand(tokens, top_k, device="cuda")
+    ref = hy3.moe_experts(x, w, ids, w13, w2, None, None, None, None).float()
+    out = torch.ops.hy3_cublas.moe_experts(x, w, ids, w13, w2, None, None, None, None).float()
+    assert (out - ref).norm() / ref.norm() < 1e-2
