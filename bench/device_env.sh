@@ -1,15 +1,18 @@
-# Source on a GPU machine without network (the H200 image): makes `import hy3c` work from this checkout
-# without pip (a symlink farm mapping passes/ kernels/ serve/ recipes/ into the hy3c package), and
-# installs any wheels carried in .whl/ (e.g. pydantic) into /tmp/site.
-#   source bench/device_env.sh
+# Source (do not pipe) on a GPU machine without network, from the checkout's root: builds /tmp/hy3c-run,
+# a tree where `hy3c` is the package as installed (passes/ kernels/ serve/ recipes/ mapped into it by
+# symlinks) beside links to tests/, bench/ and pyproject.toml, and cds there; installs wheels carried
+# in .whl/ (e.g. pydantic) into /tmp/site.
+#   source bench/device_env.sh && python3 -m pytest -m gpu tests/...
 repo=$(pwd)
-pkg=/tmp/hy3c-pkg/hy3c
-rm -rf /tmp/hy3c-pkg && mkdir -p "$pkg"
-for entry in "$repo"/hy3c/*; do ln -s "$entry" "$pkg/$(basename "$entry")"; done
-for sub in passes kernels serve recipes; do ln -sfn "$repo/$sub" "$pkg/$sub"; done
-export PYTHONPATH=/tmp/hy3c-pkg:$repo${PYTHONPATH:+:$PYTHONPATH}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+run=/tmp/hy3c-run
+rm -rf "$run" && mkdir -p "$run/hy3c"
+for entry in "$repo"/hy3c/*; do ln -s "$entry" "$run/hy3c/$(basename "$entry")"; done
+for sub in passes kernels serve recipes; do ln -sfn "$repo/$sub" "$run/hy3c/$sub"; done
+for top in tests bench pyproject.toml .whl; do [ -e "$repo/$top" ] && ln -sfn "$repo/$top" "$run/$top"; done
+if ls "$repo"/.whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$repo"/.whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+export PYTHONPATH=$run${PYTHONPATH:+:$PYTHONPATH}
+cd "$run" || return 1
 python3 -c "import hy3c.kernels, hy3c.passes, torch, triton; print('hy3c ready:', torch.__version__, triton.__version__, torch.cuda.get_device_name())"
