@@ -30,7 +30,7 @@ from hy3c.ops.quant import FP8_DTYPE
 
 BLOCK_N = 64
 DECODE_SPLITS_STATIC = 16
-_LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
