@@ -24,7 +24,13 @@ from triton.testing import do_bench
 import hy3c.kernels
 import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
-from hy3c.kernels.paged_attention import decode_attention_dynamic, decode_attention_static, prefill_attention
+from hy3c.kernels import qknorm_rope_kvstore
+from hy3c.kernels.paged_attention import (
+    LaunchConfig,
+    decode_attention_dynamic,
+    decode_attention_static,
+    prefill_attention,
+)
 from hy3c.ops.fused import qknorm_rope_quant_kvstore_reference
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -174,9 +180,94 @@ def prefill_bench(tokens: int) -> None:
     RESULTS[f"prefill_{tokens}_tflops"] = {"hy3c": flops / ours / 1e9, "sdpa": flops / sdpa / 1e9}
 
 
+def sweep(lengths: list[int]) -> None:
+    """Time the tunables of each kernel; prints one line per variant (pick the defaults from these)."""
+    d = "cuda"
+    tokens = 16384
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=d, dtype=torch.bfloat16)
+    pos = torch.arange(tokens, device=d)
+    w = 1 + 0.1 * torch.randn(HEAD_DIM, device=d, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 2, tokens // PAGE + 1, PAGE, KV_HEADS, HEAD_DIM, dtype=FP8_DTYPE, device=d)
+    scales = torch.tensor([[0.05, 0.04]], device=d)
+    slots = torch.randperm(tokens + PAGE, device=d)[:tokens]
+    floor = (
+        (
+            tokens * (HEADS + 2 * KV_HEADS) * HEAD_DIM * 2
+            + tokens * HEADS * HEAD_DIM * 2
+            + tokens * 2 * KV_HEADS * HEAD_DIM
+        )
+        / BW
+        * 1e3
+    )
+    for block_t in (1, 2, 4, 8, 16):
+        for warps in (2, 4, 8):
+            ms = bench(
+                lambda b=block_t, wp=warps: qknorm_rope_kvstore.launch(
+                    qkv,
+                    pos,
+                    w,
+                    w,
+                    1e-5,
+                    11158840.0,
+                    cache,
+                    scales,
+                    0,
+                    slots,
+                    HEADS,
+                    KV_HEADS,
+                    block_t=b,
+                    num_warps=wp,
+                )
+            )
+            print(f"sweep qknorm block_t={block_t} warps={warps}: {ms:.3f} ms ({floor / ms * 100:.0f}% BW)")
+    del cache
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=d)
+    qsl = torch.arange(len(lengths) + 1, dtype=torch.int32, device=d)
+    q = torch.randn(len(lengths), HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
+    plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
+    for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
+        cache, table, scales = _paged_cache(lengths, dtype, kv_scale)
+        floor = sum(lengths) * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
+        for ctas in (2, 4, 8):
+            for block_n in (64, 128):
+                for stages in (2, 3, 4):
+                    cfg = LaunchConfig(block_n=block_n, num_warps=4, num_stages=stages, ctas_per_sm=ctas)
+                    ms = bench(
+                        lambda c=cfg: decode_attention_dynamic(
+                            q, cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan, config=c
+                        )
+                    )
+                    print(
+                        f"sweep decode {dtype} ctas/sm={ctas} block_n={block_n} stages={stages}: {ms:.3f} ms ({floor / ms * 100:.0f}% BW)"
+                    )
+        del cache
+    cache, table, scales = _paged_cache([8192], torch.bfloat16, 1.0)
+    q = torch.randn(8192, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
+    seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
+    qsl = torch.tensor([0, 8192], dtype=torch.int32, device=d)
+    plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
+    for block_n in (32, 64, 128):
+        for warps in (4, 8):
+            for stages in (2, 3):
+                cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+                try:
+                    ms = bench(
+                        lambda c=cfg: prefill_attention(
+                            q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan, config=c
+                        )
+                    )
+                except Exception as exc:  # e.g. out of shared memory for the larger tiles
+                    print(
+                        f"sweep prefill block_n={block_n} warps={warps} stages={stages}: failed {type(exc).__name__}"
+                    )
+                    continue
+                print(f"sweep prefill 8192 block_n={block_n} warps={warps} stages={stages}: {ms:.3f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller shapes (smoke test)")
+    parser.add_argument("--sweep", action="store_true", help="time each kernel's tunables first")
     args = parser.parse_args()
     torch.manual_seed(0)
     qknorm_bench(2048 if args.quick else 16384)
@@ -185,6 +276,8 @@ def main() -> None:
     lengths[0] = 131072
     if args.quick:
         lengths = [n // 16 for n in lengths]
+    if args.sweep:
+        sweep(lengths)
     sdpa = sdpa_loop_ms(lengths)
     decode_bench(lengths, f"B=32 mixed ({sum(lengths) / 1e6:.2f}M tok)", sdpa)
     single = [lengths[0]]

@@ -13,11 +13,13 @@ sync, so CUDA graphs capture it):
 `decode_attention_static` is the static split-KV baseline (every request cut into the same number of
 splits), kept for benchmarks.
 
-FP8 K/V are loaded as e4m3, widened to the query dtype for the MMA, and their per-tensor scales are
-applied to the scores (K) and to the output (V).
+FP8 K/V are loaded as e4m3 and widened to fp16 (a native conversion on Hopper; the query is cast to
+fp16 once) for the MMA, and their per-tensor scales are applied to the scores (K) and to the output (V).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,8 +30,21 @@ from hy3c.kernels.attention_plan import KV_TILE, prefill_q_block
 from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
-BLOCK_N = 64
 DECODE_SPLITS_STATIC = 16
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tunables of one attention kernel (chosen by bench/attention_bench.py --sweep on the H200)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
+
+
+DECODE_CONFIG = LaunchConfig()
+PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=8, num_stages=2)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -74,7 +89,9 @@ def _attend_block(
     valid = n < key_limit
     page = tl.load(page_row_ptr + n // page_size, mask=valid, other=0)
     offs = page.to(tl.int64) * stride_page + (n % page_size) * stride_off + head * stride_head
-    k = tl.load(cache_k + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+    k = tl.load(cache_k + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(
+        q.dtype
+    )  # e4m3→f16 is native
     s = tl.dot(q, tl.trans(k)) * qk_scale
     if CAUSAL:
         mask = valid[None, :] & (n[None, :] <= row_limit[:, None])
@@ -151,6 +168,8 @@ def _decode_dynamic_kernel(
             mask=(g < GROUP)[:, None],
             other=0.0,
         )
+        if FP8:
+            q = q.to(tl.float16)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -301,6 +320,8 @@ def _decode_static_kernel(
         mask=(g < GROUP)[:, None],
         other=0.0,
     )
+    if FP8:
+        q = q.to(tl.float16)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -399,6 +420,8 @@ def _prefill_kernel(
     if FP8:
         k_scale = tl.load(scales_ptr + layer * 2)
         v_scale = tl.load(scales_ptr + layer * 2 + 1)
+    if FP8:
+        q = q.to(tl.float16)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
@@ -441,12 +464,14 @@ def _cache_strides(kv_cache: Tensor) -> tuple[int, ...]:
     return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4)
 
 
-def num_decode_ctas(device: torch.device, num_kv_heads: int) -> int:
-    """CTAs per KV head for dynamic decode: about two waves of the GPU's SMs (16 on CPU)."""
+def num_decode_ctas(
+    device: torch.device, num_kv_heads: int, ctas_per_sm: int = DECODE_CONFIG.ctas_per_sm
+) -> int:
+    """CTAs per KV head for dynamic decode: `ctas_per_sm` waves of the GPU's SMs (16 on CPU)."""
     if device.type != "cuda":
         return 16
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(2 * sms // num_kv_heads, 1)
+    return max(ctas_per_sm * sms // num_kv_heads, 1)
 
 
 def _group(q: Tensor, kv_cache: Tensor) -> tuple[int, int, int]:
@@ -465,10 +490,11 @@ def decode_attention_dynamic(
     sm_scale: float,
     plan: Tensor,
     num_ctas: int | None = None,
+    config: LaunchConfig = DECODE_CONFIG,
 ) -> Tensor:
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
-    num_ctas = num_ctas or num_decode_ctas(q.device, num_kv_heads)
+    num_ctas = num_ctas or num_decode_ctas(q.device, num_kv_heads, config.ctas_per_sm)
     group_pad = max(16, triton.next_power_of_2(group))
     slots = num_ctas + num_requests
     part_o = torch.empty((slots, num_kv_heads, group, head_dim), dtype=torch.float32, device=q.device)
@@ -497,9 +523,11 @@ def decode_attention_dynamic(
         part_o.stride(1),
         part_lse.stride(0),
         KV_TILE=KV_TILE,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=config.block_n,
         FP8=kv_cache.dtype == FP8_DTYPE,
         SEARCH_ITERS=_search_iters(num_requests),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
         **common,
     )
     _decode_combine_kernel[(num_requests, num_kv_heads)](
@@ -529,6 +557,7 @@ def decode_attention_static(
     seq_lens: Tensor,
     sm_scale: float,
     splits: int = DECODE_SPLITS_STATIC,
+    config: LaunchConfig = DECODE_CONFIG,
 ) -> Tensor:
     """Baseline: every request split into `splits` equal KV ranges, whatever its length."""
     group, num_kv_heads, head_dim = _group(q, kv_cache)
@@ -561,8 +590,10 @@ def decode_attention_static(
         part_o.stride(1),
         part_lse.stride(0),
         SPLITS=splits,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=config.block_n,
         FP8=kv_cache.dtype == FP8_DTYPE,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
         **common,
     )
     _decode_combine_kernel[(num_requests, num_kv_heads)](
@@ -593,6 +624,7 @@ def prefill_attention(
     query_start_loc: Tensor,
     sm_scale: float,
     plan: Tensor,
+    config: LaunchConfig = PREFILL_CONFIG,
 ) -> Tensor:
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
@@ -621,9 +653,11 @@ def prefill_attention(
         GROUP=group,
         Q_BLOCK=q_block,
         HEAD_DIM=head_dim,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=config.block_n,
         FP8=kv_cache.dtype == FP8_DTYPE,
         SEARCH_ITERS=_search_iters(num_requests),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 

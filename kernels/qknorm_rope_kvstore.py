@@ -21,6 +21,7 @@ from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
 MAX_Q_GROUP = 8
+BLOCK_T = 4  # tokens per program (tuned on the H200 by bench/attention_bench.py --sweep)
 _INV_FREQ: dict[tuple[str, int, float], Tensor] = {}
 
 
@@ -37,15 +38,14 @@ def inv_freq(device: torch.device, head_dim: int, theta: float) -> Tensor:
 def _norm_rope(
     x1, x2, w1, w2, cos, sin, eps, HALF: tl.constexpr, ROPE: tl.constexpr, OUT_DTYPE: tl.constexpr
 ):
-    """x1, x2 [H, HALF] fp32 halves of each head → normed (and rotated) halves, rounded like the reference."""
-    ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
-    r = tl.rsqrt(ms + eps)[:, None]
-    n1 = (w1[None, :] * (x1 * r).to(OUT_DTYPE).to(tl.float32)).to(OUT_DTYPE).to(tl.float32)
-    n2 = (w2[None, :] * (x2 * r).to(OUT_DTYPE).to(tl.float32)).to(OUT_DTYPE).to(tl.float32)
+    """x1, x2 [T, H, HALF] fp32 halves of each head → normed (and rotated) halves, rounded like the
+    reference; w1/w2 [HALF], cos/sin [T, 1, HALF]."""
+    ms = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / (2 * HALF)
+    r = tl.rsqrt(ms + eps)[:, :, None]
+    n1 = (w1[None, None, :] * (x1 * r).to(OUT_DTYPE).to(tl.float32)).to(OUT_DTYPE).to(tl.float32)
+    n2 = (w2[None, None, :] * (x2 * r).to(OUT_DTYPE).to(tl.float32)).to(OUT_DTYPE).to(tl.float32)
     if ROPE:
-        o1 = n1 * cos[None, :] - n2 * sin[None, :]
-        o2 = n2 * cos[None, :] + n1 * sin[None, :]
-        return o1, o2
+        return n1 * cos - n2 * sin, n2 * cos + n1 * sin
     return n1, n2
 
 
@@ -60,6 +60,7 @@ def _qknorm_rope_kvstore_kernel(
     cache_ptr,
     scales_ptr,
     slot_ptr,
+    num_tokens,
     eps,
     layer,
     stride_qkv_t,
@@ -77,81 +78,68 @@ def _qknorm_rope_kvstore_kernel(
     Q_GROUP: tl.constexpr,
     FP8: tl.constexpr,
     KV_POW2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
-    t = tl.program_id(0)
     group = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < num_tokens
     d = tl.arange(0, HALF)
-    row = qkv_ptr + t * stride_qkv_t
+    rows = qkv_ptr + tok.to(tl.int64)[:, None, None] * stride_qkv_t
     out_dtype = q_out_ptr.dtype.element_ty
     num_q_groups: tl.constexpr = NUM_Q_HEADS // Q_GROUP
-    pos = tl.load(pos_ptr + t).to(tl.float32)
-    angles = pos * tl.load(inv_freq_ptr + d)
+    pos = tl.load(pos_ptr + tok, mask=tok_ok, other=0).to(tl.float32)
+    angles = pos[:, None, None] * tl.load(inv_freq_ptr + d)[None, None, :]
     cos = tl.cos(angles)
     sin = tl.sin(angles)
     if group < num_q_groups:
         h = group * Q_GROUP + tl.arange(0, Q_GROUP)
-        base = row + h[:, None] * HEAD_DIM + d[None, :]
-        x1 = tl.load(base).to(tl.float32)
-        x2 = tl.load(base + HALF).to(tl.float32)
-        o1, o2 = _norm_rope(
-            x1,
-            x2,
-            tl.load(qw_ptr + d).to(tl.float32),
-            tl.load(qw_ptr + HALF + d).to(tl.float32),
-            cos,
-            sin,
-            eps,
-            HALF,
-            True,
-            out_dtype,
+        base = rows + h[None, :, None] * HEAD_DIM + d[None, None, :]
+        mask = tok_ok[:, None, None]
+        x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+        w1 = tl.load(qw_ptr + d).to(tl.float32)
+        w2 = tl.load(qw_ptr + HALF + d).to(tl.float32)
+        o1, o2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF, True, out_dtype)
+        dst = (
+            q_out_ptr
+            + tok.to(tl.int64)[:, None, None] * stride_q_t
+            + h[None, :, None] * stride_q_h
+            + d[None, None, :]
         )
-        dst = q_out_ptr + t * stride_q_t + h[:, None] * stride_q_h + d[None, :]
-        tl.store(dst, o1.to(out_dtype))
-        tl.store(dst + HALF, o2.to(out_dtype))
+        tl.store(dst, o1.to(out_dtype), mask=mask)
+        tl.store(dst + HALF, o2.to(out_dtype), mask=mask)
         return
-    slot = tl.load(slot_ptr + t)
-    if slot < 0:
-        return
+    slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)
     is_v = group - num_q_groups  # 0: K, 1: V
     hk = tl.arange(0, KV_POW2)
-    hmask = hk < NUM_KV_HEADS
-    src = row + (NUM_Q_HEADS + is_v * NUM_KV_HEADS) * HEAD_DIM + hk[:, None] * HEAD_DIM + d[None, :]
-    x1 = tl.load(src, mask=hmask[:, None], other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=hmask[:, None], other=0.0).to(tl.float32)
+    mask = (slot >= 0)[:, None, None] & (hk < NUM_KV_HEADS)[None, :, None]
+    src = (
+        rows
+        + (NUM_Q_HEADS + is_v * NUM_KV_HEADS) * HEAD_DIM
+        + hk[None, :, None] * HEAD_DIM
+        + d[None, None, :]
+    )
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     if is_v == 0:
-        x1, x2 = _norm_rope(
-            x1,
-            x2,
-            tl.load(kw_ptr + d).to(tl.float32),
-            tl.load(kw_ptr + HALF + d).to(tl.float32),
-            cos,
-            sin,
-            eps,
-            HALF,
-            True,
-            out_dtype,
-        )
+        w1 = tl.load(kw_ptr + d).to(tl.float32)
+        w2 = tl.load(kw_ptr + HALF + d).to(tl.float32)
+        x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF, True, out_dtype)
         x1 = x1.to(out_dtype).to(tl.float32)
         x2 = x2.to(out_dtype).to(tl.float32)
-    page = slot // page_size
-    offset = slot % page_size
-    dst = (
-        cache_ptr
-        + layer * stride_c_layer
-        + is_v * stride_c_kv
-        + page * stride_c_page
-        + offset * stride_c_off
-        + hk[:, None] * stride_c_head
-        + d[None, :]
-    )
+    safe_slot = tl.where(slot >= 0, slot, 0).to(tl.int64)
+    page = safe_slot // page_size
+    offset = safe_slot % page_size
+    where = layer * stride_c_layer + is_v * stride_c_kv + page * stride_c_page + offset * stride_c_off
+    dst = cache_ptr + where[:, None, None] + hk[None, :, None] * stride_c_head + d[None, None, :]
     cache_dtype = cache_ptr.dtype.element_ty
     if FP8:
         scale = tl.load(scales_ptr + layer * 2 + is_v)
         x1 = tl.clamp(x1 / scale, -448.0, 448.0)
         x2 = tl.clamp(x2 / scale, -448.0, 448.0)
-    tl.store(dst, x1.to(cache_dtype), mask=hmask[:, None])
-    tl.store(dst + HALF, x2.to(cache_dtype), mask=hmask[:, None])
+    tl.store(dst, x1.to(cache_dtype), mask=mask)
+    tl.store(dst + HALF, x2.to(cache_dtype), mask=mask)
 
 
 def q_group(num_heads: int) -> int:
@@ -171,6 +159,58 @@ def _check(qkv: Tensor, kv_cache: Tensor, num_heads: int, num_kv_heads: int) -> 
     return head_dim
 
 
+def launch(
+    qkv: Tensor,
+    positions: Tensor,
+    q_norm_weight: Tensor,
+    k_norm_weight: Tensor,
+    eps: float,
+    theta: float,
+    kv_cache: Tensor,
+    kv_scales: Tensor,
+    layer: int,
+    slot_mapping: Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    block_t: int = BLOCK_T,
+    num_warps: int = 4,
+) -> Tensor:
+    head_dim = _check(qkv, kv_cache, num_heads, num_kv_heads)
+    num_tokens = qkv.shape[0]
+    q = qkv.new_empty((num_tokens, num_heads, head_dim))
+    if num_tokens == 0:
+        return q
+    qkv = qkv.contiguous() if qkv.stride(-1) != 1 else qkv
+    group = q_group(num_heads)
+    grid = (triton.cdiv(num_tokens, block_t), num_heads // group + 2)
+    strides = (qkv.stride(0), q.stride(0), q.stride(1), *(kv_cache.stride(i) for i in range(5)))
+    _qknorm_rope_kvstore_kernel[grid](
+        qkv,
+        positions,
+        q_norm_weight,
+        k_norm_weight,
+        inv_freq(qkv.device, head_dim, theta),
+        q,
+        kv_cache,
+        kv_scales,
+        slot_mapping,
+        num_tokens,
+        eps,
+        layer,
+        *strides,
+        kv_cache.shape[3],
+        NUM_Q_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        Q_GROUP=group,
+        FP8=kv_cache.dtype == FP8_DTYPE,
+        KV_POW2=triton.next_power_of_2(num_kv_heads),
+        BLOCK_T=block_t,
+        num_warps=num_warps,
+    )
+    return q
+
+
 @torch.library.custom_op("hy3_triton::qknorm_rope_quant_kvstore", mutates_args=("kv_cache",))
 def qknorm_rope_quant_kvstore(
     qkv: Tensor,
@@ -186,43 +226,20 @@ def qknorm_rope_quant_kvstore(
     num_heads: int,
     num_kv_heads: int,
 ) -> Tensor:
-    head_dim = _check(qkv, kv_cache, num_heads, num_kv_heads)
-    num_tokens = qkv.shape[0]
-    q = qkv.new_empty((num_tokens, num_heads, head_dim))
-    if num_tokens == 0:
-        return q
-    qkv = qkv.contiguous() if qkv.stride(-1) != 1 else qkv
-    group = q_group(num_heads)
-    grid = (num_tokens, num_heads // group + 2)
-    _qknorm_rope_kvstore_kernel[grid](
+    return launch(
         qkv,
         positions,
         q_norm_weight,
         k_norm_weight,
-        inv_freq(qkv.device, head_dim, theta),
-        q,
+        eps,
+        theta,
         kv_cache,
         kv_scales,
-        slot_mapping,
-        eps,
         layer,
-        qkv.stride(0),
-        q.stride(0),
-        q.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        kv_cache.stride(4),
-        kv_cache.shape[3],
-        NUM_Q_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        Q_GROUP=group,
-        FP8=kv_cache.dtype == FP8_DTYPE,
-        KV_POW2=triton.next_power_of_2(num_kv_heads),
+        slot_mapping,
+        num_heads,
+        num_kv_heads,
     )
-    return q
 
 
 @qknorm_rope_quant_kvstore.register_fake

@@ -86,9 +86,8 @@ def test_qknorm_rope_kvstore_real_shapes(cache_dtype):
     )
     q_ref = hy3.qknorm_rope_quant_kvstore(qkv, *args, caches[1], scales, 1, slots, HEADS, KV_HEADS)
     torch.testing.assert_close(q_tri.float(), q_ref.float(), atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(
-        caches[0].float(), caches[1].float(), atol=0.07, rtol=0.07
-    )  # one fp8 ulp at most
+    # e4m3 has 3 mantissa bits: FMA contraction may move a value across a rounding tie, one ulp (12.5%)
+    torch.testing.assert_close(caches[0].float(), caches[1].float(), atol=0.07, rtol=0.13)
 
 
 def test_grouped_moe_real_shapes():
