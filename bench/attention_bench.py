@@ -232,15 +232,12 @@ def sweep(lengths: list[int]) -> None:
             for block_n in (64, 128):
                 for stages in (2, 3, 4):
                     cfg = LaunchConfig(block_n=block_n, num_warps=4, num_stages=stages, ctas_per_sm=ctas)
-                    ms = bench(
-                        lambda c=cfg: decode_attention_dynamic(
-                            q, cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan, config=c
-                        )
-                    )
+                    kv = (cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan)
+                    ms = bench(lambda c=cfg, kv=kv: decode_attention_dynamic(q, *kv, config=c))
                     print(
                         f"sweep decode {dtype} ctas/sm={ctas} block_n={block_n} stages={stages}: {ms:.3f} ms ({floor / ms * 100:.0f}% BW)"
                     )
-        del cache
+        del cache, kv
     cache, table, scales = _paged_cache([8192], torch.bfloat16, 1.0)
     q = torch.randn(8192, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
