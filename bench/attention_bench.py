@@ -131,6 +131,10 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
         if len(lengths) <= 32:  # correctness against the torch reference on the same paged data
             ref = hy3.attention(q, cache, scales, 0, table, seq_lens, qsl, scale)
             RESULTS[f"decode_{label}_{dtype}_max_abs_err"] = (dyn.float() - ref.float()).abs().max().item()
+            RESULTS[f"decode_{label}_{dtype}_nan"] = {
+                "dynamic": dyn.isnan().any().item(), "reference": ref.isnan().any().item(),
+                "cache": cache.float().isnan().any().item(),
+            }
         name = "bf16" if dtype == torch.bfloat16 else "fp8"
         kv = (cache, scales, 0, table, seq_lens, scale)
         t_dyn = bench(lambda kv=kv: decode_attention_dynamic(q, *kv, plan))

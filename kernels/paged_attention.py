@@ -43,8 +43,9 @@ class LaunchConfig:
     ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
 
 
-DECODE_CONFIG = LaunchConfig()
-PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=8, num_stages=2)
+# best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
+DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=2)
+PREFILL_CONFIG = LaunchConfig(block_n=128, num_warps=8, num_stages=2)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 

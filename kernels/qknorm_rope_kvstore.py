@@ -21,7 +21,7 @@ from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
 MAX_Q_GROUP = 8
-BLOCK_T = 4  # tokens per program (tuned on the H200 by bench/attention_bench.py --sweep)
+BLOCK_T = 8  # tokens per program (best of the H200 sweep, with 4 warps)
 _INV_FREQ: dict[tuple[str, int, float], Tensor] = {}
 
 
