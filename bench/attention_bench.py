@@ -132,7 +132,8 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
             ref = hy3.attention(q, cache, scales, 0, table, seq_lens, qsl, scale)
             RESULTS[f"decode_{label}_{dtype}_max_abs_err"] = (dyn.float() - ref.float()).abs().max().item()
             RESULTS[f"decode_{label}_{dtype}_nan"] = {
-                "dynamic": dyn.isnan().any().item(), "reference": ref.isnan().any().item(),
+                "dynamic": dyn.isnan().any().item(),
+                "reference": ref.isnan().any().item(),
                 "cache": cache.float().isnan().any().item(),
             }
         name = "bf16" if dtype == torch.bfloat16 else "fp8"

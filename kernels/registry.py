@@ -57,7 +57,14 @@ def provider_by_target(target: object) -> Provider | None:
 
 # The torch references: every op, every device. Ops whose reference loops over requests or experts on
 # the host (.tolist() / .unique()) cannot be captured in a CUDA graph.
-_HOST_SYNCING = {"attention", "paged_attention", "moe_experts", "kv_store", "qknorm_rope_quant_kvstore"}
+_HOST_SYNCING = {
+    "attention",
+    "paged_attention",
+    "moe_experts",
+    "fused_moe",
+    "kv_store",
+    "qknorm_rope_quant_kvstore",
+}
 for _op in (*L1_OPS, *L2_OPS):
     register_provider(
         Provider(

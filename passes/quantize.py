@@ -36,15 +36,10 @@ from hy3c.passes.graph_utils import (
     set_attr,
 )
 from hy3c.passes.registry import register_pass
+from hy3c.passes.weight_plan import weight_plan
 
 aten, hy3 = torch.ops.aten, torch.ops.hy3
-WEIGHT_PLAN = "hy3c.weight_plan"
 _HIGH_PRECISION = ("lm_head.weight",)
-
-
-def weight_plan(gm: fx.GraphModule) -> dict[str, dict[str, str]]:
-    """fqn of a weight to quantize → {"scale": fqn of its scale, "granularity": tensor|channel}."""
-    return gm.meta.setdefault(WEIGHT_PLAN, {})
 
 
 @register_pass
@@ -101,7 +96,11 @@ class Quantize(Pass):
         scale = add_attr(
             self._gm, scale_fqn, torch.empty(scale_shape, dtype=torch.float32, device="meta"), self._fake
         )
-        weight_plan(self._gm)[str(weight.target)] = {"scale": scale_fqn, "granularity": self._granularity}
+        weight_plan(self._gm)[str(weight.target)] = {
+            "kind": "fp8",
+            "scale": scale_fqn,
+            "granularity": self._granularity,
+        }
         return scale
 
     def _quantize_linear(self, node: fx.Node) -> Site:

@@ -18,6 +18,7 @@ def _load_builtin_passes() -> None:
     from hy3c.passes import (  # noqa: F401
         cleanup,
         fuse_add_rms_norm,
+        fuse_moe,
         fuse_qknorm_rope_kv,
         lower,
         plan_attention,

@@ -15,8 +15,8 @@ from torch import fx
 from tqdm import tqdm
 
 from hy3c.loader import CheckpointLayout, assemble_tensors
-from hy3c.ops.quant import quantize_weight
-from hy3c.passes.quantize import weight_plan
+from hy3c.ops.quant import quantize_weight, split_router_weight
+from hy3c.passes.weight_plan import weight_plan
 from hy3c.safetensors_io import ShardedWriter
 
 WEIGHTS_DIR = "weights"
@@ -43,12 +43,14 @@ def write_weights(
     """Write every parameter of gm into out/weights/; returns [{name, bytes, sha256}] per file."""
     params = dict(gm.named_parameters())
     plan = weight_plan(gm)
-    produced_with_weight = {entry["scale"] for entry in plan.values()}
+    fp8 = {fqn: e for fqn, e in plan.items() if e["kind"] == "fp8"}
+    splits = {e["source"]: (fqn, e["lo"]) for fqn, e in plan.items() if e["kind"] == "router_split"}
+    derived = {e["scale"] for e in fp8.values()} | {name for pair in splits.values() for name in pair}
     sources = {}
     for fqn, param in params.items():
-        if fqn in produced_with_weight:
+        if fqn in derived:
             continue
-        dtype = source_dtype if fqn in plan else param.dtype
+        dtype = source_dtype if fqn in fp8 else param.dtype
         sources[fqn] = torch.empty(param.shape, dtype=dtype, device="meta")
     directory = out / WEIGHTS_DIR
     directory.mkdir(parents=True)
@@ -56,12 +58,15 @@ def write_weights(
     disable = None if progress is None else not progress
     with tqdm(total=len(sources), desc="packaging weights", unit="tensor", disable=disable) as bar:
         for fqn, tensor in assemble_tensors(layout, sources, checkpoint):
-            if fqn in plan:
-                quantized, scale = quantize_weight(tensor, plan[fqn]["granularity"])
+            if fqn in fp8:
+                quantized, scale = quantize_weight(tensor, fp8[fqn]["granularity"])
                 writer.add(fqn, quantized)
-                writer.add(plan[fqn]["scale"], scale.to(params[plan[fqn]["scale"]].dtype))
+                writer.add(fp8[fqn]["scale"], scale.to(params[fp8[fqn]["scale"]].dtype))
             else:
                 writer.add(fqn, tensor.to(params[fqn].dtype))
+            if fqn in splits:
+                for name, part in zip(splits[fqn], split_router_weight(tensor.float())):
+                    writer.add(name, part)
             del tensor
             bar.update(1)
     files = writer.close()

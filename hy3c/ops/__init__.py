@@ -22,6 +22,14 @@ L1_OPS = (
     "dequant_fp8",
     "scaled_mm",
 )
-L2_OPS = ("add_rms_norm", "qknorm_rope_quant_kvstore", "attention_plan", "paged_attention")
+L2_OPS = (
+    "add_rms_norm",
+    "qknorm_rope_quant_kvstore",
+    "attention_plan",
+    "paged_attention",
+    "router_gemm",
+    "topk_routing",
+    "fused_moe",
+)
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "L1_OPS", "L2_OPS", "attention", "fused", "moe", "norm", "quant", "rope"]

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from hy3c.ops.attention import attention_reference, kv_store_reference
+from hy3c.ops.moe import moe_experts_reference, topk_routing_reference
 from hy3c.ops.norm import rms_norm_reference
 from hy3c.ops.rope import rope_reference
 
@@ -151,3 +152,56 @@ def paged_attention(
 @paged_attention.register_fake
 def _(q, kv_cache, kv_scales, layer, page_table, seq_lens, query_start_loc, sm_scale, plan):
     return torch.empty_like(q)
+
+
+def router_gemm_reference(x: Tensor, weight: Tensor, w_hi: Tensor, w_lo: Tensor) -> Tensor:
+    return torch.nn.functional.linear(x.float(), weight.float())
+
+
+@torch.library.custom_op("hy3::router_gemm", mutates_args=())
+def router_gemm(x: Tensor, weight: Tensor, w_hi: Tensor, w_lo: Tensor) -> Tensor:
+    """fp32 router logits x·Wᵀ [T, E]. w_hi/w_lo are W split into two bf16 parts (W ≈ W_hi + W_lo/256)
+    for the dual-BF16 kernel; the reference uses the fp32 weight."""
+    return router_gemm_reference(x, weight, w_hi, w_lo)
+
+
+@router_gemm.register_fake
+def _(x, weight, w_hi, w_lo):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("hy3::topk_routing", mutates_args=())
+def topk_routing(logits: Tensor, bias: Tensor, top_k: int, scale: float) -> tuple[Tensor, Tensor]:
+    """The router after its GEMM: sigmoid, top-k of score + bias, renormalised unbiased weights × scale."""
+    return topk_routing_reference(logits, bias, top_k, scale)
+
+
+@topk_routing.register_fake
+def _(logits, bias, top_k, scale):
+    shape = (logits.shape[0], top_k)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int32)
+
+
+@torch.library.custom_op("hy3::fused_moe", mutates_args=())
+def fused_moe(
+    x: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    w13_scale: Tensor | None,
+    w2_scale: Tensor | None,
+    a13_scale: Tensor | None,
+    a2_scale: Tensor | None,
+    shared: Tensor | None,
+) -> Tensor:
+    """Routed experts combined, plus the shared expert's output (added in the model dtype)."""
+    routed = moe_experts_reference(
+        x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale
+    )
+    return routed if shared is None else routed + shared
+
+
+@fused_moe.register_fake
+def _(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared):
+    return torch.empty_like(x)

@@ -19,8 +19,11 @@ ROUTER_RENORM_EPS = 1e-20
 def router_reference(
     x: Tensor, weight: Tensor, bias: Tensor, top_k: int, scaling: float
 ) -> tuple[Tensor, Tensor]:
-    logits = F.linear(x.float(), weight.float())
-    scores = torch.sigmoid(logits)
+    return topk_routing_reference(F.linear(x.float(), weight.float()), bias, top_k, scaling)
+
+
+def topk_routing_reference(logits: Tensor, bias: Tensor, top_k: int, scaling: float) -> tuple[Tensor, Tensor]:
+    scores = torch.sigmoid(logits.float())
     _, ids = torch.topk(scores + bias.float(), top_k, dim=-1)
     weights = scores.gather(1, ids)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTER_RENORM_EPS) * scaling

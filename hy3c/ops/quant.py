@@ -99,3 +99,11 @@ def quantize_weight(weight: Tensor, granularity: str) -> tuple[Tensor, Tensor]:
         raise ValueError(f"unknown weight scale granularity {granularity!r} (tensor | channel)")
     scale = (absmax / FP8_MAX).clamp_min(_MIN_SCALE)
     return quantize_fp8(w, scale.unsqueeze(-1)), scale
+
+
+def split_router_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 W → (W_hi, W_lo) bf16 with W ≈ W_hi + W_lo / 256 (relative error ~2^-17), for the dual-BF16
+    router GEMM."""
+    hi = weight.to(torch.bfloat16)
+    lo = ((weight.float() - hi.float()) * 256.0).to(torch.bfloat16)
+    return hi, lo

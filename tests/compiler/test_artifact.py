@@ -40,7 +40,7 @@ def test_artifact_layout_and_manifest(cpu_art):
         "weights/rank0.safetensors",
         "compile_report.json",
         "graphs/00_traced.txt",
-        "graphs/06_cleanup.txt",
+        "graphs/07_cleanup.txt",
         "tokenizer.json",
     ):
         assert (cpu_art / name).is_file(), name
@@ -51,6 +51,7 @@ def test_artifact_layout_and_manifest(cpu_art):
         "quantize",
         "fuse_qknorm_rope_kv",
         "plan_attention",
+        "fuse_moe",
         "fuse_add_rms_norm",
         "lower",
         "cleanup",
@@ -282,7 +283,7 @@ def test_artifact_with_triton_kernels_generates_like_eager(tiny_ckpt, tmp_path, 
 
     from hy3c.kernels import registry
 
-    for op in ("paged_attention", "qknorm_rope_quant_kvstore"):
+    for op in ("paged_attention", "qknorm_rope_quant_kvstore", "router_gemm", "topk_routing", "fused_moe"):
         patched = [
             replace(p, devices=p.devices | {"cpu"}) if p.name == "triton" else p
             for p in registry._PROVIDERS[op]
@@ -293,6 +294,7 @@ def test_artifact_with_triton_kernels_generates_like_eager(tiny_ckpt, tmp_path, 
     lowered = next(r for r in summary.results if r.name == "lower").summary["providers"]
     assert lowered["hy3.paged_attention"] == {"triton": 3}
     assert lowered["hy3.qknorm_rope_quant_kvstore"] == {"triton": 3}
+    assert lowered["hy3.fused_moe"] == {"triton": 2} and lowered["hy3.topk_routing"] == {"triton": 2}
     runner = artifact.load(summary.out, compile=False)
     model = load_model(tiny_ckpt, dtype=torch.float32, progress=False)
     prompts = [[5, 9, 100, 7], list(range(20, 51)), [3]]

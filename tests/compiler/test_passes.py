@@ -226,3 +226,42 @@ def test_plan_attention_one_plan_shared_by_all_layers(traced):
     out = _step(bind_weights(gm, ckpt, torch.float32), cfg, torch.float32)
     for a, b in zip(out, _step(model, cfg, torch.float32)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_fuse_moe_one_site_per_moe_layer(traced):
+    gm, ckpt = traced
+    cfg = preset_config("tiny")
+    moe_layers = cfg.layer_types.count("sparse")
+    (result,) = _run(gm, make_ctx(cfg), "fuse_moe")
+    assert result.matches == moe_layers and sorted(s.layer for s in result.sites) == [1, 2]
+    assert result.ops_delta == {
+        "aten.add": -moe_layers,
+        "hy3.router": -moe_layers,
+        "hy3.moe_experts": -moe_layers,
+        "hy3.router_gemm": moe_layers,
+        "hy3.topk_routing": moe_layers,
+        "hy3.fused_moe": moe_layers,
+    }
+    from hy3c.passes.weight_plan import weight_plan
+
+    assert weight_plan(gm)["layers.1.mlp.router.weight_hi"]["kind"] == "router_split"
+    params = dict(gm.named_parameters())
+    assert params["layers.2.mlp.router.weight_lo"].dtype == torch.bfloat16
+    model = load_model(ckpt, dtype=torch.float32, progress=False)
+    shapes = {
+        k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+        for k, v in gm.named_parameters()
+        if "weight_hi" not in k and "weight_lo" not in k
+    }
+    from hy3c.loader import assemble_tensors, inspect_checkpoint
+    from hy3c.ops.quant import split_router_weight
+    from hy3c.passes.graph_utils import set_attr
+
+    for name, tensor in assemble_tensors(inspect_checkpoint(ckpt), shapes, ckpt):
+        set_attr(gm, name, tensor)
+        if name.endswith("router.weight"):
+            for half, part in zip(("hi", "lo"), split_router_weight(tensor)):
+                set_attr(gm, f"{name}_{half}", part)
+    gm.recompile()
+    for out, ref in zip(_step(gm, cfg, torch.float32), _step(model, cfg, torch.float32)):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

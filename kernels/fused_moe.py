@@ -1,0 +1,423 @@
+"""Triton FusedMoE: routed experts of one MoE layer + the shared expert's output, bf16 or FP8 W8A8.
+
+    out = fused_moe(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared)
+
+1. `moe_align` (device ops, no host sync): the (token, slot) pairs sorted by expert and padded per
+   expert to a multiple of BLOCK_M (`sorted_ids`, pad value = T·k), the expert of every M block, and the
+   padded total.
+2. gate-up GEMM: each program takes one M block of one expert and BLOCK_N columns of both the gate
+   and the up halves, reads its activation rows *through* `sorted_ids` (no gather copy), and writes
+   silu(gate) · up for its (token, slot) rows — the intermediate is written once, half-size.
+3. down GEMM over the intermediate rows, scaled by each pair's routing weight in the epilogue.
+4. combine: each token's k rows summed in fp32 plus the shared expert's output, written once.
+
+FP8: weights e4m3 with per-channel ([E, rows]) or per-tensor ([E, 1]) scales; activations e4m3 with a
+static per-tensor scale or dynamic per-token scales; fp8 × fp8 tensor-core products, scales applied in
+the epilogues. Launch configs per token-count bucket come from `configs/fused_moe_h200.json` (written by
+`bench/moe_bench.py --sweep`) or the built-in defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from hy3c.kernels.registry import Provider, register_provider
+from hy3c.ops.quant import FP8_DTYPE, per_token_scale, quantize_fp8
+
+CONFIG_FILE = Path(__file__).parent / "configs" / "fused_moe_h200.json"
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+_DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
+    16: MoeConfig(16, 64, 128, 1, 4, 4),
+    128: MoeConfig(16, 128, 128, 1, 4, 4),
+    1024: MoeConfig(64, 128, 64, 8, 4, 3),
+    1 << 40: MoeConfig(128, 128, 64, 8, 8, 3),
+}
+
+
+@cache
+def _tuned() -> dict[str, dict[int, MoeConfig]]:
+    if not CONFIG_FILE.is_file():
+        return {}
+    data = json.loads(CONFIG_FILE.read_text())
+    return {kind: {int(t): MoeConfig(**c) for t, c in table.items()} for kind, table in data.items()}
+
+
+def select_config(num_tokens: int, fp8: bool) -> MoeConfig:
+    table = _tuned().get("fp8" if fp8 else "bf16") or _DEFAULTS
+    bound = min((t for t in table if t >= num_tokens), default=max(table))
+    return table[bound]
+
+
+def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(sorted_ids [P] int32, expert of each M block [P / block_m] int32, padded total [1] int32)."""
+    pairs = topk_ids.numel()
+    flat = topk_ids.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    sorted_expert = flat[order]
+    rank = torch.arange(pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_expert]
+    capacity = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
+    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids[(padded_end - padded)[sorted_expert] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, capacity, block_m, device=flat.device)
+    expert_ids = (
+        torch.searchsorted(padded_end, block_start, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    )
+    return sorted_ids, expert_ids, padded_end[-1:].to(torch.int32)
+
+
+@triton.jit
+def _program_block(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M M-blocks share each weight column block while it is in L2."""
+    per_group = GROUP_M * num_n_blocks
+    group = pid // per_group
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ptr,
+    expert_ptr,
+    padded_ptr,
+    xs_ptr,
+    ws_ptr,
+    pairs,
+    top_k,
+    inter,
+    hidden,
+    num_m_blocks,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    stride_wse,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FP8: tl.constexpr,
+    A_PER_ROW: tl.constexpr,
+    W_PER_ROW: tl.constexpr,
+):
+    num_n_blocks = tl.cdiv(inter, BLOCK_N)
+    pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(padded_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < pairs
+    token = pair // top_k
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    w_base = w_ptr + expert * stride_we
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, hidden, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        k_ok = rk < hidden
+        a = tl.load(
+            x_ptr + token[:, None].to(tl.int64) * stride_xm + rk[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        w_mask = col_ok[None, :] & k_ok[:, None]
+        wg = tl.load(w_base + cols[None, :] * stride_wn + rk[:, None], mask=w_mask, other=0.0)
+        wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + rk[:, None], mask=w_mask, other=0.0)
+        acc_g += tl.dot(a, wg)
+        acc_u += tl.dot(a, wu)
+    if FP8:
+        if A_PER_ROW:
+            a_scale = tl.load(xs_ptr + token, mask=row_ok, other=0.0)[:, None]
+        else:
+            a_scale = tl.load(xs_ptr)
+        if W_PER_ROW:
+            sg = tl.load(ws_ptr + expert * stride_wse + cols, mask=col_ok, other=0.0)[None, :]
+            su = tl.load(ws_ptr + expert * stride_wse + inter + cols, mask=col_ok, other=0.0)[None, :]
+        else:
+            sg = tl.load(ws_ptr + expert * stride_wse)
+            su = sg
+        acc_g = acc_g * a_scale * sg
+        acc_u = acc_u * a_scale * su
+    out_dtype = out_ptr.dtype.element_ty
+    gate = acc_g.to(out_dtype).to(tl.float32)  # rounded like the reference's gate-up GEMM output
+    up = acc_u.to(out_dtype).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(out_dtype).to(tl.float32)
+    h = (act * up).to(out_dtype)
+    tl.store(
+        out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :],
+        h,
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ptr,
+    expert_ptr,
+    padded_ptr,
+    hs_ptr,
+    ws_ptr,
+    topk_w_ptr,
+    pairs,
+    hidden,
+    inter,
+    num_m_blocks,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    stride_wse,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FP8: tl.constexpr,
+    A_PER_ROW: tl.constexpr,
+    W_PER_ROW: tl.constexpr,
+):
+    num_n_blocks = tl.cdiv(hidden, BLOCK_N)
+    pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(padded_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < pairs
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    w_base = w_ptr + expert * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, inter, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        k_ok = rk < inter
+        a = tl.load(
+            h_ptr + pair[:, None].to(tl.int64) * stride_hm + rk[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_base + cols[None, :] * stride_wn + rk[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0
+        )
+        acc += tl.dot(a, w)
+    if FP8:
+        if A_PER_ROW:
+            acc = acc * tl.load(hs_ptr + pair, mask=row_ok, other=0.0)[:, None]
+        else:
+            acc = acc * tl.load(hs_ptr)
+        if W_PER_ROW:
+            acc = acc * tl.load(ws_ptr + expert * stride_wse + cols, mask=col_ok, other=0.0)[None, :]
+        else:
+            acc = acc * tl.load(ws_ptr + expert * stride_wse)
+    out_dtype = out_ptr.dtype.element_ty
+    y = acc.to(out_dtype).to(tl.float32)  # the reference rounds each expert's output to the model dtype
+    y = y * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    tl.store(
+        out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :],
+        y,
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr,
+    shared_ptr,
+    out_ptr,
+    hidden,
+    stride_ym,
+    stride_sm,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+):
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + j).to(tl.int64) * stride_ym + cols, mask=ok, other=0.0)
+    out_dtype = out_ptr.dtype.element_ty
+    result = acc.to(out_dtype)
+    if HAS_SHARED:
+        result = (
+            result.to(tl.float32)
+            + tl.load(shared_ptr + token.to(tl.int64) * stride_sm + cols, mask=ok, other=0.0).to(tl.float32)
+        ).to(out_dtype)
+    tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, result, mask=ok)
+
+
+def _quantize_activations(x: Tensor, static_scale: Tensor | None) -> tuple[Tensor, Tensor, bool]:
+    if static_scale is not None:
+        return quantize_fp8(x, static_scale), static_scale.float(), False
+    scale = per_token_scale(x)
+    return quantize_fp8(x, scale), scale.reshape(-1).contiguous(), True
+
+
+def fused_moe_triton(
+    x: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    w13_scale: Tensor | None,
+    w2_scale: Tensor | None,
+    a13_scale: Tensor | None,
+    a2_scale: Tensor | None,
+    shared: Tensor | None,
+    config: MoeConfig | None = None,
+) -> Tensor:
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    pairs = num_tokens * top_k
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    fp8 = w13.dtype == FP8_DTYPE
+    cfg = config or select_config(num_tokens, fp8)
+    sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, cfg.block_m)
+    num_m_blocks = expert_ids.shape[0]
+    dummy = x.new_empty(1, dtype=torch.float32)
+    a, a_scale, a_per_row = (x, dummy, False)
+    if fp8:
+        a, a_scale, a_per_row = _quantize_activations(x, a13_scale)
+    hidden_act = x.new_empty((pairs, inter))
+    w13_s = w13_scale if w13_scale is not None else dummy
+    common = dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        FP8=fp8,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    _gate_up_kernel[(num_m_blocks * triton.cdiv(inter, cfg.block_n),)](
+        a,
+        w13,
+        hidden_act,
+        sorted_ids,
+        expert_ids,
+        padded,
+        a_scale,
+        w13_s,
+        pairs,
+        top_k,
+        inter,
+        hidden,
+        num_m_blocks,
+        a.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        hidden_act.stride(0),
+        w13_s.stride(0) if w13_scale is not None else 0,
+        A_PER_ROW=a_per_row,
+        W_PER_ROW=w13_scale is not None and w13_scale.shape[-1] > 1,
+        **common,
+    )
+    h, h_scale, h_per_row = (hidden_act, dummy, False)
+    if fp8:
+        h, h_scale, h_per_row = _quantize_activations(hidden_act, a2_scale)
+    per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
+    w2_s = w2_scale if w2_scale is not None else dummy
+    _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
+        h,
+        w2,
+        per_pair,
+        sorted_ids,
+        expert_ids,
+        padded,
+        h_scale,
+        w2_s,
+        topk_weights.reshape(-1).float(),
+        pairs,
+        hidden,
+        inter,
+        num_m_blocks,
+        h.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        per_pair.stride(0),
+        w2_s.stride(0) if w2_scale is not None else 0,
+        A_PER_ROW=h_per_row,
+        W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
+        **common,
+    )
+    block = 1024
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        per_pair,
+        shared if shared is not None else x,
+        out,
+        hidden,
+        per_pair.stride(0),
+        shared.stride(0) if shared is not None else 0,
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK=block,
+        HAS_SHARED=shared is not None,
+        num_warps=4,
+    )
+    return out
+
+
+@torch.library.custom_op("hy3_triton::fused_moe", mutates_args=())
+def fused_moe(
+    x: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    w13_scale: Tensor | None,
+    w2_scale: Tensor | None,
+    a13_scale: Tensor | None,
+    a2_scale: Tensor | None,
+    shared: Tensor | None,
+) -> Tensor:
+    return fused_moe_triton(
+        x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared
+    )
+
+
+@fused_moe.register_fake
+def _(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared):
+    return torch.empty_like(x)
+
+
+register_provider(
+    Provider("triton", "fused_moe", torch.ops.hy3_triton.fused_moe.default, frozenset({"cuda"}))
+)

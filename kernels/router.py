@@ -1,0 +1,202 @@
+"""Triton: the MoE router — dual-BF16 router GEMM and fused sigmoid/bias/top-k routing.
+
+* `hy3_triton::router_gemm(x, w, w_hi, w_lo)`: fp32 logits of x [M, K] (bf16) against the fp32 router
+  weight, computed as X·W_hiᵀ + X·W_loᵀ / 256 with W_hi = bf16(W), W_lo = bf16((W − W_hi)·256): one
+  kernel reads X once, runs both bf16 tensor-core products into two fp32 accumulators and combines them
+  in the epilogue (split over K for small M, with fp32 atomics). Below `DUAL_BF16_MIN_TOKENS` rows the
+  plain fp32 GEMM (cuBLAS) is faster and is used instead (threshold measured on the H200, see
+  BENCHMARKS.md).
+* `hy3_triton::topk_routing(logits, bias, top_k, scale)`: sigmoid, + bias for selection, top-k by
+  repeated arg-max, weights = unbiased scores renormalised × scale — one program per token block.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from hy3c.kernels.registry import Provider, register_provider
+from hy3c.ops.quant import split_router_weight
+
+__all__ = ["router_gemm_dual_bf16", "split_router_weight"]
+
+DUAL_BF16_MIN_TOKENS = 64  # below this, fp32 cuBLAS wins (H200 measurement)
+
+
+@triton.jit
+def _router_gemm_kernel(
+    x_ptr,
+    hi_ptr,
+    lo_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    k_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc_hi = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k in range(k_begin, k_end, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        k_ok = rk < k_end
+        a = tl.load(
+            x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & k_ok[None, :], other=0.0
+        )
+        w_offs = rn[None, :] * stride_wn + rk[:, None]
+        w_mask = (rn[None, :] < N) & k_ok[:, None]
+        acc_hi += tl.dot(a, tl.load(hi_ptr + w_offs, mask=w_mask, other=0.0))
+        acc_lo += tl.dot(a, tl.load(lo_ptr + w_offs, mask=w_mask, other=0.0))
+    out = acc_hi + acc_lo * (1.0 / 256.0)
+    ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if ATOMIC:
+        tl.atomic_add(ptrs, out, mask=mask)
+    else:
+        tl.store(ptrs, out, mask=mask)
+
+
+def router_gemm_dual_bf16(x: Tensor, w_hi: Tensor, w_lo: Tensor, splits: int | None = None) -> Tensor:
+    m, k = x.shape
+    n = w_hi.shape[0]
+    block_m = 16 if m <= 16 else 64
+    block_n, block_k = 64, 128
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    if splits is None:  # enough programs to cover the GPU when M is small
+        splits = max(min(132 // tiles, triton.cdiv(k, block_k)), 1) if x.is_cuda else 2
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    out = (
+        torch.zeros(m, n, dtype=torch.float32, device=x.device)
+        if splits > 1
+        else x.new_empty((m, n), dtype=torch.float32)
+    )
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
+    _router_gemm_kernel[grid](
+        x,
+        w_hi,
+        w_lo,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w_hi.stride(0),
+        out.stride(0),
+        k_per_split,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ATOMIC=splits > 1,
+        num_warps=4,
+        num_stages=3,
+    )
+    return out
+
+
+@torch.library.custom_op("hy3_triton::router_gemm", mutates_args=())
+def router_gemm(x: Tensor, weight: Tensor, w_hi: Tensor, w_lo: Tensor) -> Tensor:
+    if x.shape[0] < DUAL_BF16_MIN_TOKENS:
+        return x.float() @ weight.t()
+    return router_gemm_dual_bf16(x, w_hi, w_lo)
+
+
+@router_gemm.register_fake
+def _(x, weight, w_hi, w_lo):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+@triton.jit
+def _topk_routing_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    M,
+    N,
+    stride_lm,
+    scale,
+    TOP_K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    N_POW2: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, N_POW2)
+    row_ok = rm < M
+    logits = tl.load(
+        logits_ptr + rm[:, None] * stride_lm + rn[None, :],
+        mask=row_ok[:, None] & (rn[None, :] < N),
+        other=0.0,
+    )
+    scores = tl.sigmoid(logits)
+    choice = tl.where(
+        rn[None, :] < N, scores + tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :], float("-inf")
+    )
+    slot = tl.arange(0, K_POW2)
+    ids = tl.zeros([BLOCK_M, K_POW2], tl.int32)
+    weights = tl.zeros([BLOCK_M, K_POW2], tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(choice, axis=1)
+        hit = rn[None, :] == best[:, None]
+        picked = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        ids = tl.where(slot[None, :] == j, best[:, None], ids)
+        weights = tl.where(slot[None, :] == j, picked[:, None], weights)
+        choice = tl.where(hit, float("-inf"), choice)
+    weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20) * scale
+    out_mask = row_ok[:, None] & (slot[None, :] < TOP_K)
+    tl.store(weights_ptr + rm[:, None] * TOP_K + slot[None, :], weights, mask=out_mask)
+    tl.store(ids_ptr + rm[:, None] * TOP_K + slot[None, :], ids, mask=out_mask)
+
+
+@torch.library.custom_op("hy3_triton::topk_routing", mutates_args=())
+def topk_routing(logits: Tensor, bias: Tensor, top_k: int, scale: float) -> tuple[Tensor, Tensor]:
+    m, n = logits.shape
+    weights = logits.new_empty((m, top_k), dtype=torch.float32)
+    ids = logits.new_empty((m, top_k), dtype=torch.int32)
+    if m:
+        block_m = 4
+        _topk_routing_kernel[(triton.cdiv(m, block_m),)](
+            logits,
+            bias,
+            weights,
+            ids,
+            m,
+            n,
+            logits.stride(0),
+            scale,
+            TOP_K=top_k,
+            K_POW2=triton.next_power_of_2(top_k),
+            BLOCK_M=block_m,
+            N_POW2=triton.next_power_of_2(n),
+            num_warps=4,
+        )
+    return weights, ids
+
+
+@topk_routing.register_fake
+def _(logits, bias, top_k, scale):
+    shape = (logits.shape[0], top_k)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int32)
+
+
+register_provider(
+    Provider("triton", "router_gemm", torch.ops.hy3_triton.router_gemm.default, frozenset({"cuda"}))
+)
+register_provider(
+    Provider("triton", "topk_routing", torch.ops.hy3_triton.topk_routing.default, frozenset({"cuda"}))
+)

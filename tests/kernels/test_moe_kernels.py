@@ -1,0 +1,129 @@
+"""Router GEMM (dual-BF16), fused routing and FusedMoE against their references; under TRITON_INTERPRET=1
+on CPU at small shapes (the router accuracy test at the real N=192, K=4096)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hy3c.kernels
+import hy3c.ops
+from hy3c.kernels.fused_moe import MoeConfig, fused_moe_triton, moe_align
+from hy3c.kernels.router import router_gemm_dual_bf16
+from hy3c.ops.quant import FP8_DTYPE, split_router_weight
+
+hy3 = torch.ops.hy3
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 208])
+def test_dual_bf16_router_gemm_accuracy(rows):
+    """N=192, K=4096: max abs error vs an fp64 reference <= 2e-3; a bf16-only weight fails that bound."""
+    w = torch.randn(192, 4096) * 0.02 * 4
+    x = torch.randn(rows, 4096).to(torch.bfloat16)
+    ref = x.double() @ w.double().t()
+    hi, lo = split_router_weight(w)
+    out = router_gemm_dual_bf16(x, hi, lo, splits=4)
+    assert (out.double() - ref).abs().max() <= 2e-3
+    bf16_only = x.float() @ hi.float().t()
+    assert (bf16_only.double() - ref).abs().max() > 2e-3
+
+
+def test_router_weight_split_reconstructs_fp32():
+    w = torch.randn(64, 256)
+    hi, lo = split_router_weight(w)
+    assert ((hi.float() + lo.float() / 256 - w).abs() / w.abs().clamp_min(1e-3)).max() < 2e-5
+
+
+@pytest.mark.parametrize(("rows", "experts", "top_k"), [(1, 192, 8), (5, 8, 2), (9, 16, 16)])
+def test_topk_routing_matches_reference(rows, experts, top_k):
+    logits, bias = torch.randn(rows, experts), 0.05 * torch.randn(experts)
+    w, ids = torch.ops.hy3_triton.topk_routing(logits, bias, top_k, 2.826)
+    ref_w, ref_ids = hy3.topk_routing(logits, bias, top_k, 2.826)
+    order, ref_order = ids.long().sort(-1), ref_ids.long().sort(-1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, ref_order.indices))
+
+
+def test_moe_align_pads_each_expert_and_keeps_every_pair():
+    ids = torch.tensor([[0, 3], [3, 1], [3, 0]], dtype=torch.int32)
+    sorted_ids, expert_ids, padded = moe_align(ids, num_experts=5, block_m=4)
+    assert int(padded) == 12  # experts 0, 1, 3 → one block of 4 each
+    blocks = sorted_ids[:12].view(3, 4)
+    assert expert_ids[:3].tolist() == [0, 1, 3]
+    flat = ids.reshape(-1)
+    for block, expert in zip(blocks, expert_ids[:3]):
+        real = block[block < 6]
+        assert all(int(flat[p]) == int(expert) for p in real)
+    assert sorted(sorted_ids[sorted_ids < 6].tolist()) == list(range(6))
+
+
+CFG = MoeConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
+
+
+def _weights(experts, hidden, inter, dtype=torch.float32):
+    return (0.1 * torch.randn(experts, 2 * inter, hidden)).to(dtype), (
+        0.1 * torch.randn(experts, hidden, inter)
+    ).to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "case"),
+    [
+        (1, 8, 2, "T=1"),
+        (13, 8, 2, "some experts idle"),
+        (7, 4, 1, "all to one expert"),
+        (5, 4, 4, "top-k = experts"),
+    ],
+)
+def test_fused_moe_bf16_and_fp32(tokens, experts, top_k, case):
+    x = torch.randn(tokens, 64)
+    w13, w2 = _weights(experts, 64, 32)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
+    if case == "some experts idle":
+        ids = ids % (experts // 2)
+        ids[:, 1] = (ids[:, 0] + 1) % (experts // 2)
+    if case == "all to one expert":
+        ids.fill_(2)
+    w = torch.rand(tokens, top_k)
+    shared = torch.randn(tokens, 64)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        args = (x.to(dtype), w, ids, w13.to(dtype), w2.to(dtype), None, None, None, None, shared.to(dtype))
+        out = fused_moe_triton(*args, config=CFG)
+        torch.testing.assert_close(out.float(), hy3.fused_moe(*args).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_fused_moe_fp8(static, per_channel):
+    tokens, experts, top_k = 9, 8, 2
+    x = torch.randn(tokens, 64).to(torch.bfloat16)
+    w13, w2 = _weights(experts, 64, 32)
+    if per_channel:
+        s13, s2 = w13.abs().amax(-1) / 448, w2.abs().amax(-1) / 448
+    else:
+        s13, s2 = w13.abs().amax((1, 2))[:, None] / 448, w2.abs().amax((1, 2))[:, None] / 448
+    q13, q2 = (w13 / s13[..., None]).to(FP8_DTYPE), (w2 / s2[..., None]).to(FP8_DTYPE)
+    a13 = torch.tensor([x.float().abs().max() / 448]) if static else None
+    a2 = torch.tensor([0.05 / 448 * 8]) if static else None
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
+    args = (x, torch.rand(tokens, top_k), ids, q13, q2, s13, s2, a13, a2, None)
+    out = fused_moe_triton(*args, config=CFG)
+    ref = hy3.fused_moe(*args)
+    assert (out.float() - ref.float()).norm() / ref.float().norm() < 2e-2
+
+
+def test_opcheck_moe_l2_ops():
+    x, ids = (
+        torch.randn(6, 32),
+        torch.tensor([[0, 1], [1, 2], [3, 0], [0, 2], [1, 3], [2, 3]], dtype=torch.int32),
+    )
+    w13, w2 = torch.randn(4, 16, 32), torch.randn(4, 32, 8)
+    torch.library.opcheck(
+        hy3.fused_moe.default, (x, torch.rand(6, 2), ids, w13, w2, None, None, None, None, torch.randn(6, 32))
+    )
+    torch.library.opcheck(hy3.topk_routing.default, (torch.randn(6, 8), torch.randn(8), 2, 2.5))
+    torch.library.opcheck(
+        hy3.router_gemm.default,
+        (x, torch.randn(8, 32), torch.randn(8, 32).bfloat16(), torch.randn(8, 32).bfloat16()),
+    )
+    assert hy3c.kernels.HAVE_TRITON
