@@ -100,3 +100,39 @@ def test_grouped_moe_real_shapes():
     ref = hy3.moe_experts(x, w, ids, w13, w2, None, None, None, None).float()
     out = torch.ops.hy3_cublas.moe_experts(x, w, ids, w13, w2, None, None, None, None).float()
     assert (out - ref).norm() / ref.norm() < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 128, 1024])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_moe_real_shapes(tokens, fp8):
+    from hy3c.kernels.fused_moe import fused_moe_triton
+
+    experts, top_k, hidden, inter = 192, 8, 4096, 1536
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w13 = 0.02 * torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16)
+    w2 = 0.02 * torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16)
+    scales = (None, None)
+    if fp8:
+        scales = (w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448)
+        w13 = (w13.float() / scales[0][..., None]).to(FP8_DTYPE)
+        w2 = (w2.float() / scales[1][..., None]).to(FP8_DTYPE)
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)]).int()
+    w = torch.rand(tokens, top_k, device="cuda")
+    shared = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    args = (x, w, ids, w13, w2, *scales, None, None, shared)
+    out = fused_moe_triton(*args).float()
+    ref = hy3.fused_moe(*args).float()
+    assert (out - ref).norm() / ref.norm() < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 208, 4096])
+def test_router_gemm_real_shapes(rows):
+    from hy3c.ops.quant import split_router_weight
+
+    w = 0.02 * torch.randn(192, 4096, device="cuda")
+    x = torch.randn(rows, 4096, device="cuda").to(torch.bfloat16)
+    hi, lo = split_router_weight(w)
+    out = torch.ops.hy3_triton.router_gemm(x, w, hi, lo)
+    assert (out.double() - x.double() @ w.double().t()).abs().max() <= 2e-3
+    logits_w, ids = torch.ops.hy3_triton.topk_routing(out, 0.01 * torch.randn(192, device="cuda"), 8, 2.826)
+    assert ids.shape == (rows, 8) and torch.all(logits_w.sum(-1) - 2.826 < 1e-4)
