@@ -3,7 +3,7 @@
     python bench/moe_bench.py [--sweep]     # markdown table; $OUT/moe.json (+ $OUT/fused_moe_h200.json)
 
 * Router GEMM, N=192, K=4096: fp32 cuBLAS, TF32 cuBLAS, hy3c dual-BF16 Triton; max abs error vs fp64.
-* FusedMoE, E=192, top-8, H=4096, I=1536 (+ shared expert output added): hy3c Triton bf16 and FP8
+* FusedMoE, E=192, top-8, H=4096, INTER=1536 (+ shared expert output added): hy3c Triton bf16 and FP8
   (per-channel weights, per-token activations) vs the `torch._grouped_mm` path and the transformers
   per-expert loop; % of copy bandwidth on the active experts' weight bytes and % of bf16 peak.
 * --sweep: tries launch configs per token bucket and writes the best to fused_moe_h200.json.
@@ -26,7 +26,7 @@ from hy3c.kernels.router import router_gemm_dual_bf16
 from hy3c.ops.quant import FP8_DTYPE, split_router_weight
 
 BW, PEAK = 4.25e12, 790e12
-E, K_TOP, H, I = 192, 8, 4096, 1536
+E, K_TOP, H, INTER = 192, 8, 4096, 1536
 ROWS: list[tuple[str, ...]] = []
 RESULTS: dict[str, dict] = {}
 
@@ -99,8 +99,8 @@ def loop_moe(x, ids, wt, w13, w2):
 
 def moe_bench(sweep: bool) -> None:
     d = "cuda"
-    w13 = torch.randn(E, 2 * I, H, device=d, dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(E, H, I, device=d, dtype=torch.bfloat16) * 0.02
+    w13 = torch.randn(E, 2 * INTER, H, device=d, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, H, INTER, device=d, dtype=torch.bfloat16) * 0.02
     s13, s2 = w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448
     q13 = (w13.float() / s13[..., None]).to(FP8_DTYPE)
     q2 = (w2.float() / s2[..., None]).to(FP8_DTYPE)
@@ -110,8 +110,8 @@ def moe_bench(sweep: bool) -> None:
         ids = torch.stack([torch.randperm(E, device=d)[:K_TOP] for _ in range(t)]).int()
         wt = torch.rand(t, K_TOP, device=d)
         active = ids.unique().numel()
-        wbytes = active * 3 * H * I * 2
-        flops = 2 * t * K_TOP * 3 * H * I
+        wbytes = active * 3 * H * INTER * 2
+        flops = 2 * t * K_TOP * 3 * H * INTER
         ref = grouped_mm_moe(x, ids, wt, w13, w2)
         ours = fused_moe_triton(x, wt, ids, w13, w2, None, None, None, None, None)
         err = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
