@@ -22,7 +22,7 @@ from hy3c.ops.quant import split_router_weight
 
 __all__ = ["router_gemm_dual_bf16", "split_router_weight"]
 
-DUAL_BF16_MIN_TOKENS = 64  # below this, fp32 cuBLAS wins (H200 measurement)
+DUAL_BF16_MIN_TOKENS = 1024  # below this, fp32 cuBLAS is faster on the H200 (BENCHMARKS.md)
 
 
 @triton.jit

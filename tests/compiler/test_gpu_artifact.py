@@ -19,7 +19,7 @@ def test_h200_artifact_with_cuda_graphs_matches_eager(tiny_ckpt, tmp_path):
     recipe = load_recipe("h200-bf16")
     summary = compile_artifact(recipe, tmp_path / "art", checkpoint=tiny_ckpt)
     providers = next(r for r in summary.results if r.name == "lower").summary["providers"]
-    assert providers["hy3.paged_attention"] == {"triton": 3} and providers["hy3.moe_experts"] == {"cublas": 2}
+    assert providers["hy3.paged_attention"] == {"triton": 3} and providers["hy3.fused_moe"] == {"triton": 2}
     runner = artifact.load(summary.out, device="cuda")
     model = load_model(tiny_ckpt, dtype=torch.bfloat16, device="cuda", progress=False)
     prompts = [[5, 9, 100, 7], list(range(20, 51)), [3]]
