@@ -111,3 +111,17 @@ def init_checkpoint(
         gib=writer.total_bytes / 2**30,
     )
     return out
+
+
+def random_model(config: Hy3Config, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> Hy3ForCausalLM:
+    """The model `init_checkpoint` would write, built directly in memory (benchmarks at real shapes)."""
+    model = Hy3ForCausalLM(config, dtype=dtype, device=device)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name == "kv_scales":
+                param.fill_(1.0)
+            else:
+                param.copy_(
+                    _random_tensor(name, param.shape, param.dtype, seed, config.initializer_range, device)
+                )
+    return model.eval()

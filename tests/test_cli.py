@@ -96,3 +96,13 @@ def test_reference_logits_public_function(tiny_ckpt):
         assert "input_ids must lie in" in str(exc)
     else:
         raise AssertionError("out-of-vocabulary ids must be rejected")
+
+
+def test_random_model_equals_the_written_checkpoint(tiny_ckpt):
+    from hy3c.config import Hy3Config
+    from hy3c.init_checkpoint import random_model
+
+    config = Hy3Config.from_dir(tiny_ckpt)
+    built = random_model(config, torch.bfloat16, seed=0).state_dict()
+    loaded = load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False).state_dict()
+    assert all(torch.equal(built[k], loaded[k]) for k in loaded)

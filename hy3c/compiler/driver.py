@@ -15,25 +15,30 @@ import inspect
 import json
 import logging
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import fx
 
 import hy3c
-from hy3c.compiler.package import write_weights
+from hy3c.compiler.package import derive_weights, write_weights
 from hy3c.compiler.serialize import graph_to_json
 from hy3c.compiler.trace import STEP_INPUTS, STEP_OUTPUTS, trace_step
 from hy3c.config import Hy3Config, preset_config
 from hy3c.loader import CheckpointLayout, inspect_checkpoint
 from hy3c.logs import log_event
-from hy3c.model.layers import NO_QUANT
+from hy3c.model.hy3 import Hy3ForCausalLM
+from hy3c.model.layers import NO_QUANT, QuantLayout
 from hy3c.passes.base import CompileCtx, PassResult
+from hy3c.passes.graph_utils import set_attr
 from hy3c.passes.manager import PassError, PassManager
 from hy3c.passes.registry import PASS_REGISTRY
 from hy3c.recipe import Recipe, RecipeError
+from hy3c.runner import Runner
 from hy3c.safetensors_io import atomic_output_dir
 
 log = logging.getLogger("hy3c.compile")
@@ -96,6 +101,60 @@ def _versions() -> dict[str, str | None]:
     return {"hy3c": hy3c.__version__, "torch": torch.__version__, "triton": triton_version}
 
 
+def compile_context(config: Hy3Config, recipe: Recipe, quant: QuantLayout) -> CompileCtx:
+    return CompileCtx(
+        model=config,
+        parallel=recipe.parallel,
+        target=recipe.target,
+        device_type=recipe.device_type,
+        quant=recipe.quant,
+        dtype=recipe.dtype,
+        token_range=recipe.token_range,
+        checkpoint_static_scales=quant.static_activations,
+        checkpoint_fp8=bool(quant.fp8_modules),
+    )
+
+
+def trace_and_run_passes(
+    config: Hy3Config, recipe: Recipe, quant: QuantLayout, dump_dir: Path | None, timings: dict[str, float]
+) -> tuple[fx.GraphModule, list[PassResult]]:
+    """Trace the step function on the meta device and run the recipe's passes over it."""
+    start = time.perf_counter()
+    gm = trace_step(config, getattr(torch, recipe.dtype), quant)
+    timings["trace_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    try:
+        results = PassManager(recipe.passes, compile_context(config, recipe, quant), dump_dir).run(gm)
+    except PassError as exc:
+        raise CompileError(str(exc)) from None
+    timings["passes_s"] = time.perf_counter() - start
+    return gm, results
+
+
+def compile_model(
+    model: Hy3ForCausalLM, recipe: Recipe, compile: bool = True, cache_dir: Path | None = None
+) -> tuple[Runner, list[PassResult]]:
+    """Compile a model already in memory (e.g. random weights at real shapes for benchmarks) into a
+    Runner, without writing an artifact: same trace, passes and weight derivation as `compile_artifact`."""
+    _check_supported(recipe, None)
+    gm, results = trace_and_run_passes(model.config, recipe, model.quant, None, {})
+    params = dict(model.named_parameters())
+    device = model.device
+
+    def sources(shapes):
+        for fqn in shapes:
+            yield fqn, params[fqn]
+
+    with torch.no_grad():
+        for fqn, tensor in derive_weights(gm, sources, getattr(torch, recipe.dtype)):
+            set_attr(gm, fqn, tensor.to(device))
+    gm.recompile()
+    key = _sha([model.config.to_json_dict(), recipe.model_dump(mode="json"), pass_source_hashes(recipe)])
+    manifest = {"cache_key": {"key": key}, "kv_cache": {"dtype": kv_cache_dtype(recipe)}}
+    cache_dir = cache_dir or Path(tempfile.mkdtemp(prefix="hy3c-compile-"))
+    return Runner(cache_dir, manifest, model.config, recipe, gm, device, compile), results
+
+
 def compile_artifact(
     recipe: Recipe,
     out: str | Path,
@@ -117,27 +176,11 @@ def compile_artifact(
     _check_supported(recipe, layout)
     dtype = getattr(torch, recipe.dtype)
     quant = layout.quant if layout is not None else NO_QUANT
-    gm = trace_step(config, dtype, quant)
-    timings["trace_s"] = time.perf_counter() - start
-    ctx = CompileCtx(
-        model=config,
-        parallel=recipe.parallel,
-        target=recipe.target,
-        device_type=recipe.device_type,
-        quant=recipe.quant,
-        dtype=recipe.dtype,
-        token_range=recipe.token_range,
-        checkpoint_static_scales=quant.static_activations,
-        checkpoint_fp8=bool(quant.fp8_modules),
-    )
     out = Path(out)
     with atomic_output_dir(out, overwrite) as tmp:
-        t0 = time.perf_counter()
-        try:
-            results = PassManager(recipe.passes, ctx, tmp / "graphs" if dump_graphs else None).run(gm)
-        except PassError as exc:
-            raise CompileError(str(exc)) from None
-        timings["passes_s"] = time.perf_counter() - t0
+        gm, results = trace_and_run_passes(
+            config, recipe, quant, tmp / "graphs" if dump_graphs else None, timings
+        )
         t0 = time.perf_counter()
         (tmp / "program").mkdir()
         program = json.dumps(graph_to_json(gm))

@@ -8,6 +8,7 @@ cast to the dtype the graph expects. Peak memory is one parameter plus one pendi
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -31,6 +32,36 @@ def file_sha256(path: Path, chunk: int = 16 << 20) -> str:
     return digest.hexdigest()
 
 
+def derive_weights(
+    gm: fx.GraphModule,
+    sources: Callable[[dict[str, torch.Tensor]], Iterator[tuple[str, torch.Tensor]]],
+    source_dtype: torch.dtype,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter of gm, one source tensor at a time, as the passes' weight plan says: FP8 weights
+    quantized with their scales, router weights split into bf16 halves, the rest cast to the graph dtype.
+
+    `sources(shapes)` yields (fqn, tensor) for the requested source shapes (fqn → meta tensor)."""
+    params = dict(gm.named_parameters())
+    plan = weight_plan(gm)
+    fp8 = {fqn: e for fqn, e in plan.items() if e["kind"] == "fp8"}
+    splits = {e["source"]: (fqn, e["lo"]) for fqn, e in plan.items() if e["kind"] == "router_split"}
+    derived = {e["scale"] for e in fp8.values()} | {name for pair in splits.values() for name in pair}
+    shapes = {
+        fqn: torch.empty(p.shape, dtype=source_dtype if fqn in fp8 else p.dtype, device="meta")
+        for fqn, p in params.items()
+        if fqn not in derived
+    }
+    for fqn, tensor in sources(shapes):
+        if fqn in fp8:
+            quantized, scale = quantize_weight(tensor, fp8[fqn]["granularity"])
+            yield fqn, quantized
+            yield fp8[fqn]["scale"], scale.to(params[fp8[fqn]["scale"]].dtype)
+        else:
+            yield fqn, tensor.to(params[fqn].dtype)
+        if fqn in splits:
+            yield from zip(splits[fqn], split_router_weight(tensor.float()))
+
+
 def write_weights(
     gm: fx.GraphModule,
     layout: CheckpointLayout,
@@ -41,32 +72,17 @@ def write_weights(
     progress: bool | None = None,
 ) -> list[dict[str, object]]:
     """Write every parameter of gm into out/weights/; returns [{name, bytes, sha256}] per file."""
-    params = dict(gm.named_parameters())
-    plan = weight_plan(gm)
-    fp8 = {fqn: e for fqn, e in plan.items() if e["kind"] == "fp8"}
-    splits = {e["source"]: (fqn, e["lo"]) for fqn, e in plan.items() if e["kind"] == "router_split"}
-    derived = {e["scale"] for e in fp8.values()} | {name for pair in splits.values() for name in pair}
-    sources = {}
-    for fqn, param in params.items():
-        if fqn in derived:
-            continue
-        dtype = source_dtype if fqn in fp8 else param.dtype
-        sources[fqn] = torch.empty(param.shape, dtype=dtype, device="meta")
     directory = out / WEIGHTS_DIR
     directory.mkdir(parents=True)
     writer = ShardedWriter(directory, max_shard_bytes, names=WEIGHT_NAMES)
     disable = None if progress is None else not progress
-    with tqdm(total=len(sources), desc="packaging weights", unit="tensor", disable=disable) as bar:
-        for fqn, tensor in assemble_tensors(layout, sources, checkpoint):
-            if fqn in fp8:
-                quantized, scale = quantize_weight(tensor, fp8[fqn]["granularity"])
-                writer.add(fqn, quantized)
-                writer.add(fp8[fqn]["scale"], scale.to(params[fp8[fqn]["scale"]].dtype))
-            else:
-                writer.add(fqn, tensor.to(params[fqn].dtype))
-            if fqn in splits:
-                for name, part in zip(splits[fqn], split_router_weight(tensor.float())):
-                    writer.add(name, part)
+    with tqdm(
+        total=len(dict(gm.named_parameters())), desc="packaging weights", unit="tensor", disable=disable
+    ) as bar:
+        for fqn, tensor in derive_weights(
+            gm, lambda shapes: assemble_tensors(layout, shapes, checkpoint), source_dtype
+        ):
+            writer.add(fqn, tensor)
             del tensor
             bar.update(1)
     files = writer.close()

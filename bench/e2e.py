@@ -1,0 +1,309 @@
+"""End-to-end step times of a real-shape Hy3 slice on one GPU, against peers in the same run.
+
+    python bench/e2e.py --layers 4 --part main       # hy3c h200-bf16 (+ compiled), transformers, torch.compile
+    python bench/e2e.py --layers 4 --part fp8        # hy3c h20-w8a8c8 (dynamic activations) + pass ablation
+    python bench/e2e.py --device cpu --layers 2 --preset tiny --part main --quick   # logic check on CPU
+
+Weights are random at the true Hy3 widths (`real-shapes:N`: first N layers), built on the GPU. Every
+hy3c number is a step of the compiled program (`compile_model`: same trace, passes and weight
+derivation as `hy3c compile`), decode steps replaying the runner's CUDA graphs.
+* prefill latency for one request of 2K / 8K / 32K tokens;
+* decode step time at batch 1 / 8 / 32 / 128 with 2K tokens of context per request (the KV cache is
+  filled with random values: attention cost does not depend on them), tokens/s, and the bytes floor
+  (weights of the active experts + the rest, plus KV, at 4.25 TB/s) with the % of it achieved;
+* peers: transformers HYV3ForCausalLM (bf16, sdpa, grouped_mm experts; generate-based timing) and our
+  model under plain torch.compile (no hy3c passes, torch reference ops);
+* `--part fp8`: one pass off at a time (decode at batch 1 and 32, 8K prefill) and a profile of one
+  decode step (kernel time by name; GPU idle share of the CUDA-graph step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+import hy3c.kernels  # noqa: F401
+from hy3c.compiler.driver import compile_model
+from hy3c.config import preset_config
+from hy3c.init_checkpoint import random_model
+from hy3c.model.batch import SeqChunk, build_step_batch
+from hy3c.recipe import load_recipe
+
+BW = 4.25e12
+PAGE = 64
+RESULTS: dict[str, object] = {}
+
+
+class _Rows(list):
+    """Table rows, also printed as they come (a run cut short still shows what it measured)."""
+
+    def append(self, row: tuple[str, ...]) -> None:
+        super().append(row)
+        print("| " + " | ".join(row) + " |", flush=True)
+
+
+ROWS: list[tuple[str, ...]] = _Rows()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, reps: int = 5) -> float:
+    """Median wall ms of fn() over reps (after one warm-up), synchronizing around each."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def prefill_batch(tokens: int, device) -> object:
+    pages = list(range(-(-tokens // PAGE)))
+    return build_step_batch([SeqChunk(list(range(1, tokens + 1)), 0, pages, "last")], PAGE, device)
+
+
+def decode_batch(batch: int, context: int, device) -> object:
+    per = -(-(context + 1) // PAGE)
+    chunks = [SeqChunk([7 + r], context, list(range(r * per, (r + 1) * per)), "last") for r in range(batch)]
+    return build_step_batch(chunks, PAGE, device)
+
+
+def fill_kv(kv: torch.Tensor) -> None:
+    for layer in range(kv.shape[0]):  # random K/V (bounded: e4m3 casts on CUDA do not saturate)
+        kv[layer].copy_(torch.randn(kv[layer].shape, device=kv.device).clamp_(-8, 8).to(kv.dtype))
+
+
+def floor_ms(config, batch: int, context: int, kv_elem_bytes: int, weight_bytes: float) -> float:
+    h, inter, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    moe_layers = config.layer_types.count("sparse")
+    expert = 3 * h * inter * weight_bytes
+    active = e * (1 - (1 - config.num_experts_per_tok / e) ** batch)  # expected distinct experts
+    attn = (config.q_size * 2 + config.kv_size * 2) * h * weight_bytes
+    dense = 3 * h * config.intermediate_size * weight_bytes
+    weights = (
+        config.num_hidden_layers * attn
+        + dense
+        + moe_layers * (active * expert + expert + e * h * 4)
+        + config.vocab_size * h * 2
+    )
+    kv = batch * context * config.num_hidden_layers * config.kv_size * 2 * kv_elem_bytes
+    return (weights + kv) / BW * 1e3
+
+
+def measure(
+    runner, label: str, config, decode_sizes, prefill_sizes, context: int, weight_bytes: float
+) -> dict:
+    device = runner.device
+    out: dict[str, float] = {}
+    max_tokens = max(prefill_sizes + [max(decode_sizes) * (context + 1)])
+    kv = runner.allocate_kv_cache(-(-max_tokens // PAGE) + max(decode_sizes), PAGE)
+    for tokens in prefill_sizes:
+        batch = prefill_batch(tokens, device)
+        ms = timed(lambda b=batch: runner.step(b, kv), device)
+        out[f"prefill_{tokens}_ms"] = ms
+        ROWS.append((f"{label} prefill {tokens // 1024}K", f"{ms:.1f}", f"{tokens / ms * 1e3:.0f} tok/s", ""))
+    fill_kv(kv)
+    per = -(-(context + 1) // PAGE)
+    if device.type == "cuda":
+        reason = runner.capture_decode_graphs(kv, max_pages=per, batch_sizes=list(decode_sizes))
+        out["cuda_graphs"] = reason or "captured"
+    kv_bytes = kv.element_size()
+    for b in decode_sizes:
+        batch = decode_batch(b, context, device)
+        ms = timed(lambda bt=batch: runner.step(bt, kv), device, reps=20)
+        floor = floor_ms(config, b, context, kv_bytes, weight_bytes)
+        out[f"decode_B{b}_ms"] = ms
+        out[f"decode_B{b}_floor_ms"] = floor
+        ROWS.append(
+            (
+                f"{label} decode B={b}",
+                f"{ms:.2f}",
+                f"{b / ms * 1e3:.0f} tok/s",
+                f"floor {floor:.2f} ms = {floor / ms * 100:.0f}%",
+            )
+        )
+    del kv
+    return out
+
+
+def hf_peer(layers: int, decode_sizes, prefill_sizes, context: int, device) -> dict:
+    from transformers import HYV3Config, HYV3ForCausalLM
+
+    cfg = HYV3Config(num_hidden_layers=layers, enable_moe_fp32_combine=False)
+    with torch.device(device):
+        model = HYV3ForCausalLM._from_config(
+            cfg, dtype=torch.bfloat16, attn_implementation="sdpa", experts_implementation="grouped_mm"
+        ).eval()
+
+    def gen(ids, n):
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        sync(device)
+        return (time.perf_counter() - start) * 1e3
+
+    out = {}
+    for tokens in prefill_sizes:
+        ids = torch.randint(0, cfg.vocab_size, (1, tokens), device=device)
+        gen(ids, 1)
+        out[f"prefill_{tokens}_ms"] = min(gen(ids, 1) for _ in range(2))
+        ROWS.append((f"transformers prefill {tokens // 1024}K", f"{out[f'prefill_{tokens}_ms']:.1f}", "", ""))
+    for b in decode_sizes:
+        ids = torch.randint(0, cfg.vocab_size, (b, context), device=device)
+        gen(ids, 2)
+        steps = 8
+        ms = (gen(ids, steps + 1) - gen(ids, 1)) / steps
+        out[f"decode_B{b}_ms"] = ms
+        ROWS.append((f"transformers decode B={b}", f"{ms:.2f}", f"{b / ms * 1e3:.0f} tok/s", ""))
+    del model
+    return out
+
+
+def plain_compile_peer(model, decode_sizes, prefill_sizes, context: int) -> dict:
+    """Our eager model (torch reference ops) under torch.compile, no hy3c passes, no CUDA graphs."""
+    device = model.device
+    compiled = torch.compile(model, dynamic=True)
+    out = {}
+    kv = model.allocate_kv_cache(
+        -(-max(prefill_sizes + [max(decode_sizes) * (context + 1)]) // PAGE) + 8, PAGE
+    )
+    for tokens in prefill_sizes:
+        batch = prefill_batch(tokens, device)
+        with torch.no_grad():
+            ms = timed(lambda b=batch: compiled(*b.model_args(kv)), device, reps=3)
+        out[f"prefill_{tokens}_ms"] = ms
+        ROWS.append((f"torch.compile (no hy3c passes) prefill {tokens // 1024}K", f"{ms:.1f}", "", ""))
+    for b in decode_sizes:
+        batch = decode_batch(b, context, device)
+        with torch.no_grad():
+            ms = timed(lambda bt=batch: compiled(*bt.model_args(kv)), device, reps=5)
+        out[f"decode_B{b}_ms"] = ms
+        ROWS.append((f"torch.compile (no hy3c passes) decode B={b}", f"{ms:.2f}", "", ""))
+    return out
+
+
+def profile_decode(runner, config, batch_size: int, context: int) -> dict:
+    device = runner.device
+    per = -(-(context + 1) // PAGE)
+    kv = runner.allocate_kv_cache(batch_size * per + 1, PAGE)
+    fill_kv(kv)
+    batch = decode_batch(batch_size, context, device)
+    for _ in range(3):
+        runner(*batch.model_args(kv))
+    sync(device)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner(*batch.model_args(kv))
+        sync(device)
+    kernels: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA" and event.self_device_time_total > 0:
+            kernels[event.key[:60]] = event.self_device_time_total / 1e3
+    busy = sum(kernels.values())
+    runner.capture_decode_graphs(kv, max_pages=per, batch_sizes=[batch_size])
+    step = timed(lambda: runner.step(batch, kv), device, reps=20)
+    top = dict(sorted(kernels.items(), key=lambda kv_: -kv_[1])[:12])
+    return {
+        "step_ms": step,
+        "kernel_ms": busy,
+        "gpu_idle_pct": max(0.0, (1 - busy / step) * 100),
+        "top_kernels_ms": top,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--preset", default="real-shapes", help="real-shapes (uses --layers) or tiny")
+    parser.add_argument("--part", choices=("main", "fp8"), default="main")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="small sizes (logic check)")
+    parser.add_argument("--skip-peers", action="store_true")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    preset = f"real-shapes:{args.layers}" if args.preset == "real-shapes" else args.preset
+    config = preset_config(preset, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    context = 128 if args.quick else 2048
+    decode_sizes = [1, 8] if args.quick else [1, 8, 32, 128]
+    prefill_sizes = [256] if args.quick else [2048, 8192, 32768]
+    start = time.perf_counter()
+    model = random_model(config, torch.bfloat16 if device.type == "cuda" else torch.float32, str(device))
+    RESULTS["build_model_s"] = time.perf_counter() - start
+    cpu = device.type == "cpu"
+    if args.part == "main":
+        recipe = load_recipe("cpu-reference" if cpu else "h200-bf16")
+        runner, _ = compile_model(model, recipe, compile=False)
+        RESULTS["hy3c_bf16_eager_graph"] = measure(
+            runner, "hy3c bf16", config, decode_sizes, prefill_sizes, context, 2
+        )
+        start = time.perf_counter()
+        compiled, _ = compile_model(model, recipe, compile=True)
+        RESULTS["hy3c_bf16_inductor"] = measure(
+            compiled, "hy3c bf16 + Inductor", config, decode_sizes, prefill_sizes, context, 2
+        )
+        RESULTS["hy3c_bf16_inductor"]["compile_and_measure_s"] = time.perf_counter() - start
+        del runner, compiled
+        if not args.skip_peers:
+            RESULTS["plain_torch_compile"] = plain_compile_peer(
+                model, [1, 32] if not args.quick else [1], [8192] if not args.quick else [256], context
+            )
+            del model
+            if not cpu:
+                torch.cuda.empty_cache()
+                RESULTS["transformers"] = hf_peer(
+                    args.layers, decode_sizes, prefill_sizes[:2], context, device
+                )
+    else:
+        overrides = ["quant.activations=dynamic"] + (
+            ["target=cpu", "quant.kv=bf16", "dtype=float32", "passes.lower.priority=[torch]"] if cpu else []
+        )
+        base = load_recipe("h20-w8a8c8", overrides)
+        runner, results = compile_model(model, base, compile=False)
+        RESULTS["hy3c_fp8"] = measure(runner, "hy3c fp8", config, decode_sizes, prefill_sizes, context, 1)
+        if not cpu:
+            RESULTS["profile_decode_B1"] = profile_decode(runner, config, 1, context)
+            RESULTS["profile_decode_B32"] = profile_decode(runner, config, 32, context)
+        del runner
+        for spec in base.passes:
+            if spec.name in ("lower", "cleanup"):
+                continue
+            recipe = load_recipe("h20-w8a8c8", [*overrides, f"passes.{spec.name}.enabled=false"])
+            try:
+                runner, _ = compile_model(model, recipe, compile=False)
+                RESULTS[f"ablation_no_{spec.name}"] = measure(
+                    runner,
+                    f"fp8 without {spec.name}",
+                    config,
+                    [1, 32] if not args.quick else [1],
+                    [8192] if not args.quick else [256],
+                    context,
+                    1,
+                )
+            except Exception as exc:  # a pass whose removal breaks a later one is reported, not fatal
+                RESULTS[f"ablation_no_{spec.name}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                ROWS.append((f"fp8 without {spec.name}", "error", str(exc)[:60], ""))
+            del runner
+    print("| case | ms | throughput | floor |")
+    print("|---|---|---|---|")
+    for row in ROWS:
+        print("| " + " | ".join(row) + " |")
+    print(json.dumps({k: v for k, v in RESULTS.items() if k.startswith("profile")}, default=str)[:3000])
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"e2e_{args.part}.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
