@@ -105,7 +105,7 @@ def measure(
 ) -> dict:
     device = runner.device
     out: dict[str, float] = {}
-    max_tokens = max(prefill_sizes + [max(decode_sizes) * (context + 1)])
+    max_tokens = max([*prefill_sizes, max(decode_sizes) * (context + 1)])
     kv = runner.allocate_kv_cache(-(-max_tokens // PAGE) + max(decode_sizes), PAGE)
     for tokens in prefill_sizes:
         batch = prefill_batch(tokens, device)
@@ -132,7 +132,6 @@ def measure(
                 f"floor {floor:.2f} ms = {floor / ms * 100:.0f}%",
             )
         )
-    del kv
     return out
 
 
@@ -166,7 +165,6 @@ def hf_peer(layers: int, decode_sizes, prefill_sizes, context: int, device) -> d
         ms = (gen(ids, steps + 1) - gen(ids, 1)) / steps
         out[f"decode_B{b}_ms"] = ms
         ROWS.append((f"transformers decode B={b}", f"{ms:.2f}", f"{b / ms * 1e3:.0f} tok/s", ""))
-    del model
     return out
 
 
@@ -176,7 +174,7 @@ def plain_compile_peer(model, decode_sizes, prefill_sizes, context: int) -> dict
     compiled = torch.compile(model, dynamic=True)
     out = {}
     kv = model.allocate_kv_cache(
-        -(-max(prefill_sizes + [max(decode_sizes) * (context + 1)]) // PAGE) + 8, PAGE
+        -(-max([*prefill_sizes, max(decode_sizes) * (context + 1)]) // PAGE) + 8, PAGE
     )
     for tokens in prefill_sizes:
         batch = prefill_batch(tokens, device)
@@ -270,7 +268,7 @@ def main() -> None:
             ["target=cpu", "quant.kv=bf16", "dtype=float32", "passes.lower.priority=[torch]"] if cpu else []
         )
         base = load_recipe("h20-w8a8c8", overrides)
-        runner, results = compile_model(model, base, compile=False)
+        runner, _ = compile_model(model, base, compile=False)
         RESULTS["hy3c_fp8"] = measure(runner, "hy3c fp8", config, decode_sizes, prefill_sizes, context, 1)
         if not cpu:
             RESULTS["profile_decode_B1"] = profile_decode(runner, config, 1, context)
