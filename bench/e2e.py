@@ -78,6 +78,11 @@ def decode_batch(batch: int, context: int, device) -> object:
     return build_step_batch(chunks, PAGE, device)
 
 
+def kv_pages(prefill_sizes: list[int], decode_sizes: list[int], context: int) -> int:
+    """Pages for the largest prefill, or for every decode request's context (decode_batch's layout)."""
+    return max(-(-max(prefill_sizes) // PAGE), max(decode_sizes) * -(-(context + 1) // PAGE)) + 1
+
+
 def fill_kv(kv: torch.Tensor) -> None:
     for layer in range(kv.shape[0]):  # random K/V (bounded: e4m3 casts on CUDA do not saturate)
         kv[layer].copy_(torch.randn(kv[layer].shape, device=kv.device).clamp_(-8, 8).to(kv.dtype))
@@ -105,8 +110,7 @@ def measure(
 ) -> dict:
     device = runner.device
     out: dict[str, float] = {}
-    max_tokens = max([*prefill_sizes, max(decode_sizes) * (context + 1)])
-    kv = runner.allocate_kv_cache(-(-max_tokens // PAGE) + max(decode_sizes), PAGE)
+    kv = runner.allocate_kv_cache(kv_pages(prefill_sizes, decode_sizes, context), PAGE)
     for tokens in prefill_sizes:
         batch = prefill_batch(tokens, device)
         ms = timed(lambda b=batch: runner.step(b, kv), device)
@@ -173,9 +177,7 @@ def plain_compile_peer(model, decode_sizes, prefill_sizes, context: int) -> dict
     device = model.device
     compiled = torch.compile(model, dynamic=True)
     out = {}
-    kv = model.allocate_kv_cache(
-        -(-max([*prefill_sizes, max(decode_sizes) * (context + 1)]) // PAGE) + 8, PAGE
-    )
+    kv = model.allocate_kv_cache(kv_pages(prefill_sizes, decode_sizes, context), PAGE)
     for tokens in prefill_sizes:
         batch = prefill_batch(tokens, device)
         with torch.no_grad():
@@ -225,10 +227,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--preset", default="real-shapes", help="real-shapes (uses --layers) or tiny")
-    parser.add_argument("--part", choices=("main", "fp8"), default="main")
+    parser.add_argument("--part", choices=("main", "fp8", "peers"), default="main")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small sizes (logic check)")
-    parser.add_argument("--skip-peers", action="store_true")
+    parser.add_argument("--skip-peers", action="store_true", help="main: skip the peers (see --part peers)")
     args = parser.parse_args()
     device = torch.device(args.device)
     preset = f"real-shapes:{args.layers}" if args.preset == "real-shapes" else args.preset
@@ -240,7 +242,13 @@ def main() -> None:
     model = random_model(config, torch.bfloat16 if device.type == "cuda" else torch.float32, str(device))
     RESULTS["build_model_s"] = time.perf_counter() - start
     cpu = device.type == "cpu"
-    if args.part == "main":
+    if args.part == "peers":
+        RESULTS["plain_torch_compile"] = plain_compile_peer(model, [1, 32], [8192], context)
+        del model
+        if not cpu:
+            torch.cuda.empty_cache()
+            RESULTS["transformers"] = hf_peer(args.layers, decode_sizes, prefill_sizes[:2], context, device)
+    elif args.part == "main":
         recipe = load_recipe("cpu-reference" if cpu else "h200-bf16")
         runner, _ = compile_model(model, recipe, compile=False)
         RESULTS["hy3c_bf16_eager_graph"] = measure(
