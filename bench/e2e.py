@@ -69,7 +69,8 @@ def timed(fn, device, reps: int = 5) -> float:
 
 def prefill_batch(tokens: int, device) -> object:
     pages = list(range(-(-tokens // PAGE)))
-    return build_step_batch([SeqChunk(list(range(1, tokens + 1)), 0, pages, "last")], PAGE, device)
+    ids = [1 + i % 500 for i in range(tokens)]  # valid for every preset's vocabulary
+    return build_step_batch([SeqChunk(ids, 0, pages, "last")], PAGE, device)
 
 
 def decode_batch(batch: int, context: int, device) -> object:
@@ -243,7 +244,9 @@ def main() -> None:
     RESULTS["build_model_s"] = time.perf_counter() - start
     cpu = device.type == "cpu"
     if args.part == "peers":
-        RESULTS["plain_torch_compile"] = plain_compile_peer(model, [1, 32], [8192], context)
+        RESULTS["plain_torch_compile"] = plain_compile_peer(
+            model, decode_sizes[:1] + decode_sizes[2:3], prefill_sizes[1:2] or prefill_sizes, context
+        )
         del model
         if not cpu:
             torch.cuda.empty_cache()
