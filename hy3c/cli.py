@@ -5,6 +5,7 @@
     hy3c generate --model ckpt/ --prompt "Hello" --max-tokens 32   eager paged-KV generation
     hy3c compile --model ckpt/ --recipe h20-w8a8c8 --out art/       trace + passes + package
     hy3c inspect art/ passes|ops|graph|diff|why-not|cache-key      what every pass did
+    hy3c serve art/ --port 8000                                    OpenAI-compatible server
     hy3c demo                                                      end to end on a tiny model
 
 Every command exits with status 2 and a one-line `error: ...` message (no traceback) on bad input.
@@ -210,6 +211,57 @@ def _run_inspect(args: argparse.Namespace) -> None:
     print()
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a compiled artifact over an OpenAI-compatible HTTP API")
+    p.add_argument("artifact", type=Path)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="model id in the API (default: the artifact directory name)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--max-num-seqs", type=int, help="requests in the running batch (default: the recipe's)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, help="tokens per engine step (default: the recipe's)"
+    )
+    p.add_argument("--max-model-len", type=int, help="prompt + completion tokens per request")
+    p.add_argument("--kv-memory", type=float, metavar="GIB", help="KV cache size in GiB")
+    p.add_argument("--page-size", type=int, help="tokens per KV page (default: the recipe's)")
+    p.add_argument("--device", help="default: cuda if available, else cpu")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the program through torch.compile (default: on for CUDA)",
+    )
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before 503")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> None:
+    from hy3c.serve.server import ServeOptions, serve
+
+    serve(
+        ServeOptions(
+            args.artifact,
+            args.host,
+            args.port,
+            args.served_model_name,
+            args.api_key,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            args.max_model_len,
+            args.kv_memory,
+            args.page_size,
+            args.device,
+            args.compile,
+            args.cuda_graphs,
+            args.max_request_bytes,
+            args.max_waiting,
+        )
+    )
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo", help="end to end on a tiny random checkpoint: init-checkpoint → compile → generate"
@@ -242,6 +294,7 @@ _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_generate,
     _add_compile,
     _add_inspect,
+    _add_serve,
     _add_demo,
 )
 

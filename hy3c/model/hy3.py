@@ -73,6 +73,11 @@ class Hy3ForCausalLM(nn.Module):
     def allocate_kv_cache(self, num_pages: int, page_size: int) -> Tensor:
         return allocate_kv_cache(self.config, num_pages, page_size, self.kv_dtype, self.device)
 
+    def step(self, batch, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+        """One step over a `StepBatch` (the engine's interface, shared with the compiled Runner)."""
+        with torch.no_grad():
+            return self(*batch.model_args(kv_cache))
+
     def logits(self, hidden: Tensor) -> Tensor:
         """lm_head in the model dtype, returned as fp32 (HY3_SPEC §12)."""
         return self.lm_head(hidden).float()

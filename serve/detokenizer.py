@@ -1,0 +1,57 @@
+"""Incremental, UTF-8-safe detokenization with stop strings that may span token boundaries.
+
+Each new token is decoded together with the tokens since the last emitted text (prefix offset / read
+offset), so only the new text is produced; text that ends in an incomplete UTF-8 sequence (U+FFFD) is held back until the
+next token completes it. The last `max(len(stop)) - 1` characters are also held back, so a stop string
+split across tokens is found before any of it is streamed. The stop string itself is not emitted.
+"""
+
+from __future__ import annotations
+
+from hy3c.tokenizer import Hy3Tokenizer
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Hy3Tokenizer, stop: list[str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # all decoded text so far (safe: no partial characters)
+        self.emitted = 0  # characters of `text` already returned
+        self.stopped_by: str | None = None
+
+    def push(self, token: int) -> str:
+        """Add one token; return the text now safe to stream ('' if held back or already stopped)."""
+        if self.stopped_by is not None:
+            return ""
+        self.ids.append(token)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+        return self._release()
+
+    def _release(self) -> str:
+        for stop in self.stop:
+            at = self.text.find(stop, max(self.emitted - len(stop), 0))
+            if at != -1:
+                self.stopped_by = stop
+                self.text = self.text[:at]
+                return self._take(len(self.text))
+        return self._take(max(len(self.text) - self.holdback, self.emitted))
+
+    def _take(self, upto: int) -> str:
+        out = self.text[self.emitted : upto]
+        self.emitted = max(self.emitted, upto)
+        return out
+
+    def flush(self) -> str:
+        """At the end of generation: everything not yet streamed (held-back characters)."""
+        if self.stopped_by is not None:
+            return ""
+        return self._take(len(self.text))

@@ -1,0 +1,286 @@
+"""The serving engine: one thread owns the model and the KV cache; the API talks to it through queues.
+
+    engine = Engine(runner, tokenizer, EngineConfig(...)); engine.start()
+    engine.submit(GenerationRequest(...), emit)      # emit(StepOutput) is called from the engine thread
+    engine.abort(request_id)
+
+Each loop iteration takes new requests and aborts from the inbox, asks the scheduler for a step, runs it
+(`runner.step`: a captured CUDA graph for decode batches on GPU), samples the rows that need a next
+token, detokenizes incrementally, checks stop conditions and emits one `StepOutput` per request. A
+failing step fails the requests in it (their pages are freed) and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hy3c.logs import log_event
+from hy3c.model.batch import SeqChunk, build_step_batch
+from hy3c.serve.detokenizer import IncrementalDetokenizer
+from hy3c.serve.kv_pages import OutOfPages, PagePool
+from hy3c.serve.metrics import EngineMetrics
+from hy3c.serve.sampler import History, SamplingParams, sample
+from hy3c.serve.scheduler import Scheduler, Sequence, Work
+from hy3c.tokenizer import Hy3Tokenizer
+
+log = logging.getLogger("hy3c.engine")
+
+
+@dataclass
+class EngineConfig:
+    num_pages: int
+    page_size: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    num_logprobs: int | None = None  # None: no logprobs; 0: the chosen token's only
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class StepOutput:
+    """What a request produced in one engine step (text and ids are the new part)."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: str | int | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class _Live:
+    request: GenerationRequest
+    seq: Sequence
+    emit: Callable[[StepOutput], None]
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+class Engine:
+    def __init__(
+        self, runner, tokenizer: Hy3Tokenizer, config: EngineConfig, metrics: EngineMetrics | None = None
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = metrics or EngineMetrics()
+        self.pool = PagePool(config.num_pages, config.page_size)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.kv_cache = runner.allocate_kv_cache(config.num_pages, config.page_size)
+        self.eos_ids = set(runner.config.eos_token_ids)
+        self._live: dict[str, _Live] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hy3c-engine", daemon=True)
+        self.dead: str | None = None
+
+    # ---- API side (any thread) ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.dead is None
+
+    def submit(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> None:
+        self._inbox.put(("add", request, emit))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, None))
+        self._wake.set()
+
+    def num_requests(self) -> tuple[int, int]:
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
+    # ---- engine thread -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.scheduler.has_work:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                self._step()
+        except BaseException as exc:  # the loop itself broke: report unhealthy, fail everything
+            self.dead = f"{type(exc).__name__}: {exc}"
+            log_event(log, "engine_dead", level=logging.ERROR, error=self.dead)
+            for request_id in list(self._live):
+                self._fail(request_id, self.dead)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload, emit = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._admit(payload, emit)
+            elif kind == "abort" and payload in self._live:
+                live = self._live.pop(payload)
+                self.scheduler.remove(payload)
+                self.metrics.aborted.inc()
+                live.emit(self._final(live, "abort"))
+
+    def _admit(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> None:
+        seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids))
+        generator = None
+        if not request.params.greedy:
+            generator = torch.Generator(device=self.runner.device)
+            generator.seed() if request.params.seed is None else generator.manual_seed(request.params.seed)
+        self._live[request.request_id] = _Live(
+            request, seq, emit, IncrementalDetokenizer(self.tokenizer, request.stop), generator
+        )
+        self.scheduler.add(seq)
+        self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+
+    def _step(self) -> None:
+        try:
+            work = self.scheduler.schedule()
+        except OutOfPages as exc:
+            seq = self.scheduler.waiting[0]
+            self._fail(seq.request_id, str(exc))
+            return
+        if not work:
+            return
+        started = time.monotonic()
+        try:
+            chunks = [
+                SeqChunk(
+                    w.seq.tokens[w.start : w.start + w.count],
+                    w.start,
+                    w.seq.pages,
+                    "last" if w.wants_logits else "none",
+                )
+                for w in work
+            ]
+            batch = build_step_batch(chunks, self.config.page_size, self.runner.device)
+            logits, _ = self.runner.step(batch, self.kv_cache)
+            for w in work:
+                w.seq.computed = w.start + w.count
+            rows = [work[i] for i in batch.logits_owner]
+            self._sample_and_emit(rows, logits)
+        except Exception as exc:  # fail the requests of this step, keep serving the others
+            log_event(
+                log,
+                "step_failed",
+                level=logging.ERROR,
+                error=f"{type(exc).__name__}: {exc}",
+                trace=traceback.format_exc(limit=3),
+            )
+            for w in work:
+                self._fail(w.seq.request_id, f"engine error: {type(exc).__name__}: {exc}")
+            return
+        for w in work:
+            if not w.seq.finished:
+                self.pool.publish(w.seq.tokens, w.seq.pages, w.seq.computed)
+        self.metrics.step(
+            time.monotonic() - started,
+            sum(w.count for w in work),
+            self.pool.usage(),
+            *self.num_requests(),
+            self.scheduler.num_preemptions,
+        )
+
+    def _sample_and_emit(self, rows: list[Work], logits: torch.Tensor) -> None:
+        lives = [self._live[w.seq.request_id] for w in rows]
+        want = max((lv.request.num_logprobs or 0 for lv in lives), default=0)
+        result = sample(
+            logits,
+            [lv.request.params for lv in lives],
+            [History(lv.request.prompt_ids, lv.output) for lv in lives],
+            [lv.generator for lv in lives],
+            want,
+        )
+        now = time.monotonic()
+        for lv, token, chosen, top in zip(lives, result.tokens, result.logprobs, result.top):
+            req = lv.request
+            if lv.first_token_at is None:
+                lv.first_token_at = now
+                self.metrics.ttft.observe(now - req.arrival)
+            else:
+                self.metrics.itl.observe(now - lv.last_token_at)
+            lv.last_token_at = now
+            stop_token = (token in self.eos_ids and not req.ignore_eos) or token in req.stop_token_ids
+            out = StepOutput(req.request_id)
+            if not stop_token:
+                lv.output.append(token)
+                lv.seq.tokens.append(token)
+                out.token_ids = [token]
+                out.text = lv.detok.push(token)
+                if req.num_logprobs is not None:
+                    out.logprobs = [(token, chosen, top[: req.num_logprobs])]
+                self.metrics.generation_tokens.inc()
+            reason = None
+            if stop_token:
+                reason, out.stop_reason = "stop", token
+            elif lv.detok.stopped_by is not None:
+                reason, out.stop_reason = "stop", lv.detok.stopped_by
+            elif len(lv.output) >= req.max_tokens or len(lv.seq.tokens) >= self.config.max_model_len:
+                reason = "length"
+            if reason is not None:
+                out.text += lv.detok.flush()
+                self._finish(lv, out, reason)
+            lv.emit(out)
+
+    def _usage(self, live: _Live, out: StepOutput) -> StepOutput:
+        out.prompt_tokens = len(live.request.prompt_ids)
+        out.completion_tokens = len(live.output)
+        out.cached_tokens = live.seq.cached_tokens
+        return out
+
+    def _finish(self, live: _Live, out: StepOutput, reason: str) -> None:
+        out.finished, out.finish_reason = True, reason
+        self._usage(live, out)
+        live.seq.finished = True
+        self.pool.publish(live.seq.tokens, live.seq.pages, live.seq.computed)
+        self.scheduler.remove(live.request.request_id)
+        del self._live[live.request.request_id]
+        self.metrics.finished(reason, time.monotonic() - live.request.arrival, len(live.output))
+
+    def _final(self, live: _Live, reason: str, error: str | None = None) -> StepOutput:
+        out = StepOutput(live.request.request_id, finished=True, finish_reason=reason, error=error)
+        return self._usage(live, out)
+
+    def _fail(self, request_id: str, error: str) -> None:
+        live = self._live.pop(request_id, None)
+        self.scheduler.remove(request_id)
+        if live is not None:
+            self.metrics.finished("error", time.monotonic() - live.request.arrival, len(live.output))
+            live.emit(self._final(live, "error", error))

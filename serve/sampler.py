@@ -1,0 +1,113 @@
+"""The token sampler of the serving engine (reference implementation, pure torch).
+
+    result = sample(logits, params, history, generators, num_logprobs, noise=None)
+
+Per row: repetition penalty over the prompt and output tokens, presence and frequency penalties over
+the output tokens, temperature, then top-k, top-p and min-p filtering, then a draw — greedy (temperature
+0) or Gumbel-max with the request's seeded generator (`noise` injects the uniform draws, which makes
+sampling exactly reproducible in tests). Logprobs are those of the processed distribution (after
+penalties and temperature, before filtering), for the chosen token and the top `num_logprobs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class History:
+    """Token ids a row's penalties look at."""
+
+    prompt: list[int]
+    output: list[int]
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[float]  # of the chosen token
+    top: list[list[tuple[int, float]]]  # top-n (token, logprob) per row, n = num_logprobs
+
+
+def apply_penalties(logits: Tensor, params: list[SamplingParams], history: list[History]) -> Tensor:
+    logits = logits.clone()
+    for row, (p, h) in enumerate(zip(params, history)):
+        if p.repetition_penalty != 1.0 and (h.prompt or h.output):
+            seen = torch.tensor(sorted(set(h.prompt) | set(h.output)), device=logits.device)
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(
+                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+            )
+        if (p.presence_penalty or p.frequency_penalty) and h.output:
+            ids, counts = torch.tensor(h.output, device=logits.device).unique(return_counts=True)
+            logits[row, ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
+    return logits
+
+
+def filter_mask(probs: Tensor, p: SamplingParams) -> Tensor:
+    """Boolean mask [V] of the tokens top-k / top-p / min-p keep (the most likely is always kept)."""
+    sorted_probs, order = probs.sort(descending=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if p.top_k > 0:
+        keep[p.top_k :] = False
+    if p.top_p < 1.0:
+        keep &= (sorted_probs.cumsum(-1) - sorted_probs) < p.top_p
+    if p.min_p > 0.0:
+        keep &= sorted_probs >= p.min_p * sorted_probs[0]
+    keep[0] = True
+    mask = torch.zeros_like(keep)
+    mask[order] = keep
+    return mask
+
+
+def sample(
+    logits: Tensor,
+    params: list[SamplingParams],
+    history: list[History],
+    generators: list[torch.Generator | None],
+    num_logprobs: int = 0,
+    noise: Tensor | None = None,
+) -> SampleResult:
+    logits = apply_penalties(logits.float(), params, history)
+    tokens, chosen, top = [], [], []
+    for row, p in enumerate(params):
+        scaled = logits[row] if p.greedy else logits[row] / p.temperature
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        if p.greedy:
+            token = int(scaled.argmax())
+        else:
+            mask = filter_mask(logprobs.exp(), p)
+            u = (
+                noise[row]
+                if noise is not None
+                else torch.rand(scaled.shape, generator=generators[row], device=scaled.device)
+            )
+            gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
+            token = int(torch.where(mask, logprobs + gumbel, float("-inf")).argmax())
+        tokens.append(token)
+        chosen.append(float(logprobs[token]))
+        if num_logprobs:
+            values, ids = logprobs.topk(num_logprobs)
+            top.append(list(zip(ids.tolist(), values.tolist())))
+        else:
+            top.append([])
+    return SampleResult(tokens, chosen, top)

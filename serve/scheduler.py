@@ -1,0 +1,132 @@
+"""Continuous batching with chunked prefill under a token budget, prefix reuse and preemption.
+
+Every step, `schedule()` decides which tokens each sequence feeds:
+1. running sequences first, in arrival order: a decode feeds 1 token, an unfinished prefill its next
+   chunk; each gets the pages its new tokens need — when the pool is exhausted, the most recently
+   admitted other sequence is preempted (its pages freed, its tokens — prompt and output so far — put
+   back at the front of the queue to be recomputed, which yields the same continuation);
+2. then waiting sequences, while the budget, `max_num_seqs` and free pages allow: the longest published
+   prefix is reused (`PagePool.match_prefix`), the rest is prefilled in chunks.
+A step is a list of `Work` items (one per sequence) that the engine turns into a `StepBatch`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hy3c.serve.kv_pages import OutOfPages, PagePool
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    tokens: list[int]  # prompt + generated
+    num_prompt: int
+    pages: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose KV is in the cache
+    cached_tokens: int = 0  # prefix-cache hit at first admission (reported in usage)
+    admitted: bool = False
+    finished: bool = False
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.computed
+
+
+@dataclass
+class Work:
+    seq: Sequence
+    start: int  # position of the first fed token
+    count: int  # tokens fed this step
+    wants_logits: bool  # the chunk reaches the end of the sequence: sample its next token
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, request_id: str) -> Sequence | None:
+        """Drop a sequence wherever it is and free its pages (abort, error, or finished)."""
+        for seq in list(self.running):
+            if seq.request_id == request_id:
+                self.running.remove(seq)
+                self._free(seq)
+                return seq
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                self._free(seq)
+                return seq
+        return None
+
+    def _free(self, seq: Sequence) -> None:
+        self.pool.release(seq.pages)
+        seq.pages = []
+
+    def _grow(self, seq: Sequence, upto: int) -> bool:
+        missing = -(-upto // self.pool.page_size) - len(seq.pages)
+        if missing <= 0:
+            return True
+        try:
+            seq.pages.extend(self.pool.allocate(missing))
+            return True
+        except OutOfPages:
+            return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.computed = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[Work]:
+        budget = self.max_num_batched_tokens
+        work: list[Work] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted by an earlier sequence this step
+                continue
+            count = min(seq.pending, budget)
+            while not self._grow(seq, seq.computed + count):
+                victims = [s for s in self.running if s is not seq and s not in {w.seq for w in work}]
+                if not victims:
+                    self._preempt(seq)
+                    break
+                self._preempt(victims[-1])
+            if seq not in self.running:
+                continue
+            work.append(Work(seq, seq.computed, count, seq.computed + count == len(seq.tokens)))
+            budget -= count
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.pages:
+                seq.pages = self.pool.match_prefix(seq.tokens)
+                seq.computed = len(seq.pages) * self.pool.page_size
+                if not seq.admitted:
+                    seq.cached_tokens = seq.computed
+            count = min(seq.pending, budget)
+            if not self._grow(seq, seq.computed + count):
+                if not self.running and not work:  # alone and still too large: the pool is too small
+                    raise OutOfPages(f"request {seq.request_id} needs more KV pages than the pool has")
+                break
+            self.waiting.popleft()
+            seq.admitted = True
+            self.running.append(seq)
+            work.append(Work(seq, seq.computed, count, seq.computed + count == len(seq.tokens)))
+            budget -= count
+        return work
