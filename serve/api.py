@@ -134,7 +134,7 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
             raise APIError(
                 503, f"engine is not running ({engine.dead or 'stopped'})", kind="service_unavailable"
             )
-        running, waiting = engine.num_requests()
+        _, waiting = engine.num_requests()
         if waiting >= config.max_waiting:
             raise APIError(
                 503, "server overloaded: too many waiting requests, retry later", kind="service_unavailable"
