@@ -264,7 +264,7 @@ def _run_serve(args: argparse.Namespace) -> None:
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "demo", help="end to end on a tiny random checkpoint: init-checkpoint → compile → generate"
+        "demo", help="end to end on a tiny random checkpoint: init-checkpoint → compile → serve → chat"
     )
     p.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary directory)")
     p.add_argument("--prompt", default="Hello, Hy3!")
@@ -272,20 +272,21 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> None:
+    from hy3c.serve.demo import run_demo
+
     with tempfile.TemporaryDirectory() as tmp:
         root = args.workdir or Path(tmp)
-        ckpt = root / "tiny-ckpt"
-        if not ckpt.exists():
-            _run_init_checkpoint(build_parser().parse_args(["init-checkpoint", "--out", str(ckpt)]))
-        art = root / "tiny-art"
-        steps = [
-            ["compile", "--model", str(ckpt), "--recipe", "cpu-reference", "--out", str(art), "--overwrite"],
-            ["generate", "--artifact", str(art), "--prompt", args.prompt, "--chat", "--max-tokens", "16"],
-        ]
+        ckpt, art = root / "tiny-ckpt", root / "tiny-art"
+        steps = [] if ckpt.exists() else [["init-checkpoint", "--out", str(ckpt)]]
+        steps.append(
+            ["compile", "--model", str(ckpt), "--recipe", "cpu-reference", "--out", str(art), "--overwrite"]
+        )
         for step in steps:
             print(f"$ hy3c {' '.join(step)}")
             parsed = build_parser().parse_args(step)
             parsed.func(parsed)
+        print(f"$ hy3c serve {art}   (in the background)  +  POST /v1/chat/completions")
+        print(run_demo(art, args.prompt))
 
 
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (

@@ -142,6 +142,10 @@ class Hy3Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_string(self, token_id: int) -> str:
+        """The vocabulary entry of an id (unique per id, unlike decoding a partial UTF-8 byte)."""
+        return self.tokenizer.id_to_token(token_id) or ""
+
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 

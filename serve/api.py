@@ -253,10 +253,12 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
         def logprobs_of(out: StepOutput, offset: int) -> dict | None:
             if body.logprobs is None:
                 return None
-            return {
-                "tokens": [token_text(t) for t, _, _ in out.logprobs],
+            return {  # vocabulary entries as keys: decoded text can collide (partial UTF-8 bytes)
+                "tokens": [tokenizer.token_string(t) for t, _, _ in out.logprobs],
                 "token_logprobs": [lp for _, lp, _ in out.logprobs],
-                "top_logprobs": [{token_text(t): lp for t, lp in top} for _, _, top in out.logprobs],
+                "top_logprobs": [
+                    {tokenizer.token_string(t): lp for t, lp in top} for _, _, top in out.logprobs
+                ],
                 "text_offset": [offset] * len(out.logprobs),
             }
 

@@ -51,7 +51,12 @@ class IncrementalDetokenizer:
         return out
 
     def flush(self) -> str:
-        """At the end of generation: everything not yet streamed (held-back characters)."""
+        """At the end of generation: everything not yet streamed — held-back characters and a final
+        incomplete UTF-8 sequence (as U+FFFD, like a whole-sequence decode)."""
         if self.stopped_by is not None:
             return ""
-        return self._take(len(self.text))
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        self.text += self.tokenizer.decode(self.ids[self.prefix_offset :])[len(prefix) :]
+        self.prefix_offset = self.read_offset = len(self.ids)
+        released = self._release()
+        return released + ("" if self.stopped_by is not None else self._take(len(self.text)))

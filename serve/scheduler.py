@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from hy3c.serve.kv_pages import OutOfPages, PagePool
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests with the same tokens are different sequences
 class Sequence:
     request_id: str
     tokens: list[int]  # prompt + generated
@@ -121,6 +121,8 @@ class Scheduler:
                     seq.cached_tokens = seq.computed
             count = min(seq.pending, budget)
             if not self._grow(seq, seq.computed + count):
+                self._free(seq)  # a waiting sequence holds no pages (they stay published, matchable later)
+                seq.computed = 0
                 if not self.running and not work:  # alone and still too large: the pool is too small
                     raise OutOfPages(f"request {seq.request_id} needs more KV pages than the pool has")
                 break

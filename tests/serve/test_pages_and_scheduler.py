@@ -1,0 +1,74 @@
+import pytest
+
+from hy3c.serve.kv_pages import OutOfPages, PagePool
+from hy3c.serve.scheduler import Scheduler, Sequence
+
+
+def test_prefix_pages_are_published_matched_and_evicted_lru():
+    pool = PagePool(9, page_size=4)
+    tokens = list(range(1, 15))  # 3 full pages + 2 tokens
+    pages = pool.allocate(4)
+    pool.publish(tokens, pages, computed=14)
+    pool.release(pages)
+    assert pool.num_free == 8  # published pages stay matchable but are evictable
+    hit = pool.match_prefix(tokens + [99])
+    assert hit == pages[:3]
+    assert pool.match_prefix(tokens[:4]) == []  # at least one token must be computed
+    pool.release(hit)
+    other = pool.allocate(8)  # needs every page: the cached ones are evicted, oldest first
+    assert set(other) == set(range(1, 9)) and 0 not in other
+    assert pool.match_prefix(tokens + [99]) == []
+
+
+def test_divergent_suffix_matches_only_the_common_pages():
+    pool = PagePool(16, page_size=2)
+    a = [5, 6, 7, 8, 9, 10]
+    pages = pool.allocate(3)
+    pool.publish(a, pages, computed=6)
+    pool.release(pages)
+    assert pool.match_prefix([5, 6, 7, 8, 1, 2, 3]) == pages[:2]
+
+
+def test_double_release_and_pool_exhaustion_are_errors():
+    pool = PagePool(3, page_size=4)
+    pages = pool.allocate(2)
+    with pytest.raises(OutOfPages):
+        pool.allocate(1)
+    pool.release(pages)
+    with pytest.raises(RuntimeError, match="released twice"):
+        pool.release(pages[:1])
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    sched = Scheduler(PagePool(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    long, short = Sequence("a", list(range(25)), 25), Sequence("b", list(range(3)), 3)
+    sched.add(long)
+    sched.add(short)
+    step = sched.schedule()
+    assert [(w.seq.request_id, w.start, w.count, w.wants_logits) for w in step] == [("a", 0, 10, False)]
+    long.computed = 10
+    step = sched.schedule()
+    assert [(w.seq.request_id, w.count) for w in step] == [("a", 10)]
+    long.computed = 20
+    step = sched.schedule()
+    assert [(w.seq.request_id, w.start, w.count, w.wants_logits) for w in step] == [
+        ("a", 20, 5, True),
+        ("b", 0, 3, True),
+    ]
+
+
+def test_preemption_frees_pages_and_requeues_for_recompute():
+    pool = PagePool(5, page_size=4)  # 4 usable pages
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = Sequence("a", list(range(7)), 7), Sequence("b", list(range(100, 107)), 7)
+    sched.add(a)
+    sched.add(b)
+    assert len(sched.schedule()) == 2  # 2 pages each
+    a.computed, b.computed = 7, 7
+    a.tokens += [1, 2]  # a grows past its second page: no page left → b is preempted
+    step = sched.schedule()
+    assert [w.seq.request_id for w in step] == ["a"] and sched.num_preemptions == 1
+    assert b.computed == 0 and not b.pages and sched.waiting[0] is b
+    sched.remove("a")
+    sched.remove("b")
+    assert pool.num_free == pool.usable

@@ -1,0 +1,71 @@
+import math
+
+import pytest
+import torch
+
+from hy3c.serve.detokenizer import IncrementalDetokenizer
+from hy3c.serve.sampler import History, SamplingParams, apply_penalties, filter_mask, sample
+from hy3c.tokenizer import Hy3Tokenizer
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    out = apply_penalties(logits, [SamplingParams(repetition_penalty=2.0)], [History([0], [1])])
+    assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]
+    out = apply_penalties(
+        logits, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], [History([0], [2, 2, 3])]
+    )
+    assert out.tolist() == [[2.0, -2.0, 0.0, -0.25]]
+
+
+def test_filters():
+    probs = torch.tensor([0.1, 0.5, 0.3, 0.1])
+    assert filter_mask(probs, SamplingParams(top_k=2)).tolist() == [False, True, True, False]
+    assert filter_mask(probs, SamplingParams(top_p=0.6)).tolist() == [False, True, True, False]
+    assert filter_mask(probs, SamplingParams(min_p=0.5)).tolist() == [False, True, True, False]
+
+
+def test_greedy_seeded_and_injected_noise():
+    logits = torch.randn(3, 50)
+    hist = [History([], [])] * 3
+    greedy = sample(logits, [SamplingParams(temperature=0.0)] * 3, hist, [None] * 3, num_logprobs=2)
+    assert greedy.tokens == logits.argmax(-1).tolist()
+    assert greedy.logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1).max()))
+    assert [t for t, _ in greedy.top[1]][0] == greedy.tokens[1]
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=5)] * 3
+
+    def run(seed):
+        gens = [torch.Generator().manual_seed(seed + i) for i in range(3)]
+        return sample(logits, params, hist, gens).tokens
+
+    assert run(1) == run(1)
+    noise = torch.rand(3, 50)
+    a = sample(logits, params, hist, [None] * 3, noise=noise).tokens
+    assert a == sample(logits, params, hist, [None] * 3, noise=noise).tokens
+
+
+def test_seeded_samples_follow_the_distribution():
+    """Chi-square goodness of fit of 4000 seeded draws against softmax(logits / T) (fixed seed)."""
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 2.0]])
+    p = SamplingParams(temperature=0.8)
+    gen = torch.Generator().manual_seed(1234)
+    counts = torch.zeros(6)
+    for _ in range(4000):
+        counts[sample(logits, [p], [History([], [])], [gen]).tokens[0]] += 1
+    expected = torch.softmax(logits[0] / 0.8, -1) * 4000
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # p = 0.001 at 5 degrees of freedom
+    assert math.isfinite(chi2)
+
+
+def test_detokenizer_streams_utf8_safely_and_stops_across_tokens(tiny_ckpt):
+    tok = Hy3Tokenizer.from_dir(tiny_ckpt)
+    text = "naïve 日本語 café, then STOP and more"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, ["STOP"])
+    pieces = [detok.push(i) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + detok.flush() == "naïve 日本語 café, then "
+    assert detok.stopped_by == "STOP"
+    plain = IncrementalDetokenizer(tok)
+    assert "".join(plain.push(i) for i in ids) + plain.flush() == text

@@ -1,0 +1,304 @@
+"""The OpenAI API over a real uvicorn server on 127.0.0.1, driven by the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from hy3c.compiler.driver import compile_artifact
+from hy3c.generate import generate_tokens
+from hy3c.loader import load_model
+from hy3c.recipe import load_recipe
+from hy3c.serve.demo import BackgroundServer, free_port
+from hy3c.serve.server import ServeOptions
+from hy3c.tokenizer import Hy3Tokenizer
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_ckpt, tmp_path_factory):
+    return compile_artifact(
+        load_recipe("cpu-reference"), tmp_path_factory.mktemp("serve") / "art", checkpoint=tiny_ckpt
+    ).out
+
+
+@pytest.fixture(scope="module")
+def server(artifact):
+    with BackgroundServer(
+        ServeOptions(artifact, port=free_port(), kv_memory_gib=0.02, max_num_seqs=32)
+    ) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_ckpt):
+    """Greedy continuation by the eager model, as `hy3c generate` computes it."""
+    model = load_model(tiny_ckpt, dtype=torch.float32, progress=False)
+    tok = Hy3Tokenizer.from_dir(tiny_ckpt)
+
+    def run(prompt: str, max_tokens: int, chat: bool = False) -> str:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        return tok.decode(generate_tokens(model, [tok.encode(text)], max_tokens)[0])
+
+    return run
+
+
+def _wait_until_idle(server, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        running, waiting = server.engine.num_requests()
+        if running == 0 and waiting == 0 and server.engine.pool.num_free == server.engine.pool.usable:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_completion_and_chat_equal_hy3c_generate(client, expected):
+    out = client.completions.create(model="art", prompt="Hello world", max_tokens=12, temperature=0)
+    assert out.choices[0].text == expected("Hello world", 12)
+    assert out.usage.prompt_tokens > 0 and out.usage.completion_tokens <= 12
+    chat = client.chat.completions.create(
+        model="art", messages=[{"role": "user", "content": "Hi"}], max_tokens=10, temperature=0
+    )
+    assert chat.choices[0].message.content == expected("Hi", 10, chat=True)
+    assert chat.choices[0].message.role == "assistant"
+
+
+def test_streaming_with_usage_and_done(client, server, expected):
+    chunks = list(
+        client.chat.completions.create(
+            model="art",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected("Hi", 10, chat=True)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions", json={"prompt": "abc", "max_tokens": 3, "stream": True}
+    ) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_n_seed_stop_and_logprobs(client, expected):
+    out = client.completions.create(
+        model="art", prompt="The quick", max_tokens=8, temperature=0.9, seed=7, n=3
+    )
+    again = client.completions.create(
+        model="art", prompt="The quick", max_tokens=8, temperature=0.9, seed=7, n=3
+    )
+    assert [c.text for c in out.choices] == [c.text for c in again.choices] and len(out.choices) == 3
+    full = expected("The quick", 12)
+    stop = full[3:6]
+    cut = client.completions.create(
+        model="art", prompt="The quick", max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == full[: full.find(stop)] and cut.choices[0].finish_reason == "stop"
+    lp = client.completions.create(model="art", prompt="The quick", max_tokens=4, temperature=0, logprobs=3)
+    assert (
+        len(lp.choices[0].logprobs.token_logprobs) == 4 and len(lp.choices[0].logprobs.top_logprobs[0]) == 3
+    )
+    chat = client.chat.completions.create(
+        model="art",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and content[0].logprob <= 0 and len(content[0].top_logprobs) == 2
+
+
+def test_prefix_cache_reports_cached_tokens(client):
+    prompt = "repeat this long prompt so that it spans several pages of the kv cache " * 2
+    client.completions.create(model="art", prompt=prompt, max_tokens=2, temperature=0)
+    out = client.completions.create(model="art", prompt=prompt, max_tokens=2, temperature=0)
+    assert out.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_200_concurrent_streams(server, expected):
+    prompts = [f"request number {i}" for i in range(200)]
+
+    async def one(client, prompt):
+        stream = await client.completions.create(
+            model="art", prompt=prompt, max_tokens=6, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main():
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120
+        ) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    results = asyncio.run(main())
+    for prompt, text in list(zip(prompts, results))[::25]:
+        assert text == expected(prompt, 6)
+    assert _wait_until_idle(server)
+
+
+def test_tiny_page_pool_preempts_and_outputs_stay_identical(artifact, expected):
+    options = ServeOptions(artifact, port=free_port(), kv_memory_gib=None, max_num_seqs=8, page_size=4)
+    with BackgroundServer(options) as srv:
+        engine = srv.engine
+    # a pool of 12 pages (4 tokens each) for 8 requests of ~24 tokens: preemption is unavoidable
+    from hy3c.serve.engine import Engine, EngineConfig
+
+    small = Engine(
+        engine.runner,
+        engine.tokenizer,
+        EngineConfig(num_pages=13, page_size=4, max_num_seqs=8, max_model_len=48),
+    )
+    small.start()
+    try:
+        from hy3c.serve.engine import GenerationRequest
+        from hy3c.serve.sampler import SamplingParams
+
+        prompts = [f"prompt {i} with a few words" for i in range(8)]
+        results: dict[str, list[int]] = {}
+        done = []
+
+        def emit(out):
+            results.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                done.append(out)
+
+        for i, p in enumerate(prompts):
+            small.submit(
+                GenerationRequest(str(i), engine.tokenizer.encode(p), SamplingParams(temperature=0.0), 16),
+                emit,
+            )
+        deadline = time.monotonic() + 60
+        while len(done) < 8 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(done) == 8 and all(d.finish_reason in ("length", "stop") for d in done)
+        assert small.scheduler.num_preemptions > 0
+        for i, p in enumerate(prompts):
+            assert engine.tokenizer.decode(results[str(i)]) == expected(p, 16)
+        assert small.pool.num_free == small.pool.usable
+    finally:
+        small.stop()
+
+
+def test_disconnect_aborts_and_frees_pages(server):
+    aborted = server.engine.metrics.aborted.value
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream(
+            "POST",
+            f"{server.base_url}/v1/completions",
+            json={"prompt": "a long generation", "max_tokens": 3000, "stream": True, "temperature": 0},
+        ) as response,
+    ):
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+    start = time.monotonic()
+    assert _wait_until_idle(server, timeout=1.0), "pages were not freed within 1 s of the disconnect"
+    assert server.engine.metrics.aborted.value == aborted + 1
+    assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (json.dumps({"prompt": "x", "temperature": 7}).encode(), 400, "temperature"),
+        (json.dumps({"prompt": "x", "max_tokens": "many"}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": "x", "max_tokens": 10**6}).encode(), 400, "maximum context length"),
+        (json.dumps({"prompt": "x", "model": "gpt-9"}).encode(), 404, "does not exist"),
+        (json.dumps({"prompt": [10**7]}).encode(), 400, "vocabulary"),
+        (json.dumps({"prompt": ""}).encode(), 400, "empty"),
+        (json.dumps({"prompt": "x" * (2 << 20)}).encode(), 413, "exceeds"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, status, message):
+    response = httpx.post(
+        f"{server.base_url}/v1/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200  # still serving
+
+
+def test_models_health_metrics_tokenize(server):
+    models = httpx.get(f"{server.base_url}/v1/models").json()
+    assert models["data"][0]["id"] == "art" and models["data"][0]["max_model_len"] > 0
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    for name in (
+        "hy3c:time_to_first_token_seconds_bucket",
+        "hy3c:kv_cache_usage_perc",
+        "hy3c:request_success_total",
+        "hy3c:num_preemptions_total",
+        "hy3c:generation_tokens_total",
+    ):
+        assert name in metrics
+    tokens = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "Hello"}).json()
+    assert (
+        httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+        == "Hello"
+    )
+
+
+def test_api_key_and_loopback_default(artifact):
+    options = ServeOptions(artifact, port=free_port(), api_key="sekret", kv_memory_gib=0.01)
+    assert options.host == "127.0.0.1"
+    with BackgroundServer(options) as srv:
+        denied = httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+        ok = httpx.post(
+            f"{srv.base_url}/v1/completions",
+            json={"prompt": "x", "max_tokens": 1},
+            headers={"Authorization": "Bearer sekret"},
+        )
+        assert ok.status_code == 200
+        assert httpx.get(f"{srv.base_url}/health").status_code == 200
+        bound = {sock.getsockname()[0] for server in srv.server.servers for sock in server.sockets}
+        assert bound == {"127.0.0.1"}  # loopback only by default
+
+
+def test_engine_error_fails_the_request_not_the_server(server):
+    runner = server.engine.runner
+    original = runner.step
+
+    def broken(batch, kv):
+        raise RuntimeError("injected kernel failure")
+
+    runner.step = broken
+    try:
+        response = httpx.post(
+            f"{server.base_url}/v1/completions", json={"prompt": "boom", "max_tokens": 2}, timeout=30
+        )
+        assert (
+            response.status_code == 500 and "injected kernel failure" in response.json()["error"]["message"]
+        )
+    finally:
+        runner.step = original
+    assert (
+        httpx.post(
+            f"{server.base_url}/v1/completions", json={"prompt": "fine", "max_tokens": 2}, timeout=30
+        ).status_code
+        == 200
+    )
+    assert _wait_until_idle(server)
