@@ -11,13 +11,13 @@ def test_prefix_pages_are_published_matched_and_evicted_lru():
     pool.publish(tokens, pages, computed=14)
     pool.release(pages)
     assert pool.num_free == 8  # published pages stay matchable but are evictable
-    hit = pool.match_prefix(tokens + [99])
+    hit = pool.match_prefix([*tokens, 99])
     assert hit == pages[:3]
     assert pool.match_prefix(tokens[:4]) == []  # at least one token must be computed
     pool.release(hit)
     other = pool.allocate(8)  # needs every page: the cached ones are evicted, oldest first
     assert set(other) == set(range(1, 9)) and 0 not in other
-    assert pool.match_prefix(tokens + [99]) == []
+    assert pool.match_prefix([*tokens, 99]) == []
 
 
 def test_divergent_suffix_matches_only_the_common_pages():

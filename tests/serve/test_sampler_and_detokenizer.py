@@ -31,7 +31,7 @@ def test_greedy_seeded_and_injected_noise():
     greedy = sample(logits, [SamplingParams(temperature=0.0)] * 3, hist, [None] * 3, num_logprobs=2)
     assert greedy.tokens == logits.argmax(-1).tolist()
     assert greedy.logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1).max()))
-    assert [t for t, _ in greedy.top[1]][0] == greedy.tokens[1]
+    assert next(t for t, _ in greedy.top[1]) == greedy.tokens[1]
     params = [SamplingParams(temperature=0.7, top_p=0.9, seed=5)] * 3
 
     def run(seed):
