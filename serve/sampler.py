@@ -1,4 +1,5 @@
-"""The token sampler of the serving engine (reference implementation, pure torch).
+"""The token sampler of the serving engine: the pure-torch reference, and the dispatch to the Triton
+fused sampler (`hy3c.kernels.sampler`) on CUDA.
 
     result = sample(logits, params, history, generators, num_logprobs, noise=None)
 
@@ -80,6 +81,57 @@ def filter_mask(probs: Tensor, p: SamplingParams) -> Tensor:
 
 
 def sample(
+    logits: Tensor,
+    params: list[SamplingParams],
+    history: list[History],
+    generators: list[torch.Generator | None],
+    num_logprobs: int = 0,
+    noise: Tensor | None = None,
+) -> SampleResult:
+    """Sample one token per row; on CUDA through the Triton fused sampler, elsewhere the reference."""
+    if logits.is_cuda and _triton_sampler() is not None:
+        return _sample_fused(logits, params, history, generators, num_logprobs, noise)
+    return sample_reference(logits, params, history, generators, num_logprobs, noise)
+
+
+def _triton_sampler():
+    try:
+        from hy3c.kernels.sampler import fused_sample
+    except ImportError:
+        return None
+    return fused_sample
+
+
+def _sample_fused(logits, params, history, generators, num_logprobs, noise) -> SampleResult:
+    logits = apply_penalties(logits.float(), params, history)
+    device = logits.device
+    # each step draws a fresh 31-bit seed from the request's generator: seeded requests reproduce
+    seeds = [
+        int(torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device)) if g is not None else 0
+        for g in generators
+    ]
+
+    def column(values, dtype=torch.float32):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    tokens, chosen = _triton_sampler()(
+        logits,
+        column([p.temperature for p in params]),
+        column([p.top_k for p in params], torch.int32),
+        column([p.top_p for p in params]),
+        column([p.min_p for p in params]),
+        column(seeds, torch.int32),
+        noise,
+    )
+    top: list[list[tuple[int, float]]] = [[] for _ in params]
+    if num_logprobs:
+        temps = column([p.temperature if not p.greedy else 1.0 for p in params])
+        values, ids = torch.log_softmax(logits / temps[:, None], dim=-1).topk(num_logprobs)
+        top = [list(zip(i.tolist(), v.tolist())) for i, v in zip(ids, values)]
+    return SampleResult(tokens.tolist(), chosen.tolist(), top)
+
+
+def sample_reference(
     logits: Tensor,
     params: list[SamplingParams],
     history: list[History],
