@@ -6,6 +6,7 @@
     hy3c compile --model ckpt/ --recipe h20-w8a8c8 --out art/       trace + passes + package
     hy3c inspect art/ passes|ops|graph|diff|why-not|cache-key      what every pass did
     hy3c serve art/ --port 8000                                    OpenAI-compatible server
+    hy3c bench serve --base-url http://127.0.0.1:8000              load it; TTFT / TPOT / ITL / E2E
     hy3c demo                                                      end to end on a tiny model
 
 Every command exits with status 2 and a one-line `error: ...` message (no traceback) on bad input.
@@ -262,6 +263,58 @@ def _run_serve(args: argparse.Namespace) -> None:
     )
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    kinds = p.add_subparsers(dest="bench_kind", required=True)
+    s = kinds.add_parser("serve", help="load an OpenAI-compatible server (vllm bench serve metrics)")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
+    s.add_argument("--num-prompts", type=int, default=100)
+    s.add_argument("--concurrency", type=int, default=16)
+    s.add_argument("--input-len", type=int, default=256)
+    s.add_argument("--output-len", type=int, default=64)
+    s.add_argument(
+        "--prefix-len", type=int, default=256, help="shared-prefix: tokens every prompt starts with"
+    )
+    s.add_argument("--model")
+    s.add_argument("--api-key")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    s.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    s.add_argument("--json", type=Path, help="also write the report as JSON")
+    s.set_defaults(func=_run_bench_serve)
+
+
+def _run_bench_serve(args: argparse.Namespace) -> None:
+    import asyncio
+    import json
+
+    from hy3c.serve.bench_client import format_report, run_benchmark
+
+    for name in ("num_prompts", "concurrency", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    report = asyncio.run(
+        run_benchmark(
+            args.base_url,
+            args.workload,
+            args.num_prompts,
+            args.concurrency,
+            args.input_len,
+            args.output_len,
+            args.prefix_len,
+            args.model,
+            args.api_key,
+            args.seed,
+            args.slo_ttft_ms,
+            args.slo_tpot_ms,
+        )
+    )
+    print(format_report(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo", help="end to end on a tiny random checkpoint: init-checkpoint → compile → serve → chat"
@@ -296,6 +349,7 @@ _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_compile,
     _add_inspect,
     _add_serve,
+    _add_bench,
     _add_demo,
 )
 

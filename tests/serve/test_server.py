@@ -302,3 +302,38 @@ def test_engine_error_fails_the_request_not_the_server(server):
         == 200
     )
     assert _wait_until_idle(server)
+
+
+def test_bench_serve_reports_latencies(server, capsys, tmp_path):
+    from hy3c.cli import main
+
+    out = tmp_path / "report.json"
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                server.base_url,
+                "--workload",
+                "shared-prefix",
+                "--num-prompts",
+                "12",
+                "--concurrency",
+                "4",
+                "--input-len",
+                "8",
+                "--output-len",
+                "5",
+                "--prefix-len",
+                "20",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    report = json.loads(out.read_text())
+    assert report["completed"] == 12 and report["failed"] == 0
+    assert report["output_throughput"] > 0 and report["ttft_ms"]["p50"] > 0 and report["tpot_ms"]["mean"] > 0
+    assert "TTFT" in capsys.readouterr().out
