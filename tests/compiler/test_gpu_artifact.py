@@ -22,11 +22,15 @@ def test_h200_artifact_with_cuda_graphs_matches_eager(tiny_ckpt, tmp_path):
     assert providers["hy3.paged_attention"] == {"triton": 3} and providers["hy3.fused_moe"] == {"triton": 2}
     runner = artifact.load(summary.out, device="cuda")
     model = load_model(tiny_ckpt, dtype=torch.bfloat16, device="cuda", progress=False)
-    prompts = [[5, 9, 100, 7], list(range(20, 51)), [3]]
-    ours = generate_tokens(runner, prompts, 8, stop_ids=[])
-    ref = generate_tokens(model, prompts, 8, stop_ids=[])
-    agree = sum(a == b for x, y in zip(ours, ref) for a, b in zip(x, y)) / sum(map(len, ref))
-    assert agree >= 0.8, (ours, ref)
+    # teacher-forced logits of every position (free-running generations diverge after one bf16 flip)
+    ids = torch.randint(0, 512, (4, 48))
+    chunks = [SeqChunk(row.tolist(), 0, list(range(b * 3, b * 3 + 3)), "all") for b, row in enumerate(ids)]
+    batch = build_step_batch(chunks, 16, "cuda")
+    ours = runner(*batch.model_args(runner.allocate_kv_cache(16, 16)))[0].float()
+    ref = model(*batch.model_args(model.allocate_kv_cache(16, 16)))[0].float()
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    assert (ours - ref).norm() / ref.norm() < 0.05
+    assert len(generate_tokens(runner, [[5, 9, 100, 7]], 8, stop_ids=[])[0]) == 8
 
     kv = runner.allocate_kv_cache(64, 16)
     assert runner.capture_decode_graphs(kv, max_pages=8, batch_sizes=[1, 2, 4]) is None
