@@ -337,3 +337,14 @@ def test_bench_serve_reports_latencies(server, capsys, tmp_path):
     assert report["completed"] == 12 and report["failed"] == 0
     assert report["output_throughput"] > 0 and report["ttft_ms"]["p50"] > 0 and report["tpot_ms"]["mean"] > 0
     assert "TTFT" in capsys.readouterr().out
+
+
+def test_overloaded_and_dead_engine_answer_503(artifact):
+    options = ServeOptions(artifact, port=free_port(), kv_memory_gib=0.01, max_waiting=0)
+    with BackgroundServer(options) as srv:
+        busy = httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert busy.status_code == 503 and "overloaded" in busy.json()["error"]["message"]
+        srv.engine.stop()
+        assert httpx.get(f"{srv.base_url}/health").status_code == 503
+        down = httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert down.status_code == 503 and "engine is not running" in down.json()["error"]["message"]
