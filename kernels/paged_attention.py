@@ -110,6 +110,27 @@ def _attend_block(
 
 
 @triton.jit
+def _store_partial(
+    o_ptr,
+    lse_ptr,
+    acc,
+    m_i,
+    l_i,
+    v_scale,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """One split's normalised output [GROUP, HEAD_DIM] and its log2-sum-exp (-inf if it saw no key)."""
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None] * v_scale
+    tl.store(o_ptr + g[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
+    tl.store(lse_ptr + g, tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))))
+
+
+@triton.jit
 def _decode_dynamic_kernel(
     q_ptr,
     cache_ptr,
@@ -199,15 +220,17 @@ def _decode_dynamic_kernel(
                 BLOCK_N,
                 False,
             )
-        slot = cta + r
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-        tl.store(
-            part_o_ptr + slot * stride_po_slot + head * stride_po_head + g[:, None] * HEAD_DIM + d[None, :],
-            out,
-            mask=(g < GROUP)[:, None],
+        _store_partial(
+            part_o_ptr + (cta + r) * stride_po_slot + head * stride_po_head,
+            part_lse_ptr + (cta + r) * stride_pl_slot + head * GROUP_PAD,
+            acc,
+            m_i,
+            l_i,
+            v_scale,
+            GROUP,
+            GROUP_PAD,
+            HEAD_DIM,
         )
-        tl.store(part_lse_ptr + slot * stride_pl_slot + head * GROUP_PAD + g, lse)
         t = seg_end
 
 
@@ -350,14 +373,17 @@ def _decode_static_kernel(
             False,
         )
     slot = r * SPLITS + split
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-    tl.store(
-        part_o_ptr + slot * stride_po_slot + head * stride_po_head + g[:, None] * HEAD_DIM + d[None, :],
-        out,
-        mask=(g < GROUP)[:, None],
+    _store_partial(
+        part_o_ptr + slot * stride_po_slot + head * stride_po_head,
+        part_lse_ptr + slot * stride_pl_slot + head * GROUP_PAD,
+        acc,
+        m_i,
+        l_i,
+        v_scale,
+        GROUP,
+        GROUP_PAD,
+        HEAD_DIM,
     )
-    tl.store(part_lse_ptr + slot * stride_pl_slot + head * GROUP_PAD + g, lse)
 
 
 @triton.jit
