@@ -232,6 +232,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small sizes (logic check)")
     parser.add_argument("--skip-peers", action="store_true", help="main: skip the peers (see --part peers)")
+    parser.add_argument("--no-ablation", action="store_true", help="fp8: skip the pass ablation")
     args = parser.parse_args()
     device = torch.device(args.device)
     preset = f"real-shapes:{args.layers}" if args.preset == "real-shapes" else args.preset
@@ -285,7 +286,7 @@ def main() -> None:
             RESULTS["profile_decode_B1"] = profile_decode(runner, config, 1, context)
             RESULTS["profile_decode_B32"] = profile_decode(runner, config, 32, context)
         del runner
-        for spec in base.passes:
+        for spec in [] if args.no_ablation else base.passes:
             if spec.name in ("lower", "cleanup"):
                 continue
             recipe = load_recipe("h20-w8a8c8", [*overrides, f"passes.{spec.name}.enabled=false"])

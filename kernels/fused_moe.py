@@ -29,8 +29,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hy3c.kernels.quant import quant_fp8, quant_fp8_per_token
 from hy3c.kernels.registry import Provider, register_provider
-from hy3c.ops.quant import FP8_DTYPE, per_token_scale, quantize_fp8
+from hy3c.ops.quant import FP8_DTYPE
 
 CONFIG_FILE = Path(__file__).parent / "configs" / "fused_moe_h200.json"
 
@@ -281,10 +282,11 @@ def _combine_kernel(
 
 
 def _quantize_activations(x: Tensor, static_scale: Tensor | None) -> tuple[Tensor, Tensor, bool]:
+    """One Triton pass per row (kernels/quant.py): static per-tensor or dynamic per-token scales."""
     if static_scale is not None:
-        return quantize_fp8(x, static_scale), static_scale.float(), False
-    scale = per_token_scale(x)
-    return quantize_fp8(x, scale), scale.reshape(-1).contiguous(), True
+        return quant_fp8(x, static_scale), static_scale.float(), False
+    q, scale = quant_fp8_per_token(x)
+    return q, scale.reshape(-1), True
 
 
 def fused_moe_triton(
