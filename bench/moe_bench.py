@@ -1,8 +1,11 @@
 """MoE-path benchmark on one GPU (H200): router GEMM, FusedMoE bf16/FP8, against peers in the same run.
 
-    python bench/moe_bench.py [--sweep]     # markdown table; $OUT/moe.json (+ $OUT/fused_moe_h200.json)
+    python bench/moe_bench.py [--sweep] [--parts router,align,moe]
+        # markdown table; $OUT/moe.json (+ $OUT/fused_moe_h200.json)
 
 * Router GEMM, N=192, K=4096: fp32 cuBLAS, TF32 cuBLAS, hy3c dual-BF16 Triton; max abs error vs fp64.
+* moe_align, E=192, top-8: one Triton program vs the device-side torch ops, both replayed in a CUDA
+  graph as in a decode step; picks TRITON_ALIGN_MAX_PAIRS.
 * FusedMoE, E=192, top-8, H=4096, INTER=1536 (+ shared expert output added): hy3c Triton bf16 and FP8
   (per-channel weights, per-token activations) vs the `torch._grouped_mm` path and the transformers
   per-expert loop; % of copy bandwidth on the active experts' weight bytes and % of bf16 peak.
@@ -18,10 +21,16 @@ import os
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 import hy3c.kernels  # noqa: F401
-from hy3c.kernels.fused_moe import MoeConfig, fused_moe_triton, select_config
+from hy3c.kernels.fused_moe import (
+    MoeConfig,
+    fused_moe_triton,
+    moe_align_torch,
+    moe_align_triton,
+    select_config,
+)
 from hy3c.kernels.router import router_gemm_dual_bf16
 from hy3c.ops.quant import FP8_DTYPE, split_router_weight
 
@@ -67,6 +76,23 @@ def router_bench() -> None:
             tdual,
             f"err {err:.1e} (tf32 {err_tf:.1e})",
             f"{t32 / tdual:.2f}× vs fp32 ({t32:.3f}), {ttf / tdual:.2f}× vs tf32 ({ttf:.3f})",
+        )
+
+
+def align_bench() -> None:
+    for t in (1, 8, 32, 64, 128, 256, 512):
+        ids = torch.stack([torch.randperm(E, device="cuda")[:K_TOP] for _ in range(t)]).int()
+        same = all(
+            torch.equal(a, b) for a, b in zip(moe_align_triton(ids, E, 16), moe_align_torch(ids, E, 16))
+        )
+        t_triton = do_bench_cudagraph(lambda ids=ids: moe_align_triton(ids, E, 16), rep=50)
+        t_torch = do_bench_cudagraph(lambda ids=ids: moe_align_torch(ids, E, 16), rep=50)
+        RESULTS[f"align_T{t}"] = {"triton_ms": t_triton, "torch_ms": t_torch, "equal": same}
+        row(
+            f"moe_align T={t} ({t * K_TOP} pairs): torch ops / Triton",
+            t_triton,
+            f"equal={same}",
+            f"{t_torch / t_triton:.2f}× vs torch ({t_torch:.4f})",
         )
 
 
@@ -177,10 +203,16 @@ def moe_bench(sweep: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--parts", default="router,align,moe", help="comma list of router, align, moe")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     torch.manual_seed(0)
-    router_bench()
-    moe_bench(args.sweep)
+    if "router" in parts:
+        router_bench()
+    if "align" in parts:
+        align_bench()
+    if "moe" in parts:
+        moe_bench(args.sweep)
     RESULTS["env"] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

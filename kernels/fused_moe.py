@@ -2,9 +2,9 @@
 
     out = fused_moe(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared)
 
-1. `moe_align` (device ops, no host sync): the (token, slot) pairs sorted by expert and padded per
-   expert to a multiple of BLOCK_M (`sorted_ids`, pad value = T·k), the expert of every M block, and the
-   padded total.
+1. `moe_align` (one Triton program, or device-side torch ops for many pairs; no host sync): the
+   (token, slot) pairs sorted by expert and padded per expert to a multiple of BLOCK_M (`sorted_ids`,
+   pad value = T·k), the expert of every M block, and the padded total.
 2. gate-up GEMM: each program takes one M block of one expert and BLOCK_N columns of both the gate
    and the up halves, reads its activation rows *through* `sorted_ids` (no gather copy), and writes
    silu(gate) · up for its (token, slot) rows — the intermediate is written once, half-size.
@@ -68,8 +68,13 @@ def select_config(num_tokens: int, fp8: bool) -> MoeConfig:
     return table[bound]
 
 
-def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(sorted_ids [P] int32, expert of each M block [P / block_m] int32, padded total [1] int32)."""
+def align_capacity(pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of `sorted_ids`: every pair plus at most block_m − 1 pad rows per expert that has a pair."""
+    return triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
+
+
+def moe_align_torch(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`moe_align` as device-side torch ops (argsort, cumsum, searchsorted): for large pair counts."""
     pairs = topk_ids.numel()
     flat = topk_ids.reshape(-1).long()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
@@ -79,7 +84,7 @@ def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor,
     order = flat.argsort(stable=True)
     sorted_expert = flat[order]
     rank = torch.arange(pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_expert]
-    capacity = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
+    capacity = align_capacity(pairs, num_experts, block_m)
     sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
     sorted_ids[(padded_end - padded)[sorted_expert] + rank] = order.to(torch.int32)
     block_start = torch.arange(0, capacity, block_m, device=flat.device)
@@ -87,6 +92,92 @@ def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor,
         torch.searchsorted(padded_end, block_start, right=True).clamp_(max=num_experts - 1).to(torch.int32)
     )
     return sorted_ids, expert_ids, padded_end[-1:].to(torch.int32)
+
+
+@triton.jit
+def _moe_align_kernel(
+    ids_ptr,
+    sorted_ptr,
+    expert_ptr,
+    padded_ptr,
+    pairs,
+    num_experts,
+    capacity,
+    BLOCK_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """One program: expert histogram, padded offsets, stable scatter of pair ids, expert of each M block.
+
+    Pairs are processed BLOCK_P at a time against a one-hot [BLOCK_P, E_POW2] matrix: the column sums
+    count, the column prefix sums rank a pair among the earlier pairs of its expert (stable order).
+    """
+    experts = tl.arange(0, E_POW2)
+    lane = tl.arange(0, BLOCK_P)
+    counts = tl.zeros([E_POW2], tl.int32)
+    for start in range(0, pairs, BLOCK_P):
+        ids = tl.load(ids_ptr + start + lane, mask=start + lane < pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    begin = end - padded
+    tl.store(padded_ptr, tl.sum(padded, axis=0))
+    for start in range(0, capacity, BLOCK_P):
+        row = start + lane
+        tl.store(sorted_ptr + row, tl.zeros([BLOCK_P], tl.int32) + pairs, mask=row < capacity)
+        block_start = row * BLOCK_M
+        owner = tl.sum(
+            ((end[None, :] <= block_start[:, None]) & (experts[None, :] < num_experts)).to(tl.int32), 1
+        )
+        tl.store(expert_ptr + row, tl.minimum(owner, num_experts - 1), mask=block_start < capacity)
+    tl.debug_barrier()
+    filled = tl.zeros([E_POW2], tl.int32)
+    for start in range(0, pairs, BLOCK_P):
+        ids = tl.load(ids_ptr + start + lane, mask=start + lane < pairs, other=-1)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+        earlier = tl.cumsum(hit, axis=0) - hit
+        dest = tl.sum(hit * (earlier + begin[None, :] + filled[None, :]), axis=1)
+        tl.store(sorted_ptr + dest, start + lane, mask=start + lane < pairs)
+        filled += tl.sum(hit, axis=0)
+
+
+TRITON_ALIGN_MAX_PAIRS = 1024  # one program stops paying above this (bench/moe_bench.py, align table)
+
+
+def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(sorted_ids [P] int32, expert of each M block [P / block_m] int32, padded total [1] int32).
+
+    `sorted_ids` lists the (token, slot) pair ids grouped by expert in stable order, each expert padded
+    to a multiple of block_m with the pad value T·k. Up to TRITON_ALIGN_MAX_PAIRS pairs this is one
+    Triton launch; above it, device-side torch ops. Neither synchronizes with the host.
+    """
+    if topk_ids.numel() > TRITON_ALIGN_MAX_PAIRS:
+        return moe_align_torch(topk_ids, num_experts, block_m)
+    return moe_align_triton(topk_ids, num_experts, block_m)
+
+
+def moe_align_triton(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`moe_align` as one Triton program (any pair count; the cost grows linearly in one CTA)."""
+    pairs = topk_ids.numel()
+    capacity = align_capacity(pairs, num_experts, block_m)
+    device = topk_ids.device
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    padded = torch.empty(1, dtype=torch.int32, device=device)
+    _moe_align_kernel[(1,)](
+        topk_ids.reshape(-1).to(torch.int32),
+        sorted_ids,
+        expert_ids,
+        padded,
+        pairs,
+        num_experts,
+        capacity,
+        BLOCK_M=block_m,
+        E_POW2=triton.next_power_of_2(num_experts),
+        BLOCK_P=32,
+        num_warps=4,
+    )
+    return sorted_ids, expert_ids, padded
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import torch
 
 import hy3c.kernels
 import hy3c.ops
-from hy3c.kernels.fused_moe import MoeConfig, fused_moe_triton, moe_align
+from hy3c.kernels.fused_moe import MoeConfig, fused_moe_triton, moe_align_torch, moe_align_triton
 from hy3c.kernels.router import router_gemm_dual_bf16
 from hy3c.ops.quant import FP8_DTYPE, split_router_weight
 
@@ -46,7 +46,7 @@ def test_topk_routing_matches_reference(rows, experts, top_k):
 
 def test_moe_align_pads_each_expert_and_keeps_every_pair():
     ids = torch.tensor([[0, 3], [3, 1], [3, 0]], dtype=torch.int32)
-    sorted_ids, expert_ids, padded = moe_align(ids, num_experts=5, block_m=4)
+    sorted_ids, expert_ids, padded = moe_align_torch(ids, num_experts=5, block_m=4)
     assert int(padded) == 12  # experts 0, 1, 3 → one block of 4 each
     blocks = sorted_ids[:12].view(3, 4)
     assert expert_ids[:3].tolist() == [0, 1, 3]
@@ -55,6 +55,30 @@ def test_moe_align_pads_each_expert_and_keeps_every_pair():
         real = block[block < 6]
         assert all(int(flat[p]) == int(expert) for p in real)
     assert sorted(sorted_ids[sorted_ids < 6].tolist()) == list(range(6))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "block_m", "case"),
+    [
+        (1, 192, 8, 16, "decode, Hy3 experts"),
+        (128, 192, 8, 16, "1024 pairs, the one-program limit"),
+        (40, 192, 8, 64, "large blocks"),
+        (9, 4, 1, 16, "all to one expert"),
+        (6, 5, 5, 4, "top-k = experts"),
+        (11, 7, 3, 8, "expert count not a power of two"),
+    ],
+)
+def test_triton_moe_align_equals_torch_align(tokens, experts, top_k, block_m, case):
+    """Same sorted ids (stable order), block experts and padded total as the torch ops."""
+    gen = torch.Generator().manual_seed(tokens * experts)
+    if case == "all to one expert":
+        ids = torch.full((tokens, top_k), 2, dtype=torch.int32)
+    else:
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).int()
+    triton_out = moe_align_triton(ids, experts, block_m)
+    torch_out = moe_align_torch(ids, experts, block_m)
+    for name, got, want in zip(("sorted_ids", "expert_ids", "padded"), triton_out, torch_out):
+        assert torch.equal(got, want), name
 
 
 CFG = MoeConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
