@@ -233,13 +233,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (logic check)")
     parser.add_argument("--skip-peers", action="store_true", help="main: skip the peers (see --part peers)")
     parser.add_argument("--no-ablation", action="store_true", help="fp8: skip the pass ablation")
+    parser.add_argument("--prefill", default="2048,8192,32768", help="comma list of prefill lengths")
     args = parser.parse_args()
     device = torch.device(args.device)
     preset = f"real-shapes:{args.layers}" if args.preset == "real-shapes" else args.preset
     config = preset_config(preset, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     context = 128 if args.quick else 2048
     decode_sizes = [1, 8] if args.quick else [1, 8, 32, 128]
-    prefill_sizes = [256] if args.quick else [2048, 8192, 32768]
+    prefill_sizes = [256] if args.quick else [int(n) for n in args.prefill.split(",")]
     start = time.perf_counter()
     model = random_model(config, torch.bfloat16 if device.type == "cuda" else torch.float32, str(device))
     RESULTS["build_model_s"] = time.perf_counter() - start
