@@ -140,13 +140,11 @@ def _decode_dynamic_kernel(
     plan_ptr,
     part_o_ptr,
     part_lse_ptr,
-    layer,
     num_requests,
     num_ctas,
     sm_scale,
     stride_qt,
     stride_qh,
-    stride_cl,
     stride_ckv,
     stride_cpage,
     stride_coff,
@@ -172,13 +170,13 @@ def _decode_dynamic_kernel(
     t_end = tl.minimum(t + quota, total)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
-    cache_k = cache_ptr + layer * stride_cl
+    cache_k = cache_ptr
     cache_v = cache_k + stride_ckv
     k_scale = 1.0
     v_scale = 1.0
     if FP8:
-        k_scale = tl.load(scales_ptr + layer * 2)
-        v_scale = tl.load(scales_ptr + layer * 2 + 1)
+        k_scale = tl.load(scales_ptr)
+        v_scale = tl.load(scales_ptr + 1)
     qk_scale = sm_scale * k_scale * _LOG2E
     while t < t_end:
         r = _find_request(plan_ptr, t, num_requests, SEARCH_ITERS)
@@ -302,11 +300,9 @@ def _decode_static_kernel(
     seq_lens_ptr,
     part_o_ptr,
     part_lse_ptr,
-    layer,
     sm_scale,
     stride_qt,
     stride_qh,
-    stride_cl,
     stride_ckv,
     stride_cpage,
     stride_coff,
@@ -332,13 +328,13 @@ def _decode_static_kernel(
     per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
     key_begin = split * per_split
     key_end = tl.minimum(key_begin + per_split, length)
-    cache_k = cache_ptr + layer * stride_cl
+    cache_k = cache_ptr
     cache_v = cache_k + stride_ckv
     k_scale = 1.0
     v_scale = 1.0
     if FP8:
-        k_scale = tl.load(scales_ptr + layer * 2)
-        v_scale = tl.load(scales_ptr + layer * 2 + 1)
+        k_scale = tl.load(scales_ptr)
+        v_scale = tl.load(scales_ptr + 1)
     q = tl.load(
         q_ptr + r * stride_qt + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
         mask=(g < GROUP)[:, None],
@@ -396,14 +392,12 @@ def _prefill_kernel(
     seq_lens_ptr,
     qsl_ptr,
     plan_ptr,
-    layer,
     num_requests,
     sm_scale,
     stride_qt,
     stride_qh,
     stride_ot,
     stride_oh,
-    stride_cl,
     stride_ckv,
     stride_cpage,
     stride_coff,
@@ -440,13 +434,13 @@ def _prefill_kernel(
     )
     position = length - q_len + token  # absolute position of each query row
     row_limit = tl.where(row_ok, position, -1)
-    cache_k = cache_ptr + layer * stride_cl
+    cache_k = cache_ptr
     cache_v = cache_k + stride_ckv
     k_scale = 1.0
     v_scale = 1.0
     if FP8:
-        k_scale = tl.load(scales_ptr + layer * 2)
-        v_scale = tl.load(scales_ptr + layer * 2 + 1)
+        k_scale = tl.load(scales_ptr)
+        v_scale = tl.load(scales_ptr + 1)
     if FP8:
         q = q.to(tl.float16)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -488,7 +482,9 @@ def _search_iters(num_requests: int) -> int:
 
 
 def _cache_strides(kv_cache: Tensor) -> tuple[int, ...]:
-    return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4)
+    """Strides of one layer's [2, pages, page_size, kv_heads, head_dim] view: the kernels get the layer's
+    base pointer from the host (64-bit), so no in-kernel layer offset can overflow int32."""
+    return kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4)
 
 
 def num_decode_ctas(
@@ -530,14 +526,13 @@ def decode_attention_dynamic(
     common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim)
     _decode_dynamic_kernel[(num_ctas, num_kv_heads)](
         q,
-        kv_cache,
-        kv_scales,
+        kv_cache[layer],
+        kv_scales[layer],
         page_table,
         seq_lens,
         plan,
         part_o,
         part_lse,
-        layer,
         num_requests,
         num_ctas,
         sm_scale,
@@ -600,13 +595,12 @@ def decode_attention_static(
     common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim)
     _decode_static_kernel[(num_requests, num_kv_heads, splits)](
         q,
-        kv_cache,
-        kv_scales,
+        kv_cache[layer],
+        kv_scales[layer],
         page_table,
         seq_lens,
         part_o,
         part_lse,
-        layer,
         sm_scale,
         q.stride(0),
         q.stride(1),
@@ -661,13 +655,12 @@ def prefill_attention(
     _prefill_kernel[(max_tiles, num_kv_heads)](
         q,
         out,
-        kv_cache,
-        kv_scales,
+        kv_cache[layer],
+        kv_scales[layer],
         page_table,
         seq_lens,
         query_start_loc,
         plan,
-        layer,
         num_requests,
         sm_scale,
         q.stride(0),

@@ -62,11 +62,9 @@ def _qknorm_rope_kvstore_kernel(
     slot_ptr,
     num_tokens,
     eps,
-    layer,
     stride_qkv_t,
     stride_q_t,
     stride_q_h,
-    stride_c_layer,
     stride_c_kv,
     stride_c_page,
     stride_c_off,
@@ -131,11 +129,11 @@ def _qknorm_rope_kvstore_kernel(
     safe_slot = tl.where(slot >= 0, slot, 0).to(tl.int64)
     page = safe_slot // page_size
     offset = safe_slot % page_size
-    where = layer * stride_c_layer + is_v * stride_c_kv + page * stride_c_page + offset * stride_c_off
+    where = is_v * stride_c_kv + page * stride_c_page + offset * stride_c_off
     dst = cache_ptr + where[:, None, None] + hk[None, :, None] * stride_c_head + d[None, None, :]
     cache_dtype = cache_ptr.dtype.element_ty
     if FP8:
-        scale = tl.load(scales_ptr + layer * 2 + is_v)
+        scale = tl.load(scales_ptr + is_v)
         x1 = tl.clamp(x1 / scale, -448.0, 448.0)
         x2 = tl.clamp(x2 / scale, -448.0, 448.0)
     tl.store(dst, x1.to(cache_dtype), mask=mask)
@@ -183,7 +181,8 @@ def launch(
     qkv = qkv.contiguous() if qkv.stride(-1) != 1 else qkv
     group = q_group(num_heads)
     grid = (triton.cdiv(num_tokens, block_t), num_heads // group + 2)
-    strides = (qkv.stride(0), q.stride(0), q.stride(1), *(kv_cache.stride(i) for i in range(5)))
+    layer_cache = kv_cache[layer]  # the layer's base pointer computed on the host, in 64 bits
+    strides = (qkv.stride(0), q.stride(0), q.stride(1), *layer_cache.stride()[:4])
     _qknorm_rope_kvstore_kernel[grid](
         qkv,
         positions,
@@ -191,14 +190,13 @@ def launch(
         k_norm_weight,
         inv_freq(qkv.device, head_dim, theta),
         q,
-        kv_cache,
-        kv_scales,
+        layer_cache,
+        kv_scales[layer],
         slot_mapping,
         num_tokens,
         eps,
-        layer,
         *strides,
-        kv_cache.shape[3],
+        layer_cache.shape[2],
         NUM_Q_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,

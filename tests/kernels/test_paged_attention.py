@@ -150,3 +150,38 @@ def test_plan_op_matches_python_schedule():
     plan = hy3.attention_plan(torch.tensor(lengths, dtype=torch.int32), qsl, 256, 16)
     assert plan[0].tolist() == plan_mod.tile_starts(lengths)
     assert plan[1].tolist() == [0, 1, 2, 5, 6]
+
+
+def test_layer_offset_beyond_int32_reads_and_writes_that_layer():
+    """A Hy3-sized cache: layer 2 starts 2^31 elements in (8192 pages of 64 tokens × 8 heads × 128).
+
+    The cache is allocated lazily (only the touched pages become memory). Every kernel must address
+    layer 2 itself — an int32 layer offset would wrap and read or write another layer.
+    """
+    from hy3c.kernels.qknorm_rope_kvstore import launch as kvstore
+
+    layers, pages, page, kv_heads, dim, heads, layer = 3, 8192, 64, 8, 128, 64, 2
+    cache = torch.empty((layers, 2, pages, page, kv_heads, dim), dtype=torch.bfloat16)
+    assert layer * cache.stride(0) >= 2**31
+    used = [3, 7]
+    for lay in range(layers):
+        cache[lay, :, used] = torch.randn(2, len(used), page, kv_heads, dim).to(torch.bfloat16)
+    scales = torch.ones(layers, 2)
+    table, seq_lens = torch.tensor([used], dtype=torch.int32), torch.tensor([100], dtype=torch.int32)
+    for new in (1, 20):
+        qsl = torch.tensor([0, new], dtype=torch.int32)
+        q = torch.randn(new, heads, dim).to(torch.bfloat16)
+        plan = _plan(seq_lens, qsl, heads // kv_heads)
+        ref = hy3.attention(q, cache, scales, layer, table, seq_lens, qsl, 0.088).float()
+        if new == 1:
+            out = decode_attention_dynamic(q, cache, scales, layer, table, seq_lens, 0.088, plan, num_ctas=4)
+        else:
+            out = prefill_attention(q, cache, scales, layer, table, seq_lens, qsl, 0.088, plan)
+        torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+    before = cache[:, :, used[0], :3].clone()
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
+    norm = torch.ones(dim, dtype=torch.bfloat16)
+    slots = torch.arange(3) + used[0] * page
+    kvstore(qkv, torch.arange(3), norm, norm, 1e-5, 1e6, cache, scales, layer, slots, heads, kv_heads)
+    after = cache[:, :, used[0], :3]
+    assert torch.equal(after[:layer], before[:layer]) and not torch.equal(after[layer], before[layer])
