@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,25 @@ class Hy3Tokenizer:
         """The vocabulary entry of an id (unique per id, unlike decoding a partial UTF-8 byte)."""
         return self.tokenizer.id_to_token(token_id) or ""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a byte-level BPE piece may hold part of a UTF-8 character)."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.token_string(token_id)
+        table = _byte_level_table()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return text.encode()
+
+    def token_text(self, token_id: int) -> str:
+        """A token as OpenAI's logprobs show it: its text, or `bytes:\\xe6\\x97` for a partial character."""
+        data = self.token_bytes(token_id)
+        try:
+            return data.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
@@ -161,6 +181,24 @@ class Hy3Tokenizer:
             eos_token=self.eos_token,
             **kwargs,
         )
+
+
+@cache
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's printable character for each of the 256 byte values, inverted."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[chr(byte)] = byte
+        else:
+            table[chr(256 + extra)] = byte
+            extra += 1
+    return table
 
 
 def _raise_template_error(message: str) -> None:

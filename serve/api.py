@@ -12,21 +12,26 @@ requests aborted (their KV pages are freed).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 import hy3c
 from hy3c.serve.engine import Engine, GenerationRequest, StepOutput
 from hy3c.serve.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from hy3c.serve.sampler import SamplingParams
 from hy3c.tokenizer import Hy3Tokenizer
+
+DISCONNECT_POLL_S = 0.25
+SYSTEM_ROLES = {"developer": "system"}
 
 
 @dataclass
@@ -47,41 +52,58 @@ class APIError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
-class _BodyLimit:
-    """ASGI middleware: 413 for request bodies over the limit (Content-Length or streamed bytes)."""
+OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key
 
-    def __init__(self, app, limit: int) -> None:
+
+class _Gate:
+    """ASGI middleware in front of the app: 401 without the API key (when one is set; every path but
+    OPEN_PATHS) and 413 for request bodies over the limit (by Content-Length, or counted while a
+    streamed body is read). Plain ASGI, so the app still sees the client's disconnect."""
+
+    def __init__(self, app, limit: int, api_key: str | None) -> None:
         self.app, self.limit = app, limit
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers", []))
+        if (
+            self.expected is not None
+            and scope["path"] not in OPEN_PATHS
+            and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+        ):
+            return await _send_error(send, 401, "invalid API key", "authentication_error")
+        too_big = f"request body exceeds {self.limit} bytes"
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            return await self._reject(send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
+            return await _send_error(send, 413, too_big)
+        if length is not None:  # the server reads exactly Content-Length bytes
+            return await self.app(scope, receive, send)
+        parts, seen, more = [], 0, True  # streamed body: read it (up to the limit) before the app does
+        while more:
             message = await receive()
-            seen += len(message.get("body", b""))
+            if message["type"] != "http.request":
+                return None
+            parts.append(message.get("body", b""))
+            seen += len(parts[-1])
             if seen > self.limit:
-                raise APIError(413, f"request body exceeds {self.limit} bytes")
-            return message
+                return await _send_error(send, 413, too_big)
+            more = message.get("more_body", False)
+        pending = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
 
-        return await self.app(scope, limited_receive, send)
+        async def replay():
+            return pending.pop() if pending else await receive()
 
-    async def _reject(self, send) -> None:
-        body = json.dumps(error_body(f"request body exceeds {self.limit} bytes", code=413)).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        return await self.app(scope, replay, send)
+
+
+async def _send_error(send, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    body = json.dumps(error_body(message, kind, code=status)).encode()
+    await send(
+        {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> FastAPI:
@@ -107,19 +129,6 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
     async def _http(_: Request, exc: HTTPException):
         return JSONResponse(error_body(str(exc.detail), code=exc.status_code), status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        protected = request.url.path.startswith("/v1") or request.url.path in ("/tokenize", "/detokenize")
-        if (
-            config.api_key
-            and protected
-            and request.headers.get("authorization") != f"Bearer {config.api_key}"
-        ):
-            return JSONResponse(
-                error_body("invalid API key", "authentication_error", code=401), status_code=401
-            )
-        return await call_next(request)
-
     def check_model(name: str | None) -> None:
         if name is not None and name != config.model_name:
             raise APIError(
@@ -134,7 +143,7 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
             raise APIError(
                 503, f"engine is not running ({engine.dead or 'stopped'})", kind="service_unavailable"
             )
-        _, waiting = engine.num_requests()
+        waiting = engine.num_requests()[1] + engine.num_submitted()
         if waiting >= config.max_waiting:
             raise APIError(
                 503, "server overloaded: too many waiting requests, retry later", kind="service_unavailable"
@@ -145,7 +154,7 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
         return SamplingParams(
             temperature=temperature,
             top_p=body.top_p,
-            top_k=max(body.top_k, 0),
+            top_k=min(max(body.top_k, 0), engine.runner.config.vocab_size),
             min_p=body.min_p,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
@@ -160,6 +169,13 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
             raise APIError(400, "the prompt is empty", "prompt")
         if any(not 0 <= t < engine.runner.config.vocab_size for t in prompt_ids):
             raise APIError(400, "prompt token ids must lie in the vocabulary", "prompt")
+        if len(prompt_ids) >= max_len:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {max_len} tokens; the prompt has {len(prompt_ids)}"
+                " (no room for a completion)",
+                "prompt",
+            )
         if max_tokens is None:
             max_tokens = max_len - len(prompt_ids)
         if len(prompt_ids) + max_tokens > max_len:
@@ -175,7 +191,7 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
             params = (
                 base
                 if base.seed is None or i == 0
-                else SamplingParams(**{**base.__dict__, "seed": base.seed + i})
+                else SamplingParams(**{**base.__dict__, "seed": (base.seed + i) % 2**64})
             )
             out.append(
                 GenerationRequest(
@@ -199,13 +215,18 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
         unfinished = set(index_of)
         for r in requests:
             engine.submit(r, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        checked = loop.time()
         try:
             while unfinished:
                 try:
-                    out = await asyncio.wait_for(outputs.get(), timeout=0.25)
+                    out = await asyncio.wait_for(outputs.get(), timeout=DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    out = None
+                if loop.time() - checked >= DISCONNECT_POLL_S:  # also while tokens keep coming
+                    checked = loop.time()
                     if await http.is_disconnected():
                         return
+                if out is None:
                     continue
                 if out.finished:
                     unfinished.discard(out.request_id)
@@ -225,8 +246,36 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
             "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens if finals else 0},
         }
 
-    def token_text(token: int) -> str:
-        return tokenizer.decode([token], skip_special_tokens=False)
+    def chat_token(token: int) -> dict:
+        return {"token": tokenizer.token_text(token), "bytes": list(tokenizer.token_bytes(token))}
+
+    def encode(text: str, param: str) -> list[int]:
+        try:
+            return tokenizer.encode(text)
+        except Exception as exc:  # e.g. a lone UTF-16 surrogate
+            raise APIError(400, f"{param} cannot be tokenized: {exc}", param) from None
+
+    def render_chat(messages, add_generation_prompt: bool, **kwargs) -> str:
+        """The chat template applied; OpenAI's `developer` role is the system prompt."""
+        turns = [{"role": SYSTEM_ROLES.get(m.role, m.role), "content": m.text()} for m in messages]
+        try:
+            return tokenizer.apply_chat_template(turns, add_generation_prompt, **kwargs)
+        except Exception as exc:  # a template error names the problem (unknown role, missing template)
+            raise APIError(400, str(exc), "messages") from None
+
+    def token_logprobs(triples, offset: int) -> dict:
+        """Completions-style logprobs; `text_offset` counts characters from `offset`."""
+        tokens = [tokenizer.token_text(t) for t, _, _ in triples]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _, lp, _ in triples],
+            "top_logprobs": [{tokenizer.token_text(t): lp for t, lp in top} for _, _, top in triples],
+            "text_offset": offsets,
+        }
 
     # ---- completions ---------------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -244,29 +293,22 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
                 400, "send one prompt per request (batches of prompts are not supported)", "prompt"
             )
         prompt = prompts[0]
-        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
         check_capacity()
         requests = make_requests(prompt_ids, body, body.max_tokens, body.logprobs)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs_of(out: StepOutput, offset: int) -> dict | None:
-            if body.logprobs is None:
-                return None
-            return {  # vocabulary entries as keys: decoded text can collide (partial UTF-8 bytes)
-                "tokens": [tokenizer.token_string(t) for t, _, _ in out.logprobs],
-                "token_logprobs": [lp for _, lp, _ in out.logprobs],
-                "top_logprobs": [
-                    {tokenizer.token_string(t): lp for t, lp in top} for _, _, top in out.logprobs
-                ],
-                "text_offset": [offset] * len(out.logprobs),
-            }
+            return None if body.logprobs is None else token_logprobs(out.logprobs, offset)
+
+        first_offset = len(prompt_text) if body.echo else 0
 
         if body.stream:
 
             async def stream():
                 finals: dict[int, StepOutput] = {}
-                offsets = [0] * body.n
+                offsets = [first_offset] * body.n
                 if body.echo:
                     for i in range(body.n):
                         yield _sse(
@@ -287,14 +329,15 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
                     if out.finished:
                         finals[i] = out
                     if out.text or out.finished or out.logprobs:
+                        lps = logprobs_of(out, offsets[i])
                         choice = {
                             "index": i,
                             "text": out.text,
-                            "logprobs": logprobs_of(out, offsets[i]),
+                            "logprobs": lps,
                             "finish_reason": out.finish_reason,
                             "stop_reason": out.stop_reason,
                         }
-                        offsets[i] += len(out.text)
+                        offsets[i] += sum(len(token) for token in lps["tokens"]) if lps else 0
                         yield _sse(
                             {
                                 "id": rid,
@@ -341,7 +384,7 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
                 {
                     "index": i,
                     "text": texts[i],
-                    "logprobs": logprobs_of(merged, 0) if body.logprobs is not None else None,
+                    "logprobs": logprobs_of(merged, first_offset),
                     "finish_reason": finals[i].finish_reason,
                     "stop_reason": finals[i].stop_reason,
                 }
@@ -359,15 +402,8 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: Request):
         check_model(body.model)
-        try:
-            text = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in body.messages],
-                body.add_generation_prompt,
-                **body.chat_template_kwargs,
-            )
-        except Exception as exc:  # a template error names the problem (unknown role, missing template)
-            raise APIError(400, f"chat template: {exc}", "messages") from None
-        prompt_ids = tokenizer.encode(text)
+        text = render_chat(body.messages, body.add_generation_prompt, **body.chat_template_kwargs)
+        prompt_ids = encode(text, "messages")
         check_capacity()
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         requests = make_requests(
@@ -380,16 +416,11 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
                 return None
             content = []
             for token, lp, top in out.logprobs:
-                text_ = token_text(token)
                 content.append(
                     {
-                        "token": text_,
+                        **chat_token(token),
                         "logprob": lp,
-                        "bytes": list(text_.encode()),
-                        "top_logprobs": [
-                            {"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode())}
-                            for t, v in top
-                        ],
+                        "top_logprobs": [{**chat_token(t), "logprob": v} for t, v in top],
                     }
                 )
             return {"content": content}
@@ -522,13 +553,9 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         text = (
-            body.prompt
-            if body.prompt is not None
-            else tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in body.messages], body.add_generation_prompt
-            )
+            body.prompt if body.prompt is not None else render_chat(body.messages, body.add_generation_prompt)
         )
-        tokens = tokenizer.encode(text)
+        tokens = encode(text, "prompt" if body.prompt is not None else "messages")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": max_len}
 
     @app.post("/detokenize")
@@ -538,7 +565,7 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
             raise APIError(400, "token ids must lie in the vocabulary", "tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
 
-    return _BodyLimit(app, config.max_request_bytes)
+    return _Gate(app, config.max_request_bytes, config.api_key)
 
 
 def _sse(payload: dict) -> str:

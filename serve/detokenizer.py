@@ -37,12 +37,15 @@ class IncrementalDetokenizer:
         return self._release()
 
     def _release(self) -> str:
-        for stop in self.stop:
-            at = self.text.find(stop, max(self.emitted - len(stop), 0))
-            if at != -1:
-                self.stopped_by = stop
-                self.text = self.text[:at]
-                return self._take(len(self.text))
+        found = [
+            (at, stop)
+            for stop in self.stop
+            if (at := self.text.find(stop, max(self.emitted - len(stop), 0))) != -1
+        ]
+        if found:  # the match that starts first in the text wins, whatever the order of `stop`
+            at, self.stopped_by = min(found, key=lambda hit: hit[0])
+            self.text = self.text[:at]
+            return self._take(len(self.text))
         return self._take(max(len(self.text) - self.holdback, self.emitted))
 
     def _take(self, upto: int) -> str:

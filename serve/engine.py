@@ -128,6 +128,10 @@ class Engine:
     def num_requests(self) -> tuple[int, int]:
         return len(self.scheduler.running), len(self.scheduler.waiting)
 
+    def num_submitted(self) -> int:
+        """Requests and aborts handed to the engine thread and not yet taken in."""
+        return self._inbox.qsize()
+
     # ---- engine thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
@@ -151,7 +155,20 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._admit(payload, emit)
+                try:
+                    self._admit(payload, emit)
+                except Exception as exc:  # a request the engine cannot take fails alone
+                    self._live.pop(payload.request_id, None)
+                    self.scheduler.remove(payload.request_id)
+                    emit(
+                        StepOutput(
+                            payload.request_id,
+                            finished=True,
+                            finish_reason="error",
+                            error=f"request rejected: {type(exc).__name__}: {exc}",
+                            prompt_tokens=len(payload.prompt_ids),
+                        )
+                    )
             elif kind == "abort" and payload in self._live:
                 live = self._live.pop(payload)
                 self.scheduler.remove(payload)

@@ -108,7 +108,9 @@ class PagePool:
         return pages
 
     def release(self, pages: Sequence[int]) -> None:
-        for page in pages:
+        """Drop one reference per page. A sequence's pages are released last page first, so the LRU
+        evicts the tail of a cached prefix before its head (a head page alone can still be matched)."""
+        for page in reversed(pages):
             self.ref[page] -= 1
             if self.ref[page] < 0:
                 raise RuntimeError(f"page {page} released twice")

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+MAX_STOP_CHARS = 256  # output is held back by the longest stop string's length
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -25,7 +27,7 @@ class _Sampling(BaseModel):
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
@@ -42,6 +44,8 @@ class _Sampling(BaseModel):
         stops = [value] if isinstance(value, str) else list(value or [])
         if len(stops) > 16:
             raise ValueError("at most 16 stop strings")
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return stops
 
 

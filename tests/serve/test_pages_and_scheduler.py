@@ -72,3 +72,14 @@ def test_preemption_frees_pages_and_requeues_for_recompute():
     sched.remove("a")
     sched.remove("b")
     assert pool.num_free == pool.usable
+
+
+def test_eviction_takes_the_tail_of_a_cached_prefix_first():
+    """Released last page first: evicting one page keeps the head of the prefix matchable."""
+    pool = PagePool(6, page_size=4)
+    tokens = list(range(1, 18))  # 4 full pages + 1 token
+    pages = pool.allocate(5)
+    pool.publish(tokens, pages, computed=17)
+    pool.release(pages)
+    pool.allocate(2)  # the free page, then one cached page is evicted
+    assert pool.match_prefix(tokens) == pages[:3]

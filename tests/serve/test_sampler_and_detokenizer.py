@@ -69,3 +69,21 @@ def test_detokenizer_streams_utf8_safely_and_stops_across_tokens(tiny_ckpt):
     assert detok.stopped_by == "STOP"
     plain = IncrementalDetokenizer(tok)
     assert "".join(plain.push(i) for i in ids) + plain.flush() == text
+
+
+def test_the_first_stop_string_in_the_text_wins_whatever_their_order(tiny_ckpt):
+    tok = Hy3Tokenizer.from_dir(tiny_ckpt)
+    ids = tok.encode("say I said it")
+    for stops in (["I", " "], [" ", "I"]):
+        detok = IncrementalDetokenizer(tok, stops)
+        out = "".join(detok.push(i) for i in ids) + detok.flush()
+        assert out == "say" and detok.stopped_by == " "
+
+
+def test_logprob_token_text_and_bytes_round_trip(tiny_ckpt):
+    """OpenAI's token strings: whole characters as text, partial UTF-8 as `bytes:\\x..`; bytes exact."""
+    tok = Hy3Tokenizer.from_dir(tiny_ckpt)
+    ids = tok.encode("日本 and ü")
+    assert b"".join(tok.token_bytes(i) for i in ids).decode() == "日本 and ü"
+    texts = [tok.token_text(i) for i in ids]
+    assert any(t.startswith("bytes:\\x") for t in texts) and " and" in "".join(texts)

@@ -227,6 +227,10 @@ def test_disconnect_aborts_and_frees_pages(server):
         (json.dumps({"prompt": [10**7]}).encode(), 400, "vocabulary"),
         (json.dumps({"prompt": ""}).encode(), 400, "empty"),
         (json.dumps({"prompt": "x" * (2 << 20)}).encode(), 413, "exceeds"),
+        (json.dumps({"prompt": "x", "seed": 2**64}).encode(), 400, "seed"),
+        (json.dumps({"prompt": [5] * 100_000}).encode(), 400, "maximum context length"),
+        (json.dumps({"prompt": "x", "stop": ["s" * 1000]}).encode(), 400, "stop"),
+        (json.dumps({"prompt": "\ud800"}).encode(), 400, "cannot be tokenized"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, message):
@@ -240,6 +244,86 @@ def test_bad_requests_get_openai_errors(server, body, status, message):
     error = response.json()["error"]
     assert message in error["message"] and error["type"]
     assert httpx.get(f"{server.base_url}/health").status_code == 200  # still serving
+
+
+def test_errors_outside_the_request_schema_are_openai_json(server):
+    def chunked():  # no Content-Length: the limit is enforced on the streamed bytes
+        for _ in range(3):
+            yield b"x" * (1 << 20)
+
+    too_big = httpx.post(f"{server.base_url}/v1/completions", content=chunked(), timeout=30)
+    assert too_big.status_code == 413 and "exceeds" in too_big.json()["error"]["message"]
+    missing = httpx.get(f"{server.base_url}/v1/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["message"]
+    wrong_method = httpx.get(f"{server.base_url}/v1/completions")
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["message"]
+    tool = httpx.post(
+        f"{server.base_url}/tokenize", json={"messages": [{"role": "tool", "content": "x"}]}, timeout=30
+    )
+    assert tool.status_code == 400 and "unknown role" in tool.json()["error"]["message"]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_developer_role_is_the_system_prompt(server):
+    def tokens(role):
+        body = {"messages": [{"role": role, "content": "be brief"}, {"role": "user", "content": "hi"}]}
+        return httpx.post(f"{server.base_url}/tokenize", json=body, timeout=30).json()["tokens"]
+
+    assert tokens("developer") == tokens("system")
+
+
+def test_logprobs_follow_the_openai_format(client):
+    out = client.completions.create(
+        model="art", prompt="The quick", max_tokens=6, temperature=0, logprobs=2, echo=True
+    )
+    lp = out.choices[0].logprobs
+    generated = out.choices[0].text[len("The quick") :]
+    assert "".join(lp.tokens) == generated or any(t.startswith("bytes:") for t in lp.tokens)
+    assert lp.text_offset[0] == len("The quick")
+    assert lp.text_offset == sorted(lp.text_offset) and len(set(lp.text_offset)) == len(lp.tokens)
+    chat = client.chat.completions.create(
+        model="art", messages=[{"role": "user", "content": "x"}], max_tokens=5, temperature=0, logprobs=True
+    )
+    content = chat.choices[0].logprobs.content
+    assert bytes(b for item in content for b in item.bytes).decode(errors="replace") == (
+        chat.choices[0].message.content
+    )
+
+
+def test_a_request_the_engine_cannot_take_fails_alone(server, monkeypatch):
+    """A failure while admitting one request answers that request; the engine keeps serving."""
+    engine = server.engine
+    original, seen = engine._admit, []
+
+    def admit(request, emit):
+        seen.append(request.params.top_k)
+        if request.prompt_ids == engine.tokenizer.encode("reject me"):
+            raise ValueError("injected admission failure")
+        return original(request, emit)
+
+    monkeypatch.setattr(engine, "_admit", admit)
+    bad = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"prompt": "reject me", "max_tokens": 2, "temperature": 0.5, "top_k": 2**40},
+        timeout=30,
+    )
+    assert bad.status_code == 500 and "injected admission failure" in bad.json()["error"]["message"]
+    assert seen[-1] <= engine.runner.config.vocab_size  # an oversized top_k is clamped to the vocabulary
+    assert engine.alive and httpx.get(f"{server.base_url}/health").status_code == 200
+    ok = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "fine", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_non_streaming_disconnect_aborts_while_tokens_flow(server):
+    aborted = server.engine.metrics.aborted.value
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"prompt": "a long generation", "max_tokens": 3000, "temperature": 0, "ignore_eos": True},
+            timeout=1.0,
+        )
+    assert _wait_until_idle(server, timeout=2.0), "the abandoned request kept generating"
+    assert server.engine.metrics.aborted.value == aborted + 1
 
 
 def test_models_health_metrics_tokenize(server):
@@ -274,6 +358,7 @@ def test_api_key_and_loopback_default(artifact):
         )
         assert ok.status_code == 200
         assert httpx.get(f"{srv.base_url}/health").status_code == 200
+        assert httpx.get(f"{srv.base_url}/openapi.json").status_code == 401
         bound = {sock.getsockname()[0] for server in srv.server.servers for sock in server.sockets}
         assert bound == {"127.0.0.1"}  # loopback only by default
 
