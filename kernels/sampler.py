@@ -6,7 +6,8 @@ Penalties are applied before (they touch only the tokens a request has seen). Th
 on the row in L2-resident blocks: one pass for the max, min and log-sum-exp of logits / T; the top-k
 and top-p cut-offs as logit thresholds found by bisection (each step counts the tokens / sums the
 probability mass above a candidate threshold); min-p is the threshold max + log(min_p); a final pass
-draws argmax(logprob + Gumbel noise) over the tokens above the highest threshold. Temperature 0 is
+draws argmax(logprob + Gumbel noise) over the tokens above the highest threshold. Tokens tied with the
+k-th (or the top-p cut-off token) are all kept, as in vLLM and the reference. Temperature 0 is
 greedy (first arg-max). The noise is the request's seeded counter-based stream (`tl.rand`), or an
 injected [B, V] tensor of uniforms — then the result equals the torch reference token for token.
 Returns the chosen token and its logprob under the (penalised, tempered) distribution.
@@ -21,6 +22,7 @@ from torch import Tensor
 
 BLOCK = 8192  # elements per loop iteration: large, so each pass keeps many loads in flight (latency-bound)
 BISECT_STEPS = 28  # resolution (max - min) / 2^28: far below the gap between distinct fp32 logits
+NEGLIGIBLE: tl.constexpr = tl.constexpr(88.0)  # logit gap below the max whose tokens never matter
 
 
 @triton.jit
@@ -78,6 +80,9 @@ def _sample_kernel(
     greedy = temperature == 0.0
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
     m, lo, lse = _row_stats(row_ptr, V, inv_t, BLOCK)
+    # bisect from m - NEGLIGIBLE at most: a token that far below the max has probability < e^-88 (it
+    # cannot win the Gumbel draw or move top-p), and a -inf logit would keep every midpoint at -inf
+    lo = tl.maximum(lo, m - NEGLIGIBLE)
     threshold = float("-inf")
     if not greedy:
         min_p = tl.load(minp_ptr + row)

@@ -65,13 +65,18 @@ def apply_penalties(logits: Tensor, params: list[SamplingParams], history: list[
 
 
 def filter_mask(probs: Tensor, p: SamplingParams) -> Tensor:
-    """Boolean mask [V] of the tokens top-k / top-p / min-p keep (the most likely is always kept)."""
-    sorted_probs, order = probs.sort(descending=True)
-    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    """Boolean mask [V] of the tokens top-k / top-p / min-p keep (the most likely is always kept).
+
+    Tokens tied with the last one top-k or top-p keeps are kept too (as vLLM does), so the result does
+    not depend on how a sort orders equal values.
+    """
+    sorted_probs, order = probs.sort(descending=True, stable=True)
+    kept = sorted_probs.numel()
     if p.top_k > 0:
-        keep[p.top_k :] = False
+        kept = min(kept, p.top_k)
     if p.top_p < 1.0:
-        keep &= (sorted_probs.cumsum(-1) - sorted_probs) < p.top_p
+        kept = min(kept, int(((sorted_probs.cumsum(-1) - sorted_probs) < p.top_p).sum()))
+    keep = sorted_probs >= sorted_probs[max(kept, 1) - 1]
     if p.min_p > 0.0:
         keep &= sorted_probs >= p.min_p * sorted_probs[0]
     keep[0] = True

@@ -21,9 +21,15 @@ from hy3c.serve.sampler import sample_reference as sample
         SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02),
     ],
 )
-def test_fused_sampler_equals_reference_with_injected_noise(params):
+@pytest.mark.parametrize("logits_kind", ["distinct", "ties at the cut-off", "masked -inf entries"])
+def test_fused_sampler_equals_reference_with_injected_noise(params, logits_kind):
     rows, vocab = 6, 1500
     logits = torch.randn(rows, vocab) * 3
+    if logits_kind == "ties at the cut-off":  # coarse values, like a bf16 lm_head: many equal logits
+        logits = (logits * 2).round() / 2
+    elif logits_kind == "masked -inf entries":  # e.g. a logit bias or grammar mask
+        logits[:, ::7] = float("-inf")
+        logits[:, 3] = -1e30
     noise = torch.rand(rows, vocab)
     ref = sample(logits, [params] * rows, [History([], [])] * rows, [None] * rows, noise=noise)
 

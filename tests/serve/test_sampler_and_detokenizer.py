@@ -87,3 +87,17 @@ def test_logprob_token_text_and_bytes_round_trip(tiny_ckpt):
     assert b"".join(tok.token_bytes(i) for i in ids).decode() == "日本 and ü"
     texts = [tok.token_text(i) for i in ids]
     assert any(t.startswith("bytes:\\x") for t in texts) and " and" in "".join(texts)
+
+
+def test_top_k_and_top_p_keep_every_token_tied_at_the_cut_off():
+    probs = torch.tensor([0.1, 0.2, 0.4, 0.2, 0.1])
+    tied = [False, True, True, True, False]
+    assert filter_mask(probs, SamplingParams(temperature=1.0, top_k=2)).tolist() == tied
+    assert filter_mask(probs, SamplingParams(temperature=1.0, top_p=0.5)).tolist() == tied
+    assert filter_mask(probs, SamplingParams(temperature=1.0, top_k=1)).tolist() == [
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
