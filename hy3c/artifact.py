@@ -5,7 +5,8 @@
 
 An artifact directory holds `manifest.json` (format version, versions, model config, recipe, cache key,
 file hashes), `program/step.json` (the graph after passes, JSON), `weights/rank0*.safetensors`,
-`compile_report.json`, optional `graphs/` dumps, the tokenizer files and, once run, `compile_cache/`.
+`compile_report.json`, optional `graphs/` dumps and the tokenizer files. (Inductor's caches live in a
+per-user directory, never in the artifact: see `hy3c.runner`.)
 Loading checks the format version, the program hash, the weight files' sizes (and their sha256 for
 artifacts under `VERIFY_LIMIT` bytes, or when asked) and the parameter shapes against the program; any
 mismatch is an `ArtifactError` naming the file. Nothing is unpickled: JSON and safetensors only.

@@ -7,9 +7,10 @@ serving engine drive either one.
 Compilation marks every batch-dependent dimension (tokens, requests, page-table width, KV page count,
 logits rows) as unbacked, so one compiled graph serves every batch shape: no recompilation, no 0/1
 specialization. Inductor's caches (FX graph, AOT autograd, generated kernels and their compiled
-binaries) are directed into `<artifact>/compile_cache/<key>/`, keyed by the artifact's cache key, the
-device and the torch version: the first run on a device fills it, later starts reuse it (warm start).
-If the artifact directory is read-only, Inductor's default cache directory is used.
+binaries) go to a per-user directory, `$HY3C_CACHE_DIR` or `~/.cache/hy3c` (`$XDG_CACHE_HOME/hy3c`), under
+`inductor/<key>` keyed by the artifact's cache key, the device and the torch version: the first run on a
+device fills it, later starts reuse it (warm start). They hold pickles and shared objects, so they are
+never read from an artifact (a file someone else sent) and never from a directory another user owns.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ log = logging.getLogger("hy3c.runner")
 
 # step input index → dims that vary from step to step
 _DYNAMIC_DIMS = {0: (0,), 1: (0,), 2: (2,), 3: (0, 1), 4: (0,), 5: (0,), 6: (0,), 7: (0,)}
-CACHE_DIR = "compile_cache"
+
+
+def compile_cache_root() -> Path:
+    """This user's directory for Inductor's caches."""
+    if os.environ.get("HY3C_CACHE_DIR"):
+        return Path(os.environ["HY3C_CACHE_DIR"]) / "inductor"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hy3c" / "inductor"
 
 
 class Runner:
@@ -58,8 +66,7 @@ class Runner:
         self.kv_dtype = getattr(torch, manifest["kv_cache"]["dtype"])
         self.compiled = compile
         self.decode_graphs: DecodeGraphs | None = None
-        if compile:
-            self._use_artifact_cache()
+        self.compile_cache: Path | None = self._use_compile_cache() if compile else None
         self._fn = torch.compile(gm, dynamic=False, fullgraph=True) if compile else gm
 
     def _cache_key(self) -> str:
@@ -67,16 +74,23 @@ class Runner:
         parts = [self.manifest["cache_key"]["key"], self.device.type, name, torch.__version__]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
-    def _use_artifact_cache(self) -> None:
-        directory = self.path / CACHE_DIR / self._cache_key()
+    def _use_compile_cache(self) -> Path | None:
+        directory = compile_cache_root() / self._cache_key()
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            owner = directory.stat().st_uid
         except OSError as exc:
             log_event(log, "compile_cache_unavailable", level=logging.WARNING, reason=str(exc))
-            return
+            return None
+        if owner != os.getuid():
+            log_event(
+                log, "compile_cache_unavailable", level=logging.WARNING, reason=f"{directory} is not ours"
+            )
+            return None
         warm = any(directory.iterdir())
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
         log_event(log, "compile_cache", dir=str(directory), warm=warm)
+        return directory
 
     def allocate_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
         return allocate_kv_cache(self.config, num_pages, page_size, self.kv_dtype, self.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -14,6 +15,9 @@ if not torch.cuda.is_available():
     from tests.kernels.interp_shim import install as _install_interpreter_fixes
 
     _install_interpreter_fixes()
+
+# compiled runs keep Inductor's caches in a directory of this test session, not in ~/.cache
+os.environ.setdefault("HY3C_CACHE_DIR", tempfile.mkdtemp(prefix="hy3c-test-cache-"))
 
 import pytest
 

@@ -12,8 +12,10 @@ records each parameter's shape and dtype so the weights can be checked against t
 
 from __future__ import annotations
 
+import keyword
 import math
 import operator
+import re
 from typing import Any
 
 import torch
@@ -23,6 +25,8 @@ import hy3c.kernels  # noqa: F401  (registers the kernel providers' ops a progra
 
 FORMAT = 1
 _ALLOWED_NAMESPACES = ("aten", "hy3")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PARAMETER_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
 
 
 class ProgramError(ValueError):
@@ -70,6 +74,13 @@ def _encode(value: Any) -> Any:
             f"cannot serialize argument {value!r} (device- or layout-specific graphs are not portable)"
         )
     raise ProgramError(f"cannot serialize argument {value!r} of type {type(value).__name__}")
+
+
+def _check_name(value: object, what: str, node: str, pattern: re.Pattern = _IDENTIFIER) -> str:
+    """Names end up in the Python code FX generates for the graph: only plain identifiers pass."""
+    if not isinstance(value, str) or not pattern.fullmatch(value) or keyword.iskeyword(value):
+        raise ProgramError(f"node {node}: {what} {value!r} is not a plain identifier")
+    return value
 
 
 def _decode(value: Any, env: dict[str, fx.Node], node: str) -> Any:
@@ -123,6 +134,7 @@ def graph_from_json(data: dict[str, Any], parameters: dict[str, torch.Tensor]) -
             f"program format {data.get('format') if isinstance(data, dict) else None!r}, expected {FORMAT}"
         )
     for fqn, spec in data["params"].items():
+        _check_name(fqn, "parameter name", fqn, _PARAMETER_PATH)
         tensor = parameters.get(fqn)
         if tensor is None:
             raise ProgramError(f"parameter {fqn} is missing from the weights")
@@ -139,15 +151,26 @@ def graph_from_json(data: dict[str, Any], parameters: dict[str, torch.Tensor]) -
             if not hasattr(module, part):
                 module.add_module(part, torch.nn.Module())
             module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(parameters[fqn], requires_grad=False))
+        try:
+            module.register_parameter(leaf, torch.nn.Parameter(parameters[fqn], requires_grad=False))
+        except (KeyError, AttributeError) as exc:  # e.g. a name taken by a Module attribute ("training")
+            raise ProgramError(f"parameter {fqn}: {exc}") from None
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     for entry in data["nodes"]:
-        name, op = entry["name"], entry["op"]
+        if not isinstance(entry, dict):
+            raise ProgramError(f"node entries must be objects, found {type(entry).__name__}")
+        name, op = _check_name(entry.get("name"), "name", "?"), entry.get("op")
         args = _decode(entry.get("args", []), env, name)
-        kwargs = {k: _decode(v, env, name) for k, v in entry.get("kwargs", {}).items()}
-        if op in ("placeholder", "get_attr"):
-            target = entry["target"]
+        kwargs = {
+            _check_name(k, "keyword", name): _decode(v, env, name) for k, v in entry.get("kwargs", {}).items()
+        }
+        if op == "placeholder":
+            target = _check_name(entry.get("target"), "input name", name)
+        elif op == "get_attr":
+            target = _check_name(entry.get("target"), "parameter", name, _PARAMETER_PATH)
+            if target not in data["params"]:
+                raise ProgramError(f"node {name}: parameter {target} is not in the program's parameter table")
         elif op == "call_function":
             target = _resolve_target(entry["target"], name)
         elif op == "output":

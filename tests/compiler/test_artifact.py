@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -85,9 +86,9 @@ def test_compiled_artifact_matches_eager_without_recompiling(cpu_art, tiny_ckpt)
         torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    # the first compiled step saved the warm-start cache; a new runner loads it
-    (cache,) = (cpu_art / "compile_cache").iterdir()
-    assert any(cache.rglob("*.py"))  # Inductor wrote its generated code there
+    # the first compiled step saved the warm-start cache in this user's cache directory, not the artifact
+    assert runner.compile_cache is not None and any(runner.compile_cache.rglob("*.py"))
+    assert cpu_art not in runner.compile_cache.parents and not (cpu_art / "compile_cache").exists()
 
 
 def test_fp8_artifact_agrees_with_bf16_reference(tiny_ckpt, tmp_path):
@@ -245,6 +246,9 @@ def test_unsupported_parallelism_and_failed_compile_leave_nothing(tiny_ckpt, tmp
         (lambda p: _truncate(p / "weights/rank0.safetensors"), "truncated"),
         (lambda p: _flip_byte(p / "weights/rank0.safetensors"), "sha256 differs from manifest.json"),
         (lambda p: _edit_manifest(p, recipe={"target": "cpu"}), "invalid manifest"),
+        (lambda p: _edit_program(p, "placeholder", "target", _INJECTED), "not a plain identifier"),
+        (lambda p: _edit_program(p, "call_function", "name", _INJECTED), "not a plain identifier"),
+        (lambda p: _edit_program(p, "get_attr", "target", "training"), "not in the program's parameter"),
     ],
 )
 def test_corrupt_artifacts_are_named(cpu_art, tmp_path, damage, message):
@@ -264,6 +268,20 @@ def _edit_manifest(path, **changes):
     data = json.loads((path / "manifest.json").read_text())
     data.update(changes)
     (path / "manifest.json").write_text(json.dumps(data))
+
+
+_INJECTED = 'x=__import__("os").system("touch /tmp/hy3c-pwned")'
+
+
+def _edit_program(path, op, field, value):
+    """Change the first `op` node's field and re-hash: a hostile edit that passes the integrity check."""
+    program = path / "program/step.json"
+    data = json.loads(program.read_text())
+    next(n for n in data["nodes"] if n["op"] == op)[field] = value
+    program.write_text(json.dumps(data))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["program"]["sha256"] = hashlib.sha256(program.read_bytes()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _truncate(file):
