@@ -183,7 +183,8 @@ def assemble_tensors(
     """Yield (model tensor name, CPU tensor) for every entry of `shapes` (name → tensor giving shape and
     dtype, e.g. a meta model's parameters), each assembled from its checkpoint tensors when needed:
     fused q/k/v and gate/up rows, stacked experts, expanded per-tensor FP8 scales. `kv_scales` comes
-    from `kv_cache_scales.safetensors` under `kv_root` (1.0 where absent)."""
+    from `kv_cache_scales.safetensors` under `kv_root` (1.0 without one, for a checkpoint with no static
+    KV scheme)."""
     sources: dict[str, list[tuple[str, Placement]]] = {}
     for name, place in layout.expected.items():
         sources.setdefault(place.target, []).append((name, place))
@@ -271,21 +272,32 @@ def load_model(
 
 
 def _load_kv_scales(root: Path | None, config: Hy3Config, out: torch.Tensor) -> None:
-    """Fill kv_scales [num_kv_layers, 2] from kv_cache_scales.safetensors, if the checkpoint has one."""
-    file = root / KV_SCALES_FILE if root is not None else None
-    if file is None or not file.is_file():
+    """Fill kv_scales [layers, 2] from kv_cache_scales.safetensors: required, and complete, when the
+    config says `kv_cache_scheme: static`; rows of an MTP layer the model does not hold are skipped."""
+    if root is None:
+        return
+    file = root / KV_SCALES_FILE
+    quant = config.quantization_config
+    static = quant is not None and quant.kv_cache_scheme == "static"
+    if not file.is_file():
+        if static:
+            raise CheckpointError(f"{file}: missing (quantization_config.kv_cache_scheme is 'static')")
         return
     headers = read_headers(file)
     expected = kv_scale_tensors(config)
-    problems = [f"unexpected tensor {n}" for n in sorted(set(headers) - set(expected), key=_natural)]
+    problems = []
     for name, header in headers.items():
         problem = (
             _check_tensor(header.shape, header.dtype, expected[name], False) if name in expected else None
         )
         if problem:
             problems.append(f"{name}: {problem}")
+    problems += [f"unexpected tensor {n}" for n in sorted(set(headers) - set(expected), key=_natural)]
+    problems += [f"missing tensor {n}" for n in sorted(set(expected) - set(headers), key=_natural)]
     if problems:
         raise CheckpointError(f"{file}: " + "; ".join(problems[:_MAX_LISTED]))
     with CheckpointFiles(root, headers).reader() as read:
         for name in headers:
-            _place(out, expected[name], read(name), first=True)
+            place = expected[name]
+            if place.region[0] < out.shape[0]:
+                _place(out, place, read(name), first=True)

@@ -172,6 +172,24 @@ def test_bad_kv_scales_file_is_named(tiny_ckpt, tmp_path):
         load_model(path, progress=False)
 
 
+def test_static_kv_scales_must_be_complete_and_skip_an_unloaded_mtp_layer(tiny_ckpt, tmp_path):
+    from hy3c.fp8_convert import convert_to_fp8
+
+    bf16 = load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False)
+    c8 = convert_to_fp8(bf16, tiny_ckpt, tmp_path / "c8")
+    without_mtp = load_model(c8, with_mtp=False, progress=False)
+    assert without_mtp.kv_scales.shape[0] == without_mtp.config.num_hidden_layers
+    kv_file = c8 / "kv_cache_scales.safetensors"
+    scales = load_file(kv_file)
+    scales.pop("model.layers.1.self_attn.v_cache.scale")
+    save_file(scales, str(kv_file))
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.1\.self_attn\.v_cache\.scale"):
+        load_model(c8, progress=False)
+    kv_file.unlink()
+    with pytest.raises(CheckpointError, match="kv_cache_scales.safetensors: missing"):
+        load_model(c8, progress=False)
+
+
 def test_peak_memory_is_the_model_plus_about_one_tensor(make_ckpt):
     """Load in a fresh process while sampling anonymous RSS: the peak stays near the model's own bytes."""
     path = make_ckpt(
