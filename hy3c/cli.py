@@ -39,25 +39,50 @@ def _add_init_checkpoint(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_init_checkpoint)
 
 
+def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ignore-unexpected",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="leave checkpoint tensors matching this fnmatch pattern unused (repeatable)",
+    )
+    p.add_argument("--no-mtp", action="store_true", help="the checkpoint's MTP layer is absent or unused")
+
+
 def _run_init_checkpoint(args: argparse.Namespace) -> None:
     from hy3c.init_checkpoint import init_checkpoint
 
     shard = int(args.max_shard_gib * 2**30)
+    if args.fp8 is not None and args.scheme != "hub":
+        raise ValueError("--fp8 writes the hub naming (the FP8 format of HY3_SPEC §9); drop --scheme")
     if args.fp8 is None:
         init_checkpoint(args.preset, args.out, args.seed, args.scheme, shard, args.overwrite, args.device)
     else:
         with tempfile.TemporaryDirectory(dir=args.out.parent if args.out.parent.exists() else None) as tmp:
             bf16 = Path(tmp) / "bf16"
             init_checkpoint(args.preset, bf16, args.seed, "hub", shard, False, args.device)
-            _convert(bf16, args.out, args.fp8, args.seed, args.overwrite, args.device, shard)
+            _convert(bf16, args.out, args.fp8, args.seed, args.overwrite, args.device, shard, True, [])
     print(args.out)
 
 
-def _convert(src: Path, out: Path, scheme: str, seed: int, overwrite: bool, device: str, shard: int) -> None:
+def _convert(
+    src: Path,
+    out: Path,
+    scheme: str,
+    seed: int,
+    overwrite: bool,
+    device: str,
+    shard: int,
+    with_mtp: bool,
+    ignore_unexpected: list[str],
+) -> None:
     from hy3c.fp8_convert import convert_to_fp8
     from hy3c.loader import load_model
+    from hy3c.safetensors_io import check_output_dir
 
-    model = load_model(src, device=device)
+    check_output_dir(out, overwrite, inputs=[src])  # before loading and calibrating the model
+    model = load_model(src, device=device, with_mtp=with_mtp, ignore_unexpected=ignore_unexpected)
     convert_to_fp8(model, src, out, scheme, seed=seed, overwrite=overwrite, max_shard_bytes=shard)
 
 
@@ -70,12 +95,23 @@ def _add_convert_fp8(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-shard-gib", type=float, default=4.0)
     p.add_argument("--overwrite", action="store_true")
+    _add_checkpoint_options(p)
     p.set_defaults(func=_run_convert_fp8)
 
 
 def _run_convert_fp8(args: argparse.Namespace) -> None:
     shard = int(args.max_shard_gib * 2**30)
-    _convert(args.model, args.out, args.activation, args.seed, args.overwrite, args.device, shard)
+    _convert(
+        args.model,
+        args.out,
+        args.activation,
+        args.seed,
+        args.overwrite,
+        args.device,
+        shard,
+        not args.no_mtp,
+        args.ignore_unexpected,
+    )
     print(args.out)
 
 
@@ -99,6 +135,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--show-ids", action="store_true", help="print the generated token ids too")
+    _add_checkpoint_options(p)
     p.set_defaults(func=_run_generate)
 
 
@@ -121,7 +158,13 @@ def _run_generate(args: argparse.Namespace) -> None:
     else:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         tokenizer = Hy3Tokenizer.from_dir(args.model)
-        model = load_model(args.model, dtype=args.dtype, device=device)
+        model = load_model(
+            args.model,
+            dtype=args.dtype,
+            device=device,
+            with_mtp=not args.no_mtp,
+            ignore_unexpected=args.ignore_unexpected,
+        )
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
         for p in args.prompt
@@ -152,6 +195,7 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dump-graphs", action="store_true", help="keep the graph after every pass in graphs/")
     p.add_argument("--max-shard-gib", type=float, default=4.0)
     p.add_argument("--overwrite", action="store_true")
+    _add_checkpoint_options(p)
     p.set_defaults(func=_run_compile)
 
 
@@ -168,6 +212,8 @@ def _run_compile(args: argparse.Namespace) -> None:
         dump_graphs=args.dump_graphs,
         overwrite=args.overwrite,
         max_shard_bytes=int(args.max_shard_gib * 2**30),
+        with_mtp=not args.no_mtp,
+        ignore_unexpected=args.ignore_unexpected,
     )
     report = {"passes": [r.model_dump(mode="json") for r in summary.results]}
     print(format_pass_table(report))

@@ -149,7 +149,7 @@ def convert_to_fp8(
     static = activation_scheme == "static"
     expected = expected_tensors(config, "hub", fp8_modules, static)
     params = dict(model.named_parameters())
-    with atomic_output_dir(out, overwrite) as tmp:
+    with atomic_output_dir(out, overwrite, inputs=[source_dir]) as tmp:
         for name in _COPIED_FILES:
             if (source_dir / name).is_file():
                 shutil.copy2(source_dir / name, tmp / name)

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,12 +106,27 @@ class CheckpointFiles:
             yield read
 
 
-@contextlib.contextmanager
-def atomic_output_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory next to `out`; rename it to `out` only if the block succeeds."""
+def check_output_dir(out: str | Path, overwrite: bool = False, inputs: Iterable[str | Path] = ()) -> None:
+    """Refuse an output that exists (unless overwrite) or whose replacement would delete an input."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out}: already exists (pass overwrite to replace it)")
+    target = out.resolve()
+    for source in inputs:
+        source = Path(source).resolve()
+        if target == source or target in source.parents:
+            raise FileExistsError(
+                f"{out}: replacing it would delete the input {source}; choose another output"
+            )
+
+
+@contextlib.contextmanager
+def atomic_output_dir(
+    out: str | Path, overwrite: bool = False, inputs: Iterable[str | Path] = ()
+) -> Iterator[Path]:
+    """Yield a temporary directory next to `out`; rename it to `out` only if the block succeeds."""
+    out = Path(out)
+    check_output_dir(out, overwrite, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

@@ -106,3 +106,36 @@ def test_random_model_equals_the_written_checkpoint(tiny_ckpt):
     built = random_model(config, torch.bfloat16, seed=0).state_dict()
     loaded = load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False).state_dict()
     assert all(torch.equal(built[k], loaded[k]) for k in loaded)
+
+
+def test_checkpoint_options_and_outputs_that_would_delete_the_input(tiny_ckpt, tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    tensors = load_file(ckpt / "model.safetensors")
+    mtp = [k for k in tensors if k.startswith("model.layers.3.")]
+    for key in mtp:
+        tensors.pop(key)
+    tensors["model.extra.weight"] = torch.zeros(2)
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    compile_args = ["compile", "--model", str(ckpt), "--recipe", "cpu-reference", "--out"]
+    assert main([*compile_args, str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "model.extra.weight" in err and "missing" in err
+    ok = [*compile_args, str(tmp_path / "a"), "--no-mtp", "--ignore-unexpected", "model.extra.*"]
+    assert main(ok) == 0
+    gen = ["generate", "--model", str(ckpt), "--prompt", "x", "--max-tokens", "2", "--no-mtp"]
+    assert main([*gen, "--ignore-unexpected", "model.extra.*"]) == 0
+    capsys.readouterr()
+    for out in (ckpt, tmp_path):  # the checkpoint itself, or a directory holding it
+        assert main([*compile_args, str(out), "--overwrite", "--no-mtp", "--ignore-unexpected", "*"]) == 2
+        assert "would delete the input" in capsys.readouterr().err
+    assert (ckpt / "model.safetensors").is_file()
+    assert main(["convert-fp8", "--model", str(ckpt), "--out", str(tmp_path / "a"), "--no-mtp"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    fp8_transformers = ["init-checkpoint", "--out", str(tmp_path / "t"), "--fp8", "static"]
+    assert main([*fp8_transformers, "--scheme", "transformers"]) == 2
+    assert "hub naming" in capsys.readouterr().err

@@ -17,6 +17,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from hy3c.passes.manager import PassError, PassManager
 from hy3c.passes.registry import PASS_REGISTRY
 from hy3c.recipe import Recipe, RecipeError
 from hy3c.runner import Runner
-from hy3c.safetensors_io import atomic_output_dir
+from hy3c.safetensors_io import atomic_output_dir, check_output_dir
 
 log = logging.getLogger("hy3c.compile")
 
@@ -164,20 +165,30 @@ def compile_artifact(
     overwrite: bool = False,
     progress: bool | None = None,
     max_shard_bytes: int = 4 << 30,
+    with_mtp: bool = True,
+    ignore_unexpected: Iterable[str] = (),
 ) -> CompileSummary:
+    """Compile a checkpoint (or a config preset, for inspection) into an artifact directory at `out`.
+
+    `with_mtp=False` compiles a checkpoint without its MTP layer (its tensors are then not required);
+    `ignore_unexpected` lists fnmatch patterns of checkpoint tensors to leave unused."""
     if (checkpoint is None) == (preset is None):
         raise CompileError(
             "give exactly one of a checkpoint directory (--model) or a config preset (--preset)"
         )
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    layout = inspect_checkpoint(checkpoint) if checkpoint is not None else None
+    if checkpoint is not None:
+        check_output_dir(out, overwrite, inputs=[checkpoint])
+    layout = inspect_checkpoint(checkpoint, with_mtp, ignore_unexpected) if checkpoint is not None else None
     config: Hy3Config = layout.config if layout is not None else preset_config(preset)
+    if not with_mtp:
+        config = config.model_copy(update={"num_nextn_predict_layers": 0})
     _check_supported(recipe, layout)
     dtype = getattr(torch, recipe.dtype)
     quant = layout.quant if layout is not None else NO_QUANT
     out = Path(out)
-    with atomic_output_dir(out, overwrite) as tmp:
+    with atomic_output_dir(out, overwrite, inputs=[checkpoint] if checkpoint is not None else []) as tmp:
         gm, results = trace_and_run_passes(
             config, recipe, quant, tmp / "graphs" if dump_graphs else None, timings
         )
