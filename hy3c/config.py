@@ -96,8 +96,15 @@ class Hy3Config(BaseModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        _reject_unsupported_features(data)
+        data.pop("rope_scaling", None)  # legacy key; only "default" (no scaling) gets past the check above
         if "rope_parameters" not in data and "rope_theta" in data:
             data["rope_parameters"] = {"rope_theta": data.pop("rope_theta"), "rope_type": "default"}
+        elif "rope_theta" in data:
+            theta, params = data.pop("rope_theta"), data["rope_parameters"]
+            given = params.get("rope_theta") if isinstance(params, dict) else None
+            if given is not None and given != theta:
+                raise ValueError(f"rope_theta ({theta}) disagrees with rope_parameters.rope_theta ({given})")
         if "dtype" not in data and "torch_dtype" in data:
             data["dtype"] = data.pop("torch_dtype")
         if data.get("dtype") is None:
@@ -206,6 +213,35 @@ class Hy3Config(BaseModel):
         out = self.model_dump(mode="json", exclude_none=True)
         out["mlp_layer_types"] = self.layer_types
         return out
+
+
+# config.json keys of architecture features Hy3 does not have (HY3_SPEC §2): a checkpoint that turns one
+# on is not a Hy3 model hy3c can run, so it is an error rather than an ignored key
+_UNSUPPORTED: dict[str, Any] = {
+    "use_sliding_window": lambda v, d: v is True,
+    "sliding_window": lambda v, d: v is not None and d.get("use_sliding_window") is not False,
+    "attention_bias": lambda v, d: v is True,
+    "mlp_bias": lambda v, d: v is True,
+    "use_cla": lambda v, d: v is True,
+    "partial_rotary_factor": lambda v, d: v not in (None, 1, 1.0),
+    "q_lora_rank": lambda v, d: v is not None,
+    "kv_lora_rank": lambda v, d: v is not None,
+    "attn_logit_softcapping": lambda v, d: v is not None,
+    "final_logit_softcapping": lambda v, d: v is not None,
+    "n_group": lambda v, d: v not in (None, 1),
+    "topk_group": lambda v, d: v not in (None, 1),
+    "rope_scaling": lambda v, d: (
+        isinstance(v, dict) and v.get("rope_type", v.get("type", "default")) != "default"
+    ),
+}
+
+
+def _reject_unsupported_features(data: dict[str, Any]) -> None:
+    for key, enabled in _UNSUPPORTED.items():
+        if key in data and enabled(data[key], data):
+            raise ValueError(
+                f"{key}={data[key]!r}: this feature is not part of Hy3 and hy3c does not support it"
+            )
 
 
 def _layer_types_from_first_k(first_k: int, num_layers: int) -> list[str]:

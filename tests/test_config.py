@@ -56,6 +56,12 @@ def test_missing_field_is_named(tmp_path):
         ("rope_parameters", {"rope_theta": 1e4, "rope_type": "yarn"}, "rope_parameters.rope_type"),
         ("eos_token_id", 100000, "eos_token_id"),
         ("model_type", "llama", "model_type"),
+        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling"),
+        ("rope_theta", 5000.0, "disagrees with rope_parameters"),
+        ("use_sliding_window", True, "use_sliding_window"),
+        ("sliding_window", 4096, "sliding_window"),
+        ("attention_bias", True, "attention_bias"),
+        ("kv_lora_rank", 512, "kv_lora_rank"),
     ],
 )
 def test_bad_value_is_named(tmp_path, field, value, message):
@@ -74,6 +80,18 @@ def test_legacy_rope_theta_and_first_k_dense_replace(tmp_path):
     cfg = Hy3Config.from_dir(_write(tmp_path, data))
     assert cfg.rope_theta == 5000.0
     assert cfg.layer_types == ["dense", "dense", "sparse"]
+
+
+def test_inactive_legacy_keys_are_accepted(tmp_path):
+    data = preset_config("tiny").to_json_dict()
+    data |= {
+        "rope_scaling": None,
+        "sliding_window": 4096,
+        "use_sliding_window": False,
+        "attention_bias": False,
+    }
+    data["rope_theta"] = data["rope_parameters"]["rope_theta"]
+    assert Hy3Config.from_dir(_write(tmp_path, data)).rope_theta == data["rope_theta"]
 
 
 def test_unreadable_config_files(tmp_path):
