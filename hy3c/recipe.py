@@ -202,3 +202,14 @@ def _check_passes(recipe: Recipe, source: str) -> None:
             raise RecipeError(
                 f"{source}: invalid config of pass '{spec.name}':\n  " + "\n  ".join(_describe(exc))
             ) from None
+    previous = None
+    for spec in recipe.passes:  # a pass may rely on every earlier stage having run (e.g. lower on fusion)
+        stage = PASS_REGISTRY[spec.name].stage
+        if spec.enabled and previous is not None and stage < previous[1]:
+            raise RecipeError(
+                f"{source}: pass '{spec.name}' ({stage.name} stage) comes after '{previous[0]}' "
+                f"({previous[1].name} stage); passes run in stage order "
+                "CANONICALIZE, SHARD, QUANT, FUSE, LOWER, CLEANUP"
+            )
+        if spec.enabled:
+            previous = (spec.name, stage)

@@ -210,6 +210,7 @@ def compile_artifact(
             "recipe": _sha(recipe.model_dump(mode="json")),
             "passes": pass_source_hashes(recipe),
             "weights": _sha([f["sha256"] for f in weight_files]) if weight_files else None,
+            "program": hashlib.sha256(program.encode()).hexdigest(),
             **versions,
         }
         report = {

@@ -223,6 +223,13 @@ def test_bad_recipe_files(tmp_path):
         load_recipe(bad)
     with pytest.raises(RecipeError, match="recipe file not found"):
         load_recipe(tmp_path / "missing.yaml")
+    bad.write_text("name: x\ntarget: cpu\npasses:\n  - name: fuse_moe\n  - name: quantize\n")
+    with pytest.raises(RecipeError, match="pass 'quantize' \\(QUANT stage\\) comes after 'fuse_moe'"):
+        load_recipe(bad)
+    bad.write_text(
+        "name: x\ntarget: cpu\npasses:\n  - {name: fuse_moe, enabled: false}\n  - name: quantize\n"
+    )
+    load_recipe(bad)  # a disabled pass does not count
 
 
 def test_unsupported_parallelism_and_failed_compile_leave_nothing(tiny_ckpt, tmp_path):
