@@ -19,10 +19,10 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -40,6 +40,46 @@ VERIFY_LIMIT = 2 << 30
 
 class ArtifactError(ValueError):
     """A missing, corrupt or incompatible artifact; the message names the file."""
+
+
+def _inside(name: str) -> str:
+    """A file name of the manifest must stay inside the artifact directory."""
+    parts = Path(name).parts
+    if not parts or Path(name).is_absolute() or ".." in parts:
+        raise ValueError(f"{name!r} is not a path inside the artifact")
+    return name
+
+
+class _ProgramEntry(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    file: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    _inside = field_validator("file")(_inside)
+
+
+class _WeightFile(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    _inside = field_validator("name")(_inside)
+
+
+class _Weights(BaseModel):
+    files: list[_WeightFile]
+
+
+class _KvCache(BaseModel):
+    dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3fn"]
+
+
+class _Manifest(BaseModel):
+    """The parts of manifest.json that loading relies on (the config and recipe have their own models)."""
+
+    model_config = ConfigDict(extra="allow")
+    program: _ProgramEntry
+    weights: _Weights | None
+    kv_cache: _KvCache
 
 
 @dataclass
@@ -79,6 +119,7 @@ def open_artifact(path: str | Path) -> Artifact:
             f"{file}: artifact format version {version!r}; this hy3c reads version {FORMAT_VERSION} (recompile it)"
         )
     try:
+        _Manifest.model_validate(manifest)
         config = Hy3Config.from_dict(manifest["model_config"], source=f"{file}: model_config")
         recipe = Recipe.model_validate(manifest["recipe"])
     except (KeyError, ConfigError, ValidationError) as exc:
@@ -87,8 +128,8 @@ def open_artifact(path: str | Path) -> Artifact:
 
 
 def _check_program(art: Artifact) -> dict[str, Any]:
-    info = art.manifest.get("program", {})
-    file = art.path / info.get("file", "program/step.json")
+    info = art.manifest["program"]
+    file = art.path / info["file"]
     if not file.is_file():
         raise ArtifactError(f"{file}: missing")
     text = file.read_bytes()

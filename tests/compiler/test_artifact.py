@@ -253,6 +253,10 @@ def test_unsupported_parallelism_and_failed_compile_leave_nothing(tiny_ckpt, tmp
         (lambda p: _truncate(p / "weights/rank0.safetensors"), "truncated"),
         (lambda p: _flip_byte(p / "weights/rank0.safetensors"), "sha256 differs from manifest.json"),
         (lambda p: _edit_manifest(p, recipe={"target": "cpu"}), "invalid manifest"),
+        (lambda p: _edit_manifest(p, kv_cache={"dtype": "int8"}), "invalid manifest"),
+        (lambda p: _edit_manifest(p, kv_cache=None), "invalid manifest"),
+        (lambda p: _edit_manifest(p, weights={}), "invalid manifest"),
+        (lambda p: _edit_weight_name(p, "../../etc/passwd"), "not a path inside the artifact"),
         (lambda p: _edit_program(p, "placeholder", "target", _INJECTED), "not a plain identifier"),
         (lambda p: _edit_program(p, "call_function", "name", _INJECTED), "not a plain identifier"),
         (lambda p: _edit_program(p, "get_attr", "target", "training"), "not in the program's parameter"),
@@ -289,6 +293,12 @@ def _edit_program(path, op, field, value):
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["program"]["sha256"] = hashlib.sha256(program.read_bytes()).hexdigest()
     (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _edit_weight_name(path, name):
+    data = json.loads((path / "manifest.json").read_text())
+    data["weights"]["files"][0]["name"] = name
+    (path / "manifest.json").write_text(json.dumps(data))
 
 
 def _truncate(file):
