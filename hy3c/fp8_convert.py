@@ -33,7 +33,7 @@ from hy3c.model.hy3 import Hy3ForCausalLM, allocate_kv_cache
 from hy3c.model.layers import Experts, Linear
 from hy3c.ops.moe import silu_and_mul_reference
 from hy3c.ops.quant import FP8_MAX, quantize_fp8
-from hy3c.safetensors_io import ShardedWriter, atomic_output_dir
+from hy3c.safetensors_io import ShardedWriter, atomic_output_dir, check_output_dir
 from hy3c.weight_map import expected_tensors, kv_scale_tensors
 
 log = logging.getLogger("hy3c.fp8_convert")
@@ -140,6 +140,7 @@ def convert_to_fp8(
 ) -> Path:
     """Write the FP8 hub-format checkpoint of `model` (loaded in high precision from `source_dir`)."""
     source_dir, out = Path(source_dir), Path(out)
+    check_output_dir(out, overwrite, inputs=[source_dir])  # before calibrating
     config = model.config
     if calibration is None:
         gen = torch.Generator().manual_seed(seed)

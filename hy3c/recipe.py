@@ -147,6 +147,8 @@ def apply_override(data: dict[str, Any], text: str) -> None:
             return
         node = spec.setdefault("config", {})
         keys = keys[3:] if keys[2] == "config" else keys[2:]
+        if not keys:
+            raise RecipeError(f"override '{text}': name a field of the pass config (passes.<name>.<field>)")
     for depth, part in enumerate(keys[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):

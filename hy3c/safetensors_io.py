@@ -67,6 +67,10 @@ class CheckpointFiles:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+            ):
+                raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
             headers: dict[str, TensorHeader] = {}
             for shard in sorted(set(weight_map.values())):
                 path = root / shard

@@ -194,7 +194,9 @@ def kv_scale_tensors(config: Hy3Config) -> dict[str, Placement]:
 def fp8_module_of(name: str, config: Hy3Config) -> str | None:
     """The hy3c module path a hub-named FP8 `.weight` belongs to (None for non-linear tensors)."""
     parts = name.split(".")
-    if not name.endswith(".weight") or len(parts) < 4 or parts[:2] != ["model", "layers"]:
+    if not name.endswith(".weight") or len(parts) < 5 or parts[:2] != ["model", "layers"]:
+        return None
+    if not parts[2].isdigit() or int(parts[2]) >= config.num_hidden_layers + config.num_nextn_predict_layers:
         return None
     layer = int(parts[2])
     prefix = (
@@ -205,9 +207,9 @@ def fp8_module_of(name: str, config: Hy3Config) -> str | None:
     rest = parts[3:-1]
     if rest == ["eh_proj"]:
         return f"mtp.{layer - config.num_hidden_layers}.eh_proj"
-    if rest[:1] == ["self_attn"] and rest[1] in ("q_proj", "k_proj", "v_proj"):
+    if rest in (["self_attn", "q_proj"], ["self_attn", "k_proj"], ["self_attn", "v_proj"]):
         return f"{prefix}.self_attn.qkv_proj"
-    if rest[:1] == ["self_attn"] and rest[1] == "o_proj":
+    if rest == ["self_attn", "o_proj"]:
         return f"{prefix}.self_attn.o_proj"
     if rest[:2] == ["mlp", "experts"]:
         return f"{prefix}.mlp.experts"

@@ -151,6 +151,22 @@ def test_partially_quantized_expert_stack_is_an_error(tiny_ckpt, tmp_path):
             "references b.safetensors, which does not exist",
         ),
         (lambda p: (p / "model.safetensors.index.json").write_text("[]"), "not a valid safetensors index"),
+        (
+            lambda p: (p / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["a"]})),
+            "weight_map must map tensor names",
+        ),
+        (
+            lambda p: _rewrite(
+                p, lambda t: t.update({"model.layers.1.self_attn.weight": torch.zeros(2, dtype=FP8_DTYPE)})
+            ),
+            "FP8 tensor 'model.layers.1.self_attn.weight' is not a linear weight",
+        ),
+        (
+            lambda p: _rewrite(
+                p, lambda t: t.update({"model.layers.x.mlp.weight": torch.zeros(2, dtype=FP8_DTYPE)})
+            ),
+            "FP8 tensor 'model.layers.x.mlp.weight' is not a linear weight",
+        ),
     ],
 )
 def test_unreadable_checkpoints(tiny_ckpt, tmp_path, damage, message):

@@ -199,6 +199,7 @@ def test_inspect_commands(cpu_art, capsys):
         (["passes.nonexistent.enabled=false"], "no pass named 'nonexistent'"),
         (["noequals"], "expected KEY=VALUE"),
         (["parallel.tp=0"], "key 'parallel.tp'"),
+        (["passes.lower.config=5"], "name a field of the pass config"),
     ],
 )
 def test_bad_recipe_overrides(overrides, message):
