@@ -147,3 +147,9 @@ def test_moe_align_real_shapes(tokens):
     for block_m in (16, 64):
         got, want = moe_align_triton(ids, 192, block_m), moe_align_torch(ids, 192, block_m)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_layer_offset_beyond_int32_on_the_gpu():
+    from tests.kernels.test_paged_attention import check_far_layer
+
+    check_far_layer("cuda")

@@ -158,6 +158,16 @@ def test_layer_offset_beyond_int32_reads_and_writes_that_layer():
     The cache is allocated lazily (only the touched pages become memory). Every kernel must address
     layer 2 itself — an int32 layer offset would wrap and read or write another layer.
     """
+    check_far_layer("cpu")
+
+
+def check_far_layer(device: str) -> None:
+    """Decode, prefill and the KV store at a layer whose offset exceeds int32 (also run on the GPU)."""
+    with torch.device(device):
+        _check_far_layer()
+
+
+def _check_far_layer() -> None:
     from hy3c.kernels.qknorm_rope_kvstore import launch as kvstore
 
     layers, pages, page, kv_heads, dim, heads, layer = 3, 8192, 64, 8, 128, 64, 2
