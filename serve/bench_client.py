@@ -81,6 +81,38 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -
     return stats
 
 
+_STEP_METRICS = ("hy3c:engine_step_seconds", "hy3c:engine_host_seconds")
+
+
+async def _engine_totals(client: httpx.AsyncClient) -> dict[str, list[float]] | None:
+    """[sum, count] of hy3c's step-time histograms from /metrics; None for a server without them."""
+    try:
+        response = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200 or _STEP_METRICS[0] not in response.text:
+        return None
+    totals = {name: [0.0, 0.0] for name in _STEP_METRICS}
+    for line in response.text.splitlines():
+        for name in _STEP_METRICS:
+            for index, suffix in enumerate(("_sum{", "_count{")):
+                if line.startswith(name + suffix):
+                    totals[name][index] = float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def _engine_report(before, after) -> dict | None:
+    """Engine steps during the run: mean step time and the host share (scheduler, batch, detokenizer)."""
+    if before is None or after is None:
+        return None
+    steps = after[_STEP_METRICS[0]][1] - before[_STEP_METRICS[0]][1]
+    if steps <= 0:
+        return None
+    step_s = after[_STEP_METRICS[0]][0] - before[_STEP_METRICS[0]][0]
+    host_s = after[_STEP_METRICS[1]][0] - before[_STEP_METRICS[1]][0]
+    return {"steps": int(steps), "step_ms": step_s / steps * 1e3, "host_ms": host_s / steps * 1e3}
+
+
 async def run_benchmark(
     base_url: str,
     workload: str,
@@ -121,9 +153,11 @@ async def run_benchmark(
                 }
                 return await _one(client, "/v1/completions", body, headers)
 
+        engine_before = await _engine_totals(client)
         start = time.perf_counter()
         results = await asyncio.gather(*(limited(p) for p in prompts))
         duration = time.perf_counter() - start
+        engine = _engine_report(engine_before, await _engine_totals(client))
     done = [r for r in results if r.ok]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     good = [
@@ -152,6 +186,7 @@ async def run_benchmark(
         "e2e_ms": {k: v * 1e3 for k, v in percentiles([r.e2e for r in done]).items()},
         "goodput": len(good) / duration,
         "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
+        "engine": engine,
     }
 
 
@@ -167,6 +202,14 @@ def format_report(report: dict) -> str:
         row = report[f"{name}_ms"]
         lines.append(
             f"{name.upper():<6} {row['mean']:9.2f} {row['p50']:9.2f} {row['p90']:9.2f} {row['p99']:9.2f}"
+        )
+    engine = report.get("engine")
+    if engine:
+        share = engine["host_ms"] / engine["step_ms"] * 100 if engine["step_ms"] else 0.0
+        lines.append(
+            f"engine: {engine['steps']} steps, {engine['step_ms']:.2f} ms per step, of which host "
+            f"(scheduler, batch, detokenizer) {engine['host_ms']:.2f} ms ({share:.0f}%); the rest is the "
+            "model and the sampler"
         )
     if report["failed"]:
         lines.append(f"failed: {report['failed']} — {report['errors']}")

@@ -188,6 +188,7 @@ class Engine:
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
 
     def _step(self) -> None:
+        started = time.monotonic()
         try:
             work = self.scheduler.schedule()
         except OutOfPages as exc:
@@ -196,7 +197,6 @@ class Engine:
             return
         if not work:
             return
-        started = time.monotonic()
         try:
             chunks = [
                 SeqChunk(
@@ -208,11 +208,12 @@ class Engine:
                 for w in work
             ]
             batch = build_step_batch(chunks, self.config.page_size, self.runner.device)
+            prepared = time.monotonic()
             logits, _ = self.runner.step(batch, self.kv_cache)
             for w in work:
                 w.seq.computed = w.start + w.count
             rows = [work[i] for i in batch.logits_owner]
-            self._sample_and_emit(rows, logits)
+            sampled = self._sample_and_emit(rows, logits)
         except Exception as exc:  # fail the requests of this step, keep serving the others
             log_event(
                 log,
@@ -227,15 +228,18 @@ class Engine:
         for w in work:
             if not w.seq.finished:
                 self.pool.publish(w.seq.tokens, w.seq.pages, w.seq.computed)
+        finished = time.monotonic()
         self.metrics.step(
-            time.monotonic() - started,
+            finished - started,
+            (prepared - started) + (finished - sampled),
             sum(w.count for w in work),
             self.pool.usage(),
             *self.num_requests(),
             self.scheduler.num_preemptions,
         )
 
-    def _sample_and_emit(self, rows: list[Work], logits: torch.Tensor) -> None:
+    def _sample_and_emit(self, rows: list[Work], logits: torch.Tensor) -> float:
+        """Sample every row, then detokenize and emit; returns the time the tokens were known."""
         lives = [self._live[w.seq.request_id] for w in rows]
         want = max((lv.request.num_logprobs or 0 for lv in lives), default=0)
         result = sample(
@@ -275,6 +279,7 @@ class Engine:
                 out.text += lv.detok.flush()
                 self._finish(lv, out, reason)
             lv.emit(out)
+        return now
 
     def _usage(self, live: _Live, out: StepOutput) -> StepOutput:
         out.prompt_tokens = len(live.request.prompt_ids)

@@ -99,12 +99,25 @@ class EngineMetrics:
         self.itl = Histogram("hy3c:inter_token_latency_seconds", "Time between consecutive tokens.")
         self.e2e = Histogram("hy3c:e2e_request_latency_seconds", "End-to-end request latency.")
         self.step_time = Histogram("hy3c:engine_step_seconds", "Wall time of one engine step.")
+        self.host_time = Histogram(
+            "hy3c:engine_host_seconds",
+            "Host time of one engine step outside the model and the sampler: scheduling, batch building,"
+            " detokenization and emitting.",
+        )
         self.batch_tokens = Counter("hy3c:scheduled_tokens_total", "Tokens fed to the model.")
 
     def step(
-        self, seconds: float, tokens: int, kv_usage: float, running: int, waiting: int, preemptions: int
+        self,
+        seconds: float,
+        host_seconds: float,
+        tokens: int,
+        kv_usage: float,
+        running: int,
+        waiting: int,
+        preemptions: int,
     ) -> None:
         self.step_time.observe(seconds)
+        self.host_time.observe(host_seconds)
         self.batch_tokens.inc(tokens)
         self.kv_usage.set(kv_usage)
         self.running.set(running)
@@ -130,6 +143,7 @@ class EngineMetrics:
             self.itl,
             self.e2e,
             self.step_time,
+            self.host_time,
             self.batch_tokens,
         ]
         return "\n".join(line for item in items for line in item.render(model)) + "\n"

@@ -336,6 +336,7 @@ def test_models_health_metrics_tokenize(server):
         "hy3c:request_success_total",
         "hy3c:num_preemptions_total",
         "hy3c:generation_tokens_total",
+        "hy3c:engine_host_seconds_sum",
     ):
         assert name in metrics
     tokens = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "Hello"}).json()
@@ -421,7 +422,10 @@ def test_bench_serve_reports_latencies(server, capsys, tmp_path):
     report = json.loads(out.read_text())
     assert report["completed"] == 12 and report["failed"] == 0
     assert report["output_throughput"] > 0 and report["ttft_ms"]["p50"] > 0 and report["tpot_ms"]["mean"] > 0
-    assert "TTFT" in capsys.readouterr().out
+    engine = report["engine"]  # at least one step per output token of the longest request
+    assert engine["steps"] >= 5 and 0 < engine["host_ms"] < engine["step_ms"]
+    printed = capsys.readouterr().out
+    assert "TTFT" in printed and "of which host" in printed
 
 
 def test_overloaded_and_dead_engine_answer_503(artifact):
