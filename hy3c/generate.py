@@ -57,7 +57,11 @@ def generate_tokens(
     (a stop token ends a request and is not included)."""
     if any(not p for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+    if len(params_list) != len(prompts):
+        raise ValueError(f"{len(params_list)} sampling parameter sets for {len(prompts)} prompts")
     device = model.device
     stop = set(stop_ids if stop_ids is not None else model.config.eos_token_ids)
     total_pages = sum(-(-(len(p) + max_tokens) // page_size) for p in prompts)

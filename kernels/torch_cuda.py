@@ -53,7 +53,7 @@ def moe_experts(
 
 @moe_experts.register_fake
 def _(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 def _moe_supports(node) -> str | None:

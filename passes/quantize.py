@@ -67,13 +67,18 @@ class Quantize(Pass):
         self._gm, self._fake = gm, fake_mode_of(gm)
         self._granularity = ctx.quant.weight_scales
         dynamic = ctx.quant.activations == "dynamic"
+        convert = not ctx.checkpoint_fp8  # an FP8 checkpoint decides itself which layers stay BF16
         sites = []
         for node in list(gm.graph.nodes):
             if node.op != "call_function":
                 continue
-            if node.target is aten.linear.default and self._quantizable(node.args[1]):
+            if convert and node.target is aten.linear.default and self._quantizable(node.args[1]):
                 sites.append(self._quantize_linear(node))
-            elif node.target is hy3.moe_experts.default and attr_tensor(gm, node.args[3]).dtype != FP8_DTYPE:
+            elif (
+                convert
+                and node.target is hy3.moe_experts.default
+                and attr_tensor(gm, node.args[3]).dtype != FP8_DTYPE
+            ):
                 sites.append(self._quantize_experts(node))
             elif dynamic and node.target is hy3.quant_fp8.default:
                 sites.append(self._static_to_dynamic(node))

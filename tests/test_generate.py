@@ -67,3 +67,11 @@ def test_sampling_filters():
 def test_bad_sampling_parameters(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_generate_rejects_mismatched_parameters_and_zero_tokens(tiny_ckpt):
+    model = load_model(tiny_ckpt, dtype=torch.float32, progress=False)
+    with pytest.raises(ValueError, match="1 sampling parameter sets for 2 prompts"):
+        generate_tokens(model, [[1, 2], [3]], 2, params=[SamplingParams()])
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        generate_tokens(model, [[1, 2]], 0)

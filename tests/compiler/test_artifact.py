@@ -138,6 +138,36 @@ def test_static_fp8_checkpoint_compiles_with_fp8_kv(tiny_ckpt, tmp_path):
         assert not torch.allclose(ours, reference(*batch.model_args(reference.allocate_kv_cache(4, 16)))[0])
 
 
+def test_dynamic_recipe_keeps_an_fp8_checkpoints_bf16_layers(tiny_ckpt, tmp_path):
+    """An FP8 checkpoint's ignored_layers stay BF16: the dynamic rewrite only changes activation scales."""
+    from safetensors.torch import load_file, save_file
+
+    from hy3c.fp8_convert import convert_to_fp8
+
+    fp8 = convert_to_fp8(
+        load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False), tiny_ckpt, tmp_path / "ck"
+    )
+    tensors = load_file(fp8 / "model.safetensors")
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        key = f"model.layers.0.mlp.{proj}"
+        scale = tensors.pop(f"{key}.weight_scale").float().reshape(-1, 1)
+        tensors[f"{key}.weight"] = (tensors[f"{key}.weight"].float() * scale).to(torch.bfloat16)
+        tensors.pop(f"{key}.input_scale")
+    save_file(tensors, str(fp8 / "model.safetensors"))
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"]["ignored_layers"].append("model.layers.0.mlp")
+    (fp8 / "config.json").write_text(json.dumps(config))
+    recipe = load_recipe(
+        "cpu-reference", ["dtype=bfloat16", "quant.weights=fp8", "quant.activations=dynamic"]
+    )
+    summary = compile_artifact(recipe, tmp_path / "art", checkpoint=fp8)
+    details = [site.detail for site in summary.results[0].sites]
+    assert details and all("static -> dynamic" in d for d in details)
+    weights = load_file(summary.out / "weights/rank0.safetensors")
+    assert weights["layers.0.mlp.gate_up_proj.weight"].dtype == torch.bfloat16
+    assert weights["layers.1.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
+
+
 def _pass_table(report):
     return [
         {k: p[k] for k in ("name", "status", "matches", "ops_delta", "skip_reason")} for p in report["passes"]

@@ -255,3 +255,26 @@ def test_opcheck(name):
     after = [a.view(torch.uint8) for a in args if isinstance(a, torch.Tensor)]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
     torch.library.opcheck(op, args, test_utils=_NON_SCHEMA_TESTS)
+
+
+def test_moe_experts_fake_output_strides_equal_the_reference():
+    """A transposed (non-contiguous) input: the reference returns a contiguous tensor, so must the fake."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    experts, hidden, inter, tokens = 4, 8, 6, 5
+    args = (
+        torch.randn(hidden, tokens).t(),
+        torch.rand(tokens, 2),
+        torch.randint(0, experts, (tokens, 2), dtype=torch.int32),
+        torch.randn(experts, 2 * inter, hidden),
+        torch.randn(experts, hidden, inter),
+        None,
+        None,
+        None,
+        None,
+    )
+    real = torch.ops.hy3.moe_experts(*args)
+    with FakeTensorMode() as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake = torch.ops.hy3.moe_experts(*fake_args)
+    assert fake.stride() == real.stride() == (hidden, 1)
