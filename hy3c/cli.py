@@ -15,8 +15,11 @@ Every command exits with status 2 and a one-line `error: ...` message (no traceb
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -153,8 +156,8 @@ def _run_generate(args: argparse.Namespace) -> None:
     if args.artifact is not None:
         from hy3c.artifact import load
 
-        tokenizer = Hy3Tokenizer.from_dir(args.artifact)
         model = load(args.artifact, device=args.device, compile=not args.eager)
+        tokenizer = Hy3Tokenizer.from_dir(args.artifact)
     else:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         tokenizer = Hy3Tokenizer.from_dir(args.model)
@@ -264,7 +267,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="model id in the API (default: the artifact directory name)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (all routes but /health, /metrics, /version)")
     p.add_argument("--max-num-seqs", type=int, help="requests in the running batch (default: the recipe's)")
     p.add_argument(
         "--max-num-batched-tokens", type=int, help="tokens per engine step (default: the recipe's)"
@@ -359,6 +362,8 @@ def _run_bench_serve(args: argparse.Namespace) -> None:
     print(format_report(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
+    if report["completed"] == 0:
+        raise RuntimeError(f"all {report['num_prompts']} requests failed: {report['errors']}")
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -411,17 +416,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so atomic writers remove their temporary directories."""
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    previous = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
     try:
+        _check_device(getattr(args, "device", None))
         args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, OSError) as exc:
         if str(args.log_level).upper() == "DEBUG":
             raise
+        if isinstance(exc, BrokenPipeError):  # e.g. `hy3c inspect ... | head`: the reader has gone
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _check_device(device: str | None) -> None:
+    if device and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from hy3c.model.batch import SeqChunk, build_step_batch
 from hy3c.model.hy3 import Hy3ForCausalLM, allocate_kv_cache
 from hy3c.model.layers import Experts, Linear
 from hy3c.ops.moe import silu_and_mul_reference
-from hy3c.ops.quant import FP8_MAX, quantize_fp8
+from hy3c.ops.quant import FP8_DTYPE, FP8_MAX, quantize_fp8
 from hy3c.safetensors_io import ShardedWriter, atomic_output_dir, check_output_dir
 from hy3c.weight_map import expected_tensors, kv_scale_tensors
 
@@ -141,6 +141,8 @@ def convert_to_fp8(
     """Write the FP8 hub-format checkpoint of `model` (loaded in high precision from `source_dir`)."""
     source_dir, out = Path(source_dir), Path(out)
     check_output_dir(out, overwrite, inputs=[source_dir])  # before calibrating
+    if any(p.dtype == FP8_DTYPE for p in model.parameters()):
+        raise ValueError(f"{source_dir}: already an FP8 checkpoint; convert-fp8 takes a BF16 one")
     config = model.config
     if calibration is None:
         gen = torch.Generator().manual_seed(seed)

@@ -117,12 +117,15 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        message = (
-            "request body is not valid JSON"
-            if first.get("type") == "json_invalid"
-            else f"{param}: {first['msg']}"
-        )
+        if first.get("type") == "json_invalid":
+            message, param = "request body is not valid JSON", None
+        else:
+            param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+            message = (
+                f"{param}: {first['msg']}"
+                if param
+                else "the request body must be a JSON object (send it with content-type: application/json)"
+            )
         return JSONResponse(error_body(message, param=param, code=400), status_code=400)
 
     @app.exception_handler(HTTPException)

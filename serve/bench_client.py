@@ -113,6 +113,17 @@ def _engine_report(before, after) -> dict | None:
     return {"steps": int(steps), "step_ms": step_s / steps * 1e3, "host_ms": host_s / steps * 1e3}
 
 
+async def _get_json(client: httpx.AsyncClient, method: str, path: str, headers: dict, body=None) -> dict:
+    """A setup request; any failure is one clear error naming the server and the route."""
+    try:
+        response = await client.request(method, path, headers=headers, json=body)
+    except httpx.HTTPError as exc:
+        raise ConnectionError(f"{client.base_url}{path}: {exc or type(exc).__name__}") from None
+    if response.status_code != 200:
+        raise ConnectionError(f"{client.base_url}{path}: HTTP {response.status_code} {response.text[:200]}")
+    return response.json()
+
+
 async def run_benchmark(
     base_url: str,
     workload: str,
@@ -132,9 +143,9 @@ async def run_benchmark(
     async with httpx.AsyncClient(
         base_url=base_url, timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=concurrency + 4)
     ) as client:
-        model = model or (await client.get("/v1/models", headers=headers)).json()["data"][0]["id"]
+        model = model or (await _get_json(client, "GET", "/v1/models", headers))["data"][0]["id"]
         pool = sorted(
-            set((await client.post("/tokenize", json={"prompt": _TEXT}, headers=headers)).json()["tokens"])
+            set((await _get_json(client, "POST", "/tokenize", headers, {"prompt": _TEXT}))["tokens"])
         )
         prefix = [rng.choice(pool) for _ in range(prefix_len)] if workload == "shared-prefix" else []
         prompts = [prefix + [rng.choice(pool) for _ in range(input_len)] for _ in range(num_prompts)]
@@ -191,9 +202,11 @@ async def run_benchmark(
 
 
 def format_report(report: dict) -> str:
+    prefix = report["prefix_len"]
+    prompt_len = f"{prefix} shared + {report['input_len']}" if prefix else str(report["input_len"])
     lines = [
         f"workload {report['workload']}: {report['completed']}/{report['num_prompts']} requests in {report['duration_s']:.2f} s "
-        f"(concurrency {report['concurrency']}, {report['input_len']} in / {report['output_len']} out tokens)",
+        f"(concurrency {report['concurrency']}, {prompt_len} in / {report['output_len']} out tokens)",
         f"request throughput {report['request_throughput']:.2f} req/s, output {report['output_throughput']:.1f} tok/s, "
         f"goodput {report['goodput']:.2f} req/s (TTFT ≤ {report['slo']['ttft_ms']:.0f} ms, TPOT ≤ {report['slo']['tpot_ms']:.0f} ms)",
         f"{'metric':<6} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}  (ms)",

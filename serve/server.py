@@ -120,6 +120,7 @@ def serve(options: ServeOptions) -> None:
 
     engine, tokenizer, server = build_engine(options)
     engine.start()
+    log_event(log, "serving", url=f"http://{options.host}:{options.port}/v1", model=server.model_name)
     try:
         uvicorn.run(
             build_app(engine, tokenizer, server), host=options.host, port=options.port, log_level="warning"

@@ -139,3 +139,27 @@ def test_checkpoint_options_and_outputs_that_would_delete_the_input(tiny_ckpt, t
     fp8_transformers = ["init-checkpoint", "--out", str(tmp_path / "t"), "--fp8", "static"]
     assert main([*fp8_transformers, "--scheme", "transformers"]) == 2
     assert "hub naming" in capsys.readouterr().err
+
+
+def test_user_mistakes_get_one_line_errors(tiny_ckpt, tmp_path, capsys):
+    from hy3c.serve.demo import free_port
+
+    def fails_with(argv, message):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+    port = free_port()  # nothing listens there
+    fails_with(
+        ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1"], "/v1/models"
+    )
+    preset = tmp_path / "preset"
+    assert main(["compile", "--preset", "tiny", "--recipe", "cpu-reference", "--out", str(preset)]) == 0
+    fails_with(["generate", "--artifact", str(preset), "--prompt", "x"], "can be inspected, not run")
+    fp8 = tmp_path / "fp8"
+    assert main(["init-checkpoint", "--out", str(fp8), "--fp8", "dynamic"]) == 0
+    fails_with(["convert-fp8", "--model", str(fp8), "--out", str(tmp_path / "again")], "already an FP8")
+    if not torch.cuda.is_available():
+        fails_with(
+            ["generate", "--model", str(tiny_ckpt), "--prompt", "x", "--device", "cuda"], "CUDA is not"
+        )

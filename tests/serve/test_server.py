@@ -220,6 +220,8 @@ def test_disconnect_aborts_and_frees_pages(server):
     ("body", "status", "message"),
     [
         (b"{not json", 400, "not valid JSON"),
+        (b"[]", 400, "must be a JSON object"),
+        (b"", 400, "must be a JSON object"),
         (json.dumps({"prompt": "x", "temperature": 7}).encode(), 400, "temperature"),
         (json.dumps({"prompt": "x", "max_tokens": "many"}).encode(), 400, "max_tokens"),
         (json.dumps({"prompt": "x", "max_tokens": 10**6}).encode(), 400, "maximum context length"),
