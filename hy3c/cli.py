@@ -267,7 +267,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="model id in the API (default: the artifact directory name)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (all routes but /health, /metrics, /version)")
+    p.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' (all routes but /health, /metrics, /version)"
+    )
     p.add_argument("--max-num-seqs", type=int, help="requests in the running batch (default: the recipe's)")
     p.add_argument(
         "--max-num-batched-tokens", type=int, help="tokens per engine step (default: the recipe's)"

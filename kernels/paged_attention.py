@@ -131,6 +131,17 @@ def _store_partial(
 
 
 @triton.jit
+def _kv_scales(scales_ptr, FP8: tl.constexpr):
+    """The layer's K and V dequantization scales (1.0 for a bf16 cache)."""
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:
+        k_scale = tl.load(scales_ptr)
+        v_scale = tl.load(scales_ptr + 1)
+    return k_scale, v_scale
+
+
+@triton.jit
 def _decode_dynamic_kernel(
     q_ptr,
     cache_ptr,
@@ -170,13 +181,7 @@ def _decode_dynamic_kernel(
     t_end = tl.minimum(t + quota, total)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
-    cache_k = cache_ptr
-    cache_v = cache_k + stride_ckv
-    k_scale = 1.0
-    v_scale = 1.0
-    if FP8:
-        k_scale = tl.load(scales_ptr)
-        v_scale = tl.load(scales_ptr + 1)
+    k_scale, v_scale = _kv_scales(scales_ptr, FP8)
     qk_scale = sm_scale * k_scale * _LOG2E
     while t < t_end:
         r = _find_request(plan_ptr, t, num_requests, SEARCH_ITERS)
@@ -202,8 +207,8 @@ def _decode_dynamic_kernel(
                 m_i,
                 l_i,
                 acc,
-                cache_k,
-                cache_v,
+                cache_ptr,
+                cache_ptr + stride_ckv,
                 page_table_ptr + r * stride_pt,
                 key,
                 key_end,
@@ -328,13 +333,7 @@ def _decode_static_kernel(
     per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
     key_begin = split * per_split
     key_end = tl.minimum(key_begin + per_split, length)
-    cache_k = cache_ptr
-    cache_v = cache_k + stride_ckv
-    k_scale = 1.0
-    v_scale = 1.0
-    if FP8:
-        k_scale = tl.load(scales_ptr)
-        v_scale = tl.load(scales_ptr + 1)
+    k_scale, v_scale = _kv_scales(scales_ptr, FP8)
     q = tl.load(
         q_ptr + r * stride_qt + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
         mask=(g < GROUP)[:, None],
@@ -352,8 +351,8 @@ def _decode_static_kernel(
             m_i,
             l_i,
             acc,
-            cache_k,
-            cache_v,
+            cache_ptr,
+            cache_ptr + stride_ckv,
             page_table_ptr + r * stride_pt,
             key,
             key_end,
@@ -434,13 +433,7 @@ def _prefill_kernel(
     )
     position = length - q_len + token  # absolute position of each query row
     row_limit = tl.where(row_ok, position, -1)
-    cache_k = cache_ptr
-    cache_v = cache_k + stride_ckv
-    k_scale = 1.0
-    v_scale = 1.0
-    if FP8:
-        k_scale = tl.load(scales_ptr)
-        v_scale = tl.load(scales_ptr + 1)
+    k_scale, v_scale = _kv_scales(scales_ptr, FP8)
     if FP8:
         q = q.to(tl.float16)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -453,8 +446,8 @@ def _prefill_kernel(
             m_i,
             l_i,
             acc,
-            cache_k,
-            cache_v,
+            cache_ptr,
+            cache_ptr + stride_ckv,
             page_table_ptr + r * stride_pt,
             key,
             key_end,
