@@ -1,5 +1,7 @@
 """Sampler benchmark on one GPU: hy3c's Triton fused sampler vs the torch reference and the eager chain
-of the peer baseline (vLLM-style torch ops), vocabulary 120832, per batch size.
+of the peer baseline (vLLM-style torch ops), vocabulary 120832, per batch size; also the sampler
+without filters and on its fallback path, and a token-for-token check against the reference with
+injected noise (top-k 50 + top-p 0.9, and top-p 0.9 alone).
 
     python bench/sampler_bench.py
 """
@@ -28,13 +30,27 @@ def peer_chain(logits, temp, topk, topp):
     return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
 
 
+def columns(rows: int, temperature: float, top_k: int, top_p: float):
+    def col(value, dtype=torch.float32):
+        return torch.full((rows,), value, device="cuda", dtype=dtype)
+
+    seeds = torch.arange(rows, device="cuda", dtype=torch.int32)
+    return col(temperature), col(top_k, torch.int32), col(top_p), col(0.0), seeds
+
+
+def check(logits: torch.Tensor, params: SamplingParams) -> int:
+    """Rows where the kernel's token differs from the reference's under the same injected noise."""
+    rows = logits.shape[0]
+    noise = torch.rand_like(logits)
+    ref = sample_reference(logits, [params] * rows, [History([], [])] * rows, [None] * rows, noise=noise)
+    cols = columns(rows, params.temperature, params.top_k, params.top_p)
+    tokens, _ = fused_sample(logits, *cols, noise=noise)
+    return sum(a != b for a, b in zip(tokens.tolist(), ref.tokens))
+
+
 def measure(rows: int) -> str:
     logits = torch.randn(rows, V, device="cuda")
-    t = torch.full((rows,), 0.8, device="cuda")
-    k = torch.full((rows,), 50, device="cuda", dtype=torch.int32)
-    p = torch.full((rows,), 0.9, device="cuda")
-    mp = torch.zeros(rows, device="cuda")
-    seeds = torch.arange(rows, device="cuda", dtype=torch.int32)
+    t, k, p, mp, seeds = columns(rows, 0.8, 50, 0.9)
     peer = do_bench(lambda: peer_chain(logits, t, k, p), warmup=10, rep=50, return_mode="median")
     params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9)] * rows
     gens = [torch.Generator(device="cuda").manual_seed(i) for i in range(rows)]
@@ -43,15 +59,27 @@ def measure(rows: int) -> str:
         lambda: sample_reference(logits, params, history, gens), warmup=2, rep=10, return_mode="median"
     )
     ours = do_bench(lambda: fused_sample(logits, t, k, p, mp, seeds), warmup=10, rep=50, return_mode="median")
+    # the same kernels when the candidates cannot decide: no top-k, top-p 0.9 of flat logits (fallback)
+    flat = columns(rows, 1.0, 0, 0.9)
+    fallback = do_bench(lambda: fused_sample(logits, *flat), warmup=5, rep=20, return_mode="median")
+    plain = columns(rows, 1.0, 0, 1.0)  # temperature only: drawn in the chunk kernel
+    no_filter = do_bench(lambda: fused_sample(logits, *plain), warmup=10, rep=50, return_mode="median")
+    wrong = check(logits, params[0]) + check(logits, SamplingParams(temperature=1.0, top_p=0.9))
     floor = rows * V * 4 / 4.25e9
-    return f"| {rows} | {peer:.3f} | {ref:.3f} | {ours:.3f} | {peer / ours:.2f}× | {floor:.4f} |"
+    return (
+        f"| {rows} | {peer:.3f} | {ref:.3f} | {ours:.3f} | {peer / ours:.2f}× | {floor:.4f} | "
+        f"{no_filter:.3f} | {fallback:.3f} | {wrong} |"
+    )
 
 
 def main() -> None:
-    print("| batch | peer eager chain ms | torch reference ms | hy3c Triton ms | vs peer | read floor ms |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| batch | peer eager chain ms | torch reference ms | hy3c Triton ms | vs peer | read floor ms "
+        "| hy3c, temperature only | hy3c, top-p over flat logits (fallback) | rows ≠ reference |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for rows in (1, 16, 64, 256):
-        print(measure(rows))
+        print(measure(rows), flush=True)
 
 
 if __name__ == "__main__":

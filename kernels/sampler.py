@@ -1,16 +1,27 @@
-"""Triton fused sampler: temperature, top-k, top-p, min-p and a Gumbel-max draw, one program per row.
+"""Triton fused sampler: temperature, min-p, top-k, top-p and a Gumbel-max draw, rows split over CTAs.
 
     tokens, logprobs = fused_sample(logits, temperature, top_k, top_p, min_p, seeds, noise=None)
 
-Penalties are applied before (they touch only the tokens a request has seen). The kernel then works
-on the row in L2-resident blocks: one pass for the max, min and log-sum-exp of logits / T; the top-k
-and top-p cut-offs as logit thresholds found by bisection (each step counts the tokens / sums the
-probability mass above a candidate threshold); min-p is the threshold max + log(min_p); a final pass
-draws argmax(logprob + Gumbel noise) over the tokens above the highest threshold. Tokens tied with the
-k-th (or the top-p cut-off token) are all kept, as in vLLM and the reference. Temperature 0 is
-greedy (first arg-max). The noise is the request's seeded counter-based stream (`tl.rand`), or an
-injected [B, V] tensor of uniforms — then the result equals the torch reference token for token.
-Returns the chosen token and its logprob under the (penalised, tempered) distribution.
+Penalties are applied before (they touch only the tokens a request has seen). Filters follow
+`hy3c.serve.sampler.filter_mask`: min-p, then top-k, then top-p renormalised over what is left;
+tokens tied at a cut-off are kept. Three launches, the logits read once on the usual path:
+
+1. `_chunk_kernel`, one program per (row, chunk of CHUNK tokens): the chunk's max and sum of
+   exp(x - max) of x = logits / T, and its CANDIDATES largest tokens as sortable int64 keys
+   (orderable float bits << 32 | inverted index, so ties order by lower index). A row with no filter
+   also draws here: the chunk's best Gumbel-perturbed logit.
+2. `_merge_kernel`, one program per row: log-sum-exp from the chunk stats; sorts the row's candidates.
+   Every token above F = the largest of the chunks' smallest candidates is a candidate, so any
+   cut-off above F is exact from the candidates alone: min-p is max + log(min_p), top-k the k-th
+   candidate, top-p a prefix sum over the sorted candidates; the draw is argmax(x + Gumbel) over
+   those kept. Greedy is the first candidate. A row whose cut-off falls at or below F (a flat
+   distribution under top-p, top-k larger than the candidates) is flagged.
+3. `_fallback_kernel`, one program per row, returning at once unless flagged: the cut-offs found by
+   bisection over the whole row (count / mass above a threshold), then the draw.
+
+The noise is the request's seeded counter-based stream (`tl.rand(seed, token)`), or an injected
+[B, V] tensor of uniforms — then the result equals the torch reference token for token. Returns the
+chosen token and its logprob under the (penalised, tempered) distribution.
 """
 
 from __future__ import annotations
@@ -20,44 +31,68 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK = 8192  # elements per loop iteration: large, so each pass keeps many loads in flight (latency-bound)
-BISECT_STEPS = 28  # resolution (max - min) / 2^28: far below the gap between distinct fp32 logits
+CHUNK = 4096  # tokens per program of the chunk kernel (held in registers)
+CANDIDATES = 64  # largest tokens each chunk hands to the merge
+BISECT_STEPS = 28  # fallback resolution (max - min) / 2^28: far below the gap between distinct fp32 logits
 NEGLIGIBLE: tl.constexpr = tl.constexpr(88.0)  # logit gap below the max whose tokens never matter
+INDEX_MASK: tl.constexpr = tl.constexpr(0x7FFFFFFF)
+EMPTY: tl.constexpr = tl.constexpr(-(2**63))  # key of a padding slot: below every real key
 
 
 @triton.jit
-def _row_stats(row_ptr, V, inv_t, BLOCK: tl.constexpr):
-    m = float("-inf")
-    lo = float("inf")
-    s = 0.0
-    for start in range(0, V, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        ok = idx < V
-        x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-        block_max = tl.max(x, axis=0)
-        new_m = tl.maximum(m, block_max)
-        s = s * tl.exp(m - new_m) + tl.sum(tl.where(ok, tl.exp(x - new_m), 0.0), axis=0)
-        m = new_m
-        lo = tl.minimum(lo, tl.min(tl.where(ok, x, float("inf")), axis=0))
-    return m, lo, m + tl.log(s)
+def _inverse_temperature(temp_ptr, row):
+    """→ (whether the row samples (temperature > 0; else greedy), 1 / temperature or 1)."""
+    temperature = tl.load(temp_ptr + row)
+    sampled = temperature != 0.0
+    return sampled, tl.where(sampled, 1.0 / tl.where(sampled, temperature, 1.0), 1.0)
 
 
 @triton.jit
-def _count_and_mass(row_ptr, V, inv_t, lse, threshold, BLOCK: tl.constexpr):
-    count = 0.0
-    mass = 0.0
-    for start in range(0, V, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        ok = idx < V
-        x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-        above = ok & (x >= threshold)
-        count += tl.sum(above.to(tl.float32), axis=0)
-        mass += tl.sum(tl.where(above, tl.exp(x - lse), 0.0), axis=0)
-    return count, mass
+def _has_filter(topk_ptr, topp_ptr, minp_ptr, row, V):
+    k = tl.load(topk_ptr + row)
+    return (tl.load(minp_ptr + row) > 0.0) | ((k > 0) & (k < V)) | (tl.load(topp_ptr + row) < 1.0)
 
 
 @triton.jit
-def _sample_kernel(
+def _gumbel(noise_ptr, stride_n, row, seed, idx, ok, USE_NOISE: tl.constexpr):
+    if USE_NOISE:
+        u = tl.load(noise_ptr + row.to(tl.int64) * stride_n + idx, mask=ok, other=0.5)
+    else:
+        u = tl.rand(seed, idx)
+    u = tl.minimum(tl.maximum(u, 1e-20), 1.0 - 1e-7)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _to_key(x, idx):
+    """fp32 value and token index → int64 whose order is (value, then lower index first)."""
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & INDEX_MASK)
+    return (ordered.to(tl.int64) << 32) | (idx ^ INDEX_MASK).to(tl.int64)
+
+
+@triton.jit
+def _from_key(key):
+    ordered = (key >> 32).to(tl.int32)
+    value = (ordered ^ ((ordered >> 31) & INDEX_MASK)).to(tl.float32, bitcast=True)
+    return value, (key & INDEX_MASK).to(tl.int32) ^ INDEX_MASK
+
+
+@triton.jit
+def _row_max_and_lse(stats_ptr, row, N_CHUNKS, CHUNKS_P2: tl.constexpr):
+    """The row's max and log-sum-exp from the chunk kernel's per-chunk (max, sum exp(x - max))."""
+    chunks = tl.arange(0, CHUNKS_P2)
+    ok = chunks < N_CHUNKS
+    chunk_m = tl.load(stats_ptr + (row * N_CHUNKS + chunks) * 2, mask=ok, other=float("-inf"))
+    chunk_s = tl.load(stats_ptr + (row * N_CHUNKS + chunks) * 2 + 1, mask=ok, other=0.0)
+    m = tl.max(chunk_m, axis=0)
+    return m, m + tl.log(
+        tl.sum(tl.where(chunk_m > float("-inf"), chunk_s * tl.exp(chunk_m - m), 0.0), axis=0)
+    )
+
+
+@triton.jit
+def _chunk_kernel(
     logits_ptr,
     stride_l,
     V,
@@ -68,74 +103,282 @@ def _sample_kernel(
     seed_ptr,
     noise_ptr,
     stride_n,
+    stats_ptr,
+    cand_ptr,
+    best_ptr,
+    best_id_ptr,
+    USE_NOISE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    CANDIDATES: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    slot = row * tl.num_programs(1) + chunk
+    sampled, inv_t = _inverse_temperature(temp_ptr, row)
+    idx = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = idx < V
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + idx, mask=ok, other=float("-inf"))
+    x = x.to(tl.float32) * inv_t
+    m = tl.max(x, axis=0)
+    s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - tl.where(m > float("-inf"), m, 0.0)), 0.0), axis=0)
+    tl.store(stats_ptr + slot * 2, m)
+    tl.store(stats_ptr + slot * 2 + 1, s)
+    keys = tl.where(ok, _to_key(x, idx), EMPTY)
+    top = tl.topk(keys, CANDIDATES)
+    tl.store(cand_ptr + slot.to(tl.int64) * CANDIDATES + tl.arange(0, CANDIDATES), top)
+    if sampled & ~_has_filter(topk_ptr, topp_ptr, minp_ptr, row, V):
+        score = x + _gumbel(noise_ptr, stride_n, row, tl.load(seed_ptr + row), idx, ok, USE_NOISE)
+        score = tl.where(ok, score, float("-inf"))
+        best = tl.argmax(score, axis=0)
+        tl.store(best_ptr + slot * 2, tl.max(score, axis=0))
+        tl.store(best_ptr + slot * 2 + 1, tl.sum(tl.where(tl.arange(0, CHUNK) == best, x, 0.0), axis=0))
+        tl.store(best_id_ptr + slot, chunk * CHUNK + best)
+
+
+@triton.jit
+def _merge_kernel(
+    temp_ptr,
+    topk_ptr,
+    topp_ptr,
+    minp_ptr,
+    seed_ptr,
+    noise_ptr,
+    stride_n,
+    stats_ptr,
+    cand_ptr,
+    best_ptr,
+    best_id_ptr,
+    out_token_ptr,
+    out_logprob_ptr,
+    fallback_ptr,
+    V,
+    N_CHUNKS,
+    USE_NOISE: tl.constexpr,
+    CANDIDATES: tl.constexpr,
+    CHUNKS_P2: tl.constexpr,
+):
+    row = tl.program_id(0)
+    sampled, _inv_t = _inverse_temperature(temp_ptr, row)
+    chunks = tl.arange(0, CHUNKS_P2)
+    chunk_ok = chunks < N_CHUNKS
+    m, lse = _row_max_and_lse(stats_ptr, row, N_CHUNKS, CHUNKS_P2)
+
+    offs = tl.arange(0, CHUNKS_P2 * CANDIDATES)
+    keys = tl.load(
+        cand_ptr + row.to(tl.int64) * N_CHUNKS * CANDIDATES + offs,
+        mask=offs < N_CHUNKS * CANDIDATES,
+        other=EMPTY,
+    )
+    # F: every token above the largest chunk floor is a candidate (a short chunk's floor is -inf)
+    floors = tl.min(tl.reshape(keys, (CHUNKS_P2, CANDIDATES)), axis=1)
+    floor_values, _unused = _from_key(floors)
+    floor_values = tl.where(floors != EMPTY, floor_values, float("-inf"))
+    f = tl.max(tl.where(chunk_ok, floor_values, float("-inf")), axis=0)
+    keys = tl.sort(keys, descending=True)
+    values, ids = _from_key(keys)
+    real = keys != EMPTY
+    values = tl.where(real, values, float("-inf"))
+    first_value = tl.max(values, axis=0)
+    first_id = tl.max(tl.where(offs == 0, ids, 0), axis=0)
+
+    token = first_id
+    value = first_value
+    fallback = 0
+    if sampled:
+        k = tl.load(topk_ptr + row)
+        min_p = tl.load(minp_ptr + row)
+        top_p = tl.load(topp_ptr + row)
+        if (min_p > 0.0) | ((k > 0) & (k < V)) | (top_p < 1.0):
+            t = float("-inf")
+            if min_p > 0.0:
+                t = m + tl.log(min_p)
+            if (k > 0) & (k < V):
+                t = tl.maximum(t, tl.max(tl.where(offs == k - 1, values, float("-inf")), axis=0))
+            if top_p < 1.0:
+                inside = real & (values >= t)
+                w = tl.where(inside, tl.exp(values - m), 0.0)
+                # the mass top-p renormalises over: the candidates' if they hold all of it, else the row's
+                mass = tl.where(t > f, tl.sum(w, axis=0), tl.exp(lse - m))
+                within = inside & (tl.cumsum(w, axis=0) - w < top_p * mass)
+                cut = tl.min(tl.where(within, values, first_value), axis=0)
+                # a finite min-p / top-k cut-off at or below F leaves that mass unknown: fall back
+                t = tl.where((t > f) | (t == float("-inf")), tl.maximum(t, cut), f)
+            if t > f:
+                seed = tl.load(seed_ptr + row)
+                kept = real & (values >= t)
+                score = values + _gumbel(noise_ptr, stride_n, row, seed, ids, kept, USE_NOISE)
+                score = tl.where(kept, score, float("-inf"))
+                best = tl.max(score, axis=0)
+                # ties in score: the lowest token id, as torch's argmax over the vocabulary
+                token = tl.min(tl.where(kept & (score == best), ids, 2**31 - 1), axis=0)
+                value = tl.max(tl.where(kept & (ids == token), values, float("-inf")), axis=0)
+            else:
+                fallback = 1
+        else:
+            slots = row * N_CHUNKS + chunks
+            best_scores = tl.load(best_ptr + slots * 2, mask=chunk_ok, other=float("-inf"))
+            best = tl.max(best_scores, axis=0)
+            winner = tl.min(tl.where(best_scores == best, chunks, CHUNKS_P2), axis=0)  # lowest id on ties
+            token = tl.load(best_id_ptr + row * N_CHUNKS + winner)
+            value = tl.load(best_ptr + (row * N_CHUNKS + winner) * 2 + 1)
+    tl.store(out_token_ptr + row, token.to(tl.int64))
+    tl.store(out_logprob_ptr + row, value - lse)
+    tl.store(fallback_ptr + row, fallback)
+
+
+@triton.jit
+def _count_and_mass(row_ptr, V, inv_t, m, threshold, BLOCK: tl.constexpr):
+    count = 0.0
+    mass = 0.0
+    for start in range(0, V, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        ok = idx < V
+        x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+        above = ok & (x >= threshold)
+        count += tl.sum(above.to(tl.float32), axis=0)
+        mass += tl.sum(tl.where(above, tl.exp(x - m), 0.0), axis=0)
+    return count, mass
+
+
+@triton.jit
+def _bisect(
+    row_ptr, V, inv_t, m, lo, target, BY_MASS: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Largest threshold t in [lo, m] with count(x ≥ t) ≥ target (or mass, by BY_MASS)."""
+    a = lo
+    b = m
+    for _ in range(STEPS):
+        mid = (a + b) * 0.5
+        count, mass = _count_and_mass(row_ptr, V, inv_t, m, mid, BLOCK)
+        take = tl.where(BY_MASS, mass, count) >= target
+        a = tl.where(take, mid, a)
+        b = tl.where(take, b, mid)
+    return a
+
+
+@triton.jit
+def _fallback_kernel(
+    logits_ptr,
+    stride_l,
+    V,
+    temp_ptr,
+    topk_ptr,
+    topp_ptr,
+    minp_ptr,
+    seed_ptr,
+    noise_ptr,
+    stride_n,
+    stats_ptr,
+    N_CHUNKS,
+    fallback_ptr,
     out_token_ptr,
     out_logprob_ptr,
     USE_NOISE: tl.constexpr,
     BLOCK: tl.constexpr,
     STEPS: tl.constexpr,
+    CHUNKS_P2: tl.constexpr,
 ):
     row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_l
-    temperature = tl.load(temp_ptr + row)
-    greedy = temperature == 0.0
-    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
-    m, lo, lse = _row_stats(row_ptr, V, inv_t, BLOCK)
-    # bisect from m - NEGLIGIBLE at most: a token that far below the max has probability < e^-88 (it
-    # cannot win the Gumbel draw or move top-p), and a -inf logit would keep every midpoint at -inf
-    lo = tl.maximum(lo, m - NEGLIGIBLE)
-    threshold = float("-inf")
-    if not greedy:
+    if tl.load(fallback_ptr + row) != 0:
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_l
+        _sampled, inv_t = _inverse_temperature(temp_ptr, row)
+        m, lse = _row_max_and_lse(stats_ptr, row, N_CHUNKS, CHUNKS_P2)
+        # a token this far below the max has probability < e^-88: it cannot win the draw or
+        # move top-p, and a -inf logit would keep every bisection midpoint at -inf
+        lo = m - NEGLIGIBLE
+        t = float("-inf")
         min_p = tl.load(minp_ptr + row)
         if min_p > 0.0:
-            threshold = tl.maximum(threshold, m + tl.log(min_p))
+            t = m + tl.log(min_p)
         k = tl.load(topk_ptr + row).to(tl.float32)
         if (k > 0.0) & (k < V):
-            a = lo
-            b = m
-            for _ in range(STEPS):  # largest t with count(x >= t) >= k
-                mid = (a + b) * 0.5
-                count, _unused = _count_and_mass(row_ptr, V, inv_t, lse, mid, BLOCK)
-                take = count >= k
-                a = tl.where(take, mid, a)
-                b = tl.where(take, b, mid)
-            threshold = tl.maximum(threshold, a)
-        p = tl.load(topp_ptr + row)
-        if p < 1.0:
-            a = lo
-            b = m
-            for _ in range(STEPS):  # largest t with mass(x >= t) >= p
-                mid = (a + b) * 0.5
-                _unused, mass = _count_and_mass(row_ptr, V, inv_t, lse, mid, BLOCK)
-                take = mass >= p
-                a = tl.where(take, mid, a)
-                b = tl.where(take, b, mid)
-            threshold = tl.maximum(threshold, a)
-    seed = tl.load(seed_ptr + row)
-    best = float("-inf")
-    best_idx = 0
-    best_x = 0.0
-    for start in range(0, V, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        ok = idx < V
-        x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-        if greedy:
-            score = tl.where(ok, x, float("-inf"))
-        else:
-            if USE_NOISE:
-                u = tl.load(noise_ptr + row.to(tl.int64) * stride_n + idx, mask=ok, other=0.5)
-            else:
-                u = tl.rand(seed, idx)
-            u = tl.minimum(tl.maximum(u, 1e-20), 1.0 - 1e-7)
-            gumbel = -tl.log(-tl.log(u))
-            score = tl.where(ok & (x >= threshold), x - lse + gumbel, float("-inf"))
-        block_best = tl.max(score, axis=0)
-        block_idx = tl.argmax(score, axis=0)
-        better = block_best > best
-        best = tl.where(better, block_best, best)
-        best_idx = tl.where(better, start + block_idx, best_idx)
-        best_x = tl.where(better, tl.sum(tl.where(idx == start + block_idx, x, 0.0), axis=0), best_x)
-    tl.store(out_token_ptr + row, best_idx)
-    tl.store(out_logprob_ptr + row, best_x - lse)
+            t = tl.maximum(t, _bisect(row_ptr, V, inv_t, m, lo, k, False, STEPS, BLOCK))
+        top_p = tl.load(topp_ptr + row)
+        if top_p < 1.0:
+            _count, mass = _count_and_mass(row_ptr, V, inv_t, m, t, BLOCK)
+            t = tl.maximum(
+                t, _bisect(row_ptr, V, inv_t, m, tl.maximum(lo, t), top_p * mass, True, STEPS, BLOCK)
+            )
+        seed = tl.load(seed_ptr + row)
+        best = float("-inf")
+        best_idx = 0
+        best_x = 0.0
+        for start in range(0, V, BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            ok = idx < V
+            x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            score = x + _gumbel(noise_ptr, stride_n, row, seed, idx, ok, USE_NOISE)
+            score = tl.where(ok & (x >= t), score, float("-inf"))
+            block_best = tl.max(score, axis=0)
+            block_idx = tl.argmax(score, axis=0)
+            better = block_best > best
+            best = tl.where(better, block_best, best)
+            best_idx = tl.where(better, start + block_idx, best_idx)
+            best_x = tl.where(better, tl.sum(tl.where(idx == start + block_idx, x, 0.0), axis=0), best_x)
+        tl.store(out_token_ptr + row, best_idx.to(tl.int64))
+        tl.store(out_logprob_ptr + row, best_x - lse)
+
+
+def sample_candidates(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    seeds: Tensor,
+    noise: Tensor | None = None,
+    chunk: int = CHUNK,
+    candidates: int = CANDIDATES,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Launches 1 and 2. → (tokens, logprobs, fallback [B] int32 (1: the row needs launch 3), chunk stats)."""
+    rows, vocab = logits.shape
+    chunk = min(chunk, triton.next_power_of_2(vocab))
+    candidates = min(candidates, chunk)
+    n_chunks = triton.cdiv(vocab, chunk)
+    device = logits.device
+    stats = torch.empty(rows, n_chunks, 2, dtype=torch.float32, device=device)
+    cands = torch.empty(rows, n_chunks, candidates, dtype=torch.int64, device=device)
+    best = torch.empty(rows, n_chunks, 2, dtype=torch.float32, device=device)  # (score, logit) per chunk
+    best_ids = torch.empty(rows, n_chunks, dtype=torch.int32, device=device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=device)
+    fallback = torch.empty(rows, dtype=torch.int32, device=device)
+    if rows:
+        noise_args = (noise if noise is not None else logits, noise.stride(0) if noise is not None else 0)
+        params = (temperature, top_k, top_p, min_p, seeds)
+        _chunk_kernel[(rows, n_chunks)](
+            logits,
+            logits.stride(0),
+            vocab,
+            *params,
+            *noise_args,
+            stats,
+            cands,
+            best,
+            best_ids,
+            USE_NOISE=noise is not None,
+            CHUNK=chunk,
+            CANDIDATES=candidates,
+            num_warps=8 if chunk >= 2048 else 4,
+        )
+        _merge_kernel[(rows,)](
+            *params,
+            *noise_args,
+            stats,
+            cands,
+            best,
+            best_ids,
+            tokens,
+            logprobs,
+            fallback,
+            vocab,
+            n_chunks,
+            USE_NOISE=noise is not None,
+            CANDIDATES=candidates,
+            CHUNKS_P2=triton.next_power_of_2(n_chunks),
+            num_warps=8,
+        )
+    return tokens, logprobs, fallback, stats
 
 
 def fused_sample(
@@ -146,13 +389,16 @@ def fused_sample(
     min_p: Tensor,
     seeds: Tensor,
     noise: Tensor | None = None,
+    chunk: int = CHUNK,
+    candidates: int = CANDIDATES,
 ) -> tuple[Tensor, Tensor]:
     """Per-row parameter tensors [B] (fp32; top_k int32 with 0 = off; seeds int32). → (tokens int64, logprobs fp32)."""
+    tokens, logprobs, fallback, stats = sample_candidates(
+        logits, temperature, top_k, top_p, min_p, seeds, noise, chunk, candidates
+    )
     rows, vocab = logits.shape
-    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
-        _sample_kernel[(rows,)](
+        _fallback_kernel[(rows,)](
             logits,
             logits.stride(0),
             vocab,
@@ -163,11 +409,15 @@ def fused_sample(
             seeds,
             noise if noise is not None else logits,
             noise.stride(0) if noise is not None else 0,
+            stats,
+            stats.shape[1],
+            fallback,
             tokens,
             logprobs,
             USE_NOISE=noise is not None,
-            BLOCK=min(BLOCK, triton.next_power_of_2(vocab)),
+            BLOCK=min(8192, triton.next_power_of_2(vocab)),
             STEPS=BISECT_STEPS,
+            CHUNKS_P2=triton.next_power_of_2(stats.shape[1]),
             num_warps=8,
         )
     return tokens, logprobs

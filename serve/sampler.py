@@ -4,10 +4,11 @@ fused sampler (`hy3c.kernels.sampler`) on CUDA.
     result = sample(logits, params, history, generators, num_logprobs, noise=None)
 
 Per row: repetition penalty over the prompt and output tokens, presence and frequency penalties over
-the output tokens, temperature, then top-k, top-p and min-p filtering, then a draw — greedy (temperature
-0) or Gumbel-max with the request's seeded generator (`noise` injects the uniform draws, which makes
-sampling exactly reproducible in tests). Logprobs are those of the processed distribution (after
-penalties and temperature, before filtering), for the chosen token and the top `num_logprobs`.
+the output tokens, temperature, then min-p, top-k and top-p filtering (`filter_mask`), then a draw —
+greedy (temperature 0) or Gumbel-max over the kept logits with the request's seeded generator
+(`noise` injects the uniform draws, which makes sampling exactly reproducible in tests). Logprobs are
+those of the processed distribution (after penalties and temperature, before filtering), for the
+chosen token and the top `num_logprobs`.
 """
 
 from __future__ import annotations
@@ -65,20 +66,24 @@ def apply_penalties(logits: Tensor, params: list[SamplingParams], history: list[
 
 
 def filter_mask(probs: Tensor, p: SamplingParams) -> Tensor:
-    """Boolean mask [V] of the tokens top-k / top-p / min-p keep (the most likely is always kept).
+    """Boolean mask [V] of the tokens min-p, then top-k, then top-p keep (the most likely is always kept).
 
-    Tokens tied with the last one top-k or top-p keeps are kept too (as vLLM does), so the result does
-    not depend on how a sort orders equal values.
+    The filters apply in vLLM's order, each to what the previous kept: min-p keeps tokens with
+    probability ≥ min_p · max; top-k the k most likely of those; top-p the most likely tokens whose
+    mass, renormalised over what is still kept, reaches top_p. Tokens tied with the last one top-k or
+    top-p keeps are kept too (as vLLM does), so the result does not depend on how a sort orders equal
+    values.
     """
     sorted_probs, order = probs.sort(descending=True, stable=True)
-    kept = sorted_probs.numel()
-    if p.top_k > 0:
-        kept = min(kept, p.top_k)
-    if p.top_p < 1.0:
-        kept = min(kept, int(((sorted_probs.cumsum(-1) - sorted_probs) < p.top_p).sum()))
-    keep = sorted_probs >= sorted_probs[max(kept, 1) - 1]
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
     if p.min_p > 0.0:
         keep &= sorted_probs >= p.min_p * sorted_probs[0]
+    if 0 < p.top_k < sorted_probs.numel():
+        keep &= sorted_probs >= sorted_probs[p.top_k - 1]
+    if p.top_p < 1.0:
+        kept = torch.where(keep, sorted_probs, 0.0)
+        within = (kept.cumsum(-1) - kept < p.top_p * kept.sum()) & keep  # a prefix of the sorted order
+        keep &= sorted_probs >= sorted_probs[max(int(within.sum()) - 1, 0)]
     keep[0] = True
     mask = torch.zeros_like(keep)
     mask[order] = keep
@@ -159,7 +164,7 @@ def sample_reference(
                 else torch.rand(scaled.shape, generator=generators[row], device=scaled.device)
             )
             gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
-            token = int(torch.where(mask, logprobs + gumbel, float("-inf")).argmax())
+            token = int(torch.where(mask, scaled + gumbel, float("-inf")).argmax())
         tokens.append(token)
         chosen.append(float(logprobs[token]))
         if num_logprobs:

@@ -3,6 +3,8 @@
 Without it the interpreter truncates fp32→bf16 instead of rounding to nearest even, loses the rounding
 carry of fp32→fp8 (−31.6 → −16), reinterprets int→bf16 as raw bits and multiplies raw bf16 bit patterns
 in `tl.dot` (triton-lang/triton#11584). FP8 downcasts saturate like the GPU's `cvt.rn.satfinite`.
+XOR reductions (the compare-and-swap of `tl.sort` / `tl.topk`) run as one numpy reduction instead of
+the interpreter's element-by-element Python loop, which takes seconds per sort of a few thousand keys.
 """
 
 from __future__ import annotations
@@ -78,8 +80,20 @@ def _patch_lang_tensor(tensor, scope) -> None:
     scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 
 
+_orig_reduce_apply_impl = _interp.ReduceOps.apply_impl
+
+
+def _reduce_apply_impl(self, input):
+    if self.combine_fn == tl.standard._xor_combine:
+        data = input[0].handle.data
+        out = np.bitwise_xor.reduce(data, axis=self.axis, keepdims=self.keep_dims)
+        return [self.to_tensor(out if self.axis is not None else out.item(), input[0].dtype)]
+    return _orig_reduce_apply_impl(self, input)
+
+
 def install() -> None:
     _interp._patch_lang_tensor = _patch_lang_tensor
+    _interp.ReduceOps.apply_impl = _reduce_apply_impl
     builder = _interp.InterpreterBuilder
     builder.cast_impl = _cast_impl
     for name in (

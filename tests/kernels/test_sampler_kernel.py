@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hy3c.kernels.sampler import fused_sample
+from hy3c.kernels.sampler import fused_sample, sample_candidates
 from hy3c.serve.sampler import History, SamplingParams
 from hy3c.serve.sampler import sample_reference as sample
 
@@ -32,19 +32,47 @@ def test_fused_sampler_equals_reference_with_injected_noise(params, logits_kind)
         logits[:, 3] = -1e30
     noise = torch.rand(rows, vocab)
     ref = sample(logits, [params] * rows, [History([], [])] * rows, [None] * rows, noise=noise)
+    tokens, logprobs = fused_sample(logits, *_columns(params, rows), noise=noise)
+    assert tokens.tolist() == ref.tokens
+    torch.testing.assert_close(logprobs, torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
 
+
+def _columns(params: SamplingParams, rows: int) -> tuple[torch.Tensor, ...]:
     def col(value, dtype=torch.float32):
         return torch.full((rows,), value, dtype=dtype)
 
-    tokens, logprobs = fused_sample(
-        logits,
+    return (
         col(params.temperature),
         col(params.top_k, torch.int32),
         col(params.top_p),
         col(params.min_p),
         col(0, torch.int32),
-        noise=noise,
     )
+
+
+@pytest.mark.parametrize(
+    "params, falls_back",
+    [
+        (SamplingParams(temperature=0.0), False),
+        (SamplingParams(temperature=1.0), False),  # no filter: drawn by the chunks
+        (SamplingParams(temperature=0.7, top_k=5), False),
+        (SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02), False),
+        (SamplingParams(temperature=1.0, min_p=0.3), False),  # peaked row: min-p cut above the floor
+        (SamplingParams(temperature=3.0, top_p=0.99), True),  # flat: the top-p set leaves the candidates
+        (SamplingParams(temperature=1.0, top_k=300), True),  # more than the candidates hold
+    ],
+)
+def test_rows_split_over_chunks_merge_exactly_and_fall_back_only_when_needed(params, falls_back):
+    """Small chunks (6 per row, 16 candidates each) so the merge and the fallback are both exercised."""
+    rows, vocab = 4, 1500
+    logits = torch.randn(rows, vocab) * 2
+    logits[:, torch.randperm(vocab)[:12]] += 8.0  # a peaked head spread over the chunks
+    noise = torch.rand(rows, vocab)
+    ref = sample(logits, [params] * rows, [History([], [])] * rows, [None] * rows, noise=noise)
+    columns = _columns(params, rows)
+    *_, fallback, _stats = sample_candidates(logits, *columns, noise, chunk=256, candidates=16)
+    assert fallback.tolist() == [int(falls_back)] * rows
+    tokens, logprobs = fused_sample(logits, *columns, noise=noise, chunk=256, candidates=16)
     assert tokens.tolist() == ref.tokens
     torch.testing.assert_close(logprobs, torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
 

@@ -5,26 +5,35 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hy3c.serve.sampler import History, SamplingParams, sample_reference
+
 pytestmark = pytest.mark.gpu
 
 
-def test_fused_sampler_at_hy3_vocabulary_equals_reference():
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.01),  # decided by the candidates
+        SamplingParams(temperature=1.0, top_p=0.95),  # flat logits: the fallback kernel decides
+        SamplingParams(temperature=0.9),  # no filter: drawn by the chunk kernel
+        SamplingParams(temperature=0.0),
+    ],
+)
+def test_fused_sampler_at_hy3_vocabulary_equals_reference(params):
     from hy3c.kernels.sampler import fused_sample
-    from hy3c.serve.sampler import History, SamplingParams, sample_reference
 
     rows, vocab = 8, 120832
     logits = torch.randn(rows, vocab, device="cuda") * 4
     noise = torch.rand(rows, vocab, device="cuda")
-    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.01)
     ref = sample_reference(logits, [params] * rows, [History([], [])] * rows, [None] * rows, noise=noise)
 
     def col(value, dtype=torch.float32):
         return torch.full((rows,), value, dtype=dtype, device="cuda")
 
-    tokens, _ = fused_sample(
-        logits, col(0.8), col(40, torch.int32), col(0.95), col(0.01), col(0, torch.int32), noise
-    )
+    columns = (col(params.temperature), col(params.top_k, torch.int32), col(params.top_p), col(params.min_p))
+    tokens, logprobs = fused_sample(logits, *columns, col(0, torch.int32), noise)
     assert tokens.tolist() == ref.tokens
+    torch.testing.assert_close(logprobs.cpu(), torch.tensor(ref.logprobs), atol=1e-3, rtol=1e-4)
 
 
 def test_served_artifact_on_gpu(tiny_ckpt, tmp_path):

@@ -1,0 +1,5 @@
+"""`python -m hy3c` runs the `hy3c` command line."""
+
+from hy3c.cli import main
+
+main()
