@@ -3,10 +3,12 @@ of the peer baseline (vLLM-style torch ops), vocabulary 120832, per batch size; 
 without filters and on its fallback path, and a token-for-token check against the reference with
 injected noise (top-k 50 + top-p 0.9, and top-p 0.9 alone).
 
-    python bench/sampler_bench.py
+    python bench/sampler_bench.py [--sweep]
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from triton.testing import do_bench
@@ -72,7 +74,30 @@ def measure(rows: int) -> str:
     )
 
 
+def sweep() -> None:
+    """The chunking tunables at top-k 50 + top-p 0.9: (chunk, candidates per chunk, merged candidates)."""
+    configs = [(4096, 32, 256), (4096, 64, 256), (4096, 16, 128), (4096, 32, 128), (2048, 16, 256)]
+    configs += [(2048, 32, 512), (8192, 32, 256), (8192, 64, 512), (16384, 64, 256)]
+    print("| chunk | candidates | merged | batch 1 ms | batch 16 ms | batch 64 ms | batch 256 ms |")
+    print("|---|---|---|---|---|---|---|")
+    for chunk, candidates, merged in configs:
+        times = []
+        for rows in (1, 16, 64, 256):
+            logits = torch.randn(rows, V, device="cuda")
+            cols = columns(rows, 0.8, 50, 0.9)
+            fallback = torch.empty(rows, dtype=torch.int32, device="cuda")
+
+            def run(logits=logits, cols=cols, fallback=fallback):
+                fused_sample(logits, *cols, None, chunk, candidates, merged, fallback)
+
+            times.append(do_bench(run, warmup=10, rep=50, return_mode="median"))
+            times[-1] = f"{times[-1]:.3f}" + (" (fallback)" if int(fallback.sum()) else "")
+        print(f"| {chunk} | {candidates} | {merged} | " + " | ".join(times) + " |", flush=True)
+
+
 def main() -> None:
+    if "--sweep" in sys.argv:
+        sweep()
     print(
         "| batch | peer eager chain ms | torch reference ms | hy3c Triton ms | vs peer | read floor ms "
         "| hy3c, temperature only | hy3c, top-p over flat logits (fallback) | rows ≠ reference |"

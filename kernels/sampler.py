@@ -4,20 +4,21 @@
 
 Penalties are applied before (they touch only the tokens a request has seen). Filters follow
 `hy3c.serve.sampler.filter_mask`: min-p, then top-k, then top-p renormalised over what is left;
-tokens tied at a cut-off are kept. Three launches, the logits read once on the usual path:
+tokens tied at a cut-off are kept. Two launches; the logits are read once on the usual path:
 
 1. `_chunk_kernel`, one program per (row, chunk of CHUNK tokens): the chunk's max and sum of
-   exp(x - max) of x = logits / T, and its CANDIDATES largest tokens as sortable int64 keys
-   (orderable float bits << 32 | inverted index, so ties order by lower index). A row with no filter
-   also draws here: the chunk's best Gumbel-perturbed logit.
-2. `_merge_kernel`, one program per row: log-sum-exp from the chunk stats; sorts the row's candidates.
-   Every token above F = the largest of the chunks' smallest candidates is a candidate, so any
-   cut-off above F is exact from the candidates alone: min-p is max + log(min_p), top-k the k-th
-   candidate, top-p a prefix sum over the sorted candidates; the draw is argmax(x + Gumbel) over
-   those kept. Greedy is the first candidate. A row whose cut-off falls at or below F (a flat
-   distribution under top-p, top-k larger than the candidates) is flagged.
-3. `_fallback_kernel`, one program per row, returning at once unless flagged: the cut-offs found by
-   bisection over the whole row (count / mass above a threshold), then the draw.
+   exp(x - max) of x = logits / T; its CANDIDATES largest values (`tl.topk`), whose smallest is the
+   chunk's floor, and the tokens above the floor (then those equal to it, by index, while slots
+   remain) compacted into the candidate slots. A row with no filter also draws here: the chunk's best
+   Gumbel-perturbed logit.
+2. `_merge_kernel`, one program per row: log-sum-exp from the chunk stats; the MERGE_TOP largest
+   candidates as sorted int64 keys (orderable float bits << 32 | inverted index, so ties order by
+   lower index). Every token above F = the largest chunk floor (or the smallest of those MERGE_TOP)
+   is among them, so any cut-off above F is exact from them alone: min-p is max + log(min_p), top-k
+   the k-th, top-p a prefix sum in sorted order; the draw is argmax(x + Gumbel) over those kept.
+   Greedy is the first. A row whose cut-off falls at or below F (a flat distribution under top-p,
+   top-k beyond the candidates) finds its cut-offs by bisection over the whole row instead (count /
+   mass above a threshold), then draws in one more pass.
 
 The noise is the request's seeded counter-based stream (`tl.rand(seed, token)`), or an injected
 [B, V] tensor of uniforms — then the result equals the torch reference token for token. Returns the
@@ -32,7 +33,8 @@ import triton.language as tl
 from torch import Tensor
 
 CHUNK = 4096  # tokens per program of the chunk kernel (held in registers)
-CANDIDATES = 64  # largest tokens each chunk hands to the merge
+CANDIDATES = 32  # largest tokens each chunk hands to the merge
+MERGE_TOP = 256  # largest candidates the merge keeps, sorted
 BISECT_STEPS = 28  # fallback resolution (max - min) / 2^28: far below the gap between distinct fp32 logits
 NEGLIGIBLE: tl.constexpr = tl.constexpr(88.0)  # logit gap below the max whose tokens never matter
 INDEX_MASK: tl.constexpr = tl.constexpr(0x7FFFFFFF)
@@ -80,11 +82,11 @@ def _from_key(key):
 
 @triton.jit
 def _row_max_and_lse(stats_ptr, row, N_CHUNKS, CHUNKS_P2: tl.constexpr):
-    """The row's max and log-sum-exp from the chunk kernel's per-chunk (max, sum exp(x - max))."""
+    """The row's max and log-sum-exp from the chunk kernel's per-chunk (max, sum exp(x - max), floor)."""
     chunks = tl.arange(0, CHUNKS_P2)
     ok = chunks < N_CHUNKS
-    chunk_m = tl.load(stats_ptr + (row * N_CHUNKS + chunks) * 2, mask=ok, other=float("-inf"))
-    chunk_s = tl.load(stats_ptr + (row * N_CHUNKS + chunks) * 2 + 1, mask=ok, other=0.0)
+    chunk_m = tl.load(stats_ptr + (row * N_CHUNKS + chunks) * 3, mask=ok, other=float("-inf"))
+    chunk_s = tl.load(stats_ptr + (row * N_CHUNKS + chunks) * 3 + 1, mask=ok, other=0.0)
     m = tl.max(chunk_m, axis=0)
     return m, m + tl.log(
         tl.sum(tl.where(chunk_m > float("-inf"), chunk_s * tl.exp(chunk_m - m), 0.0), axis=0)
@@ -104,7 +106,8 @@ def _chunk_kernel(
     noise_ptr,
     stride_n,
     stats_ptr,
-    cand_ptr,
+    cand_value_ptr,
+    cand_id_ptr,
     best_ptr,
     best_id_ptr,
     USE_NOISE: tl.constexpr,
@@ -121,11 +124,25 @@ def _chunk_kernel(
     x = x.to(tl.float32) * inv_t
     m = tl.max(x, axis=0)
     s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - tl.where(m > float("-inf"), m, 0.0)), 0.0), axis=0)
-    tl.store(stats_ptr + slot * 2, m)
-    tl.store(stats_ptr + slot * 2 + 1, s)
-    keys = tl.where(ok, _to_key(x, idx), EMPTY)
-    top = tl.topk(keys, CANDIDATES)
-    tl.store(cand_ptr + slot.to(tl.int64) * CANDIDATES + tl.arange(0, CANDIDATES), top)
+    floor = tl.min(tl.topk(x, CANDIDATES), axis=0)
+    tl.store(stats_ptr + slot * 3, m)
+    tl.store(stats_ptr + slot * 3 + 1, s)
+    tl.store(stats_ptr + slot * 3 + 2, floor)
+    # the tokens above the floor (fewer than CANDIDATES), then those at it while slots remain
+    above = ok & (x > floor)
+    at = ok & (x == floor)
+    n_above = tl.sum(above.to(tl.int32), axis=0)
+    pos = (
+        tl.where(above, tl.cumsum(above.to(tl.int32), axis=0), n_above + tl.cumsum(at.to(tl.int32), axis=0))
+        - 1
+    )
+    store = (above | at) & (pos < CANDIDATES)
+    base = slot.to(tl.int64) * CANDIDATES
+    tl.store(cand_value_ptr + base + pos, x, mask=store)
+    tl.store(cand_id_ptr + base + pos, idx, mask=store)
+    slots = tl.arange(0, CANDIDATES)
+    n_stored = n_above + tl.sum(at.to(tl.int32), axis=0)
+    tl.store(cand_id_ptr + base + slots, -1, mask=slots >= n_stored)  # empty slots
     if sampled & ~_has_filter(topk_ptr, topp_ptr, minp_ptr, row, V):
         score = x + _gumbel(noise_ptr, stride_n, row, tl.load(seed_ptr + row), idx, ok, USE_NOISE)
         score = tl.where(ok, score, float("-inf"))
@@ -137,6 +154,9 @@ def _chunk_kernel(
 
 @triton.jit
 def _merge_kernel(
+    logits_ptr,
+    stride_l,
+    V,
     temp_ptr,
     topk_ptr,
     topp_ptr,
@@ -145,41 +165,41 @@ def _merge_kernel(
     noise_ptr,
     stride_n,
     stats_ptr,
-    cand_ptr,
+    cand_value_ptr,
+    cand_id_ptr,
     best_ptr,
     best_id_ptr,
     out_token_ptr,
     out_logprob_ptr,
     fallback_ptr,
-    V,
     N_CHUNKS,
     USE_NOISE: tl.constexpr,
     CANDIDATES: tl.constexpr,
     CHUNKS_P2: tl.constexpr,
+    MERGE_TOP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STEPS: tl.constexpr,
 ):
     row = tl.program_id(0)
-    sampled, _inv_t = _inverse_temperature(temp_ptr, row)
+    sampled, inv_t = _inverse_temperature(temp_ptr, row)
     chunks = tl.arange(0, CHUNKS_P2)
     chunk_ok = chunks < N_CHUNKS
     m, lse = _row_max_and_lse(stats_ptr, row, N_CHUNKS, CHUNKS_P2)
+    floors = tl.load(stats_ptr + (row * N_CHUNKS + chunks) * 3 + 2, mask=chunk_ok, other=float("-inf"))
 
     offs = tl.arange(0, CHUNKS_P2 * CANDIDATES)
-    keys = tl.load(
-        cand_ptr + row.to(tl.int64) * N_CHUNKS * CANDIDATES + offs,
-        mask=offs < N_CHUNKS * CANDIDATES,
-        other=EMPTY,
-    )
-    # F: every token above the largest chunk floor is a candidate (a short chunk's floor is -inf)
-    floors = tl.min(tl.reshape(keys, (CHUNKS_P2, CANDIDATES)), axis=1)
-    floor_values, _unused = _from_key(floors)
-    floor_values = tl.where(floors != EMPTY, floor_values, float("-inf"))
-    f = tl.max(tl.where(chunk_ok, floor_values, float("-inf")), axis=0)
-    keys = tl.sort(keys, descending=True)
+    base = row.to(tl.int64) * N_CHUNKS * CANDIDATES
+    ids = tl.load(cand_id_ptr + base + offs, mask=offs < N_CHUNKS * CANDIDATES, other=-1)
+    values = tl.load(cand_value_ptr + base + offs, mask=ids >= 0, other=0.0)
+    keys = tl.topk(tl.where(ids >= 0, _to_key(values, ids), EMPTY), MERGE_TOP)  # sorted, descending
     values, ids = _from_key(keys)
     real = keys != EMPTY
     values = tl.where(real, values, float("-inf"))
+    # F: every token above the largest chunk floor and above the last kept candidate is among these
+    f = tl.maximum(tl.max(floors, axis=0), tl.min(values, axis=0))
     first_value = tl.max(values, axis=0)
-    first_id = tl.max(tl.where(offs == 0, ids, 0), axis=0)
+    rank = tl.arange(0, MERGE_TOP)
+    first_id = tl.max(tl.where(rank == 0, ids, 0), axis=0)
 
     token = first_id
     value = first_value
@@ -193,7 +213,7 @@ def _merge_kernel(
             if min_p > 0.0:
                 t = m + tl.log(min_p)
             if (k > 0) & (k < V):
-                t = tl.maximum(t, tl.max(tl.where(offs == k - 1, values, float("-inf")), axis=0))
+                t = tl.maximum(t, tl.max(tl.where(rank == k - 1, values, float("-inf")), axis=0))
             if top_p < 1.0:
                 inside = real & (values >= t)
                 w = tl.where(inside, tl.exp(values - m), 0.0)
@@ -203,8 +223,8 @@ def _merge_kernel(
                 cut = tl.min(tl.where(within, values, first_value), axis=0)
                 # a finite min-p / top-k cut-off at or below F leaves that mass unknown: fall back
                 t = tl.where((t > f) | (t == float("-inf")), tl.maximum(t, cut), f)
+            seed = tl.load(seed_ptr + row)
             if t > f:
-                seed = tl.load(seed_ptr + row)
                 kept = real & (values >= t)
                 score = values + _gumbel(noise_ptr, stride_n, row, seed, ids, kept, USE_NOISE)
                 score = tl.where(kept, score, float("-inf"))
@@ -214,6 +234,22 @@ def _merge_kernel(
                 value = tl.max(tl.where(kept & (ids == token), values, float("-inf")), axis=0)
             else:
                 fallback = 1
+                token, value = _sample_by_bisection(
+                    logits_ptr + row.to(tl.int64) * stride_l,
+                    V,
+                    inv_t,
+                    m,
+                    k,
+                    min_p,
+                    top_p,
+                    noise_ptr,
+                    stride_n,
+                    row,
+                    seed,
+                    USE_NOISE,
+                    BLOCK,
+                    STEPS,
+                )
         else:
             slots = row * N_CHUNKS + chunks
             best_scores = tl.load(best_ptr + slots * 2, mask=chunk_ok, other=float("-inf"))
@@ -224,6 +260,53 @@ def _merge_kernel(
     tl.store(out_token_ptr + row, token.to(tl.int64))
     tl.store(out_logprob_ptr + row, value - lse)
     tl.store(fallback_ptr + row, fallback)
+
+
+@triton.jit
+def _sample_by_bisection(
+    row_ptr,
+    V,
+    inv_t,
+    m,
+    k,
+    min_p,
+    top_p,
+    noise_ptr,
+    stride_n,
+    row,
+    seed,
+    USE_NOISE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STEPS: tl.constexpr,
+):
+    """The fallback: cut-offs by bisection over the whole row, then one pass for the draw."""
+    # a token this far below the max has probability < e^-88: it cannot win the draw or
+    # move top-p, and a -inf logit would keep every bisection midpoint at -inf
+    lo = m - NEGLIGIBLE
+    t = float("-inf")
+    if min_p > 0.0:
+        t = m + tl.log(min_p)
+    if (k > 0) & (k < V):
+        t = tl.maximum(t, _bisect(row_ptr, V, inv_t, m, lo, k.to(tl.float32), False, STEPS, BLOCK))
+    if top_p < 1.0:
+        _count, mass = _count_and_mass(row_ptr, V, inv_t, m, t, BLOCK)
+        t = tl.maximum(t, _bisect(row_ptr, V, inv_t, m, tl.maximum(lo, t), top_p * mass, True, STEPS, BLOCK))
+    best = float("-inf")
+    best_idx = 0
+    best_x = 0.0
+    for start in range(0, V, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        ok = idx < V
+        x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+        score = x + _gumbel(noise_ptr, stride_n, row, seed, idx, ok, USE_NOISE)
+        score = tl.where(ok & (x >= t), score, float("-inf"))
+        block_best = tl.max(score, axis=0)
+        block_idx = tl.argmax(score, axis=0)
+        better = block_best > best
+        best = tl.where(better, block_best, best)
+        best_idx = tl.where(better, start + block_idx, best_idx)
+        best_x = tl.where(better, tl.sum(tl.where(idx == start + block_idx, x, 0.0), axis=0), best_x)
+    return best_idx, best_x
 
 
 @triton.jit
@@ -256,131 +339,6 @@ def _bisect(
     return a
 
 
-@triton.jit
-def _fallback_kernel(
-    logits_ptr,
-    stride_l,
-    V,
-    temp_ptr,
-    topk_ptr,
-    topp_ptr,
-    minp_ptr,
-    seed_ptr,
-    noise_ptr,
-    stride_n,
-    stats_ptr,
-    N_CHUNKS,
-    fallback_ptr,
-    out_token_ptr,
-    out_logprob_ptr,
-    USE_NOISE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    STEPS: tl.constexpr,
-    CHUNKS_P2: tl.constexpr,
-):
-    row = tl.program_id(0)
-    if tl.load(fallback_ptr + row) != 0:
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_l
-        _sampled, inv_t = _inverse_temperature(temp_ptr, row)
-        m, lse = _row_max_and_lse(stats_ptr, row, N_CHUNKS, CHUNKS_P2)
-        # a token this far below the max has probability < e^-88: it cannot win the draw or
-        # move top-p, and a -inf logit would keep every bisection midpoint at -inf
-        lo = m - NEGLIGIBLE
-        t = float("-inf")
-        min_p = tl.load(minp_ptr + row)
-        if min_p > 0.0:
-            t = m + tl.log(min_p)
-        k = tl.load(topk_ptr + row).to(tl.float32)
-        if (k > 0.0) & (k < V):
-            t = tl.maximum(t, _bisect(row_ptr, V, inv_t, m, lo, k, False, STEPS, BLOCK))
-        top_p = tl.load(topp_ptr + row)
-        if top_p < 1.0:
-            _count, mass = _count_and_mass(row_ptr, V, inv_t, m, t, BLOCK)
-            t = tl.maximum(
-                t, _bisect(row_ptr, V, inv_t, m, tl.maximum(lo, t), top_p * mass, True, STEPS, BLOCK)
-            )
-        seed = tl.load(seed_ptr + row)
-        best = float("-inf")
-        best_idx = 0
-        best_x = 0.0
-        for start in range(0, V, BLOCK):
-            idx = start + tl.arange(0, BLOCK)
-            ok = idx < V
-            x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-            score = x + _gumbel(noise_ptr, stride_n, row, seed, idx, ok, USE_NOISE)
-            score = tl.where(ok & (x >= t), score, float("-inf"))
-            block_best = tl.max(score, axis=0)
-            block_idx = tl.argmax(score, axis=0)
-            better = block_best > best
-            best = tl.where(better, block_best, best)
-            best_idx = tl.where(better, start + block_idx, best_idx)
-            best_x = tl.where(better, tl.sum(tl.where(idx == start + block_idx, x, 0.0), axis=0), best_x)
-        tl.store(out_token_ptr + row, best_idx.to(tl.int64))
-        tl.store(out_logprob_ptr + row, best_x - lse)
-
-
-def sample_candidates(
-    logits: Tensor,
-    temperature: Tensor,
-    top_k: Tensor,
-    top_p: Tensor,
-    min_p: Tensor,
-    seeds: Tensor,
-    noise: Tensor | None = None,
-    chunk: int = CHUNK,
-    candidates: int = CANDIDATES,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Launches 1 and 2. → (tokens, logprobs, fallback [B] int32 (1: the row needs launch 3), chunk stats)."""
-    rows, vocab = logits.shape
-    chunk = min(chunk, triton.next_power_of_2(vocab))
-    candidates = min(candidates, chunk)
-    n_chunks = triton.cdiv(vocab, chunk)
-    device = logits.device
-    stats = torch.empty(rows, n_chunks, 2, dtype=torch.float32, device=device)
-    cands = torch.empty(rows, n_chunks, candidates, dtype=torch.int64, device=device)
-    best = torch.empty(rows, n_chunks, 2, dtype=torch.float32, device=device)  # (score, logit) per chunk
-    best_ids = torch.empty(rows, n_chunks, dtype=torch.int32, device=device)
-    tokens = torch.empty(rows, dtype=torch.int64, device=device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=device)
-    fallback = torch.empty(rows, dtype=torch.int32, device=device)
-    if rows:
-        noise_args = (noise if noise is not None else logits, noise.stride(0) if noise is not None else 0)
-        params = (temperature, top_k, top_p, min_p, seeds)
-        _chunk_kernel[(rows, n_chunks)](
-            logits,
-            logits.stride(0),
-            vocab,
-            *params,
-            *noise_args,
-            stats,
-            cands,
-            best,
-            best_ids,
-            USE_NOISE=noise is not None,
-            CHUNK=chunk,
-            CANDIDATES=candidates,
-            num_warps=8 if chunk >= 2048 else 4,
-        )
-        _merge_kernel[(rows,)](
-            *params,
-            *noise_args,
-            stats,
-            cands,
-            best,
-            best_ids,
-            tokens,
-            logprobs,
-            fallback,
-            vocab,
-            n_chunks,
-            USE_NOISE=noise is not None,
-            CANDIDATES=candidates,
-            CHUNKS_P2=triton.next_power_of_2(n_chunks),
-            num_warps=8,
-        )
-    return tokens, logprobs, fallback, stats
-
-
 def fused_sample(
     logits: Tensor,
     temperature: Tensor,
@@ -391,33 +349,67 @@ def fused_sample(
     noise: Tensor | None = None,
     chunk: int = CHUNK,
     candidates: int = CANDIDATES,
+    merge_top: int = MERGE_TOP,
+    fallback: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Per-row parameter tensors [B] (fp32; top_k int32 with 0 = off; seeds int32). → (tokens int64, logprobs fp32)."""
-    tokens, logprobs, fallback, stats = sample_candidates(
-        logits, temperature, top_k, top_p, min_p, seeds, noise, chunk, candidates
-    )
+    """Per-row parameter tensors [B] (fp32; top_k int32 with 0 = off; seeds int32).
+
+    → (tokens int64, logprobs fp32). `fallback` ([B] int32), if given, is set to 1 for the rows whose
+    cut-offs the candidates could not decide (then found by bisection), else 0.
+    """
     rows, vocab = logits.shape
-    if rows:
-        _fallback_kernel[(rows,)](
-            logits,
-            logits.stride(0),
-            vocab,
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            seeds,
-            noise if noise is not None else logits,
-            noise.stride(0) if noise is not None else 0,
-            stats,
-            stats.shape[1],
-            fallback,
-            tokens,
-            logprobs,
-            USE_NOISE=noise is not None,
-            BLOCK=min(8192, triton.next_power_of_2(vocab)),
-            STEPS=BISECT_STEPS,
-            CHUNKS_P2=triton.next_power_of_2(stats.shape[1]),
-            num_warps=8,
-        )
+    chunk = min(chunk, triton.next_power_of_2(vocab))
+    candidates = min(candidates, chunk)
+    n_chunks = triton.cdiv(vocab, chunk)
+    merge_top = min(merge_top, triton.next_power_of_2(n_chunks) * candidates)
+    device = logits.device
+    stats = torch.empty(rows, n_chunks, 3, dtype=torch.float32, device=device)  # max, sum exp, floor
+    cand_values = torch.empty(rows, n_chunks, candidates, dtype=torch.float32, device=device)
+    cand_ids = torch.empty(rows, n_chunks, candidates, dtype=torch.int32, device=device)
+    best = torch.empty(rows, n_chunks, 2, dtype=torch.float32, device=device)  # (score, logit) per chunk
+    best_ids = torch.empty(rows, n_chunks, dtype=torch.int32, device=device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=device)
+    if fallback is None:
+        fallback = torch.empty(rows, dtype=torch.int32, device=device)
+    if rows == 0:
+        return tokens, logprobs
+    row_args = (
+        logits,
+        logits.stride(0),
+        vocab,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seeds,
+        noise if noise is not None else logits,
+        noise.stride(0) if noise is not None else 0,
+        stats,
+        cand_values,
+        cand_ids,
+        best,
+        best_ids,
+    )
+    _chunk_kernel[(rows, n_chunks)](
+        *row_args,
+        USE_NOISE=noise is not None,
+        CHUNK=chunk,
+        CANDIDATES=candidates,
+        num_warps=8 if chunk >= 4096 else 4,
+    )
+    _merge_kernel[(rows,)](
+        *row_args,
+        tokens,
+        logprobs,
+        fallback,
+        n_chunks,
+        USE_NOISE=noise is not None,
+        CANDIDATES=candidates,
+        CHUNKS_P2=triton.next_power_of_2(n_chunks),
+        MERGE_TOP=merge_top,
+        BLOCK=min(8192, triton.next_power_of_2(vocab)),
+        STEPS=BISECT_STEPS,
+        num_warps=8,
+    )
     return tokens, logprobs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hy3c.kernels.sampler import fused_sample, sample_candidates
+from hy3c.kernels.sampler import fused_sample
 from hy3c.serve.sampler import History, SamplingParams
 from hy3c.serve.sampler import sample_reference as sample
 
@@ -59,20 +59,22 @@ def _columns(params: SamplingParams, rows: int) -> tuple[torch.Tensor, ...]:
         (SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02), False),
         (SamplingParams(temperature=1.0, min_p=0.3), False),  # peaked row: min-p cut above the floor
         (SamplingParams(temperature=3.0, top_p=0.99), True),  # flat: the top-p set leaves the candidates
-        (SamplingParams(temperature=1.0, top_k=300), True),  # more than the candidates hold
+        (SamplingParams(temperature=1.0, top_k=80), True),  # more than the merge keeps
     ],
 )
 def test_rows_split_over_chunks_merge_exactly_and_fall_back_only_when_needed(params, falls_back):
-    """Small chunks (6 per row, 16 candidates each) so the merge and the fallback are both exercised."""
+    """Small chunks (6 per row, 16 candidates each, 64 merged) so the merge and the fallback both run."""
     rows, vocab = 4, 1500
     logits = torch.randn(rows, vocab) * 2
     logits[:, torch.randperm(vocab)[:12]] += 8.0  # a peaked head spread over the chunks
+    logits[2:] = (logits[2:] * 2).round() / 2  # coarse rows: ties at the chunk floors and cut-offs
     noise = torch.rand(rows, vocab)
     ref = sample(logits, [params] * rows, [History([], [])] * rows, [None] * rows, noise=noise)
-    columns = _columns(params, rows)
-    *_, fallback, _stats = sample_candidates(logits, *columns, noise, chunk=256, candidates=16)
+    fallback = torch.full((rows,), -1, dtype=torch.int32)
+    tokens, logprobs = fused_sample(
+        logits, *_columns(params, rows), noise, chunk=256, candidates=16, merge_top=64, fallback=fallback
+    )
     assert fallback.tolist() == [int(falls_back)] * rows
-    tokens, logprobs = fused_sample(logits, *columns, noise=noise, chunk=256, candidates=16)
     assert tokens.tolist() == ref.tokens
     torch.testing.assert_close(logprobs, torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
 
