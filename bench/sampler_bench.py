@@ -87,8 +87,10 @@ def sweep() -> None:
             cols = columns(rows, 0.8, 50, 0.9)
             fallback = torch.empty(rows, dtype=torch.int32, device="cuda")
 
-            def run(logits=logits, cols=cols, fallback=fallback):
-                fused_sample(logits, *cols, None, chunk, candidates, merged, fallback)
+            tunables = (chunk, candidates, merged, fallback)
+
+            def run(logits=logits, cols=cols, tunables=tunables):
+                fused_sample(logits, *cols, None, *tunables)
 
             times.append(do_bench(run, warmup=10, rep=50, return_mode="median"))
             times[-1] = f"{times[-1]:.3f}" + (" (fallback)" if int(fallback.sum()) else "")
