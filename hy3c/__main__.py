@@ -2,4 +2,4 @@
 
 from hy3c.cli import main
 
-main()
+raise SystemExit(main())

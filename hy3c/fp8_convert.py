@@ -178,7 +178,9 @@ def convert_to_fp8(
             module = weight_target.rsplit(".", 1)[0]
             if module in fp8_modules and leaf in ("weight", "weight_scale"):
                 scale = _scale(_abs_max(value))
-                writer.add(name, scale if leaf == "weight_scale" else quantize_fp8(value, scale))
+                writer.add(
+                    name, scale if leaf == "weight_scale" else quantize_fp8(value, scale.to(value.device))
+                )
             else:
                 writer.add(name, value.clone())
         writer.close()

@@ -163,3 +163,26 @@ def test_user_mistakes_get_one_line_errors(tiny_ckpt, tmp_path, capsys):
         fails_with(
             ["generate", "--model", str(tiny_ckpt), "--prompt", "x", "--device", "cuda"], "CUDA is not"
         )
+
+
+def test_python_dash_m_hy3c_passes_the_exit_status_on(tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hy3c",
+            "compile",
+            "--model",
+            str(tmp_path / "absent"),
+            "--recipe",
+            "h200-bf16",
+        ]
+        + ["--out", str(tmp_path / "art")],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode != 0 and "absent" in run.stderr
+    assert subprocess.run([sys.executable, "-m", "hy3c", "--help"], capture_output=True).returncode == 0

@@ -44,3 +44,17 @@ def test_h200_artifact_with_cuda_graphs_matches_eager(tiny_ckpt, tmp_path):
     direct = runner(*batch.model_args(kv))
     torch.testing.assert_close(replayed[0], direct[0], atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(replayed[1], direct[1], atol=1e-2, rtol=1e-2)
+
+
+def test_fp8_conversion_calibrates_on_the_gpu_and_compiles_with_the_static_recipe(tiny_ckpt, tmp_path):
+    """`hy3c init-checkpoint --fp8 static --device cuda` → `hy3c compile --recipe h20-w8a8c8` (the path
+    bench/serve_bench.sh takes at real shapes)."""
+    from hy3c.fp8_convert import convert_to_fp8
+
+    model = load_model(tiny_ckpt, device="cuda", progress=False)
+    fp8 = convert_to_fp8(model, tiny_ckpt, tmp_path / "fp8", "static")
+    summary = compile_artifact(load_recipe("h20-w8a8c8"), tmp_path / "art", checkpoint=fp8)
+    quantize = next(r for r in summary.results if r.name == "quantize")
+    assert quantize.status == "skipped"  # the checkpoint is already FP8 with static scales
+    runner = artifact.load(summary.out, device="cuda")
+    assert len(generate_tokens(runner, [[5, 9, 100, 7]], 4, stop_ids=[])[0]) == 4
