@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 BOS = "<｜hy_begin▁of▁sentence｜>"
 EOS = "<｜hy_eos｜>"
@@ -78,8 +78,15 @@ def train_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
 
 
 def write_tokenizer_files(directory: Path, vocab_size: int, model_max_length: int) -> dict[str, int]:
-    """Write the tiny tokenizer into `directory`; return its special token ids."""
+    """Write the tiny tokenizer into `directory`; return its special token ids.
+
+    Past its 512 trained entries, every id up to `vocab_size` is a placeholder token `<|t{id}|>`, so
+    whatever a random model emits decodes to text (as every id of a real checkpoint's tokenizer does):
+    a stream of random tokens at real shapes is then text, token by token.
+    """
     tok = train_tiny_tokenizer(min(vocab_size, 512))
+    trained = tok.get_vocab_size()
+    tok.add_tokens([AddedToken(f"<|t{i}|>", normalized=False) for i in range(trained, vocab_size)])
     tok.save(str(directory / "tokenizer.json"))
     (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     config = {

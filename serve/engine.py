@@ -104,6 +104,31 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="hy3c-engine", daemon=True)
         self.dead: str | None = None
 
+    def warm_up(self) -> None:
+        """Run throw-away requests through the engine before it serves (call before `start`): the first
+        use of each Triton kernel specialization — a prefill chunk, the sampler's greedy, filtered,
+        unfiltered and fallback paths — compiles it, seconds that would otherwise land on the first
+        users' TTFT. Leaves no trace: the metrics are kept aside and the prefix cache is emptied."""
+        metrics, self.metrics = self.metrics, EngineMetrics()
+        vocab = self.runner.config.vocab_size
+        length = max(1, min(self.config.max_num_batched_tokens // 4, self.config.max_model_len - 3, 512))
+        kinds = [
+            SamplingParams(temperature=0.0),
+            SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+            SamplingParams(temperature=1.0),
+            SamplingParams(temperature=1.0, top_p=0.999),
+        ]
+        try:
+            for i, params in enumerate(kinds):
+                prompt = [(17 + 31 * (i + j)) % vocab for j in range(length - i)]
+                request = GenerationRequest(f"warm-up-{i}", prompt, params, max_tokens=2, ignore_eos=True)
+                self._admit(request, lambda _out: None)
+            while self.scheduler.has_work:
+                self._step()
+        finally:
+            self.pool.reset_prefix_cache()
+            self.metrics = metrics
+
     # ---- API side (any thread) ---------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
@@ -179,7 +204,7 @@ class Engine:
         seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids))
         generator = None
         if not request.params.greedy:
-            generator = torch.Generator(device=self.runner.device)
+            generator = torch.Generator()  # on the host: drawing a step's seed needs no GPU sync
             generator.seed() if request.params.seed is None else generator.manual_seed(request.params.seed)
         self._live[request.request_id] = _Live(
             request, seq, emit, IncrementalDetokenizer(self.tokenizer, request.stop), generator
@@ -227,7 +252,7 @@ class Engine:
             return
         for w in work:
             if not w.seq.finished:
-                self.pool.publish(w.seq.tokens, w.seq.pages, w.seq.computed)
+                self.pool.publish(w.seq.tokens, w.seq.pages, w.seq.computed, w.seq.page_keys)
         finished = time.monotonic()
         self.metrics.step(
             finished - started,
@@ -291,7 +316,7 @@ class Engine:
         out.finished, out.finish_reason = True, reason
         self._usage(live, out)
         live.seq.finished = True
-        self.pool.publish(live.seq.tokens, live.seq.pages, live.seq.computed)
+        self.pool.publish(live.seq.tokens, live.seq.pages, live.seq.computed, live.seq.page_keys)
         self.scheduler.remove(live.request.request_id)
         del self._live[live.request.request_id]
         self.metrics.finished(reason, time.monotonic() - live.request.arrival, len(live.output))

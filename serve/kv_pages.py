@@ -11,17 +11,26 @@ padded CUDA-graph rows read, so it is never handed out.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
 
 def page_keys(tokens: Sequence[int], page_size: int, namespace: bytes, full_pages: int) -> list[bytes]:
     """Chained keys of the first `full_pages` pages of `tokens`."""
-    keys, previous = [], namespace
-    for i in range(full_pages):
+    return extend_page_keys([], tokens, page_size, namespace, full_pages)
+
+
+def extend_page_keys(
+    keys: list[bytes], tokens: Sequence[int], page_size: int, namespace: bytes, full_pages: int
+) -> list[bytes]:
+    """Extend `keys` — the chained keys of the first len(keys) pages of `tokens` — in place to the first
+    `full_pages` pages (a request's keys are computed once each, not again every step)."""
+    previous = keys[-1] if keys else namespace
+    for i in range(len(keys), full_pages):
         chunk = tokens[i * page_size : (i + 1) * page_size]
         digest = hashlib.blake2b(previous, digest_size=16)
-        digest.update(b"".join(int(t).to_bytes(4, "little") for t in chunk))
+        digest.update(struct.pack(f"<{len(chunk)}I", *chunk))
         previous = digest.digest()
         keys.append(previous)
     return keys
@@ -76,10 +85,14 @@ class PagePool:
             self._take(page)
         return pages
 
-    def publish(self, tokens: Sequence[int], pages: Sequence[int], computed: int) -> None:
-        """Publish every full page of a request whose KV is computed (first `computed` tokens)."""
+    def publish(
+        self, tokens: Sequence[int], pages: Sequence[int], computed: int, keys: list[bytes] | None = None
+    ) -> None:
+        """Publish every full page of a request whose KV is computed (first `computed` tokens). `keys`, the
+        request's page keys computed so far, is extended in place (see `extend_page_keys`)."""
         full = min(computed // self.page_size, len(pages))
-        for page, key in zip(pages[:full], page_keys(tokens, self.page_size, self.namespace, full)):
+        keys = extend_page_keys([] if keys is None else keys, tokens, self.page_size, self.namespace, full)
+        for page, key in zip(pages[:full], keys):
             if page in self.key_of:
                 continue
             if key in self.page_of:  # the same content is already published under another page

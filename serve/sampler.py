@@ -120,25 +120,24 @@ def _sample_fused(logits, params, history, generators, num_logprobs, noise) -> S
         int(torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device)) if g is not None else 0
         for g in generators
     ]
-
-    def column(values, dtype=torch.float32):
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    tokens, chosen = _triton_sampler()(
-        logits,
-        column([p.temperature for p in params]),
-        column([p.top_k for p in params], torch.int32),
-        column([p.top_p for p in params]),
-        column([p.min_p for p in params]),
-        column(seeds, torch.int32),
-        noise,
-    )
+    # the per-row parameters travel in two host-to-device copies, the results in one copy back
+    floats = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params], dtype=torch.float32)
+    ints = torch.tensor([[p.top_k, seed] for p, seed in zip(params, seeds)], dtype=torch.int32)
+    floats, ints = floats.T.contiguous().to(device), ints.T.contiguous().to(device)
+    tokens, chosen = _triton_sampler()(logits, floats[0], ints[0], floats[1], floats[2], ints[1], noise)
     top: list[list[tuple[int, float]]] = [[] for _ in params]
     if num_logprobs:
-        temps = column([p.temperature if not p.greedy else 1.0 for p in params])
+        temps = torch.where(floats[0] == 0.0, 1.0, floats[0])
         values, ids = torch.log_softmax(logits / temps[:, None], dim=-1).topk(num_logprobs)
         top = [list(zip(i.tolist(), v.tolist())) for i, v in zip(ids, values)]
-    return SampleResult(tokens.tolist(), chosen.tolist(), top)
+    token_list, chosen_list = torch.stack([tokens.double(), chosen.double()]).tolist()
+    return SampleResult([int(t) for t in token_list], chosen_list, top)
+
+
+def _uniforms(like: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Uniform draws shaped like `like` from the request's generator (a host generator on any device)."""
+    device = generator.device if generator is not None else like.device
+    return torch.rand(like.shape, generator=generator, device=device).to(like.device)
 
 
 def sample_reference(
@@ -158,11 +157,7 @@ def sample_reference(
             token = int(scaled.argmax())
         else:
             mask = filter_mask(logprobs.exp(), p)
-            u = (
-                noise[row]
-                if noise is not None
-                else torch.rand(scaled.shape, generator=generators[row], device=scaled.device)
-            )
+            u = noise[row] if noise is not None else _uniforms(scaled, generators[row])
             gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
             token = int(torch.where(mask, scaled + gumbel, float("-inf")).argmax())
         tokens.append(token)

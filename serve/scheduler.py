@@ -26,6 +26,7 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose KV is in the cache
     cached_tokens: int = 0  # prefix-cache hit at first admission (reported in usage)
+    page_keys: list[bytes] = field(default_factory=list)  # chained keys of its full pages so far
     admitted: bool = False
     finished: bool = False
 

@@ -8,6 +8,7 @@ CUDA, decode steps of up to `--max-num-seqs` requests are captured as CUDA graph
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,10 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
         runner.capture_decode_graphs(
             engine.kv_cache, max_pages=-(-max_model_len // page_size), batch_sizes=sizes
         )
+    if runner.device.type == "cuda":
+        started = time.monotonic()
+        engine.warm_up()
+        log_event(log, "engine_warmed_up", seconds=round(time.monotonic() - started, 2))
     name = options.served_model_name or Path(options.artifact).resolve().name
     server = ServerConfig(
         model_name=name,

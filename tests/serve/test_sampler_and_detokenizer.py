@@ -101,3 +101,17 @@ def test_top_k_and_top_p_keep_every_token_tied_at_the_cut_off():
         False,
         False,
     ]
+
+
+def test_every_id_of_a_larger_vocabulary_decodes_to_its_own_text(tmp_path):
+    """Real-shape checkpoints (vocab 120832) get placeholder tokens past the 512 trained entries, so a
+    random model's tokens stream as text one by one."""
+    from hy3c.tokenizer import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path, 2000, 4096)
+    tok = Hy3Tokenizer.from_dir(tmp_path)
+    assert tok.vocab_size == 2000
+    assert tok.decode([1999]) == "<|t1999|>" and tok.decode([700, 701]) == "<|t700|><|t701|>"
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.push(t) for t in (900, 901)] == ["<|t900|>", "<|t901|>"]
+    assert max(tok.encode("Hello, world <t5>")) < 512  # plain text still uses the trained entries

@@ -439,3 +439,19 @@ def test_overloaded_and_dead_engine_answer_503(artifact):
         assert httpx.get(f"{srv.base_url}/health").status_code == 503
         down = httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert down.status_code == 503 and "engine is not running" in down.json()["error"]["message"]
+
+
+def test_warm_up_runs_every_sampler_path_and_leaves_no_trace(artifact):
+    from hy3c.serve.server import build_engine
+
+    engine, _tokenizer, _server = build_engine(ServeOptions(artifact, kv_memory_gib=0.02, compile=False))
+    ran = []
+    step = engine._step
+    engine._step = lambda: ran.append(sum(len(s.tokens) for s in engine.scheduler.running)) or step()
+    engine.warm_up()
+    assert len(ran) >= 2 and not engine.scheduler.has_work  # a prefill step, then a decode step
+    assert engine.pool.num_free == engine.pool.usable  # every page back, nothing left in the prefix cache
+    assert not engine.pool.page_of
+    assert engine.metrics.render("m") == build_engine(ServeOptions(artifact, kv_memory_gib=0.02))[
+        0
+    ].metrics.render("m")
