@@ -29,20 +29,21 @@ cleanup() {
 trap cleanup EXIT
 
 stamp() { echo "[serve_bench $(date +%T)] $*" >&2; }
-command -v hy3c >/dev/null || hy3c() { python3 -m hy3c "$@"; }  # a checkout on PYTHONPATH, not installed
+hy3c=(hy3c)
+command -v hy3c >/dev/null || hy3c=(python3 -m hy3c)  # a checkout on PYTHONPATH, not installed
 healthy() { python3 -c "import urllib.request as u; u.urlopen('$url/health', timeout=2)" 2>/dev/null; }
 
 fp8=${FP8-static}
 stamp "checkpoint $preset (FP8 activations: ${fp8:-none}) on $device"
-hy3c init-checkpoint --preset "$preset" ${fp8:+--fp8 "$fp8"} --device "$device" --out "$work/ckpt" --overwrite >/dev/null
+"${hy3c[@]}" init-checkpoint --preset "$preset" ${fp8:+--fp8 "$fp8"} --device "$device" --out "$work/ckpt" --overwrite >/dev/null
 recipe=${RECIPE:-h20-w8a8c8}
 stamp "compile --recipe $recipe"
-hy3c compile --model "$work/ckpt" --recipe "$recipe" --out "$work/artifact" --overwrite | tail -1
+"${hy3c[@]}" compile --model "$work/ckpt" --recipe "$recipe" --out "$work/artifact" --overwrite | tail -1
 rm -rf "$work/ckpt"
 
 stamp "serve on $url"
 # shellcheck disable=SC2086
-hy3c serve "$work/artifact" --port "$port" --device "$device" ${SERVE_ARGS:-} >"$work/serve.log" 2>&1 &
+"${hy3c[@]}" serve "$work/artifact" --port "$port" --device "$device" ${SERVE_ARGS:-} >"$work/serve.log" 2>&1 &
 server_pid=$!
 for _ in $(seq 600); do
   healthy && break
@@ -57,6 +58,6 @@ for c in ${CONCURRENCY:-1 8 32}; do
   stamp "concurrency $c, $prompts prompts"
   json=()
   [ -n "${OUT_JSON:-}" ] && json=(--json "$OUT_JSON/serve_c$c.json")
-  hy3c bench serve --base-url "$url" --workload random --num-prompts "$prompts" --concurrency "$c" \
+  "${hy3c[@]}" bench serve --base-url "$url" --workload random --num-prompts "$prompts" --concurrency "$c" \
     --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-128}" "${json[@]}"
 done
