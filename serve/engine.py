@@ -43,6 +43,9 @@ class EngineConfig:
     max_model_len: int = 4096
 
 
+WARM_UP_TOKENS = (1, 15, 16, 127, 128, 1023, 1024)  # prefill lengths `Engine.warm_up` runs
+
+
 @dataclass
 class GenerationRequest:
     request_id: str
@@ -105,26 +108,49 @@ class Engine:
         self.dead: str | None = None
 
     def warm_up(self) -> None:
-        """Run throw-away requests through the engine before it serves (call before `start`): the first
-        use of each Triton kernel specialization — a prefill chunk, the sampler's greedy, filtered,
-        unfiltered and fallback paths — compiles it, seconds that would otherwise land on the first
-        users' TTFT. Leaves no trace: the metrics are kept aside and the prefix cache is emptied."""
+        """Run throw-away requests through the engine before it serves (call before `start`).
+
+        The first use of each Triton kernel specialization compiles it — seconds that would otherwise
+        land on the first users' TTFT. Kernels specialize on the step's token count (a multiple of 16
+        or not) and pick launch configs by token-count bucket (FusedMoE: 16 / 128 / 1024 / more), so
+        single prefills of WARM_UP_TOKENS (and of the token budget, and one less) run first; then one
+        step samples the greedy, filtered, unfiltered and fallback paths of the sampler. Decode batch
+        sizes are covered by the CUDA-graph capture. Leaves no trace: the metrics are kept aside and
+        the prefix cache is emptied.
+        """
         metrics, self.metrics = self.metrics, EngineMetrics()
         vocab = self.runner.config.vocab_size
-        length = max(1, min(self.config.max_num_batched_tokens // 4, self.config.max_model_len - 3, 512))
+        budget = self.config.max_num_batched_tokens
+        longest = max(1, self.config.max_model_len - 3)
+        sizes = sorted({min(n, budget, longest) for n in (*WARM_UP_TOKENS, budget - 1, budget) if n > 0})
         kinds = [
             SamplingParams(temperature=0.0),
             SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
             SamplingParams(temperature=1.0),
             SamplingParams(temperature=1.0, top_p=0.999),
         ]
-        try:
-            for i, params in enumerate(kinds):
-                prompt = [(17 + 31 * (i + j)) % vocab for j in range(length - i)]
-                request = GenerationRequest(f"warm-up-{i}", prompt, params, max_tokens=2, ignore_eos=True)
-                self._admit(request, lambda _out: None)
+
+        def admit(name: str, length: int, params: SamplingParams) -> None:
+            salt = 7919 * len(requests)  # distinct prompts: no prefix-cache hits
+            requests.append(name)
+            prompt = [(salt + 31 * j) % vocab for j in range(length)]
+            self._admit(
+                GenerationRequest(name, prompt, params, max_tokens=2, ignore_eos=True), lambda _: None
+            )
+
+        requests: list[str] = []
+
+        def drain() -> None:
             while self.scheduler.has_work:
                 self._step()
+
+        try:
+            for size in sizes:
+                admit(f"warm-up-prefill-{size}", size, kinds[0])
+                drain()
+            for i, params in enumerate(kinds):
+                admit(f"warm-up-sampler-{i}", min(64, longest), params)
+            drain()
         finally:
             self.pool.reset_prefix_cache()
             self.metrics = metrics

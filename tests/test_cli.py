@@ -169,20 +169,19 @@ def test_python_dash_m_hy3c_passes_the_exit_status_on(tmp_path):
     import subprocess
     import sys
 
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hy3c",
-            "compile",
-            "--model",
-            str(tmp_path / "absent"),
-            "--recipe",
-            "h200-bf16",
-        ]
-        + ["--out", str(tmp_path / "art")],
-        capture_output=True,
-        text=True,
-    )
+    absent, out = str(tmp_path / "absent"), str(tmp_path / "art")
+    command = [
+        sys.executable,
+        "-m",
+        "hy3c",
+        "compile",
+        "--model",
+        absent,
+        "--recipe",
+        "h200-bf16",
+        "--out",
+        out,
+    ]
+    run = subprocess.run(command, capture_output=True, text=True)
     assert run.returncode != 0 and "absent" in run.stderr
     assert subprocess.run([sys.executable, "-m", "hy3c", "--help"], capture_output=True).returncode == 0

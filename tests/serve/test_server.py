@@ -441,17 +441,20 @@ def test_overloaded_and_dead_engine_answer_503(artifact):
         assert down.status_code == 503 and "engine is not running" in down.json()["error"]["message"]
 
 
-def test_warm_up_runs_every_sampler_path_and_leaves_no_trace(artifact):
+def test_warm_up_prefills_each_token_count_class_then_samples_every_path(artifact):
+    from hy3c.serve.engine import WARM_UP_TOKENS
     from hy3c.serve.server import build_engine
 
-    engine, _tokenizer, _server = build_engine(ServeOptions(artifact, kv_memory_gib=0.02, compile=False))
-    ran = []
-    step = engine._step
-    engine._step = lambda: ran.append(sum(len(s.tokens) for s in engine.scheduler.running)) or step()
+    options = ServeOptions(artifact, kv_memory_gib=0.02, max_num_batched_tokens=512, compile=False)
+    engine, _tokenizer, _server = build_engine(options)
+    steps = []
+    run = engine.runner.step
+    engine.runner.step = lambda batch, kv: steps.append(int(batch.input_ids.numel())) or run(batch, kv)
     engine.warm_up()
-    assert len(ran) >= 2 and not engine.scheduler.has_work  # a prefill step, then a decode step
-    assert engine.pool.num_free == engine.pool.usable  # every page back, nothing left in the prefix cache
-    assert not engine.pool.page_of
-    assert engine.metrics.render("m") == build_engine(ServeOptions(artifact, kv_memory_gib=0.02))[
-        0
-    ].metrics.render("m")
+    prefills = sorted({min(n, 512) for n in WARM_UP_TOKENS} | {511})
+    assert steps[: 2 * len(prefills)] == [n for size in prefills for n in (size, 1)]  # prefill, then decode
+    assert 4 * 64 in steps  # the sampler step: four requests, one per path
+    assert not engine.scheduler.has_work
+    assert engine.pool.num_free == engine.pool.usable and not engine.pool.page_of  # no pages, no cache
+    fresh = build_engine(options)[0]
+    assert engine.metrics.render("m") == fresh.metrics.render("m")
