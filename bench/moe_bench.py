@@ -8,7 +8,9 @@
   graph as in a decode step; picks TRITON_ALIGN_MAX_PAIRS.
 * FusedMoE, E=192, top-8, H=4096, INTER=1536 (+ shared expert output added): hy3c Triton bf16 and FP8
   (per-channel weights, per-token activations) vs the `torch._grouped_mm` path and the transformers
-  per-expert loop; % of copy bandwidth on the active experts' weight bytes and % of bf16 peak.
+  per-expert loop, and the FP8 variant vs an FP8 path on `torch._scaled_grouped_mm` (the same
+  per-token activation and per-channel weight scales); % of copy bandwidth on the active experts'
+  weight bytes and % of bf16 peak.
 * --sweep: tries launch configs per token bucket and writes the best to fused_moe_h200.json.
 """
 
@@ -112,6 +114,31 @@ def grouped_mm_moe(x, ids, wt, w13, w2):
     return out.to(x.dtype)
 
 
+def quant_rows_torch(x):
+    """Per-row FP8 e4m3 with an fp32 scale per row (amax / 448), as eager torch ops."""
+    scale = x.float().abs().amax(-1).clamp(min=1e-12) / 448.0
+    return (x.float() / scale[:, None]).to(FP8_DTYPE), scale
+
+
+def scaled_grouped_mm_moe(x, ids, wt, q13, q2, s13, s2):
+    """FP8 peer: `grouped_mm_moe` with both GEMMs through `torch._scaled_grouped_mm` (per-token
+    activation scales, per-channel weight scales), activations quantized by eager torch ops."""
+    t = x.shape[0]
+    flat = ids.flatten().long()
+    order = flat.argsort(stable=True)
+    tok = order // K_TOP
+    offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
+    a, sa = quant_rows_torch(x[tok])
+    gu = torch._scaled_grouped_mm(a, q13.transpose(1, 2), sa, s13, offs=offs, out_dtype=torch.bfloat16)
+    g, u = gu.chunk(2, -1)
+    h, sh = quant_rows_torch(F.silu(g) * u)
+    y = torch._scaled_grouped_mm(h, q2.transpose(1, 2), sh, s2, offs=offs, out_dtype=torch.bfloat16)
+    y = y * wt.flatten()[order, None]
+    out = torch.zeros(t, H, device=x.device, dtype=torch.float32)
+    out.index_add_(0, tok, y.float())
+    return out.to(x.dtype)
+
+
 def loop_moe(x, ids, wt, w13, w2):
     out = torch.zeros_like(x)
     mask = F.one_hot(ids.long(), E).permute(2, 1, 0)
@@ -151,11 +178,20 @@ def moe_bench(sweep: bool) -> None:
         fp8_out = fused_moe_triton(x, wt, ids, q13, q2, s13, s2, None, None, None)
         err8 = ((fp8_out.float() - ref.float()).norm() / ref.float().norm()).item()
         t_loop = bench(lambda x=x, ids=ids, wt=wt: loop_moe(x, ids, wt, w13, w2)) if t <= 128 else None
+        try:
+            peer8 = scaled_grouped_mm_moe(x, ids, wt, q13, q2, s13, s2)
+            err_peer8 = ((peer8.float() - ref.float()).norm() / ref.float().norm()).item()
+            t_peer8 = bench(lambda x=x, ids=ids, wt=wt: scaled_grouped_mm_moe(x, ids, wt, q13, q2, s13, s2))
+        except RuntimeError as exc:  # a torch build without the sm90 FP8 grouped GEMM
+            print(f"_scaled_grouped_mm peer unavailable: {exc}")
+            t_peer8 = err_peer8 = None
         RESULTS[f"moe_T{t}"] = {
             "grouped_mm_ms": t_group,
             "hy3c_bf16_ms": t_ours,
             "hy3c_fp8_ms": t_fp8,
             "loop_ms": t_loop,
+            "scaled_grouped_mm_fp8_ms": t_peer8,
+            "rel_err_scaled_grouped_mm_fp8": err_peer8,
             "active_experts": active,
             "rel_err_bf16": err,
             "rel_err_fp8": err8,
@@ -169,11 +205,18 @@ def moe_bench(sweep: bool) -> None:
         row(
             f"FusedMoE T={t}: hy3c bf16 (err {err:.1e})", t_ours, bw, f"{t_group / t_ours:.2f}× vs grouped_mm"
         )
+        if t_peer8 is not None:
+            row(
+                f"FusedMoE T={t}: _scaled_grouped_mm FP8 peer (err {err_peer8:.1e})",
+                t_peer8,
+                f"{wbytes / 2 / (t_peer8 * 1e-3) / BW * 100:.0f}% BW",
+            )
         row(
             f"FusedMoE T={t}: hy3c FP8 (err {err8:.1e})",
             t_fp8,
             f"{wbytes / 2 / (t_fp8 * 1e-3) / BW * 100:.0f}% BW",
-            f"{t_ours / t_fp8:.2f}× vs hy3c bf16",
+            f"{t_ours / t_fp8:.2f}× vs hy3c bf16"
+            + (f", {t_peer8 / t_fp8:.2f}× vs _scaled_grouped_mm" if t_peer8 is not None else ""),
         )
         if sweep:  # bf16 configs; FP8 reuses them (its K blocks are at least as wide)
             best = None
