@@ -13,6 +13,7 @@ chosen token and the top `num_logprobs`.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -51,17 +52,38 @@ class SampleResult:
 
 
 def apply_penalties(logits: Tensor, params: list[SamplingParams], history: list[History]) -> Tensor:
-    logits = logits.clone()
+    """Repetition penalty over the prompt and output tokens, then presence and frequency penalties over
+    the output tokens — for all rows in a few indexed ops (only the tokens a row has seen). Returns
+    `logits` itself when no row has a penalty, else a penalised copy."""
+    repeat: tuple[list[int], list[int], list[float]] = ([], [], [])  # rows, tokens, penalty
+    subtract: tuple[list[int], list[int], list[float]] = ([], [], [])  # rows, tokens, amount
     for row, (p, h) in enumerate(zip(params, history)):
         if p.repetition_penalty != 1.0 and (h.prompt or h.output):
-            seen = torch.tensor(sorted(set(h.prompt) | set(h.output)), device=logits.device)
-            values = logits[row, seen]
-            logits[row, seen] = torch.where(
-                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
-            )
+            seen = set(h.prompt).union(h.output)
+            repeat[0].extend([row] * len(seen))
+            repeat[1].extend(seen)
+            repeat[2].extend([p.repetition_penalty] * len(seen))
         if (p.presence_penalty or p.frequency_penalty) and h.output:
-            ids, counts = torch.tensor(h.output, device=logits.device).unique(return_counts=True)
-            logits[row, ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
+            for token, count in Counter(h.output).items():
+                subtract[0].append(row)
+                subtract[1].append(token)
+                subtract[2].append(p.presence_penalty + p.frequency_penalty * count)
+    if not repeat[0] and not subtract[0]:
+        return logits
+    logits = logits.clone()
+
+    def index(rows: list[int], tokens: list[int], values: list[float]) -> tuple[Tensor, Tensor, Tensor]:
+        device = logits.device
+        as_long = torch.tensor([rows, tokens], dtype=torch.long).to(device)
+        return as_long[0], as_long[1], torch.tensor(values, dtype=logits.dtype).to(device)
+
+    if repeat[0]:
+        rows, tokens, penalty = index(*repeat)
+        values = logits[rows, tokens]
+        logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
+    if subtract[0]:
+        rows, tokens, amount = index(*subtract)
+        logits.index_put_((rows, tokens), -amount, accumulate=True)
     return logits
 
 

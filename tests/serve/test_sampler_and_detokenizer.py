@@ -115,3 +115,30 @@ def test_every_id_of_a_larger_vocabulary_decodes_to_its_own_text(tmp_path):
     detok = IncrementalDetokenizer(tok)
     assert [detok.push(t) for t in (900, 901)] == ["<|t900|>", "<|t901|>"]
     assert max(tok.encode("Hello, world <t5>")) < 512  # plain text still uses the trained entries
+
+
+def test_penalties_of_many_rows_at_once_match_row_by_row():
+    logits = torch.randn(4, 30)
+    params = [
+        SamplingParams(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.2),
+        SamplingParams(),
+        SamplingParams(frequency_penalty=-0.5),
+        SamplingParams(repetition_penalty=0.8),
+    ]
+    history = [
+        History([1, 2, 2], [2, 5, 5, 5]),
+        History([3], [4]),
+        History([], [7, 7, 9]),
+        History([0, 29], []),
+    ]
+    out = apply_penalties(logits, params, history)
+    expected = logits.clone()
+    for row, (p, h) in enumerate(zip(params, history)):
+        for t in set(h.prompt) | set(h.output):
+            v = expected[row, t]
+            expected[row, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+        for t in set(h.output):
+            expected[row, t] -= p.presence_penalty + p.frequency_penalty * h.output.count(t)
+    torch.testing.assert_close(out, expected)
+    untouched = [SamplingParams()] * 4
+    assert apply_penalties(logits, untouched, history) is logits  # nothing to apply: no copy
