@@ -208,7 +208,7 @@ def _merge_kernel(
         k = tl.load(topk_ptr + row)
         min_p = tl.load(minp_ptr + row)
         top_p = tl.load(topp_ptr + row)
-        if (min_p > 0.0) | ((k > 0) & (k < V)) | (top_p < 1.0):
+        if _has_filter(topk_ptr, topp_ptr, minp_ptr, row, V):
             t = float("-inf")
             if min_p > 0.0:
                 t = m + tl.log(min_p)
