@@ -281,8 +281,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run the program through torch.compile (default: on for CUDA)",
+        default=False,
+        help="run the program through torch.compile (default: off; it specializes on each step's token count)",
     )
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)

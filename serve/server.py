@@ -36,7 +36,7 @@ class ServeOptions:
     kv_memory_gib: float | None = None
     page_size: int | None = None
     device: str | None = None
-    compile: bool | None = None
+    compile: bool = False
     cuda_graphs: bool = True
     max_request_bytes: int = 1 << 20
     max_waiting: int = 1024
@@ -56,7 +56,9 @@ def page_bytes(runner, page_size: int) -> int:
 
 def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerConfig]:
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    compile_ = options.compile if options.compile is not None else device.startswith("cuda")
+    # off by default: Inductor adds nothing measurable over the fused kernels (BENCHMARKS.md) and
+    # specializes on each step's token count, recompiling on live traffic
+    compile_ = options.compile
     runner = load(options.artifact, device=device, compile=compile_)
     tokenizer = Hy3Tokenizer.from_dir(options.artifact)
     serving = runner.recipe.serving
