@@ -18,7 +18,8 @@ tokens tied at a cut-off are kept. Two launches; the logits are read once on the
    the k-th, top-p a prefix sum in sorted order; the draw is argmax(x + Gumbel) over those kept.
    Greedy is the first. A row whose cut-off falls at or below F (a flat distribution under top-p,
    top-k beyond the candidates) finds its cut-offs by bisection over the whole row instead (count /
-   mass above a threshold), then draws in one more pass.
+   mass above a threshold), then draws in one more pass. The first n sorted candidates are also the
+   row's top-n logprobs, when asked for.
 
 The noise is the request's seeded counter-based stream (`tl.rand(seed, token)`), or an injected
 [B, V] tensor of uniforms — then the result equals the torch reference token for token. Returns the
@@ -172,7 +173,11 @@ def _merge_kernel(
     out_token_ptr,
     out_logprob_ptr,
     fallback_ptr,
+    top_id_ptr,
+    top_logprob_ptr,
+    top_exact_ptr,
     N_CHUNKS,
+    top_n,
     USE_NOISE: tl.constexpr,
     CANDIDATES: tl.constexpr,
     CHUNKS_P2: tl.constexpr,
@@ -200,6 +205,13 @@ def _merge_kernel(
     first_value = tl.max(values, axis=0)
     rank = tl.arange(0, MERGE_TOP)
     first_id = tl.max(tl.where(rank == 0, ids, 0), axis=0)
+
+    if top_n > 0:  # the most likely tokens' logprobs: exact when the n-th lies above F
+        top = rank < top_n
+        tl.store(top_id_ptr + row * top_n + rank, ids, mask=top)
+        tl.store(top_logprob_ptr + row * top_n + rank, values - lse, mask=top)
+        last = tl.max(tl.where(rank == top_n - 1, values, float("-inf")), axis=0)
+        tl.store(top_exact_ptr + row, (last > f).to(tl.int32))
 
     token = first_id
     value = first_value
@@ -351,11 +363,15 @@ def fused_sample(
     candidates: int = CANDIDATES,
     merge_top: int = MERGE_TOP,
     fallback: Tensor | None = None,
+    top: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-row parameter tensors [B] (fp32; top_k int32 with 0 = off; seeds int32).
 
     → (tokens int64, logprobs fp32). `fallback` ([B] int32), if given, is set to 1 for the rows whose
-    cut-offs the candidates could not decide (then found by bisection), else 0.
+    cut-offs the candidates could not decide (then found by bisection), else 0. `top` = (ids [B, n]
+    int32, logprobs [B, n] fp32, exact [B] int32), if given, receives the n most likely tokens of each
+    row (n ≤ the merged candidates) with their logprobs; `exact` is 0 for a row whose n-th token the
+    candidates cannot vouch for (ties or a flat tail at the chunk floors): recompute those rows.
     """
     rows, vocab = logits.shape
     chunk = min(chunk, triton.next_power_of_2(vocab))
@@ -372,6 +388,10 @@ def fused_sample(
     logprobs = torch.empty(rows, dtype=torch.float32, device=device)
     if fallback is None:
         fallback = torch.empty(rows, dtype=torch.int32, device=device)
+    top_n = top[0].shape[1] if top is not None else 0
+    if top_n > merge_top:
+        raise ValueError(f"top logprobs: {top_n} tokens asked, the merge keeps {merge_top} candidates")
+    top_ids, top_logprobs, top_exact = top if top is not None else (tokens, logprobs, fallback)
     if rows == 0:
         return tokens, logprobs
     row_args = (
@@ -403,7 +423,11 @@ def fused_sample(
         tokens,
         logprobs,
         fallback,
+        top_ids,
+        top_logprobs,
+        top_exact,
         n_chunks,
+        top_n,
         USE_NOISE=noise is not None,
         CANDIDATES=candidates,
         CHUNKS_P2=triton.next_power_of_2(n_chunks),

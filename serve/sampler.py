@@ -146,13 +146,26 @@ def _sample_fused(logits, params, history, generators, num_logprobs, noise) -> S
     floats = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params], dtype=torch.float32)
     ints = torch.tensor([[p.top_k, seed] for p, seed in zip(params, seeds)], dtype=torch.int32)
     floats, ints = floats.T.contiguous().to(device), ints.T.contiguous().to(device)
-    tokens, chosen = _triton_sampler()(logits, floats[0], ints[0], floats[1], floats[2], ints[1], noise)
-    top: list[list[tuple[int, float]]] = [[] for _ in params]
-    if num_logprobs:
-        temps = torch.where(floats[0] == 0.0, 1.0, floats[0])
-        values, ids = torch.log_softmax(logits / temps[:, None], dim=-1).topk(num_logprobs)
-        top = [list(zip(i.tolist(), v.tolist())) for i, v in zip(ids, values)]
+    rows = len(params)
+    top_out = None
+    if num_logprobs:  # the kernel's sorted candidates give the top logprobs too
+        top_out = (
+            torch.empty(rows, num_logprobs, dtype=torch.int32, device=device),
+            torch.empty(rows, num_logprobs, dtype=torch.float32, device=device),
+            torch.empty(rows, dtype=torch.int32, device=device),
+        )
+    columns = (floats[0], ints[0], floats[1], floats[2], ints[1])
+    tokens, chosen = _triton_sampler()(logits, *columns, noise, top=top_out)
     token_list, chosen_list = torch.stack([tokens.double(), chosen.double()]).tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in params]
+    if top_out is not None:
+        ids, values, exact = (t.tolist() for t in top_out)
+        for row in range(rows):
+            if not exact[row]:  # the candidates cannot vouch for the n-th token: the whole row
+                temperature = params[row].temperature or 1.0
+                values[row], ids[row] = torch.log_softmax(logits[row] / temperature, -1).topk(num_logprobs)
+                values[row], ids[row] = values[row].tolist(), ids[row].tolist()
+            top[row] = list(zip(ids[row], values[row]))
     return SampleResult([int(t) for t in token_list], chosen_list, top)
 
 

@@ -87,3 +87,40 @@ def test_fused_sampler_seeded_stream_is_reproducible_and_respects_top_k():
     assert torch.equal(a, b)
     top3 = logits.topk(3, dim=-1).indices
     assert all(int(t) in top3[r].tolist() for r, t in enumerate(a))
+
+
+def test_top_logprobs_come_from_the_candidates_and_rows_they_cannot_vouch_for_are_flagged():
+    rows, vocab, n = 4, 1500, 5
+    logits = torch.randn(rows, vocab) * 3
+    logits[2] = 0.0  # flat row: its 5th token sits at every chunk's floor
+    top = (
+        torch.empty(rows, n, dtype=torch.int32),
+        torch.empty(rows, n),
+        torch.empty(rows, dtype=torch.int32),
+    )
+    fused_sample(logits, *_columns(SamplingParams(temperature=0.7), rows), chunk=256, candidates=16, top=top)
+    expected_values, expected_ids = torch.log_softmax(logits / 0.7, -1).topk(n)
+    assert top[2].tolist() == [1, 1, 0, 1]
+    for row in (0, 1, 3):
+        assert top[0][row].tolist() == expected_ids[row].tolist()
+        torch.testing.assert_close(top[1][row], expected_values[row], atol=1e-5, rtol=1e-5)
+
+
+def test_serving_sampler_through_the_kernels_equals_the_reference_with_logprobs():
+    """`hy3c.serve.sampler`'s CUDA path (run here by the interpreter): tokens, chosen and top logprobs."""
+    from hy3c.serve.sampler import _sample_fused
+
+    rows, vocab = 4, 1500
+    logits = torch.randn(rows, vocab) * 3
+    logits[3] = 0.0  # flat: the kernel cannot vouch for its top logprobs, the host recomputes them
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9), SamplingParams()]
+    params.append(SamplingParams())
+    history = [History([5, 6], [7]), History([], [9, 9]), History([1], []), History([], [])]
+    noise = torch.rand(rows, vocab)
+    ours = _sample_fused(logits, params, history, [None] * rows, 4, noise)
+    ref = sample(logits, params, history, [None] * rows, 4, noise)
+    assert ours.tokens == ref.tokens
+    torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
+    for got, want in zip(ours.top, ref.top):
+        assert [i for i, _ in got] == [i for i, _ in want]
+        torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]))
