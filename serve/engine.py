@@ -129,6 +129,7 @@ class Engine:
             SamplingParams(temperature=1.0),
             SamplingParams(temperature=1.0, top_p=0.999),
         ]
+        requests: list[str] = []
 
         def admit(name: str, length: int, params: SamplingParams) -> None:
             salt = 7919 * len(requests)  # distinct prompts: no prefix-cache hits
@@ -137,8 +138,6 @@ class Engine:
             self._admit(
                 GenerationRequest(name, prompt, params, max_tokens=2, ignore_eos=True), lambda _: None
             )
-
-        requests: list[str] = []
 
         def drain() -> None:
             while self.scheduler.has_work:
