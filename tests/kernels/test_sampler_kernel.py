@@ -124,3 +124,24 @@ def test_serving_sampler_through_the_kernels_equals_the_reference_with_logprobs(
     for got, want in zip(ours.top, ref.top):
         assert [i for i, _ in got] == [i for i, _ in want]
         torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]))
+
+
+@pytest.mark.parametrize("top_k", [0, 4])  # 0: drawn by the chunk kernel; 4: from the merged candidates
+def test_seeded_kernel_draws_follow_the_distribution(top_k):
+    """Chi-square goodness of fit of the kernel's seeded stream (`tl.rand`, one seed per row) against
+    softmax(logits / T) over the kept tokens (fixed seeds)."""
+    rows = 800  # the rarest kept token still expects ≥ 11 draws
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0]).repeat(rows, 1)
+    params = SamplingParams(temperature=0.8, top_k=top_k)
+    columns = list(_columns(params, rows))
+    columns[4] = torch.arange(rows, dtype=torch.int32) * 7919 + 11  # a seed per row
+    tokens, _ = fused_sample(logits, *columns)
+    probs = torch.softmax(logits[0] / 0.8, -1)
+    if top_k:
+        probs = torch.where(probs >= probs.topk(top_k).values[-1], probs, 0.0)
+        probs /= probs.sum()
+    counts = torch.bincount(tokens, minlength=6).float()
+    assert (counts[probs == 0] == 0).all()
+    expected = probs[probs > 0] * rows
+    chi2 = float(((counts[probs > 0] - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # p = 0.001 at ≤ 5 degrees of freedom
