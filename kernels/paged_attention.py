@@ -63,6 +63,23 @@ def _find_request(starts_ptr, t, num_requests, ITERS: tl.constexpr):
 
 
 @triton.jit
+def _widen_v(v, dtype, FP8_ASM: tl.constexpr):
+    """V tile → the MMA dtype. For FP8 on the GPU the e4m3 → f16 conversion is an opaque (impure) inline
+    instruction: otherwise Triton hoists it past the layout change into the MMA operand and reads the
+    transposed 8-bit tile from shared memory one byte per instruction."""
+    if FP8_ASM:
+        return tl.inline_asm_elementwise(
+            "cvt.rn.f16x2.e4m3x2 $0, $1;",
+            "=r,h",
+            [v.to(tl.int8, bitcast=True)],
+            dtype=tl.float16,
+            is_pure=False,
+            pack=2,
+        )
+    return v.to(dtype)
+
+
+@triton.jit
 def _attend_block(
     q,
     m_i,
@@ -78,35 +95,116 @@ def _attend_block(
     stride_page,
     stride_off,
     stride_head,
-    page_size,
     qk_scale,
+    PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    MASK: tl.constexpr,
+    FP8_ASM: tl.constexpr,
 ):
-    """One BLOCK_N block of keys [key_start, key_start + BLOCK_N) for the rows of q (online softmax)."""
+    """One BLOCK_N block of keys [key_start, key_start + BLOCK_N) for the rows of q (online softmax in
+    base 2, the scale folded into the exponent). MASK: 0 = every key valid and visible (no masking at
+    all), 1 = keys past key_limit masked, 2 = also causal (key n visible to a row iff n <= row_limit).
+    Every row must see at least one key in its first block (true for all callers), so m is finite."""
     n = key_start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
-    valid = n < key_limit
-    page = tl.load(page_row_ptr + n // page_size, mask=valid, other=0)
-    offs = page.to(tl.int64) * stride_page + (n % page_size) * stride_off + head * stride_head
-    k = tl.load(cache_k + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(
-        q.dtype
-    )  # e4m3→f16 is native
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    if CAUSAL:
-        mask = valid[None, :] & (n[None, :] <= row_limit[:, None])
+    if MASK == 0:
+        page = tl.load(page_row_ptr + n // PAGE_SIZE)
     else:
-        mask = valid[None, :] & (row_limit[:, None] >= 0)
-    s = tl.where(mask, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    v = tl.load(cache_v + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        valid = n < key_limit
+        page = tl.load(page_row_ptr + n // PAGE_SIZE, mask=valid, other=0)
+    offs = page.to(tl.int64) * stride_page + (n % PAGE_SIZE) * stride_off + head * stride_head
+    k_ptrs = cache_k + offs[:, None] + d[None, :]
+    v_ptrs = cache_v + offs[:, None] + d[None, :]
+    if MASK == 0:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)))  # e4m3 → f16 is native
+    if MASK == 1:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    if MASK == 2:
+        s = tl.where(valid[None, :] & (n[None, :] <= row_limit[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _widen_v(v, q.dtype, FP8_ASM))
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_range(
+    q,
+    m_i,
+    l_i,
+    acc,
+    cache_k,
+    cache_v,
+    page_row_ptr,
+    key_begin,
+    key_end,
+    head,
+    stride_page,
+    stride_off,
+    stride_head,
+    qk_scale,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8_ASM: tl.constexpr,
+):
+    """Keys [key_begin, key_end) for every row (decode): whole blocks unmasked, then the tail block."""
+    full_end = key_begin + (key_end - key_begin) // BLOCK_N * BLOCK_N
+    for key in range(key_begin, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            q,
+            m_i,
+            l_i,
+            acc,
+            cache_k,
+            cache_v,
+            page_row_ptr,
+            key,
+            key_end,
+            m_i,
+            head,
+            stride_page,
+            stride_off,
+            stride_head,
+            qk_scale,
+            PAGE_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            0,
+            FP8_ASM,
+        )
+    if full_end < key_end:
+        m_i, l_i, acc = _attend_block(
+            q,
+            m_i,
+            l_i,
+            acc,
+            cache_k,
+            cache_v,
+            page_row_ptr,
+            full_end,
+            key_end,
+            m_i,
+            head,
+            stride_page,
+            stride_off,
+            stride_head,
+            qk_scale,
+            PAGE_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            1,
+            FP8_ASM,
+        )
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -160,7 +258,6 @@ def _decode_dynamic_kernel(
     stride_cpage,
     stride_coff,
     stride_chead,
-    page_size,
     stride_pt,
     stride_po_slot,
     stride_po_head,
@@ -171,6 +268,8 @@ def _decode_dynamic_kernel(
     KV_TILE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_ASM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     SEARCH_ITERS: tl.constexpr,
 ):
     cta = tl.program_id(0)
@@ -198,31 +297,28 @@ def _decode_dynamic_kernel(
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        rows = tl.zeros([GROUP_PAD], tl.int32)
         key_begin = (t - first_tile) * KV_TILE
         key_end = tl.minimum((seg_end - first_tile) * KV_TILE, length)
-        for key in range(key_begin, key_end, BLOCK_N):
-            m_i, l_i, acc = _attend_block(
-                q,
-                m_i,
-                l_i,
-                acc,
-                cache_ptr,
-                cache_ptr + stride_ckv,
-                page_table_ptr + r * stride_pt,
-                key,
-                key_end,
-                rows,
-                head,
-                stride_cpage,
-                stride_coff,
-                stride_chead,
-                page_size,
-                qk_scale,
-                HEAD_DIM,
-                BLOCK_N,
-                False,
-            )
+        m_i, l_i, acc = _attend_range(
+            q,
+            m_i,
+            l_i,
+            acc,
+            cache_ptr,
+            cache_ptr + stride_ckv,
+            page_table_ptr + r * stride_pt,
+            key_begin,
+            key_end,
+            head,
+            stride_cpage,
+            stride_coff,
+            stride_chead,
+            qk_scale,
+            PAGE_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            FP8_ASM,
+        )
         _store_partial(
             part_o_ptr + (cta + r) * stride_po_slot + head * stride_po_head,
             part_lse_ptr + (cta + r) * stride_pl_slot + head * GROUP_PAD,
@@ -312,7 +408,6 @@ def _decode_static_kernel(
     stride_cpage,
     stride_coff,
     stride_chead,
-    page_size,
     stride_pt,
     stride_po_slot,
     stride_po_head,
@@ -323,6 +418,8 @@ def _decode_static_kernel(
     SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_ASM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
     r = tl.program_id(0)
     head = tl.program_id(1)
@@ -344,29 +441,26 @@ def _decode_static_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    rows = tl.zeros([GROUP_PAD], tl.int32)
-    for key in range(key_begin, key_end, BLOCK_N):
-        m_i, l_i, acc = _attend_block(
-            q,
-            m_i,
-            l_i,
-            acc,
-            cache_ptr,
-            cache_ptr + stride_ckv,
-            page_table_ptr + r * stride_pt,
-            key,
-            key_end,
-            rows,
-            head,
-            stride_cpage,
-            stride_coff,
-            stride_chead,
-            page_size,
-            sm_scale * k_scale * _LOG2E,
-            HEAD_DIM,
-            BLOCK_N,
-            False,
-        )
+    m_i, l_i, acc = _attend_range(
+        q,
+        m_i,
+        l_i,
+        acc,
+        cache_ptr,
+        cache_ptr + stride_ckv,
+        page_table_ptr + r * stride_pt,
+        key_begin,
+        key_end,
+        head,
+        stride_cpage,
+        stride_coff,
+        stride_chead,
+        sm_scale * k_scale * _LOG2E,
+        PAGE_SIZE,
+        HEAD_DIM,
+        BLOCK_N,
+        FP8_ASM,
+    )
     slot = r * SPLITS + split
     _store_partial(
         part_o_ptr + slot * stride_po_slot + head * stride_po_head,
@@ -401,13 +495,14 @@ def _prefill_kernel(
     stride_cpage,
     stride_coff,
     stride_chead,
-    page_size,
     stride_pt,
     GROUP: tl.constexpr,
     Q_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_ASM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     SEARCH_ITERS: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -431,16 +526,18 @@ def _prefill_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
-    position = length - q_len + token  # absolute position of each query row
-    row_limit = tl.where(row_ok, position, -1)
+    position = length - q_len + token  # absolute position of each query row (padding rows: past the end)
     k_scale, v_scale = _kv_scales(scales_ptr, FP8)
+    qk_scale = sm_scale * k_scale * _LOG2E
     if FP8:
         q = q.to(tl.float16)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    key_end = tl.minimum(length - q_len + (block + 1) * Q_BLOCK, length)
-    for key in range(0, key_end, BLOCK_N):
+    first_position = length - q_len + block * Q_BLOCK
+    key_end = tl.minimum(first_position + Q_BLOCK, length)
+    full_end = (first_position + 1) // BLOCK_N * BLOCK_N  # keys every row of the block sees
+    for key in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q,
             m_i,
@@ -451,18 +548,42 @@ def _prefill_kernel(
             page_table_ptr + r * stride_pt,
             key,
             key_end,
-            row_limit,
+            position,
             head,
             stride_cpage,
             stride_coff,
             stride_chead,
-            page_size,
-            sm_scale * k_scale * _LOG2E,
+            qk_scale,
+            PAGE_SIZE,
             HEAD_DIM,
             BLOCK_N,
-            True,
+            0,
+            FP8_ASM,
         )
-    result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
+    for key in range(full_end, key_end, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            q,
+            m_i,
+            l_i,
+            acc,
+            cache_ptr,
+            cache_ptr + stride_ckv,
+            page_table_ptr + r * stride_pt,
+            key,
+            key_end,
+            position,
+            head,
+            stride_cpage,
+            stride_coff,
+            stride_chead,
+            qk_scale,
+            PAGE_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            2,
+            FP8_ASM,
+        )
+    result = acc / l_i[:, None] * v_scale
     tl.store(
         out_ptr + (q_start + token)[:, None].to(tl.int64) * stride_ot + qh[:, None] * stride_oh + d[None, :],
         result.to(out_ptr.dtype.element_ty),
@@ -478,6 +599,13 @@ def _cache_strides(kv_cache: Tensor) -> tuple[int, ...]:
     """Strides of one layer's [2, pages, page_size, kv_heads, head_dim] view: the kernels get the layer's
     base pointer from the host (64-bit), so no in-kernel layer offset can overflow int32."""
     return kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4)
+
+
+def _cache_flags(kv_cache: Tensor) -> dict[str, int | bool]:
+    """Compile-time facts of the cache: FP8 or not, the page size, and whether the FP8 V conversion may use
+    inline PTX (on the GPU; the interpreter on CPU cannot run it)."""
+    fp8 = kv_cache.dtype == FP8_DTYPE
+    return dict(FP8=fp8, FP8_ASM=fp8 and kv_cache.is_cuda, PAGE_SIZE=kv_cache.shape[3])
 
 
 def num_decode_ctas(
@@ -532,14 +660,13 @@ def decode_attention_dynamic(
         q.stride(0),
         q.stride(1),
         *_cache_strides(kv_cache),
-        kv_cache.shape[3],
         page_table.stride(0),
         part_o.stride(0),
         part_o.stride(1),
         part_lse.stride(0),
         KV_TILE=KV_TILE,
         BLOCK_N=config.block_n,
-        FP8=kv_cache.dtype == FP8_DTYPE,
+        **_cache_flags(kv_cache),
         SEARCH_ITERS=_search_iters(num_requests),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -598,14 +725,13 @@ def decode_attention_static(
         q.stride(0),
         q.stride(1),
         *_cache_strides(kv_cache),
-        kv_cache.shape[3],
         page_table.stride(0),
         part_o.stride(0),
         part_o.stride(1),
         part_lse.stride(0),
         SPLITS=splits,
         BLOCK_N=config.block_n,
-        FP8=kv_cache.dtype == FP8_DTYPE,
+        **_cache_flags(kv_cache),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **common,
@@ -661,13 +787,12 @@ def prefill_attention(
         out.stride(0),
         out.stride(1),
         *_cache_strides(kv_cache),
-        kv_cache.shape[3],
         page_table.stride(0),
         GROUP=group,
         Q_BLOCK=q_block,
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
-        FP8=kv_cache.dtype == FP8_DTYPE,
+        **_cache_flags(kv_cache),
         SEARCH_ITERS=_search_iters(num_requests),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
