@@ -1,7 +1,8 @@
 """Triton: per-head QK RMSNorm + neox RoPE + FP8 quantization + paged KV store, in one pass over qkv.
 
 `hy3_triton::qknorm_rope_quant_kvstore` implements the L2 op `hy3::qknorm_rope_quant_kvstore`. One
-program handles one token and a group of heads of one kind:
+program handles a block of tokens and one or more groups of heads (all of them for large batches, so the
+rotary cos/sin are computed once per token); a group holds heads of one kind:
   * q heads (in groups of up to MAX_Q_GROUP): RMSNorm with q_norm, RoPE, written to q_out;
   * the kv heads' K: RMSNorm with k_norm, RoPE, quantized with kv_scales[layer, 0], stored at the slot;
   * the kv heads' V: quantized with kv_scales[layer, 1], stored at the slot.
@@ -22,6 +23,9 @@ from hy3c.ops.quant import FP8_DTYPE
 
 MAX_Q_GROUP = 8
 BLOCK_T = 8  # tokens per program (best of the H200 sweep, with 4 warps)
+# from this many tokens on, one program walks all head groups of its tokens, computing the rotary cos/sin
+# once (they dominated the instruction count); fewer tokens keep one group per program for parallelism
+SHARED_ROPE_MIN_TOKENS = 256
 _INV_FREQ: dict[tuple[str, int, float], Tensor] = {}
 
 
@@ -47,6 +51,91 @@ def _norm_rope(
     if ROPE:
         return n1 * cos - n2 * sin, n2 * cos + n1 * sin
     return n1, n2
+
+
+@triton.jit
+def _process_group(
+    group,
+    rows,
+    tok,
+    tok_ok,
+    cos,
+    sin,
+    qw_ptr,
+    kw_ptr,
+    q_out_ptr,
+    cache_ptr,
+    scales_ptr,
+    slot_ptr,
+    eps,
+    stride_q_t,
+    stride_q_h,
+    stride_c_kv,
+    stride_c_page,
+    stride_c_off,
+    stride_c_head,
+    page_size,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    Q_GROUP: tl.constexpr,
+    FP8: tl.constexpr,
+    KV_POW2: tl.constexpr,
+):
+    """One group of heads for the block's tokens: q heads [group·Q_GROUP, …) for group < NUM_Q_HEADS /
+    Q_GROUP, then the kv heads' K (norm, rope, quantize, store), then their V (quantize, store)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)
+    out_dtype = q_out_ptr.dtype.element_ty
+    num_q_groups: tl.constexpr = NUM_Q_HEADS // Q_GROUP
+    if group < num_q_groups:
+        h = group * Q_GROUP + tl.arange(0, Q_GROUP)
+        base = rows + h[None, :, None] * HEAD_DIM + d[None, None, :]
+        mask = tok_ok[:, None, None]
+        x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+        w1 = tl.load(qw_ptr + d).to(tl.float32)
+        w2 = tl.load(qw_ptr + HALF + d).to(tl.float32)
+        o1, o2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF, True, out_dtype)
+        dst = (
+            q_out_ptr
+            + tok.to(tl.int64)[:, None, None] * stride_q_t
+            + h[None, :, None] * stride_q_h
+            + d[None, None, :]
+        )
+        tl.store(dst, o1.to(out_dtype), mask=mask)
+        tl.store(dst + HALF, o2.to(out_dtype), mask=mask)
+    else:
+        slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)
+        is_v = group - num_q_groups  # 0: K, 1: V
+        hk = tl.arange(0, KV_POW2)
+        kv_mask = (slot >= 0)[:, None, None] & (hk < NUM_KV_HEADS)[None, :, None]
+        kv_src = (
+            rows
+            + (NUM_Q_HEADS + is_v * NUM_KV_HEADS) * HEAD_DIM
+            + hk[None, :, None] * HEAD_DIM
+            + d[None, None, :]
+        )
+        y1 = tl.load(kv_src, mask=kv_mask, other=0.0).to(tl.float32)
+        y2 = tl.load(kv_src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+        if is_v == 0:
+            kw1 = tl.load(kw_ptr + d).to(tl.float32)
+            kw2 = tl.load(kw_ptr + HALF + d).to(tl.float32)
+            y1, y2 = _norm_rope(y1, y2, kw1, kw2, cos, sin, eps, HALF, True, out_dtype)
+            y1 = y1.to(out_dtype).to(tl.float32)
+            y2 = y2.to(out_dtype).to(tl.float32)
+        safe_slot = tl.where(slot >= 0, slot, 0).to(tl.int64)
+        page = safe_slot // page_size
+        offset = safe_slot % page_size
+        where = is_v * stride_c_kv + page * stride_c_page + offset * stride_c_off
+        kv_dst = cache_ptr + where[:, None, None] + hk[None, :, None] * stride_c_head + d[None, None, :]
+        cache_dtype = cache_ptr.dtype.element_ty
+        if FP8:
+            scale = tl.load(scales_ptr + is_v)
+            y1 = tl.clamp(y1 / scale, -448.0, 448.0)
+            y2 = tl.clamp(y2 / scale, -448.0, 448.0)
+        tl.store(kv_dst, y1.to(cache_dtype), mask=kv_mask)
+        tl.store(kv_dst + HALF, y2.to(cache_dtype), mask=kv_mask)
 
 
 @triton.jit
@@ -77,67 +166,51 @@ def _qknorm_rope_kvstore_kernel(
     FP8: tl.constexpr,
     KV_POW2: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    GROUPS_PER_PROGRAM: tl.constexpr,
 ):
-    group = tl.program_id(1)
+    """Program (token block, j) handles head groups [j·GROUPS_PER_PROGRAM, …): the rotary cos/sin of the
+    block are computed once and shared by all of them."""
     HALF: tl.constexpr = HEAD_DIM // 2
+    num_groups: tl.constexpr = NUM_Q_HEADS // Q_GROUP + 2
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < num_tokens
     d = tl.arange(0, HALF)
     rows = qkv_ptr + tok.to(tl.int64)[:, None, None] * stride_qkv_t
-    out_dtype = q_out_ptr.dtype.element_ty
-    num_q_groups: tl.constexpr = NUM_Q_HEADS // Q_GROUP
     pos = tl.load(pos_ptr + tok, mask=tok_ok, other=0).to(tl.float32)
     angles = pos[:, None, None] * tl.load(inv_freq_ptr + d)[None, None, :]
     cos = tl.cos(angles)
     sin = tl.sin(angles)
-    if group < num_q_groups:
-        h = group * Q_GROUP + tl.arange(0, Q_GROUP)
-        base = rows + h[None, :, None] * HEAD_DIM + d[None, None, :]
-        mask = tok_ok[:, None, None]
-        x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
-        w1 = tl.load(qw_ptr + d).to(tl.float32)
-        w2 = tl.load(qw_ptr + HALF + d).to(tl.float32)
-        o1, o2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF, True, out_dtype)
-        dst = (
-            q_out_ptr
-            + tok.to(tl.int64)[:, None, None] * stride_q_t
-            + h[None, :, None] * stride_q_h
-            + d[None, None, :]
-        )
-        tl.store(dst, o1.to(out_dtype), mask=mask)
-        tl.store(dst + HALF, o2.to(out_dtype), mask=mask)
-        return
-    slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)
-    is_v = group - num_q_groups  # 0: K, 1: V
-    hk = tl.arange(0, KV_POW2)
-    mask = (slot >= 0)[:, None, None] & (hk < NUM_KV_HEADS)[None, :, None]
-    src = (
-        rows
-        + (NUM_Q_HEADS + is_v * NUM_KV_HEADS) * HEAD_DIM
-        + hk[None, :, None] * HEAD_DIM
-        + d[None, None, :]
-    )
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    if is_v == 0:
-        w1 = tl.load(kw_ptr + d).to(tl.float32)
-        w2 = tl.load(kw_ptr + HALF + d).to(tl.float32)
-        x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF, True, out_dtype)
-        x1 = x1.to(out_dtype).to(tl.float32)
-        x2 = x2.to(out_dtype).to(tl.float32)
-    safe_slot = tl.where(slot >= 0, slot, 0).to(tl.int64)
-    page = safe_slot // page_size
-    offset = safe_slot % page_size
-    where = is_v * stride_c_kv + page * stride_c_page + offset * stride_c_off
-    dst = cache_ptr + where[:, None, None] + hk[None, :, None] * stride_c_head + d[None, None, :]
-    cache_dtype = cache_ptr.dtype.element_ty
-    if FP8:
-        scale = tl.load(scales_ptr + is_v)
-        x1 = tl.clamp(x1 / scale, -448.0, 448.0)
-        x2 = tl.clamp(x2 / scale, -448.0, 448.0)
-    tl.store(dst, x1.to(cache_dtype), mask=mask)
-    tl.store(dst + HALF, x2.to(cache_dtype), mask=mask)
+    for i in tl.static_range(GROUPS_PER_PROGRAM):
+        group = tl.program_id(1) * GROUPS_PER_PROGRAM + i
+        if group < num_groups:
+            _process_group(
+                group,
+                rows,
+                tok,
+                tok_ok,
+                cos,
+                sin,
+                qw_ptr,
+                kw_ptr,
+                q_out_ptr,
+                cache_ptr,
+                scales_ptr,
+                slot_ptr,
+                eps,
+                stride_q_t,
+                stride_q_h,
+                stride_c_kv,
+                stride_c_page,
+                stride_c_off,
+                stride_c_head,
+                page_size,
+                NUM_Q_HEADS,
+                NUM_KV_HEADS,
+                HEAD_DIM,
+                Q_GROUP,
+                FP8,
+                KV_POW2,
+            )
 
 
 def q_group(num_heads: int) -> int:
@@ -172,6 +245,7 @@ def launch(
     num_kv_heads: int,
     block_t: int = BLOCK_T,
     num_warps: int = 4,
+    groups_per_program: int | None = None,
 ) -> Tensor:
     head_dim = _check(qkv, kv_cache, num_heads, num_kv_heads)
     num_tokens = qkv.shape[0]
@@ -180,7 +254,10 @@ def launch(
         return q
     qkv = qkv.contiguous() if qkv.stride(-1) != 1 else qkv
     group = q_group(num_heads)
-    grid = (triton.cdiv(num_tokens, block_t), num_heads // group + 2)
+    num_groups = num_heads // group + 2
+    if groups_per_program is None:
+        groups_per_program = num_groups if num_tokens >= SHARED_ROPE_MIN_TOKENS else 1
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_groups, groups_per_program))
     layer_cache = kv_cache[layer]  # the layer's base pointer computed on the host, in 64 bits
     strides = (qkv.stride(0), q.stride(0), q.stride(1), *layer_cache.stride()[:4])
     _qknorm_rope_kvstore_kernel[grid](
@@ -204,6 +281,7 @@ def launch(
         FP8=kv_cache.dtype == FP8_DTYPE,
         KV_POW2=triton.next_power_of_2(num_kv_heads),
         BLOCK_T=block_t,
+        GROUPS_PER_PROGRAM=groups_per_program,
         num_warps=num_warps,
     )
     return q
