@@ -203,66 +203,85 @@ def sweep(lengths: list[int]) -> None:
         / BW
         * 1e3
     )
-    for block_t in (1, 2, 4, 8, 16):
-        for warps in (2, 4, 8):
-            ms = bench(
-                lambda b=block_t, wp=warps: qknorm_rope_kvstore.launch(
-                    qkv,
-                    pos,
-                    w,
-                    w,
-                    1e-5,
-                    11158840.0,
-                    cache,
-                    scales,
-                    0,
-                    slots,
-                    HEADS,
-                    KV_HEADS,
-                    block_t=b,
-                    num_warps=wp,
+    groups = HEADS // qknorm_rope_kvstore.q_group(HEADS) + 2
+    for block_t in (4, 8, 16):
+        for warps in (4, 8):
+            for per_program in (1, 2, groups // 2, groups):
+                ms = bench(
+                    lambda b=block_t, wp=warps, g=per_program: qknorm_rope_kvstore.launch(
+                        qkv,
+                        pos,
+                        w,
+                        w,
+                        1e-5,
+                        11158840.0,
+                        cache,
+                        scales,
+                        0,
+                        slots,
+                        HEADS,
+                        KV_HEADS,
+                        block_t=b,
+                        num_warps=wp,
+                        groups_per_program=g,
+                    )
                 )
-            )
-            print(f"sweep qknorm block_t={block_t} warps={warps}: {ms:.3f} ms ({floor / ms * 100:.0f}% BW)")
+                print(
+                    f"sweep qknorm block_t={block_t} warps={warps} groups/program={per_program}: "
+                    f"{ms:.3f} ms ({floor / ms * 100:.0f}% BW)"
+                )
     del cache
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=d)
     qsl = torch.arange(len(lengths) + 1, dtype=torch.int32, device=d)
     q = torch.randn(len(lengths), HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
     plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
+    single = [lengths[0]]
+    single_plan = hy3.attention_plan(
+        torch.tensor(single, dtype=torch.int32, device=d),
+        torch.arange(2, dtype=torch.int32, device=d),
+        plan_mod.KV_TILE,
+        plan_mod.prefill_q_block(8),
+    )
     for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
         cache, table, scales = _paged_cache(lengths, dtype, kv_scale)
         floor = sum(lengths) * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
-        for ctas in (2, 4, 8):
-            for block_n in (64, 128):
-                for stages in (2, 3, 4):
+        single_floor = single[0] * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
+        for block_n in (64, 128):
+            for stages in (2, 3):
+                for ctas in (2, 4, 8):
                     cfg = LaunchConfig(block_n=block_n, num_warps=4, num_stages=stages, ctas_per_sm=ctas)
                     kv = (cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan)
                     ms = bench(lambda c=cfg, kv=kv: decode_attention_dynamic(q, *kv, config=c))
+                    one = (cache, scales, 0, table[:1], seq_lens[:1], HEAD_DIM**-0.5, single_plan)
+                    ms1 = bench(lambda c=cfg, one=one: decode_attention_dynamic(q[:1], *one, config=c))
                     print(
-                        f"sweep decode {dtype} ctas/sm={ctas} block_n={block_n} stages={stages}: {ms:.3f} ms ({floor / ms * 100:.0f}% BW)"
+                        f"sweep decode {dtype} block_n={block_n} stages={stages} ctas/sm={ctas}: "
+                        f"B=32 mixed {ms:.3f} ms ({floor / ms * 100:.0f}% BW), "
+                        f"B=1 {single[0] // 1024}K {ms1:.3f} ms ({single_floor / ms1 * 100:.0f}% BW)"
                     )
-        del cache, kv
+        del cache, kv, one
     cache, table, scales = _paged_cache([8192], torch.bfloat16, 1.0)
     q = torch.randn(8192, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
     qsl = torch.tensor([0, 8192], dtype=torch.int32, device=d)
-    plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
-    for block_n in (32, 64, 128):
-        for warps in (4, 8):
-            for stages in (2, 3):
-                cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages)
-                try:
-                    ms = bench(
-                        lambda c=cfg: prefill_attention(
-                            q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan, config=c
+    flops = 4 * HEADS * 8192 * 8192 * HEAD_DIM / 2
+    for rows in (64, 128):
+        plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8, rows))
+        for block_n in (64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, q_rows=rows)
+                    label = f"sweep prefill 8192 rows={rows} block_n={block_n} warps={warps} stages={stages}"
+                    try:
+                        ms = bench(
+                            lambda c=cfg, p=plan: prefill_attention(
+                                q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, p, config=c
+                            )
                         )
-                    )
-                except Exception as exc:  # e.g. out of shared memory for the larger tiles
-                    print(
-                        f"sweep prefill block_n={block_n} warps={warps} stages={stages}: failed {type(exc).__name__}"
-                    )
-                    continue
-                print(f"sweep prefill 8192 block_n={block_n} warps={warps} stages={stages}: {ms:.3f} ms")
+                    except Exception as exc:  # e.g. out of shared memory for the larger tiles
+                        print(f"{label}: failed {type(exc).__name__}")
+                        continue
+                    print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)")
 
 
 def main() -> None:

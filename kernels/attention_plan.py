@@ -22,9 +22,9 @@ KV_TILE = 256
 PREFILL_ROWS = 128  # query rows (tokens × heads of one KV group) per prefill program
 
 
-def prefill_q_block(group: int) -> int:
+def prefill_q_block(group: int, rows: int = PREFILL_ROWS) -> int:
     """Query tokens per prefill block for a GQA group size (the plan's row 1 must use the same)."""
-    return max(PREFILL_ROWS // group, 1)
+    return max(rows // group, 1)
 
 
 def cdiv(a: int, b: int) -> int:

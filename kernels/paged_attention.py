@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hy3c.kernels.attention_plan import KV_TILE, prefill_q_block
+from hy3c.kernels.attention_plan import KV_TILE, PREFILL_ROWS, prefill_q_block
 from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -41,6 +41,7 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
+    q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
 
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
@@ -768,7 +769,7 @@ def prefill_attention(
 ) -> Tensor:
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
-    q_block = prefill_q_block(group)
+    q_block = prefill_q_block(group, config.q_rows)
     out = torch.empty_like(q)
     max_tiles = triton.cdiv(q.shape[0], q_block) + num_requests
     _prefill_kernel[(max_tiles, num_kv_heads)](
