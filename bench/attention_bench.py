@@ -204,32 +204,37 @@ def sweep(lengths: list[int]) -> None:
         * 1e3
     )
     groups = HEADS // qknorm_rope_kvstore.q_group(HEADS) + 2
-    for block_t in (4, 8, 16):
-        for warps in (4, 8):
-            for per_program in (1, 2, groups // 2, groups):
-                ms = bench(
-                    lambda b=block_t, wp=warps, g=per_program: qknorm_rope_kvstore.launch(
-                        qkv,
-                        pos,
-                        w,
-                        w,
-                        1e-5,
-                        11158840.0,
-                        cache,
-                        scales,
-                        0,
-                        slots,
-                        HEADS,
-                        KV_HEADS,
-                        block_t=b,
-                        num_warps=wp,
-                        groups_per_program=g,
-                    )
+    for block_t, warps, per_program in (
+        (4, 8, None),
+        (4, 8, groups // 2),
+        (4, 4, groups),
+        (8, 4, groups // 2),
+        (8, 4, 1),
+    ):
+        for n in (1, 32, 128, 1024, tokens):
+            ms = bench(
+                lambda b=block_t, wp=warps, g=per_program, n=n: qknorm_rope_kvstore.launch(
+                    qkv[:n],
+                    pos[:n],
+                    w,
+                    w,
+                    1e-5,
+                    11158840.0,
+                    cache,
+                    scales,
+                    0,
+                    slots[:n],
+                    HEADS,
+                    KV_HEADS,
+                    block_t=b,
+                    num_warps=wp,
+                    groups_per_program=g,
                 )
-                print(
-                    f"sweep qknorm block_t={block_t} warps={warps} groups/program={per_program}: "
-                    f"{ms:.3f} ms ({floor / ms * 100:.0f}% BW)"
-                )
+            )
+            print(
+                f"sweep qknorm T={n} block_t={block_t} warps={warps} groups/program={per_program or 'auto'}: "
+                f"{ms:.4f} ms ({floor * n / tokens / ms * 100:.0f}% BW)"
+            )
     del cache
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=d)
     qsl = torch.arange(len(lengths) + 1, dtype=torch.int32, device=d)
@@ -246,16 +251,21 @@ def sweep(lengths: list[int]) -> None:
         cache, table, scales = _paged_cache(lengths, dtype, kv_scale)
         floor = sum(lengths) * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
         single_floor = single[0] * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
-        for block_n in (64, 128):
+        shapes = ((128, 4), (256, 4), (256, 8)) if dtype == FP8_DTYPE else ((64, 4), (128, 4), (128, 8))
+        for block_n, warps in shapes:
             for stages in (2, 3):
                 for ctas in (2, 4, 8):
-                    cfg = LaunchConfig(block_n=block_n, num_warps=4, num_stages=stages, ctas_per_sm=ctas)
+                    cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, ctas_per_sm=ctas)
                     kv = (cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan)
-                    ms = bench(lambda c=cfg, kv=kv: decode_attention_dynamic(q, *kv, config=c))
+                    try:
+                        ms = bench(lambda c=cfg, kv=kv: decode_attention_dynamic(q, *kv, config=c))
+                    except Exception as exc:  # e.g. out of shared memory for the larger tiles
+                        print(f"sweep decode {dtype} {cfg}: failed {type(exc).__name__}")
+                        continue
                     one = (cache, scales, 0, table[:1], seq_lens[:1], HEAD_DIM**-0.5, single_plan)
                     ms1 = bench(lambda c=cfg, one=one: decode_attention_dynamic(q[:1], *one, config=c))
                     print(
-                        f"sweep decode {dtype} block_n={block_n} stages={stages} ctas/sm={ctas}: "
+                        f"sweep decode {dtype} block_n={block_n} warps={warps} stages={stages} ctas/sm={ctas}: "
                         f"B=32 mixed {ms:.3f} ms ({floor / ms * 100:.0f}% BW), "
                         f"B=1 {single[0] // 1024}K {ms1:.3f} ms ({single_floor / ms1 * 100:.0f}% BW)"
                     )
@@ -265,10 +275,10 @@ def sweep(lengths: list[int]) -> None:
     seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
     qsl = torch.tensor([0, 8192], dtype=torch.int32, device=d)
     flops = 4 * HEADS * 8192 * 8192 * HEAD_DIM / 2
-    for rows in (64, 128):
+    for rows in (128,):
         plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8, rows))
         for block_n in (64, 128):
-            for warps in (4, 8):
+            for warps in (8,):
                 for stages in (2, 3, 4):
                     cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, q_rows=rows)
                     label = f"sweep prefill 8192 rows={rows} block_n={block_n} warps={warps} stages={stages}"

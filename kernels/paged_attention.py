@@ -31,6 +31,7 @@ from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
 DECODE_SPLITS_STATIC = 16
+COMBINE_SLOTS = 8  # partial results the combine kernel loads per trip
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class LaunchConfig:
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
 DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=2)
-PREFILL_CONFIG = LaunchConfig(block_n=128, num_warps=8, num_stages=2)
+PREFILL_CONFIG = LaunchConfig(block_n=128, num_warps=8, num_stages=3)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -351,10 +352,11 @@ def _decode_combine_kernel(
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     STATIC_SPLITS: tl.constexpr,
+    COMBINE_SLOTS: tl.constexpr,
 ):
     r = tl.program_id(0)
     head = tl.program_id(1)
-    g = tl.arange(0, GROUP_PAD)
+    g = tl.arange(0, GROUP)
     d = tl.arange(0, HEAD_DIM)
     if STATIC_SPLITS > 0:
         first_slot = r * STATIC_SPLITS
@@ -366,30 +368,39 @@ def _decode_combine_kernel(
         last_tile = tl.load(plan_ptr + r + 1)
         first_slot = first_tile // quota + r
         last_slot = tl.where(last_tile > first_tile, (last_tile - 1) // quota + r + 1, first_slot)
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    total_w = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    slot = first_slot
-    while slot < last_slot:
-        lse = tl.load(part_lse_ptr + slot * stride_pl_slot + head * GROUP_PAD + g)
+    # the request's partials, COMBINE_SLOTS at a time (their loads issued together, not one slot per trip)
+    sl = tl.arange(0, COMBINE_SLOTS)
+    m = tl.full([GROUP], float("-inf"), tl.float32)
+    total_w = tl.zeros([GROUP], tl.float32)
+    acc = tl.zeros([GROUP, HEAD_DIM], tl.float32)
+    for base in range(first_slot, last_slot, COMBINE_SLOTS):
+        slot = base + sl
+        slot_ok = (slot < last_slot)[:, None]
+        lse = tl.load(
+            part_lse_ptr + slot[:, None] * stride_pl_slot + head * GROUP_PAD + g[None, :],
+            mask=slot_ok,
+            other=float("-inf"),
+        )
         o = tl.load(
-            part_o_ptr + slot * stride_po_slot + head * stride_po_head + g[:, None] * HEAD_DIM + d[None, :],
-            mask=(g < GROUP)[:, None],
+            part_o_ptr
+            + slot[:, None, None] * stride_po_slot
+            + head * stride_po_head
+            + g[None, :, None] * HEAD_DIM
+            + d[None, None, :],
+            mask=slot_ok[:, :, None],
             other=0.0,
         )
-        m_new = tl.maximum(m, lse)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        total_w = total_w * alpha + w
+        w = tl.exp2(lse - m_safe[None, :])
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], axis=0)
+        total_w = total_w * alpha + tl.sum(w, axis=0)
         m = m_new
-        slot += 1
     result = acc / tl.where(total_w == 0.0, 1.0, total_w)[:, None]
     tl.store(
         out_ptr + r * stride_ot + (head * GROUP + g)[:, None] * stride_oh + d[None, :],
         result.to(out_ptr.dtype.element_ty),
-        mask=(g < GROUP)[:, None],
     )
 
 
@@ -498,6 +509,7 @@ def _prefill_kernel(
     stride_chead,
     stride_pt,
     GROUP: tl.constexpr,
+    KV_HEADS: tl.constexpr,
     Q_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -506,10 +518,12 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr,
     SEARCH_ITERS: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
+    # heads vary fastest and query blocks run last-first: the longest causal blocks start in the first
+    # wave and the short ones fill the tail (longest-processing-time-first over all KV heads)
+    head = tl.program_id(0) % KV_HEADS
     q_starts = plan_ptr + num_requests + 1
-    if tile >= tl.load(q_starts + num_requests):
+    tile = tl.load(q_starts + num_requests) - 1 - tl.program_id(0) // KV_HEADS
+    if tile < 0:
         return
     r = _find_request(q_starts, tile, num_requests, SEARCH_ITERS)
     block = tile - tl.load(q_starts + r)
@@ -686,6 +700,7 @@ def decode_attention_dynamic(
         part_o.stride(1),
         part_lse.stride(0),
         STATIC_SPLITS=0,
+        COMBINE_SLOTS=COMBINE_SLOTS,
         **common,
     )
     return out
@@ -750,6 +765,7 @@ def decode_attention_static(
         part_o.stride(1),
         part_lse.stride(0),
         STATIC_SPLITS=splits,
+        COMBINE_SLOTS=COMBINE_SLOTS,
         **common,
     )
     return out
@@ -772,7 +788,7 @@ def prefill_attention(
     q_block = prefill_q_block(group, config.q_rows)
     out = torch.empty_like(q)
     max_tiles = triton.cdiv(q.shape[0], q_block) + num_requests
-    _prefill_kernel[(max_tiles, num_kv_heads)](
+    _prefill_kernel[(max_tiles * num_kv_heads,)](
         q,
         out,
         kv_cache[layer],
@@ -790,6 +806,7 @@ def prefill_attention(
         *_cache_strides(kv_cache),
         page_table.stride(0),
         GROUP=group,
+        KV_HEADS=num_kv_heads,
         Q_BLOCK=q_block,
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
