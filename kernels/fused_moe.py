@@ -94,7 +94,7 @@ def moe_align_torch(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[T
     return sorted_ids, expert_ids, padded_end[-1:].to(torch.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs"])
 def _moe_align_kernel(
     ids_ptr,
     sorted_ptr,
@@ -192,7 +192,7 @@ def _program_block(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs", "num_m_blocks"])
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -272,7 +272,7 @@ def _gate_up_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs", "num_m_blocks"])
 def _down_kernel(
     h_ptr,
     w_ptr,

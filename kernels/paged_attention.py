@@ -32,6 +32,9 @@ from hy3c.ops.quant import FP8_DTYPE
 
 DECODE_SPLITS_STATIC = 16
 COMBINE_SLOTS = 8  # partial results the combine kernel loads per trip
+# integer arguments that change with the batch: Triton would otherwise compile a variant for 1 and for
+# multiples of 16 — compilation (seconds) in the middle of live traffic
+BATCH_ARGS = ["num_requests", "search_iters"]
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,11 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _find_request(starts_ptr, t, num_requests, ITERS: tl.constexpr):
+def _find_request(starts_ptr, t, num_requests, iters):
     """Largest r in [0, num_requests) with starts[r] <= t (binary search over the prefix sums)."""
     lo = 0
     hi = num_requests
-    for _ in range(ITERS):
+    for _ in range(iters):
         mid = (lo + hi) // 2
         go_right = ((tl.load(starts_ptr + mid) <= t) & (mid < hi)).to(tl.int32)
         lo = lo + (mid - lo) * go_right
@@ -241,7 +244,7 @@ def _kv_scales(scales_ptr, FP8: tl.constexpr):
     return k_scale, v_scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_ARGS)
 def _decode_dynamic_kernel(
     q_ptr,
     cache_ptr,
@@ -252,6 +255,7 @@ def _decode_dynamic_kernel(
     part_o_ptr,
     part_lse_ptr,
     num_requests,
+    search_iters,
     num_ctas,
     sm_scale,
     stride_qt,
@@ -272,7 +276,6 @@ def _decode_dynamic_kernel(
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    SEARCH_ITERS: tl.constexpr,
 ):
     cta = tl.program_id(0)
     head = tl.program_id(1)
@@ -285,7 +288,7 @@ def _decode_dynamic_kernel(
     k_scale, v_scale = _kv_scales(scales_ptr, FP8)
     qk_scale = sm_scale * k_scale * _LOG2E
     while t < t_end:
-        r = _find_request(plan_ptr, t, num_requests, SEARCH_ITERS)
+        r = _find_request(plan_ptr, t, num_requests, search_iters)
         first_tile = tl.load(plan_ptr + r)
         seg_end = tl.minimum(t_end, tl.load(plan_ptr + r + 1))
         length = tl.load(seq_lens_ptr + r)
@@ -335,7 +338,7 @@ def _decode_dynamic_kernel(
         t = seg_end
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_ARGS)
 def _decode_combine_kernel(
     out_ptr,
     plan_ptr,
@@ -487,7 +490,7 @@ def _decode_static_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_ARGS)
 def _prefill_kernel(
     q_ptr,
     out_ptr,
@@ -498,6 +501,7 @@ def _prefill_kernel(
     qsl_ptr,
     plan_ptr,
     num_requests,
+    search_iters,
     sm_scale,
     stride_qt,
     stride_qh,
@@ -516,7 +520,6 @@ def _prefill_kernel(
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    SEARCH_ITERS: tl.constexpr,
 ):
     # heads vary fastest and query blocks run last-first: the longest causal blocks start in the first
     # wave and the short ones fill the tail (longest-processing-time-first over all KV heads)
@@ -525,7 +528,7 @@ def _prefill_kernel(
     tile = tl.load(q_starts + num_requests) - 1 - tl.program_id(0) // KV_HEADS
     if tile < 0:
         return
-    r = _find_request(q_starts, tile, num_requests, SEARCH_ITERS)
+    r = _find_request(q_starts, tile, num_requests, search_iters)
     block = tile - tl.load(q_starts + r)
     q_start = tl.load(qsl_ptr + r)
     q_len = tl.load(qsl_ptr + r + 1) - q_start
@@ -670,6 +673,7 @@ def decode_attention_dynamic(
         part_o,
         part_lse,
         num_requests,
+        _search_iters(num_requests),
         num_ctas,
         sm_scale,
         q.stride(0),
@@ -682,7 +686,6 @@ def decode_attention_dynamic(
         KV_TILE=KV_TILE,
         BLOCK_N=config.block_n,
         **_cache_flags(kv_cache),
-        SEARCH_ITERS=_search_iters(num_requests),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **common,
@@ -798,6 +801,7 @@ def prefill_attention(
         query_start_loc,
         plan,
         num_requests,
+        _search_iters(num_requests),
         sm_scale,
         q.stride(0),
         q.stride(1),
@@ -811,7 +815,6 @@ def prefill_attention(
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
         **_cache_flags(kv_cache),
-        SEARCH_ITERS=_search_iters(num_requests),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -139,7 +139,7 @@ def _process_group(
         tl.store(kv_dst + HALF, y2.to(cache_dtype), mask=kv_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _qknorm_rope_kvstore_kernel(
     qkv_ptr,
     pos_ptr,

@@ -25,7 +25,7 @@ __all__ = ["router_gemm_dual_bf16", "split_router_weight"]
 DUAL_BF16_MIN_TOKENS = 1024  # below this, fp32 cuBLAS is faster on the H200 (BENCHMARKS.md)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _router_gemm_kernel(
     x_ptr,
     hi_ptr,
@@ -120,7 +120,7 @@ def _(x, weight, w_hi, w_lo):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _topk_routing_kernel(
     logits_ptr,
     bias_ptr,

@@ -112,11 +112,12 @@ class Engine:
 
         The first use of each Triton kernel specialization compiles it — seconds that would otherwise
         land on the first users' TTFT. Kernels specialize on the step's token count (a multiple of 16
-        or not) and pick launch configs by token-count bucket (FusedMoE: 16 / 128 / 1024 / more), so
-        single prefills of WARM_UP_TOKENS (and of the token budget, and one less) run first; then one
-        step samples the greedy, filtered, unfiltered and fallback paths of the sampler. Decode batch
-        sizes are covered by the CUDA-graph capture. Leaves no trace: the metrics are kept aside and
-        the prefix cache is emptied.
+        or not; integer arguments that follow the batch — request and token counts — are marked not
+        to specialize) and pick launch configs by token-count bucket (FusedMoE: 16 / 128 / 1024 /
+        more), so single prefills of WARM_UP_TOKENS (and of the token budget, and one less) run first;
+        then one step samples the greedy, filtered, unfiltered and fallback paths of the sampler.
+        Decode batch sizes are covered by the CUDA-graph capture. Leaves no trace: the metrics are kept
+        aside and the prefix cache is emptied.
         """
         metrics, self.metrics = self.metrics, EngineMetrics()
         vocab = self.runner.config.vocab_size
