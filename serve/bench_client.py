@@ -82,6 +82,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -
 
 
 _STEP_METRICS = ("hy3c:engine_step_seconds", "hy3c:engine_host_seconds")
+_BUILDS_METRIC = "hy3c:kernel_builds_total"
 
 
 async def _engine_totals(client: httpx.AsyncClient) -> dict[str, list[float]] | None:
@@ -92,12 +93,14 @@ async def _engine_totals(client: httpx.AsyncClient) -> dict[str, list[float]] | 
         return None
     if response.status_code != 200 or _STEP_METRICS[0] not in response.text:
         return None
-    totals = {name: [0.0, 0.0] for name in _STEP_METRICS}
+    totals = {name: [0.0, 0.0] for name in (*_STEP_METRICS, _BUILDS_METRIC)}
     for line in response.text.splitlines():
         for name in _STEP_METRICS:
             for index, suffix in enumerate(("_sum{", "_count{")):
                 if line.startswith(name + suffix):
                     totals[name][index] = float(line.rsplit(" ", 1)[1])
+        if line.startswith(_BUILDS_METRIC + "{"):
+            totals[_BUILDS_METRIC][0] += float(line.rsplit(" ", 1)[1])
     return totals
 
 
@@ -110,7 +113,13 @@ def _engine_report(before, after) -> dict | None:
         return None
     step_s = after[_STEP_METRICS[0]][0] - before[_STEP_METRICS[0]][0]
     host_s = after[_STEP_METRICS[1]][0] - before[_STEP_METRICS[1]][0]
-    return {"steps": int(steps), "step_ms": step_s / steps * 1e3, "host_ms": host_s / steps * 1e3}
+    builds = after[_BUILDS_METRIC][0] - before[_BUILDS_METRIC][0]
+    return {
+        "steps": int(steps),
+        "step_ms": step_s / steps * 1e3,
+        "host_ms": host_s / steps * 1e3,
+        "kernel_builds": int(builds),
+    }
 
 
 async def _get_json(client: httpx.AsyncClient, method: str, path: str, headers: dict, body=None) -> dict:
@@ -222,7 +231,7 @@ def format_report(report: dict) -> str:
         lines.append(
             f"engine: {engine['steps']} steps, {engine['step_ms']:.2f} ms per step, of which host "
             f"(scheduler, batch, detokenizer) {engine['host_ms']:.2f} ms ({share:.0f}%); the rest is the "
-            "model and the sampler"
+            f"model and the sampler; {engine['kernel_builds']} kernel variants built during the run"
         )
     if report["failed"]:
         lines.append(f"failed: {report['failed']} — {report['errors']}")

@@ -105,6 +105,12 @@ class EngineMetrics:
             " detokenization and emitting.",
         )
         self.batch_tokens = Counter("hy3c:scheduled_tokens_total", "Tokens fed to the model.")
+        self.kernel_builds = LabeledCounter(
+            "hy3c:kernel_builds_total",
+            "Triton kernel variants built while serving (compiled, or read from the disk cache); each one"
+            " stalls the engine step that needs it. Warm-up should leave this at zero.",
+            "kernel",
+        )
 
     def step(
         self,
@@ -145,5 +151,6 @@ class EngineMetrics:
             self.step_time,
             self.host_time,
             self.batch_tokens,
+            self.kernel_builds,
         ]
         return "\n".join(line for item in items for line in item.render(model)) + "\n"

@@ -18,6 +18,7 @@ from hy3c.artifact import load
 from hy3c.logs import log_event
 from hy3c.serve.api import ServerConfig, build_app
 from hy3c.serve.engine import Engine, EngineConfig
+from hy3c.serve.kernel_builds import watch_kernel_builds
 from hy3c.tokenizer import Hy3Tokenizer
 
 log = logging.getLogger("hy3c.serve")
@@ -102,6 +103,7 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
         started = time.monotonic()
         engine.warm_up()
         log_event(log, "engine_warmed_up", seconds=round(time.monotonic() - started, 2))
+    watch_kernel_builds(engine.metrics.kernel_builds)
     name = options.served_model_name or Path(options.artifact).resolve().name
     server = ServerConfig(
         model_name=name,

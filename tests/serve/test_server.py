@@ -339,6 +339,7 @@ def test_models_health_metrics_tokenize(server):
         "hy3c:num_preemptions_total",
         "hy3c:generation_tokens_total",
         "hy3c:engine_host_seconds_sum",
+        "hy3c:kernel_builds_total",
     ):
         assert name in metrics
     tokens = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "Hello"}).json()
@@ -426,8 +427,9 @@ def test_bench_serve_reports_latencies(server, capsys, tmp_path):
     assert report["output_throughput"] > 0 and report["ttft_ms"]["p50"] > 0 and report["tpot_ms"]["mean"] > 0
     engine = report["engine"]  # at least one step per output token of the longest request
     assert engine["steps"] >= 5 and 0 < engine["host_ms"] < engine["step_ms"]
+    assert engine["kernel_builds"] == 0  # the CPU server runs torch providers: nothing to compile
     printed = capsys.readouterr().out
-    assert "TTFT" in printed and "of which host" in printed
+    assert "TTFT" in printed and "of which host" in printed and "0 kernel variants built" in printed
 
 
 def test_overloaded_and_dead_engine_answer_503(artifact):
