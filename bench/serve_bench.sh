@@ -61,3 +61,6 @@ for c in ${CONCURRENCY:-1 8 32}; do
   "${hy3c[@]}" bench serve --base-url "$url" --workload random --num-prompts "$prompts" --concurrency "$c" \
     --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-128}" "${json[@]}"
 done
+builds=$(grep -c kernel_built_while_serving "$work/serve.log" || true)
+stamp "kernel variants built after warm-up: ${builds:-0}"
+grep kernel_built_while_serving "$work/serve.log" | sed 's/.*kernel=//' | sort | uniq -c >&2 || true

@@ -24,9 +24,11 @@ from hy3c.ops.quant import FP8_DTYPE
 MAX_Q_GROUP = 8
 BLOCK_T = 4  # tokens per program, with NUM_WARPS warps (best of the H200 sweep)
 NUM_WARPS = 8
-# Programs walk several head groups of their tokens, computing the rotary cos/sin once (they dominated the
-# instruction count: 0.247 ms → 0.175 ms at 16K tokens), as long as the grid keeps about this many programs
-TARGET_PROGRAMS = 1024
+# From this many tokens on, a program walks all head groups of its tokens, computing the rotary cos/sin
+# once (they dominated the instruction count: 0.247 ms → 0.175 ms at 16K tokens); fewer tokens keep one
+# group per program for parallelism. Two program shapes only: each one is a compiled variant, which the
+# serving warm-up must meet before traffic does.
+SHARED_ROPE_MIN_TOKENS = 2048
 _INV_FREQ: dict[tuple[str, int, float], Tensor] = {}
 
 
@@ -257,8 +259,7 @@ def launch(
     group = q_group(num_heads)
     num_groups = num_heads // group + 2
     if groups_per_program is None:
-        token_blocks = triton.cdiv(num_tokens, block_t)
-        groups_per_program = max(1, min(num_groups, token_blocks * num_groups // TARGET_PROGRAMS))
+        groups_per_program = num_groups if num_tokens >= SHARED_ROPE_MIN_TOKENS else 1
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_groups, groups_per_program))
     layer_cache = kv_cache[layer]  # the layer's base pointer computed on the host, in 64 bits
     strides = (qkv.stride(0), q.stride(0), q.stride(1), *layer_cache.stride()[:4])
