@@ -142,11 +142,14 @@ def _sample_fused(logits, params, history, generators, num_logprobs, noise) -> S
         int(torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device)) if g is not None else 0
         for g in generators
     ]
-    # the per-row parameters travel in two host-to-device copies, the results in one copy back
-    floats = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params], dtype=torch.float32)
-    ints = torch.tensor([[p.top_k, seed] for p, seed in zip(params, seeds)], dtype=torch.int32)
-    floats, ints = floats.T.contiguous().to(device), ints.T.contiguous().to(device)
+    # the per-row parameters travel in two host-to-device copies, the results in one copy back; each
+    # column starts 16-byte aligned whatever the batch size (rows padded to a multiple of 4): Triton
+    # specializes on pointer alignment, and an unaligned column would compile new kernel variants
     rows = len(params)
+    pad = -rows % 4
+    floats = torch.tensor([(p.temperature, p.top_p, p.min_p) for p in params] + [(0, 0, 0)] * pad)
+    ints = torch.tensor([(p.top_k, s) for p, s in zip(params, seeds)] + [(0, 0)] * pad, dtype=torch.int32)
+    floats, ints = floats.T.contiguous().to(device), ints.T.contiguous().to(device)
     top_out = None
     if num_logprobs:  # the kernel's sorted candidates give the top logprobs too
         top_out = (
@@ -154,7 +157,7 @@ def _sample_fused(logits, params, history, generators, num_logprobs, noise) -> S
             torch.empty(rows, num_logprobs, dtype=torch.float32, device=device),
             torch.empty(rows, dtype=torch.int32, device=device),
         )
-    columns = (floats[0], ints[0], floats[1], floats[2], ints[1])
+    columns = (floats[0, :rows], ints[0, :rows], floats[1, :rows], floats[2, :rows], ints[1, :rows])
     tokens, chosen = _triton_sampler()(logits, *columns, noise, top=top_out)
     token_list, chosen_list = torch.stack([tokens.double(), chosen.double()]).tolist()
     top: list[list[tuple[int, float]]] = [[] for _ in params]

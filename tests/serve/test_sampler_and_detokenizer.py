@@ -142,3 +142,28 @@ def test_penalties_of_many_rows_at_once_match_row_by_row():
     torch.testing.assert_close(out, expected)
     untouched = [SamplingParams()] * 4
     assert apply_penalties(logits, untouched, history) is logits  # nothing to apply: no copy
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 30])
+def test_fused_sampler_columns_start_aligned_for_every_batch_size(rows, monkeypatch):
+    """Triton specializes on 16-byte pointer alignment: the per-row parameter columns must be aligned
+    whatever the batch size, or a new batch size compiles new kernel variants on live traffic."""
+    import hy3c.serve.sampler as sampler_mod
+
+    seen = []
+
+    def fake_sampler(logits, *columns, top):
+        seen.extend(columns[:5])
+        return torch.zeros(logits.shape[0], dtype=torch.int64), torch.zeros(logits.shape[0])
+
+    monkeypatch.setattr(sampler_mod, "_triton_sampler", lambda: fake_sampler)
+    params = [SamplingParams(temperature=0.5 + r, top_k=r, top_p=0.9, min_p=0.01 * r) for r in range(rows)]
+    gens = [torch.Generator().manual_seed(r) for r in range(rows)]
+    sampler_mod._sample_fused(torch.randn(rows, 11), params, [History([], []) for _ in params], gens, 0, None)
+    assert len(seen) == 5 and all(c.shape == (rows,) and c.data_ptr() % 16 == 0 for c in seen)
+    temperature, top_k, top_p, min_p, _seeds = seen
+    assert temperature.tolist() == pytest.approx([p.temperature for p in params])
+    assert top_k.tolist() == [p.top_k for p in params] and min_p.tolist() == pytest.approx(
+        [p.min_p for p in params]
+    )
+    assert top_p.tolist() == pytest.approx([0.9] * rows)
