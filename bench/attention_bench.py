@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
 from hy3c.kernels import qknorm_rope_kvstore
 from hy3c.kernels.paged_attention import (
+    DECODE_CONFIG,
     LaunchConfig,
     decode_attention_dynamic,
     decode_attention_static,
@@ -116,6 +118,7 @@ def _paged_cache(lengths: list[int], dtype: torch.dtype, kv_scale: float):
 
 def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
     d = "cuda"
+    fused = replace(DECODE_CONFIG, fused_combine=True)
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=d)
     qsl = torch.arange(len(lengths) + 1, dtype=torch.int32, device=d)
     q = torch.randn(len(lengths), HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
@@ -137,10 +140,14 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
             }
         name = "bf16" if dtype == torch.bfloat16 else "fp8"
         kv = (cache, scales, 0, table, seq_lens, scale)
+        out_fused = decode_attention_dynamic(q, *kv, plan, config=fused)
+        RESULTS[f"decode_{label}_{dtype}_fused_vs_unfused_max_abs"] = (out_fused - dyn).abs().max().item()
         t_dyn = bench(lambda kv=kv: decode_attention_dynamic(q, *kv, plan))
+        t_fused = bench(lambda kv=kv: decode_attention_dynamic(q, *kv, plan, config=fused))
         t_static = bench(lambda kv=kv: decode_attention_static(q, *kv))
         row(f"decode {label} {name} KV: static split-KV (16)", t_static, floor)
         row(f"decode {label} {name} KV: dynamic split-KV", t_dyn, floor, t_static, "static")
+        row(f"decode {label} {name} KV: dynamic, combine fused in", t_fused, floor, t_dyn, "separate combine")
         if sdpa_ms is not None:
             row(f"decode {label} {name} KV: dynamic vs SDPA loop", t_dyn, floor, sdpa_ms, "SDPA loop (bf16)")
         del cache, kv

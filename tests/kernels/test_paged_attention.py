@@ -4,13 +4,20 @@ torch reference, under TRITON_INTERPRET=1 on CPU; the schedule as a pure functio
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 
 import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
-from hy3c.kernels.paged_attention import decode_attention_dynamic, decode_attention_static, prefill_attention
+from hy3c.kernels.paged_attention import (
+    _COUNTERS,
+    DECODE_CONFIG,
+    decode_attention_dynamic,
+    decode_attention_static,
+    prefill_attention,
+)
 from hy3c.ops.quant import FP8_DTYPE
 
 hy3 = torch.ops.hy3
@@ -74,9 +81,13 @@ def test_dynamic_and_static_decode_match_reference(lengths, page, heads, cache_d
     )
     ref = _reference(q, cache, scales, table, seq_lens, qsl).float()
     plan = _plan(seq_lens, qsl, heads[0] // heads[1])
-    for num_ctas in (1, 3, 16):
-        out = decode_attention_dynamic(q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=num_ctas)
+    for num_ctas, fused in itertools.product((1, 3, 16), (False, True)):
+        config = replace(DECODE_CONFIG, fused_combine=fused)
+        out = decode_attention_dynamic(
+            q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=num_ctas, config=config
+        )
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    assert not _COUNTERS["cpu"][0].any()  # the fused combine leaves its arrival counters at zero
     static = decode_attention_static(q, cache, scales, 1, table, seq_lens, 0.2, splits=4)
     torch.testing.assert_close(static.float(), ref, atol=2e-2, rtol=2e-2)
 
