@@ -4,6 +4,7 @@ torch reference, under TRITON_INTERPRET=1 on CPU; the schedule as a pure functio
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 
 import pytest
@@ -235,3 +236,22 @@ def _check_far_layer() -> None:
     kvstore(qkv, torch.arange(3), norm, norm, 1e-5, 1e6, cache, scales, layer, slots, heads, kv_heads)
     after = cache[:, :, used[0], :3]
     assert torch.equal(after[:layer], before[:layer]) and not torch.equal(after[layer], before[layer])
+
+
+def test_fa2_style_static_splits_follow_the_grid_not_the_lengths():
+    """The static baseline's split count: none for a grid that fills the GPU (so one long request in a
+    batch of 32 stays on one CTA per head), more for a small grid, never more than there are key
+    blocks, and the fewest splits whose wave efficiency is within 85% of the best."""
+    splits = plan_mod.heuristic_static_splits
+    assert splits(32 * 8, 132, 1024) == 1
+    assert splits(8, 132, 3) == 3 and splits(8, 132, 1) == 1
+    n = splits(8, 132, 1024)
+    assert 1 < n <= 132
+
+    def efficiency(s):
+        return 8 * s / 132 / math.ceil(8 * s / 132)
+
+    shortening = [s for s in range(1, 129) if s == 1 or -(-1024 // s) != -(-1024 // (s - 1))]
+    assert n in shortening and efficiency(n) >= 0.85 * max(efficiency(s) for s in shortening)
+    assert all(efficiency(s) < 0.85 * max(efficiency(t) for t in shortening) for s in shortening if s < n)
+    assert splits(8, 132, 1024, keep=1.0) >= n
