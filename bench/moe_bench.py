@@ -46,6 +46,16 @@ def bench(fn) -> float:
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
+def graph_ms(fn) -> float | None:
+    """Median ms of fn replayed from a CUDA graph (no launch overhead); None if it cannot be captured
+    (e.g. a host sync for a data-dependent shape)."""
+    try:
+        return do_bench_cudagraph(fn, rep=50, return_mode="median")
+    except Exception as exc:  # capture errors surface as several exception types across torch versions
+        print(f"not capturable: {type(exc).__name__}: {str(exc)[:120]}")
+        return None
+
+
 def row(name, ms, pct="", ratio="") -> None:
     ROWS.append((name, f"{ms:.3f}", pct, ratio))
 
@@ -218,6 +228,23 @@ def moe_bench(sweep: bool) -> None:
             f"{t_ours / t_fp8:.2f}× vs hy3c bf16"
             + (f", {t_peer8 / t_fp8:.2f}× vs _scaled_grouped_mm" if t_peer8 is not None else ""),
         )
+        if t <= 128:  # decode sizes: replayed from a CUDA graph, as a decode step runs them
+            graph = {
+                "grouped_mm peer": graph_ms(lambda x=x, ids=ids, wt=wt: grouped_mm_moe(x, ids, wt, w13, w2)),
+                "hy3c bf16": graph_ms(
+                    lambda x=x, ids=ids, wt=wt: fused_moe_triton(x, wt, ids, w13, w2, *[None] * 5)
+                ),
+                "hy3c FP8": graph_ms(
+                    lambda x=x, ids=ids, wt=wt: fused_moe_triton(x, wt, ids, q13, q2, s13, s2, *[None] * 3)
+                ),
+            }
+            RESULTS[f"moe_T{t}"]["cuda_graph_ms"] = graph
+            for name, ms in graph.items():
+                if ms is None:
+                    row(f"FusedMoE T={t}, CUDA graph: {name}", float("nan"), "not capturable")
+                    continue
+                share = wbytes / (2 if "FP8" in name else 1) / (ms * 1e-3) / BW * 100
+                row(f"FusedMoE T={t}, CUDA graph: {name}", ms, f"{share:.0f}% BW")
         if sweep:  # bf16 configs; FP8 reuses them (its K blocks are at least as wide)
             best = None
             block_ms = {1: (16,), 16: (16,), 128: (16, 32), 1024: (32, 64), 8192: (64, 128)}[t]
