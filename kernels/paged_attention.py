@@ -159,7 +159,9 @@ def _attend_range(
     cache_v,
     page_row_ptr,
     key_begin,
+    full_end,
     key_end,
+    row_limit,
     head,
     stride_page,
     stride_off,
@@ -168,10 +170,11 @@ def _attend_range(
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TAIL_MASK: tl.constexpr,
     FP8_ASM: tl.constexpr,
 ):
-    """Keys [key_begin, key_end) for every row (decode): whole blocks unmasked, then the tail block."""
-    full_end = key_begin + (key_end - key_begin) // BLOCK_N * BLOCK_N
+    """Keys [key_begin, key_end): the blocks before full_end are seen whole by every row (no masks), the
+    rest with TAIL_MASK (1: keys past key_end; 2: also causal against row_limit)."""
     for key in range(key_begin, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q,
@@ -183,7 +186,7 @@ def _attend_range(
             page_row_ptr,
             key,
             key_end,
-            m_i,
+            row_limit,
             head,
             stride_page,
             stride_off,
@@ -195,7 +198,7 @@ def _attend_range(
             0,
             FP8_ASM,
         )
-    if full_end < key_end:
+    for key in range(full_end, key_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q,
             m_i,
@@ -204,9 +207,9 @@ def _attend_range(
             cache_k,
             cache_v,
             page_row_ptr,
-            full_end,
+            key,
             key_end,
-            m_i,
+            row_limit,
             head,
             stride_page,
             stride_off,
@@ -215,7 +218,7 @@ def _attend_range(
             PAGE_SIZE,
             HEAD_DIM,
             BLOCK_N,
-            1,
+            TAIL_MASK,
             FP8_ASM,
         )
     return m_i, l_i, acc
@@ -329,7 +332,9 @@ def _decode_dynamic_kernel(
             cache_ptr + stride_ckv,
             page_table_ptr + r * stride_pt,
             key_begin,
+            key_begin + (key_end - key_begin) // BLOCK_N * BLOCK_N,
             key_end,
+            m_i,
             head,
             stride_cpage,
             stride_coff,
@@ -338,6 +343,7 @@ def _decode_dynamic_kernel(
             PAGE_SIZE,
             HEAD_DIM,
             BLOCK_N,
+            1,
             FP8_ASM,
         )
         _store_partial(
@@ -557,7 +563,9 @@ def _decode_static_kernel(
         cache_ptr + stride_ckv,
         page_table_ptr + r * stride_pt,
         key_begin,
+        key_begin + tl.maximum(key_end - key_begin, 0) // BLOCK_N * BLOCK_N,
         key_end,
+        m_i,
         head,
         stride_cpage,
         stride_coff,
@@ -566,6 +574,7 @@ def _decode_static_kernel(
         PAGE_SIZE,
         HEAD_DIM,
         BLOCK_N,
+        1,
         FP8_ASM,
     )
     slot = r * SPLITS + split
@@ -646,52 +655,29 @@ def _prefill_kernel(
     first_position = length - q_len + block * Q_BLOCK
     key_end = tl.minimum(first_position + Q_BLOCK, length)
     full_end = (first_position + 1) // BLOCK_N * BLOCK_N  # keys every row of the block sees
-    for key in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_block(
-            q,
-            m_i,
-            l_i,
-            acc,
-            cache_ptr,
-            cache_ptr + stride_ckv,
-            page_table_ptr + r * stride_pt,
-            key,
-            key_end,
-            position,
-            head,
-            stride_cpage,
-            stride_coff,
-            stride_chead,
-            qk_scale,
-            PAGE_SIZE,
-            HEAD_DIM,
-            BLOCK_N,
-            0,
-            FP8_ASM,
-        )
-    for key in range(full_end, key_end, BLOCK_N):
-        m_i, l_i, acc = _attend_block(
-            q,
-            m_i,
-            l_i,
-            acc,
-            cache_ptr,
-            cache_ptr + stride_ckv,
-            page_table_ptr + r * stride_pt,
-            key,
-            key_end,
-            position,
-            head,
-            stride_cpage,
-            stride_coff,
-            stride_chead,
-            qk_scale,
-            PAGE_SIZE,
-            HEAD_DIM,
-            BLOCK_N,
-            2,
-            FP8_ASM,
-        )
+    m_i, l_i, acc = _attend_range(
+        q,
+        m_i,
+        l_i,
+        acc,
+        cache_ptr,
+        cache_ptr + stride_ckv,
+        page_table_ptr + r * stride_pt,
+        0,
+        full_end,
+        key_end,
+        position,
+        head,
+        stride_cpage,
+        stride_coff,
+        stride_chead,
+        qk_scale,
+        PAGE_SIZE,
+        HEAD_DIM,
+        BLOCK_N,
+        2,
+        FP8_ASM,
+    )
     result = acc / l_i[:, None] * v_scale
     tl.store(
         out_ptr + (q_start + token)[:, None].to(tl.int64) * stride_ot + qh[:, None] * stride_oh + d[None, :],
