@@ -27,8 +27,8 @@ from hy3c.model.batch import SeqChunk, build_step_batch
 from hy3c.serve.detokenizer import IncrementalDetokenizer
 from hy3c.serve.kv_pages import OutOfPages, PagePool
 from hy3c.serve.metrics import EngineMetrics
-from hy3c.serve.sampler import History, SamplingParams, sample
-from hy3c.serve.scheduler import Scheduler, Sequence, Work
+from hy3c.serve.sampler import FusedInputs, History, SamplingParams, prepare_fused, sample
+from hy3c.serve.scheduler import Scheduler, Sequence
 from hy3c.tokenizer import Hy3Tokenizer
 
 log = logging.getLogger("hy3c.engine")
@@ -259,12 +259,17 @@ class Engine:
                 for w in work
             ]
             batch = build_step_batch(chunks, self.config.page_size, self.runner.device)
+            rows = [work[i] for i in batch.logits_owner]
+            lives = [self._live[w.seq.request_id] for w in rows]
+            # the sampler's parameters go up before the step, so its launches queue right behind it
+            inputs = prepare_fused(
+                [lv.request.params for lv in lives], [lv.generator for lv in lives], self.runner.device
+            )
             prepared = time.monotonic()
             logits, _ = self.runner.step(batch, self.kv_cache)
             for w in work:
                 w.seq.computed = w.start + w.count
-            rows = [work[i] for i in batch.logits_owner]
-            sampled = self._sample_and_emit(rows, logits)
+            sampled = self._sample_and_emit(lives, logits, inputs)
         except Exception as exc:  # fail the requests of this step, keep serving the others
             log_event(
                 log,
@@ -289,9 +294,8 @@ class Engine:
             self.scheduler.num_preemptions,
         )
 
-    def _sample_and_emit(self, rows: list[Work], logits: torch.Tensor) -> float:
+    def _sample_and_emit(self, lives: list[_Live], logits: torch.Tensor, inputs: FusedInputs | None) -> float:
         """Sample every row, then detokenize and emit; returns the time the tokens were known."""
-        lives = [self._live[w.seq.request_id] for w in rows]
         want = max((lv.request.num_logprobs or 0 for lv in lives), default=0)
         result = sample(
             logits,
@@ -299,6 +303,7 @@ class Engine:
             [History(lv.request.prompt_ids, lv.output) for lv in lives],
             [lv.generator for lv in lives],
             want,
+            prepared=inputs,
         )
         now = time.monotonic()
         for lv, token, chosen, top in zip(lives, result.tokens, result.logprobs, result.top):

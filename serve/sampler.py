@@ -1,7 +1,8 @@
 """The token sampler of the serving engine: the pure-torch reference, and the dispatch to the Triton
 fused sampler (`hy3c.kernels.sampler`) on CUDA.
 
-    result = sample(logits, params, history, generators, num_logprobs, noise=None)
+    inputs = prepare_fused(params, generators, device)     # before the model step (None off CUDA)
+    result = sample(logits, params, history, generators, num_logprobs, noise=None, prepared=inputs)
 
 Per row: repetition penalty over the prompt and output tokens, presence and frequency penalties over
 the output tokens, temperature, then min-p, top-k and top-p filtering (`filter_mask`), then a draw —
@@ -112,6 +113,43 @@ def filter_mask(probs: Tensor, p: SamplingParams) -> Tensor:
     return mask
 
 
+@dataclass(frozen=True)
+class FusedInputs:
+    """The fused sampler's per-row parameter columns, already on the device: temperature, top_k, top_p,
+    min_p, seed. They do not depend on the logits, so the engine uploads them before the model step and
+    the sampler's launches follow the step at once (no host-to-device copy waiting for the model)."""
+
+    columns: tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+def prepare_fused(
+    params: list[SamplingParams], generators: list[torch.Generator | None], device: torch.device
+) -> FusedInputs | None:
+    """Draw this step's seeds and upload the parameter columns (None where the fused sampler is not used).
+
+    Each row draws a fresh 31-bit seed from its request's generator, so seeded requests reproduce. The
+    two host-to-device copies put every column 16-byte aligned whatever the batch size (rows padded to
+    a multiple of 4): Triton specializes on pointer alignment, and an unaligned column would compile
+    new kernel variants on live traffic.
+    """
+    if not params or device.type != "cuda" or _triton_sampler() is None:
+        return None
+    seeds = [
+        int(torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device)) if g is not None else 0
+        for g in generators
+    ]
+    return fused_inputs(params, seeds, device)
+
+
+def fused_inputs(params: list[SamplingParams], seeds: list[int], device: torch.device) -> FusedInputs:
+    """The parameter columns of `prepare_fused` for the given seeds (two host-to-device copies)."""
+    rows, pad = len(params), -len(params) % 4
+    floats = torch.tensor([(p.temperature, p.top_p, p.min_p) for p in params] + [(0, 0, 0)] * pad)
+    ints = torch.tensor([(p.top_k, s) for p, s in zip(params, seeds)] + [(0, 0)] * pad, dtype=torch.int32)
+    floats, ints = floats.T.contiguous().to(device), ints.T.contiguous().to(device)
+    return FusedInputs((floats[0, :rows], ints[0, :rows], floats[1, :rows], floats[2, :rows], ints[1, :rows]))
+
+
 def sample(
     logits: Tensor,
     params: list[SamplingParams],
@@ -119,10 +157,13 @@ def sample(
     generators: list[torch.Generator | None],
     num_logprobs: int = 0,
     noise: Tensor | None = None,
+    prepared: FusedInputs | None = None,
 ) -> SampleResult:
-    """Sample one token per row; on CUDA through the Triton fused sampler, elsewhere the reference."""
+    """Sample one token per row; on CUDA through the Triton fused sampler (with the columns `prepared`
+    earlier, else prepared now), elsewhere the reference."""
     if logits.is_cuda and _triton_sampler() is not None:
-        return _sample_fused(logits, params, history, generators, num_logprobs, noise)
+        inputs = prepared or prepare_fused(params, generators, logits.device)
+        return _sample_fused(logits, params, history, inputs, num_logprobs, noise)
     return sample_reference(logits, params, history, generators, num_logprobs, noise)
 
 
@@ -134,22 +175,10 @@ def _triton_sampler():
     return fused_sample
 
 
-def _sample_fused(logits, params, history, generators, num_logprobs, noise) -> SampleResult:
+def _sample_fused(logits, params, history, inputs: FusedInputs, num_logprobs, noise) -> SampleResult:
     logits = apply_penalties(logits.float(), params, history)
     device = logits.device
-    # each step draws a fresh 31-bit seed from the request's generator: seeded requests reproduce
-    seeds = [
-        int(torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device)) if g is not None else 0
-        for g in generators
-    ]
-    # the per-row parameters travel in two host-to-device copies, the results in one copy back; each
-    # column starts 16-byte aligned whatever the batch size (rows padded to a multiple of 4): Triton
-    # specializes on pointer alignment, and an unaligned column would compile new kernel variants
     rows = len(params)
-    pad = -rows % 4
-    floats = torch.tensor([(p.temperature, p.top_p, p.min_p) for p in params] + [(0, 0, 0)] * pad)
-    ints = torch.tensor([(p.top_k, s) for p, s in zip(params, seeds)] + [(0, 0)] * pad, dtype=torch.int32)
-    floats, ints = floats.T.contiguous().to(device), ints.T.contiguous().to(device)
     top_out = None
     if num_logprobs:  # the kernel's sorted candidates give the top logprobs too
         top_out = (
@@ -157,8 +186,7 @@ def _sample_fused(logits, params, history, generators, num_logprobs, noise) -> S
             torch.empty(rows, num_logprobs, dtype=torch.float32, device=device),
             torch.empty(rows, dtype=torch.int32, device=device),
         )
-    columns = (floats[0, :rows], ints[0, :rows], floats[1, :rows], floats[2, :rows], ints[1, :rows])
-    tokens, chosen = _triton_sampler()(logits, *columns, noise, top=top_out)
+    tokens, chosen = _triton_sampler()(logits, *inputs.columns, noise, top=top_out)
     token_list, chosen_list = torch.stack([tokens.double(), chosen.double()]).tolist()
     top: list[list[tuple[int, float]]] = [[] for _ in params]
     if top_out is not None:

@@ -145,25 +145,42 @@ def test_penalties_of_many_rows_at_once_match_row_by_row():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 30])
-def test_fused_sampler_columns_start_aligned_for_every_batch_size(rows, monkeypatch):
+def test_fused_sampler_columns_start_aligned_for_every_batch_size(rows):
     """Triton specializes on 16-byte pointer alignment: the per-row parameter columns must be aligned
     whatever the batch size, or a new batch size compiles new kernel variants on live traffic."""
+    from hy3c.serve.sampler import fused_inputs
+
+    params = [SamplingParams(temperature=0.5 + r, top_k=r, top_p=0.9, min_p=0.01 * r) for r in range(rows)]
+    seeds = [7 * r + 1 for r in range(rows)]
+    columns = fused_inputs(params, seeds, torch.device("cpu")).columns
+    assert len(columns) == 5 and all(c.shape == (rows,) and c.data_ptr() % 16 == 0 for c in columns)
+    temperature, top_k, top_p, min_p, seed = columns
+    assert temperature.tolist() == pytest.approx([p.temperature for p in params])
+    assert top_k.tolist() == [p.top_k for p in params] and seed.tolist() == seeds
+    assert top_p.tolist() == pytest.approx([0.9] * rows)
+    assert min_p.tolist() == pytest.approx([p.min_p for p in params])
+
+
+def test_prepared_inputs_are_the_ones_the_fused_sampler_uses(monkeypatch):
+    """The engine uploads the columns before the model step; `sample` must use them as they are (and
+    draw no second seed from the request's generator), and prepare them itself when not given."""
     import hy3c.serve.sampler as sampler_mod
 
-    seen = []
+    used = []
 
-    def fake_sampler(logits, *columns, top):
-        seen.extend(columns[:5])
+    def fake_kernel(logits, *columns, top):
+        used.append(columns[:5])
         return torch.zeros(logits.shape[0], dtype=torch.int64), torch.zeros(logits.shape[0])
 
-    monkeypatch.setattr(sampler_mod, "_triton_sampler", lambda: fake_sampler)
-    params = [SamplingParams(temperature=0.5 + r, top_k=r, top_p=0.9, min_p=0.01 * r) for r in range(rows)]
-    gens = [torch.Generator().manual_seed(r) for r in range(rows)]
-    sampler_mod._sample_fused(torch.randn(rows, 11), params, [History([], []) for _ in params], gens, 0, None)
-    assert len(seen) == 5 and all(c.shape == (rows,) and c.data_ptr() % 16 == 0 for c in seen)
-    temperature, top_k, top_p, min_p, _seeds = seen
-    assert temperature.tolist() == pytest.approx([p.temperature for p in params])
-    assert top_k.tolist() == [p.top_k for p in params] and min_p.tolist() == pytest.approx(
-        [p.min_p for p in params]
-    )
-    assert top_p.tolist() == pytest.approx([0.9] * rows)
+    monkeypatch.setattr(sampler_mod, "_triton_sampler", lambda: fake_kernel)
+    logits = torch.randn(2, 11)
+    monkeypatch.setattr(type(logits), "is_cuda", property(lambda self: True))
+    params, history = [SamplingParams(), SamplingParams(top_k=3)], [History([], []), History([], [])]
+    prepared = sampler_mod.fused_inputs(params, [5, 6], torch.device("cpu"))
+    gens = [torch.Generator().manual_seed(0), None]
+    state = gens[0].get_state()
+    sample(logits, params, history, gens, prepared=prepared)
+    assert used[-1] == prepared.columns and torch.equal(gens[0].get_state(), state)
+    monkeypatch.setattr(sampler_mod, "prepare_fused", lambda p, g, d: sampler_mod.fused_inputs(p, [9, 9], d))
+    sample(logits, params, history, gens)
+    assert used[-1][4].tolist() == [9, 9]
