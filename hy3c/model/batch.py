@@ -56,7 +56,7 @@ def build_step_batch(chunks: list[SeqChunk], page_size: int, device: torch.devic
     starts = [0]
     seq_lens = []
     max_pages = max((len(c.pages) for c in chunks), default=1) or 1
-    table = torch.zeros(len(chunks), max_pages, dtype=torch.int32)
+    table: list[int] = []
     for r, chunk in enumerate(chunks):
         end = chunk.start + len(chunk.tokens)
         needed = -(-end // page_size)
@@ -79,7 +79,8 @@ def build_step_batch(chunks: list[SeqChunk], page_size: int, device: torch.devic
         owners.extend([r] * len(rows))
         starts.append(len(ids))
         seq_lens.append(end)
-        table[r, : len(chunk.pages)] = torch.tensor(chunk.pages, dtype=torch.int32)
+        table.extend(chunk.pages)
+        table.extend([0] * (max_pages - len(chunk.pages)))
 
     def as_tensor(values: list[int], dtype: torch.dtype) -> Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
@@ -87,7 +88,7 @@ def build_step_batch(chunks: list[SeqChunk], page_size: int, device: torch.devic
     return StepBatch(
         input_ids=as_tensor(ids, torch.int64),
         positions=as_tensor(positions, torch.int64),
-        page_table=table.to(device),
+        page_table=as_tensor(table, torch.int32).view(len(chunks), max_pages),
         seq_lens=as_tensor(seq_lens, torch.int32),
         query_start_loc=as_tensor(starts, torch.int32),
         slot_mapping=as_tensor(slots, torch.int64),
