@@ -108,7 +108,7 @@ def test_top_logprobs_come_from_the_candidates_and_rows_they_cannot_vouch_for_ar
 
 def test_serving_sampler_through_the_kernels_equals_the_reference_with_logprobs():
     """`hy3c.serve.sampler`'s CUDA path (run here by the interpreter): tokens, chosen and top logprobs."""
-    from hy3c.serve.sampler import _sample_fused
+    from hy3c.serve.sampler import _sample_fused, fused_inputs
 
     rows, vocab = 4, 1500
     logits = torch.randn(rows, vocab) * 3
@@ -117,7 +117,8 @@ def test_serving_sampler_through_the_kernels_equals_the_reference_with_logprobs(
     params.append(SamplingParams())
     history = [History([5, 6], [7]), History([], [9, 9]), History([1], []), History([], [])]
     noise = torch.rand(rows, vocab)
-    ours = _sample_fused(logits, params, history, [None] * rows, 4, noise)
+    inputs = fused_inputs(params, [0] * rows, logits.device)
+    ours = _sample_fused(logits, params, history, inputs, 4, noise)
     ref = sample(logits, params, history, [None] * rows, 4, noise)
     assert ours.tokens == ref.tokens
     torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
