@@ -20,6 +20,7 @@ from torch import Tensor
 
 from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
+from hy3c.ops.rope import hadamard_matrix
 
 MAX_Q_GROUP = 8
 BLOCK_T = 4  # tokens per program, with NUM_WARPS warps (best of the H200 sweep)
@@ -30,6 +31,7 @@ NUM_WARPS = 8
 # serving warm-up must meet before traffic does.
 SHARED_ROPE_MIN_TOKENS = 2048
 _INV_FREQ: dict[tuple[str, int, float], Tensor] = {}
+_HADAMARD: dict[tuple[str, int], Tensor] = {}
 
 
 def inv_freq(device: torch.device, head_dim: int, theta: float) -> Tensor:
@@ -57,6 +59,22 @@ def _norm_rope(
 
 
 @triton.jit
+def _hadamard(x1, x2, h_ptr, HALF: tl.constexpr):
+    """Rotate each head [x1 | x2] (halves [T, H, HALF], fp32) by the orthonormal Hadamard matrix of size
+    2·HALF: [[A, A], [A, -A]] / sqrt(2) with A = the one of size HALF (at h_ptr), so the halves become
+    (x1 + x2)·A / sqrt(2) and (x1 - x2)·A / sqrt(2). fp32 products, as the reference."""
+    T: tl.constexpr = x1.shape[0]
+    H: tl.constexpr = x1.shape[1]
+    i = tl.arange(0, HALF)
+    a = tl.load(h_ptr + i[:, None] * HALF + i[None, :])
+    s = tl.reshape(x1 + x2, [T * H, HALF])
+    d = tl.reshape(x1 - x2, [T * H, HALF])
+    y1 = tl.dot(s, a, input_precision="ieee") * 0.7071067811865476
+    y2 = tl.dot(d, a, input_precision="ieee") * 0.7071067811865476
+    return tl.reshape(y1, [T, H, HALF]), tl.reshape(y2, [T, H, HALF])
+
+
+@triton.jit
 def _process_group(
     group,
     rows,
@@ -70,6 +88,7 @@ def _process_group(
     cache_ptr,
     scales_ptr,
     slot_ptr,
+    had_ptr,
     eps,
     stride_q_t,
     stride_q_h,
@@ -84,6 +103,7 @@ def _process_group(
     Q_GROUP: tl.constexpr,
     FP8: tl.constexpr,
     KV_POW2: tl.constexpr,
+    HADAMARD: tl.constexpr,
 ):
     """One group of heads for the block's tokens: q heads [group·Q_GROUP, …) for group < NUM_Q_HEADS /
     Q_GROUP, then the kv heads' K (norm, rope, quantize, store), then their V (quantize, store)."""
@@ -100,6 +120,10 @@ def _process_group(
         w1 = tl.load(qw_ptr + d).to(tl.float32)
         w2 = tl.load(qw_ptr + HALF + d).to(tl.float32)
         o1, o2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF, True, out_dtype)
+        if HADAMARD:  # from the rotated values rounded to the model dtype, as the reference
+            o1, o2 = _hadamard(
+                o1.to(out_dtype).to(tl.float32), o2.to(out_dtype).to(tl.float32), had_ptr, HALF
+            )
         dst = (
             q_out_ptr
             + tok.to(tl.int64)[:, None, None] * stride_q_t
@@ -127,6 +151,10 @@ def _process_group(
             y1, y2 = _norm_rope(y1, y2, kw1, kw2, cos, sin, eps, HALF, True, out_dtype)
             y1 = y1.to(out_dtype).to(tl.float32)
             y2 = y2.to(out_dtype).to(tl.float32)
+            if HADAMARD:
+                y1, y2 = _hadamard(y1, y2, had_ptr, HALF)
+                y1 = y1.to(out_dtype).to(tl.float32)
+                y2 = y2.to(out_dtype).to(tl.float32)
         safe_slot = tl.where(slot >= 0, slot, 0).to(tl.int64)
         page = safe_slot // page_size
         offset = safe_slot % page_size
@@ -152,6 +180,7 @@ def _qknorm_rope_kvstore_kernel(
     cache_ptr,
     scales_ptr,
     slot_ptr,
+    had_ptr,
     num_tokens,
     eps,
     stride_qkv_t,
@@ -168,6 +197,7 @@ def _qknorm_rope_kvstore_kernel(
     Q_GROUP: tl.constexpr,
     FP8: tl.constexpr,
     KV_POW2: tl.constexpr,
+    HADAMARD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     GROUPS_PER_PROGRAM: tl.constexpr,
 ):
@@ -199,6 +229,7 @@ def _qknorm_rope_kvstore_kernel(
                 cache_ptr,
                 scales_ptr,
                 slot_ptr,
+                had_ptr,
                 eps,
                 stride_q_t,
                 stride_q_h,
@@ -213,7 +244,16 @@ def _qknorm_rope_kvstore_kernel(
                 Q_GROUP,
                 FP8,
                 KV_POW2,
+                HADAMARD,
             )
+
+
+def _hadamard_half(device: torch.device, head_dim: int) -> Tensor:
+    """The orthonormal Hadamard matrix of size head_dim / 2 the kernel builds the full rotation from."""
+    key = (str(device), head_dim // 2)
+    if key not in _HADAMARD:
+        _HADAMARD[key] = hadamard_matrix(head_dim // 2, device)
+    return _HADAMARD[key]
 
 
 def q_group(num_heads: int) -> int:
@@ -246,6 +286,7 @@ def launch(
     slot_mapping: Tensor,
     num_heads: int,
     num_kv_heads: int,
+    hadamard: bool = False,
     block_t: int = BLOCK_T,
     num_warps: int = NUM_WARPS,
     groups_per_program: int | None = None,
@@ -273,6 +314,7 @@ def launch(
         layer_cache,
         kv_scales[layer],
         slot_mapping,
+        _hadamard_half(qkv.device, head_dim) if hadamard else positions,
         num_tokens,
         eps,
         *strides,
@@ -283,6 +325,7 @@ def launch(
         Q_GROUP=group,
         FP8=kv_cache.dtype == FP8_DTYPE,
         KV_POW2=triton.next_power_of_2(num_kv_heads),
+        HADAMARD=hadamard,
         BLOCK_T=block_t,
         GROUPS_PER_PROGRAM=groups_per_program,
         num_warps=num_warps,
@@ -304,6 +347,7 @@ def qknorm_rope_quant_kvstore(
     slot_mapping: Tensor,
     num_heads: int,
     num_kv_heads: int,
+    hadamard: bool = False,
 ) -> Tensor:
     return launch(
         qkv,
@@ -318,6 +362,7 @@ def qknorm_rope_quant_kvstore(
         slot_mapping,
         num_heads,
         num_kv_heads,
+        hadamard,
     )
 
 
@@ -335,6 +380,7 @@ def _(
     slot_mapping,
     num_heads,
     num_kv_heads,
+    hadamard=False,
 ):
     return qkv.new_empty((qkv.shape[0], num_heads, kv_cache.shape[-1]))
 
@@ -344,6 +390,10 @@ def _supports(node) -> str | None:
     head_dim = cache.shape[-1] if cache is not None else 0
     if head_dim < 2 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two"
+    hadamard = node.args[12] if len(node.args) > 12 else node.kwargs.get("hadamard", False)
+    rows = BLOCK_T * min(q_group(node.args[10]), triton.next_power_of_2(node.args[11]))
+    if hadamard and (rows < 16 or head_dim < 32):
+        return f"the Hadamard rotation's MMA needs >= 16 rows ({rows}) and head_dim >= 32 ({head_dim})"
     return None
 
 

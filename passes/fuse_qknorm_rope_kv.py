@@ -11,7 +11,7 @@ Before:
 After:
     %qknorm_rope_quant_kvstore: bf16[s0, 64, 128] = hy3.qknorm_rope_quant_kvstore(%linear, %positions,
         %layers.3.self_attn.q_norm.weight, %layers.3.self_attn.k_norm.weight, 1e-05, 11158840.0, %kv_cache,
-        %kv_scales, 3, %slot_mapping, 64, 8)
+        %kv_scales, 3, %slot_mapping, 64, 8, False)        (True: config `hadamard`, q and k rotated)
     %attention = hy3.attention(%qknorm_rope_quant_kvstore, %kv_cache, ...)
 """
 
@@ -74,10 +74,17 @@ def _q_chain(split: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     return (reshape, norm, rope) if rope.target is hy3.rope.default else None
 
 
+class FuseQkNormRopeKvConfig(PassConfig):
+    # rotate q and k by the same Hadamard matrix after RoPE: scores are unchanged and k's outlier channels
+    # are spread before FP8 quantization (worth it for an FP8 KV cache; off by default)
+    hadamard: bool = False
+
+
 @register_pass
 class FuseQkNormRopeKv(Pass):
     name = "fuse_qknorm_rope_kv"
     stage = Stage.FUSE
+    Config = FuseQkNormRopeKvConfig
 
     def rewriter(self, ctx: CompileCtx) -> PatternRewriter:
         c = ctx.model
@@ -116,8 +123,8 @@ class FuseQkNormRopeKv(Pass):
         )
         return rewriter
 
-    def run(self, gm: fx.GraphModule, ctx: CompileCtx, config: PassConfig) -> list[Site]:
-        self._fake = fake_mode_of(gm)
+    def run(self, gm: fx.GraphModule, ctx: CompileCtx, config: FuseQkNormRopeKvConfig) -> list[Site]:
+        self._fake, self._hadamard = fake_mode_of(gm), config.hadamard
         return self.rewriter(ctx).apply(gm)
 
     def _rewrite(self, match: Match, graph: fx.Graph) -> Site:
@@ -138,6 +145,7 @@ class FuseQkNormRopeKv(Pass):
             kw["layer"],
             kw["slot_mapping"],
             *self._heads,
+            self._hadamard,
         )
         with graph.inserting_before(store):
             fused = graph.call_function(hy3.qknorm_rope_quant_kvstore.default, args)

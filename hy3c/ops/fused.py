@@ -10,7 +10,7 @@ from torch import Tensor
 from hy3c.ops.attention import attention_reference, kv_store_reference
 from hy3c.ops.moe import moe_experts_reference, topk_routing_reference
 from hy3c.ops.norm import rms_norm_reference
-from hy3c.ops.rope import rope_reference
+from hy3c.ops.rope import hadamard_reference, rope_reference
 
 
 def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -42,6 +42,7 @@ def qknorm_rope_quant_kvstore_reference(
     slot_mapping: Tensor,
     num_heads: int,
     num_kv_heads: int,
+    hadamard: bool = False,
 ) -> Tensor:
     head_dim = kv_cache.shape[-1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -53,6 +54,8 @@ def qknorm_rope_quant_kvstore_reference(
     k = rope_reference(
         rms_norm_reference(k.reshape(t, num_kv_heads, head_dim), k_norm_weight, eps), positions, theta
     )
+    if hadamard:
+        q, k = hadamard_reference(q), hadamard_reference(k)
     kv_store_reference(k, v.reshape(t, num_kv_heads, head_dim), kv_cache, kv_scales, layer, slot_mapping)
     return q
 
@@ -71,8 +74,10 @@ def qknorm_rope_quant_kvstore(
     slot_mapping: Tensor,
     num_heads: int,
     num_kv_heads: int,
+    hadamard: bool = False,
 ) -> Tensor:
-    """Split packed qkv [T, (H + 2·Hkv)·D]; per-head RMSNorm on q and k; RoPE on q and k; store k and v
+    """Split packed qkv [T, (H + 2·Hkv)·D]; per-head RMSNorm on q and k; RoPE on q and k; optionally the
+    same Hadamard rotation of q and k (scores unchanged, k's outliers spread before FP8); store k and v
     (quantized to the cache dtype with kv_scales) into the pages of `layer`; return q [T, H, D]."""
     return qknorm_rope_quant_kvstore_reference(
         qkv,
@@ -87,6 +92,7 @@ def qknorm_rope_quant_kvstore(
         slot_mapping,
         num_heads,
         num_kv_heads,
+        hadamard,
     )
 
 
@@ -104,6 +110,7 @@ def _(
     slot_mapping,
     num_heads,
     num_kv_heads,
+    hadamard=False,
 ):
     return qkv.new_empty((qkv.shape[0], num_heads, kv_cache.shape[-1]))
 

@@ -37,3 +37,20 @@ def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
 @rope.register_fake
 def _(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     return torch.empty_like(x)
+
+
+def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> Tensor:
+    """The orthonormal Sylvester-Hadamard matrix [n, n] (fp32, n a power of two): H = [[A, A], [A, -A]]
+    / sqrt(2) recursively. Symmetric, so x @ H rotates rows and (x @ H) · (y @ H) = x · y."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size {n} is not a power of two")
+    h = torch.ones(1, 1, dtype=torch.float32, device=device)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0) / 2**0.5
+    return h
+
+
+def hadamard_reference(x: Tensor) -> Tensor:
+    """Rotate the last dimension by the Hadamard matrix (fp32 product, rounded once to x's dtype). Applied
+    to both q and k it leaves every score q·k unchanged and spreads outlier channels of k before FP8."""
+    return (x.float() @ hadamard_matrix(x.shape[-1], x.device)).to(x.dtype)

@@ -205,6 +205,22 @@ def test_fuse_qknorm_rope_kv_one_site_per_layer(make_ckpt, layers):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_fuse_qknorm_rope_kv_hadamard_option_rotates_q_and_k_and_keeps_the_logits(make_ckpt):
+    """Config `hadamard: true`: every fused op gets the flag, and the model's logits are those of the
+    unrotated model (q·k is invariant under the same rotation of q and k)."""
+    ckpt = make_ckpt(seed=7, num_hidden_layers=2)
+    model = load_model(ckpt, dtype=torch.float32, progress=False)
+    gm = trace_step(model.config, torch.float32)
+    (result,) = _run(
+        gm, make_ctx(model.config), "fuse_qknorm_rope_kv", fuse_qknorm_rope_kv={"hadamard": True}
+    )
+    fused_ops = [n for n in gm.graph.nodes if n.target is torch.ops.hy3.qknorm_rope_quant_kvstore.default]
+    assert result.matches == 2 and len(fused_ops) == 2 and all(n.args[12] is True for n in fused_ops)
+    fused = bind_weights(gm, ckpt, torch.float32)
+    for out, ref in zip(_step(fused, model.config, torch.float32), _step(model, model.config, torch.float32)):
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_fuse_qknorm_rope_kv_checks_head_layout(traced):
     gm, _ = traced
     other = preset_config(

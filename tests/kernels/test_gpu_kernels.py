@@ -66,8 +66,9 @@ def test_prefill_attention_real_shapes(cache_dtype):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("hadamard", [False, True])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
-def test_qknorm_rope_kvstore_real_shapes(cache_dtype):
+def test_qknorm_rope_kvstore_real_shapes(cache_dtype, hadamard):
     tokens = 4096
     qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     pos = torch.randint(0, 200000, (tokens,), device="cuda")
@@ -82,9 +83,9 @@ def test_qknorm_rope_kvstore_real_shapes(cache_dtype):
     slots[::7] = -1
     args = (pos, qw, kw, 1e-5, 11158840.0)
     q_tri = torch.ops.hy3_triton.qknorm_rope_quant_kvstore(
-        qkv, *args, caches[0], scales, 1, slots, HEADS, KV_HEADS
+        qkv, *args, caches[0], scales, 1, slots, HEADS, KV_HEADS, hadamard
     )
-    q_ref = hy3.qknorm_rope_quant_kvstore(qkv, *args, caches[1], scales, 1, slots, HEADS, KV_HEADS)
+    q_ref = hy3.qknorm_rope_quant_kvstore(qkv, *args, caches[1], scales, 1, slots, HEADS, KV_HEADS, hadamard)
     torch.testing.assert_close(q_tri.float(), q_ref.float(), atol=2e-2, rtol=1e-2)
     # e4m3 has 3 mantissa bits: FMA contraction may move a value across a rounding tie, one ulp (12.5%)
     torch.testing.assert_close(caches[0].float(), caches[1].float(), atol=0.07, rtol=0.13)

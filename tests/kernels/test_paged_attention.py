@@ -164,11 +164,13 @@ def test_plan_op_matches_python_schedule():
     assert plan[1].tolist() == [0, 1, 2, 5, 6]
 
 
+@pytest.mark.parametrize("hadamard", [False, True])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
 @pytest.mark.parametrize(("heads", "kv_heads", "tokens"), [(8, 2, 11), (16, 4, 5), (4, 4, 9)])
-def test_qknorm_rope_kvstore_kernel_matches_reference(cache_dtype, heads, kv_heads, tokens):
+def test_qknorm_rope_kvstore_kernel_matches_reference(cache_dtype, heads, kv_heads, tokens, hadamard):
     """Both program shapes (one head group per program; every group of a token block in one program,
-    sharing the rotary angles) against the reference: q, the K/V pages, padding slots left untouched."""
+    sharing the rotary angles), with and without the Hadamard rotation, against the reference: q, the K/V
+    pages, padding slots left untouched."""
     from hy3c.kernels.qknorm_rope_kvstore import launch as kvstore
 
     dim, page = 32, 4
@@ -180,12 +182,22 @@ def test_qknorm_rope_kvstore_kernel_matches_reference(cache_dtype, heads, kv_hea
     slots[::3] = -1
     args = (pos, qw, kw, 1e-5, 11158840.0)
     ref_cache = torch.full((2, 2, tokens // page + 3, page, kv_heads, dim), 0.5).to(cache_dtype)
-    q_ref = hy3.qknorm_rope_quant_kvstore(qkv, *args, ref_cache, scales, 1, slots, heads, kv_heads)
+    q_ref = hy3.qknorm_rope_quant_kvstore(qkv, *args, ref_cache, scales, 1, slots, heads, kv_heads, hadamard)
     groups = heads // min(heads, 8) + 2
     for per_program in (1, 2, groups):
         cache = torch.full_like(ref_cache, 0.5)
         q = kvstore(
-            qkv, *args, cache, scales, 1, slots, heads, kv_heads, block_t=4, groups_per_program=per_program
+            qkv,
+            *args,
+            cache,
+            scales,
+            1,
+            slots,
+            heads,
+            kv_heads,
+            hadamard,
+            block_t=4,
+            groups_per_program=per_program,
         )
         torch.testing.assert_close(q.float(), q_ref.float(), atol=2e-2, rtol=1e-2)
         # e4m3 has 3 mantissa bits: a different FMA contraction may move a value across a rounding tie

@@ -79,6 +79,37 @@ def test_fp8_kv_store_and_attention_dequantize_with_scales():
     assert (out - unquantized).abs().max() > 1e-4  # the FP8 path really quantized
 
 
+def test_hadamard_rotation_keeps_scores_and_helps_fp8_only_near_its_subnormals():
+    """The fused op's optional rotation: orthonormal and q·k unchanged. Under a per-tensor FP8 scale it
+    pays when one massive key entry (an attention-sink token) sets the scale so high that the other keys
+    fall toward e4m3's subnormals: the rotation cuts that peak by up to sqrt(head_dim). A moderate
+    outlier channel gains nothing — e4m3's error is relative — hence off by default."""
+    from hy3c.ops.rope import hadamard_matrix, hadamard_reference
+
+    h = hadamard_matrix(128)
+    torch.testing.assert_close(h @ h.T, torch.eye(128), atol=1e-5, rtol=0)
+    gen = torch.Generator().manual_seed(3)
+    q, keys = torch.randn(64, 128, generator=gen), torch.randn(256, 128, generator=gen)
+    torch.testing.assert_close(
+        hadamard_reference(q) @ hadamard_reference(keys).T, q @ keys.T, atol=1e-4, rtol=1e-4
+    )
+
+    def error_on_other_keys(k: torch.Tensor, rotate: bool) -> float:
+        qq, kk = (hadamard_reference(q), hadamard_reference(k)) if rotate else (q, k)
+        scale = kk.abs().max() / 448.0  # a per-tensor static scale
+        scores = qq @ ((kk / scale).to(FP8_DTYPE).float() * scale).T
+        return (scores - q @ k.T)[:, 1:].abs().mean().item()
+
+    sink = keys.clone()
+    sink[0, 5] = 3e4
+    assert error_on_other_keys(sink, rotate=True) < 0.75 * error_on_other_keys(sink, rotate=False)
+    moderate = keys.clone()
+    moderate[:, 5] *= 60.0
+    assert error_on_other_keys(moderate, rotate=True) > 0.9 * error_on_other_keys(moderate, rotate=False)
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard_matrix(96)
+
+
 def test_kv_store_skips_padding_slots_and_writes_only_its_layer():
     cache = torch.zeros(2, 2, 2, 4, 1, 8)
     k, v = torch.randn(3, 1, 8), torch.randn(3, 1, 8)
