@@ -83,6 +83,7 @@ def qknorm_bench(tokens: int) -> None:
     compiled_fn(*args)
     inductor = bench(lambda: compiled_fn(*args))
     triton_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*args))
+    hadamard_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*args, True))
     floor = (
         (
             tokens * (HEADS + 2 * KV_HEADS) * HEAD_DIM * 2
@@ -95,6 +96,13 @@ def qknorm_bench(tokens: int) -> None:
     row(f"qknorm+rope+fp8+kvstore T={tokens}: eager L1 chain", eager, floor)
     row(f"qknorm+rope+fp8+kvstore T={tokens}: torch.compile chain", inductor, floor, eager, "eager")
     row(f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton", triton_ms, floor, inductor, "torch.compile")
+    row(
+        f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton + Hadamard",
+        hadamard_ms,
+        floor,
+        triton_ms,
+        "without",
+    )
 
 
 def _paged_cache(lengths: list[int], dtype: torch.dtype, kv_scale: float):

@@ -62,15 +62,16 @@ def _norm_rope(
 def _hadamard(x1, x2, h_ptr, HALF: tl.constexpr):
     """Rotate each head [x1 | x2] (halves [T, H, HALF], fp32) by the orthonormal Hadamard matrix of size
     2·HALF: [[A, A], [A, -A]] / sqrt(2) with A = the one of size HALF (at h_ptr), so the halves become
-    (x1 + x2)·A / sqrt(2) and (x1 - x2)·A / sqrt(2). fp32 products, as the reference."""
+    (x1 + x2)·A / sqrt(2) and (x1 - x2)·A / sqrt(2): TF32 tensor-core products (10-bit mantissas, below
+    the bf16 rounding of the result; the reference multiplies in fp32)."""
     T: tl.constexpr = x1.shape[0]
     H: tl.constexpr = x1.shape[1]
     i = tl.arange(0, HALF)
     a = tl.load(h_ptr + i[:, None] * HALF + i[None, :])
     s = tl.reshape(x1 + x2, [T * H, HALF])
     d = tl.reshape(x1 - x2, [T * H, HALF])
-    y1 = tl.dot(s, a, input_precision="ieee") * 0.7071067811865476
-    y2 = tl.dot(d, a, input_precision="ieee") * 0.7071067811865476
+    y1 = tl.dot(s, a, input_precision="tf32") * 0.7071067811865476
+    y2 = tl.dot(d, a, input_precision="tf32") * 0.7071067811865476
     return tl.reshape(y1, [T, H, HALF]), tl.reshape(y2, [T, H, HALF])
 
 
