@@ -124,7 +124,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--model", type=Path, help="checkpoint directory (eager model)")
     source.add_argument("--artifact", type=Path, help="compiled artifact directory (hy3c compile)")
     p.add_argument(
-        "--eager", action="store_true", help="with --artifact: run the program without torch.compile"
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --artifact: run the program through torch.compile (default: off, as `hy3c serve`; it"
+        " specializes on each step's token count)",
     )
     p.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
@@ -156,7 +160,7 @@ def _run_generate(args: argparse.Namespace) -> None:
     if args.artifact is not None:
         from hy3c.artifact import load
 
-        model = load(args.artifact, device=args.device, compile=not args.eager)
+        model = load(args.artifact, device=args.device, compile=args.compile)
         tokenizer = Hy3Tokenizer.from_dir(args.artifact)
     else:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
