@@ -185,3 +185,16 @@ def test_python_dash_m_hy3c_passes_the_exit_status_on(tmp_path):
     run = subprocess.run(command, capture_output=True, text=True)
     assert run.returncode != 0 and "absent" in run.stderr
     assert subprocess.run([sys.executable, "-m", "hy3c", "--help"], capture_output=True).returncode == 0
+
+
+def test_generate_from_an_artifact_equals_the_eager_model(tiny_ckpt, tmp_path, capsys):
+    """`hy3c compile` then `hy3c generate --artifact` (the program without Inductor, the default) prints
+    the same greedy ids as `hy3c generate --model`."""
+    art = tmp_path / "art"
+    assert main(["compile", "--model", str(tiny_ckpt), "--recipe", "cpu-reference", "--out", str(art)]) == 0
+    outputs = []
+    for source in (["--artifact", str(art)], ["--model", str(tiny_ckpt), "--dtype", "float32"]):
+        capsys.readouterr()
+        assert main(["generate", *source, "--prompt", "Hello", "--max-tokens", "6", "--show-ids"]) == 0
+        outputs.append(capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[1])
+    assert outputs[0] == outputs[1] and len(outputs[0].split()) >= 1
