@@ -13,6 +13,13 @@ except ImportError:  # a CPU-only install without triton: the torch providers re
     HAVE_TRITON = False
 else:
     HAVE_TRITON = True
-    from hy3c.kernels import fused_moe, paged_attention, qknorm_rope_kvstore, quant, router  # noqa: F401
+    from hy3c.kernels import (  # noqa: F401
+        fused_moe,
+        paged_attention,
+        qknorm_rope_kvstore,
+        quant,
+        rms_norm,
+        router,
+    )
 
 __all__ = ["HAVE_TRITON", "Provider", "provider_by_target", "providers_for", "register_provider"]

@@ -1,0 +1,147 @@
+"""Triton RMSNorm and residual add + RMSNorm: one launch per op instead of a chain of torch kernels.
+
+* `hy3_triton::rms_norm(x, weight, eps)` implements `hy3::rms_norm`;
+* `hy3_triton::add_rms_norm(x, residual, weight, eps)` implements `hy3::add_rms_norm`
+  → (rms_norm(x + residual), x + residual).
+
+The torch references run as ~9 kernels each (add, cast, square, mean, add, rsqrt, multiply, cast,
+weight) — with two norms per layer, most of a small decode step's launches. Here one program owns a
+row (up to `MAX_ROW` elements, held in registers), with the reference's rounding: the residual sum in
+the input dtype, statistics in fp32, the normalised value rounded to the input dtype, then times the
+weight, rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from hy3c.kernels.registry import Provider, register_provider
+
+MAX_ROW = 16384
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    rows,
+    cols,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
+    ADD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    ok = c < cols
+    x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
+    dtype = x.dtype
+    xf = x.to(tl.float32)
+    if ADD:  # the sum in fp32, rounded once to the input dtype (what torch's bf16 add does)
+        residual = tl.load(res_ptr + row * stride_r + c, mask=ok, other=0.0).to(tl.float32)
+        total = (xf + residual).to(dtype)
+        tl.store(sum_ptr + row * stride_s + c, total, mask=ok)
+        xf = total.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / cols + eps)
+    normed = (xf * inv).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + c, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _rows(t: Tensor) -> Tensor:
+    """t as [rows, cols] with unit stride along cols (a copy only when the last dim is strided)."""
+    t = t if t.stride(-1) == 1 else t.contiguous()
+    return t.reshape(-1, t.shape[-1])
+
+
+def launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor | None]:
+    cols = x.shape[-1]
+    if cols > MAX_ROW:
+        raise ValueError(f"rows of {cols} elements exceed the kernel's {MAX_ROW}")
+    x2 = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    total = torch.empty_like(out) if residual is not None else None
+    rows = x2.shape[0]
+    if rows:
+        res2 = _rows(residual) if residual is not None else x2
+        out2, total2 = out.view(-1, cols), (total.view(-1, cols) if total is not None else out.view(-1, cols))
+        block = triton.next_power_of_2(cols)
+        _rms_norm_kernel[(rows,)](
+            x2,
+            res2,
+            weight,
+            out2,
+            total2,
+            rows,
+            cols,
+            eps,
+            x2.stride(0),
+            res2.stride(0),
+            out2.stride(0),
+            total2.stride(0),
+            ADD=residual is not None,
+            BLOCK=block,
+            num_warps=max(min(block // 512, 16), 1),
+        )
+    return out, total
+
+
+@torch.library.custom_op("hy3_triton::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return launch(x, None, weight, eps)[0]
+
+
+@rms_norm.register_fake
+def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("hy3_triton::add_rms_norm", mutates_args=())
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    out, total = launch(x, residual, weight, eps)
+    assert total is not None
+    return out, total
+
+
+@add_rms_norm.register_fake
+def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _supports(node) -> str | None:
+    x = node.args[0].meta.get("val")
+    if x is not None and isinstance(x.shape[-1], int) and x.shape[-1] > MAX_ROW:
+        return f"rows longer than {MAX_ROW}"
+    return None
+
+
+def _supports_add(node) -> str | None:
+    x, residual = (node.args[i].meta.get("val") for i in (0, 1))
+    if x is not None and residual is not None and (x.shape != residual.shape or x.dtype != residual.dtype):
+        return "x and residual differ in shape or dtype"
+    return _supports(node)
+
+
+register_provider(
+    Provider(
+        "triton", "rms_norm", torch.ops.hy3_triton.rms_norm.default, frozenset({"cuda"}), supports=_supports
+    )
+)
+register_provider(
+    Provider(
+        "triton",
+        "add_rms_norm",
+        torch.ops.hy3_triton.add_rms_norm.default,
+        frozenset({"cuda"}),
+        supports=_supports_add,
+    )
+)
