@@ -154,3 +154,17 @@ def test_layer_offset_beyond_int32_on_the_gpu():
     from tests.kernels.test_paged_attention import check_far_layer
 
     check_far_layer("cuda")
+
+
+@pytest.mark.parametrize("tokens", [1, 33, 8192])
+def test_rms_norm_kernels_real_shapes(tokens):
+    x = 3 * torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    weight = (1 + 0.2 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
+    out, total = torch.ops.hy3_triton.add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_total = hy3.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, ref_total)
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=8e-3)  # at most a bf16 ulp (rsqrt, sum order)
+    torch.testing.assert_close(
+        torch.ops.hy3_triton.rms_norm(x, weight, 1e-5), hy3.rms_norm(x, weight, 1e-5), atol=2e-2, rtol=8e-3
+    )
