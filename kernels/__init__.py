@@ -14,6 +14,7 @@ except ImportError:  # a CPU-only install without triton: the torch providers re
 else:
     HAVE_TRITON = True
     from hy3c.kernels import (  # noqa: F401
+        activation,
         fused_moe,
         paged_attention,
         qknorm_rope_kvstore,

@@ -350,7 +350,7 @@ def test_artifact_with_triton_kernels_generates_like_eager(tiny_ckpt, tmp_path, 
     from hy3c.kernels import registry
 
     triton_ops = ("paged_attention", "qknorm_rope_quant_kvstore", "router_gemm", "topk_routing", "fused_moe")
-    for op in (*triton_ops, "add_rms_norm", "rms_norm"):
+    for op in (*triton_ops, "add_rms_norm", "rms_norm", "silu_and_mul", "attention_plan"):
         patched = [
             replace(p, devices=p.devices | {"cpu"}) if p.name == "triton" else p
             for p in registry._PROVIDERS[op]
@@ -363,6 +363,7 @@ def test_artifact_with_triton_kernels_generates_like_eager(tiny_ckpt, tmp_path, 
     assert lowered["hy3.qknorm_rope_quant_kvstore"] == {"triton": 3}
     assert lowered["hy3.fused_moe"] == {"triton": 2} and lowered["hy3.topk_routing"] == {"triton": 2}
     assert lowered["hy3.add_rms_norm"] == {"triton": 6} and lowered["hy3.rms_norm"] == {"triton": 1}
+    assert lowered["hy3.silu_and_mul"] == {"triton": 3} and lowered["hy3.attention_plan"] == {"triton": 1}
     runner = artifact.load(summary.out, compile=False)
     model = load_model(tiny_ckpt, dtype=torch.float32, progress=False)
     prompts = [[5, 9, 100, 7], list(range(20, 51)), [3]]

@@ -168,3 +168,14 @@ def test_rms_norm_kernels_real_shapes(tokens):
     torch.testing.assert_close(
         torch.ops.hy3_triton.rms_norm(x, weight, 1e-5), hy3.rms_norm(x, weight, 1e-5), atol=2e-2, rtol=8e-3
     )
+
+
+def test_silu_and_mul_and_attention_plan_real_shapes():
+    x = 4 * torch.randn(33, 2 * 1536, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(
+        torch.ops.hy3_triton.silu_and_mul(x), hy3.silu_and_mul(x), atol=1e-2, rtol=8e-3
+    )
+    seq_lens = torch.randint(1, 131072, (256,), device="cuda", dtype=torch.int32)
+    qsl = torch.arange(257, device="cuda", dtype=torch.int32)
+    plan = torch.ops.hy3_triton.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, 16)
+    assert torch.equal(plan, hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, 16))
