@@ -2,7 +2,10 @@
 
 * `hy3_triton::rms_norm(x, weight, eps)` implements `hy3::rms_norm`;
 * `hy3_triton::add_rms_norm(x, residual, weight, eps)` implements `hy3::add_rms_norm`
-  → (rms_norm(x + residual), x + residual).
+  → (rms_norm(x + residual), x + residual);
+* `hy3_triton::add_rms_norm_quant(x, residual, weight, eps, scale)` implements
+  `hy3::add_rms_norm_quant`: the same, plus the FP8 quantization of the normed rows the next GEMM
+  reads (per-row dynamic scale, or the static per-tensor one) in the same pass.
 
 The torch references run as ~9 kernels each (add, cast, square, mean, add, rsqrt, multiply, cast,
 weight) — with two norms per layer, most of a small decode step's launches. Here one program owns a
@@ -19,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hy3c.kernels.registry import Provider, register_provider
+from hy3c.ops.quant import FP8_DTYPE
 
 MAX_ROW = 16384
 
@@ -30,6 +34,9 @@ def _rms_norm_kernel(
     w_ptr,
     out_ptr,
     sum_ptr,
+    q_ptr,
+    scale_ptr,
+    static_ptr,
     rows,
     cols,
     eps,
@@ -37,7 +44,9 @@ def _rms_norm_kernel(
     stride_r,
     stride_o,
     stride_s,
+    stride_q,
     ADD: tl.constexpr,
+    QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -54,7 +63,17 @@ def _rms_norm_kernel(
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / cols + eps)
     normed = (xf * inv).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + c, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+    y = (w * normed).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + c, y, mask=ok)
+    if QUANT > 0:  # FP8 of the rounded output for the next GEMM: 1 = per-row dynamic, 2 = static scale
+        yf = y.to(tl.float32)
+        if QUANT == 1:
+            scale = tl.maximum(tl.max(tl.abs(yf), axis=0) / 448.0, 1e-12)
+        else:
+            scale = tl.load(static_ptr)
+        tl.store(scale_ptr + row, scale)
+        q = tl.clamp(yf / scale, -448.0, 448.0)
+        tl.store(q_ptr + row * stride_q + c, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -63,17 +82,25 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor | None]:
+def launch(
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, quant: str | None = None, scale=None
+) -> tuple[Tensor, ...]:
+    """→ (out, total or None) — and (q, q_scale) after them when `quant` is "dynamic" or "static"."""
     cols = x.shape[-1]
     if cols > MAX_ROW:
         raise ValueError(f"rows of {cols} elements exceed the kernel's {MAX_ROW}")
     x2 = _rows(x)
+    rows = x2.shape[0]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     total = torch.empty_like(out) if residual is not None else None
-    rows = x2.shape[0]
+    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device) if quant else None
+    q_scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if quant else None
     if rows:
         res2 = _rows(residual) if residual is not None else x2
-        out2, total2 = out.view(-1, cols), (total.view(-1, cols) if total is not None else out.view(-1, cols))
+        out2 = out.view(-1, cols)
+        total2 = total.view(-1, cols) if total is not None else out2
+        q2 = q if q is not None else out2
+        static = scale.float().reshape(1) if scale is not None else out2
         block = triton.next_power_of_2(cols)
         _rms_norm_kernel[(rows,)](
             x2,
@@ -81,6 +108,9 @@ def launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tu
             weight,
             out2,
             total2,
+            q2,
+            q_scale if q_scale is not None else out2,
+            static,
             rows,
             cols,
             eps,
@@ -88,11 +118,13 @@ def launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tu
             res2.stride(0),
             out2.stride(0),
             total2.stride(0),
+            q2.stride(0),
             ADD=residual is not None,
+            QUANT={None: 0, "dynamic": 1, "static": 2}[quant],
             BLOCK=block,
             num_warps=max(min(block // 512, 16), 1),
         )
-    return out, total
+    return (out, total) if not quant else (out, total, q, q_scale)
 
 
 @torch.library.custom_op("hy3_triton::rms_norm", mutates_args=())
@@ -108,13 +140,28 @@ def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 @torch.library.custom_op("hy3_triton::add_rms_norm", mutates_args=())
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     out, total = launch(x, residual, weight, eps)
-    assert total is not None
     return out, total
 
 
 @add_rms_norm.register_fake
 def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("hy3_triton::add_rms_norm_quant", mutates_args=())
+def add_rms_norm_quant(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out, total, q, q_scale = launch(
+        x, residual, weight, eps, "static" if scale is not None else "dynamic", scale
+    )
+    return out, total, q, q_scale
+
+
+@add_rms_norm_quant.register_fake
+def _(x, residual, weight, eps, scale):
+    rows = x.new_empty((x.shape[0], 1), dtype=torch.float32)
+    return torch.empty_like(x), torch.empty_like(x), torch.empty_like(x, dtype=FP8_DTYPE), rows
 
 
 def _supports(node) -> str | None:
@@ -134,6 +181,15 @@ def _supports_add(node) -> str | None:
 register_provider(
     Provider(
         "triton", "rms_norm", torch.ops.hy3_triton.rms_norm.default, frozenset({"cuda"}), supports=_supports
+    )
+)
+register_provider(
+    Provider(
+        "triton",
+        "add_rms_norm_quant",
+        torch.ops.hy3_triton.add_rms_norm_quant.default,
+        frozenset({"cuda"}),
+        supports=_supports_add,
     )
 )
 register_provider(

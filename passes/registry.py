@@ -19,6 +19,7 @@ def _load_builtin_passes() -> None:
         cleanup,
         fuse_add_rms_norm,
         fuse_moe,
+        fuse_norm_quant,
         fuse_qknorm_rope_kv,
         lower,
         plan_attention,

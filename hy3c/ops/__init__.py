@@ -24,6 +24,7 @@ L1_OPS = (
 )
 L2_OPS = (
     "add_rms_norm",
+    "add_rms_norm_quant",
     "qknorm_rope_quant_kvstore",
     "attention_plan",
     "paged_attention",

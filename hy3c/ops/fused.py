@@ -10,6 +10,7 @@ from torch import Tensor
 from hy3c.ops.attention import attention_reference, kv_store_reference
 from hy3c.ops.moe import moe_experts_reference, topk_routing_reference
 from hy3c.ops.norm import rms_norm_reference
+from hy3c.ops.quant import FP8_DTYPE, per_token_scale, quantize_fp8
 from hy3c.ops.rope import hadamard_reference, rope_reference
 
 
@@ -27,6 +28,32 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
 @add_rms_norm.register_fake
 def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return torch.empty_like(x), torch.empty_like(x)
+
+
+def add_rms_norm_quant_reference(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    normed, total = add_rms_norm_reference(x, residual, weight, eps)
+    if scale is None:
+        q_scale = per_token_scale(normed)
+    else:
+        q_scale = scale.float().reshape(1, 1).expand(normed.shape[0], 1).contiguous()
+    return normed, total, quantize_fp8(normed, q_scale), q_scale
+
+
+@torch.library.custom_op("hy3::add_rms_norm_quant", mutates_args=())
+def add_rms_norm_quant(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Residual add + RMSNorm + FP8 quantization of the normed rows for the next GEMM: (normed, x +
+    residual, q e4m3, q_scale [T, 1]) — per-token dynamic scales, or the static per-tensor `scale`."""
+    return add_rms_norm_quant_reference(x, residual, weight, eps, scale)
+
+
+@add_rms_norm_quant.register_fake
+def _(x, residual, weight, eps, scale):
+    rows = x.new_empty((x.shape[0], 1), dtype=torch.float32)
+    return torch.empty_like(x), torch.empty_like(x), torch.empty_like(x, dtype=FP8_DTYPE), rows
 
 
 def qknorm_rope_quant_kvstore_reference(

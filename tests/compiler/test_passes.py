@@ -12,6 +12,7 @@ from hy3c.compiler.trace import trace_step
 from hy3c.config import preset_config
 from hy3c.loader import load_model
 from hy3c.model import SeqChunk, build_step_batch
+from hy3c.passes.graph_utils import set_attr
 from hy3c.passes.manager import PassError, PassManager
 from hy3c.recipe import PassSpec
 
@@ -281,3 +282,50 @@ def test_fuse_moe_one_site_per_moe_layer(traced):
     gm.recompile()
     for out, ref in zip(_step(gm, cfg, torch.float32), _step(model, cfg, torch.float32)):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def _random_weights(gm: torch.fx.GraphModule) -> None:
+    """Real random values for every (meta) parameter: FP8 weights, positive scales, norms near 1."""
+    gen = torch.Generator().manual_seed(0)
+    for name, p in list(gm.named_parameters()):
+        if "scale" in name:
+            value = torch.rand(p.shape, generator=gen) * 0.01 + 1e-3
+        elif "norm" in name:
+            value = 1 + 0.1 * torch.randn(p.shape, generator=gen)
+        else:
+            value = 0.3 * torch.randn(p.shape, generator=gen)
+        set_attr(gm, name, value.to(p.dtype))
+    gm.recompile()
+
+
+def test_fuse_norm_quant_folds_each_normed_fp8_input_and_keeps_the_numbers(traced):
+    """After quantize (per-token FP8 activations) and fuse_add_rms_norm: every add+RMSNorm whose output
+    is quantized for a GEMM becomes one add_rms_norm_quant — 2 per layer but the first layer's input
+    norm (no residual add) — and the program computes exactly what it did."""
+    import copy
+
+    gm, _ = traced
+    cfg = preset_config("tiny")
+    ctx = make_ctx(cfg, overrides=["quant.weights=fp8", "quant.activations=dynamic"])
+    _run(gm, ctx, "quantize", "fuse_add_rms_norm")
+    _random_weights(gm)
+    before = copy.deepcopy(gm)
+    normed_only_quantized = sum(  # their bf16 output has no other reader: its getitem is dropped
+        1
+        for n in gm.graph.nodes
+        if n.target is torch.ops.hy3.add_rms_norm.default
+        for g in n.users
+        if g.args[1] == 0 and len(g.users) == 1
+    )
+    (result,) = _run(gm, ctx, "fuse_norm_quant")
+    layers = cfg.num_hidden_layers
+    assert result.matches == 2 * layers - 1 and sorted({s.layer for s in result.sites}) == list(range(layers))
+    assert result.ops_delta == {
+        "hy3.add_rms_norm": -(2 * layers - 1),
+        "hy3.quant_fp8_per_token": -(2 * layers - 1),
+        "hy3.add_rms_norm_quant": 2 * layers - 1,
+        "getitem": -normed_only_quantized,
+    }
+    gm.graph.lint()
+    for out, ref in zip(_step(gm, cfg, torch.float32), _step(before, cfg, torch.float32)):
+        assert torch.equal(out, ref)

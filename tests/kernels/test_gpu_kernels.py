@@ -179,3 +179,15 @@ def test_silu_and_mul_and_attention_plan_real_shapes():
     qsl = torch.arange(257, device="cuda", dtype=torch.int32)
     plan = torch.ops.hy3_triton.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, 16)
     assert torch.equal(plan, hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, 16))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_add_rms_norm_quant_real_shapes(static):
+    x = 3 * torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    residual, weight = torch.randn_like(x), (1 + 0.2 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
+    scale = torch.tensor([0.02], device="cuda") if static else None
+    out, total, q, q_scale = torch.ops.hy3_triton.add_rms_norm_quant(x, residual, weight, 1e-5, scale)
+    ref = hy3.add_rms_norm_quant(x, residual, weight, 1e-5, scale)
+    assert torch.equal(total, ref[1])
+    torch.testing.assert_close(out, ref[0], atol=2e-2, rtol=8e-3)
+    torch.testing.assert_close(q.float() * q_scale, ref[2].float() * ref[3], atol=0.1, rtol=0.07)

@@ -62,3 +62,22 @@ def test_providers_registered_for_cuda_with_their_limits():
     assert add.supports(node) is None
     nodes[0].meta["val"] = nodes[1].meta["val"] = torch.empty(4, 16385, dtype=torch.bfloat16)
     assert "longer" in add.supports(node)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_rms_norm_quant_matches_the_reference(static, dtype):
+    """Norm, residual and the FP8 rows the next GEMM reads, in one pass: per-row or static scales."""
+    x, residual, weight = _inputs((6, 96), dtype)
+    scale = torch.tensor([0.02]) if static else None
+    out, total, q, q_scale = tri.add_rms_norm_quant(x, residual, weight, 1e-5, scale)
+    ref_out, ref_total, ref_q, ref_scale = hy3.add_rms_norm_quant(x, residual, weight, 1e-5, scale)
+    assert torch.equal(total, ref_total) and q.dtype == ref_q.dtype and q_scale.shape == (6, 1)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=8e-3)
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(q_scale, ref_scale, atol=0, rtol=8e-3)
+    # the FP8 rows are those of the kernel's own normed output (exact), and within an e4m3 step of the reference
+    own_q = (out.float() / q_scale).clamp(-448, 448).to(q.dtype)
+    assert torch.equal(q.float(), own_q.float())
+    torch.testing.assert_close(q.float() * q_scale, ref_q.float() * ref_scale, atol=0.1, rtol=0.07)
+    torch.library.opcheck(tri.add_rms_norm_quant.default, (x, residual, weight, 1e-5, scale))
