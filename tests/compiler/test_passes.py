@@ -329,3 +329,35 @@ def test_fuse_norm_quant_folds_each_normed_fp8_input_and_keeps_the_numbers(trace
     gm.graph.lint()
     for out, ref in zip(_step(gm, cfg, torch.float32), _step(before, cfg, torch.float32)):
         assert torch.equal(out, ref)
+
+
+def test_fuse_norm_quant_static_scales(traced):
+    """The static form: `quant_fp8(normed, input_scale)` (an FP8 checkpoint's calibrated activation
+    scale) folds the same way, the scale handed to the fused op, and the numbers do not move."""
+    from hy3c.passes.graph_utils import add_attr, fake_mode_of, infer_val
+
+    gm, _ = traced
+    cfg = preset_config("tiny")
+    ctx = make_ctx(cfg, overrides=["quant.weights=fp8", "quant.activations=dynamic"])
+    _run(gm, ctx, "quantize", "fuse_add_rms_norm")
+    fake, graph, hy3 = fake_mode_of(gm), gm.graph, torch.ops.hy3
+    for i, dynamic in enumerate([n for n in graph.nodes if n.target is hy3.quant_fp8_per_token.default]):
+        scale = add_attr(gm, f"input_scale_{i}", torch.tensor([0.05]), fake)
+        with graph.inserting_before(dynamic):
+            static = graph.call_function(hy3.quant_fp8.default, (dynamic.args[0], scale))
+        infer_val(static, fake)
+        for getter in list(dynamic.users):
+            getter.replace_all_uses_with(static if getter.args[1] == 0 else scale)
+            graph.erase_node(getter)
+        graph.erase_node(dynamic)
+    _random_weights(gm)
+    before = copy.deepcopy(gm)
+    (result,) = _run(gm, ctx, "fuse_norm_quant")
+    assert result.matches == 2 * cfg.num_hidden_layers - 1
+    assert all(s.detail.startswith("static") for s in result.sites)
+    assert result.ops_delta["hy3.quant_fp8"] == -result.matches
+    fused = [n for n in gm.graph.nodes if n.target is hy3.add_rms_norm_quant.default]
+    assert all(n.args[4].op == "get_attr" for n in fused)
+    gm.graph.lint()
+    for out, ref in zip(_step(gm, cfg, torch.float32), _step(before, cfg, torch.float32)):
+        assert torch.equal(out, ref)
