@@ -209,9 +209,11 @@ def profile_decode(runner, config, batch_size: int, context: int) -> dict:
         runner(*batch.model_args(kv))
         sync(device)
     kernels: dict[str, float] = {}
+    launches = 0
     for event in prof.key_averages():
         if event.device_type.name == "CUDA" and event.self_device_time_total > 0:
             kernels[event.key[:60]] = event.self_device_time_total / 1e3
+            launches += event.count
     busy = sum(kernels.values())
     runner.capture_decode_graphs(kv, max_pages=per, batch_sizes=[batch_size])
     step = timed(lambda: runner.step(batch, kv), device, reps=20)
@@ -220,6 +222,7 @@ def profile_decode(runner, config, batch_size: int, context: int) -> dict:
         "step_ms": step,
         "kernel_ms": busy,
         "gpu_idle_pct": max(0.0, (1 - busy / step) * 100),
+        "kernel_launches": launches,
         "top_kernels_ms": top,
     }
 
