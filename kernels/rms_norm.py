@@ -83,7 +83,12 @@ def _rows(t: Tensor) -> Tensor:
 
 
 def launch(
-    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, quant: str | None = None, scale=None
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor,
+    eps: float,
+    quant: str | None = None,
+    scale: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """→ (out, total or None) — and (q, q_scale) after them when `quant` is "dynamic" or "static"."""
     cols = x.shape[-1]
