@@ -1,5 +1,6 @@
-"""Triton SwiGLU activation (`hy3_triton::silu_and_mul` implements `hy3::silu_and_mul`) and the
-per-step attention plan (`hy3_triton::attention_plan` implements `hy3::attention_plan`), one launch each.
+"""Triton SwiGLU activation (`hy3_triton::silu_and_mul` implements `hy3::silu_and_mul`; with the FP8
+quantization of its rows for the next GEMM, `hy3_triton::silu_and_mul_quant`) and the per-step attention
+plan (`hy3_triton::attention_plan` implements `hy3::attention_plan`), one launch each.
 
 The torch references take two kernels (silu, multiply) and about a dozen (ceil-divisions, cumsums,
 casts, concatenations) respectively; in a decode step every launch costs a few microseconds of gap.
@@ -14,8 +15,10 @@ import triton.language as tl
 from torch import Tensor
 
 from hy3c.kernels.registry import Provider, register_provider
+from hy3c.ops.quant import FP8_DTYPE
 
 BLOCK = 1024  # elements of one output row per program
+MAX_QUANT_ROW = 16384  # silu_and_mul_quant holds a whole output row (its absmax) in one program
 MAX_PLAN_REQUESTS = 8192  # one program holds every request of the step
 PLAN_BLOCK = 256  # at least this many lanes: one compiled variant for every batch up to 256 requests
 
@@ -31,6 +34,72 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, rows, inter, stride_x, stride_o, BLOCK:
     up = tl.load(x_ptr + row * stride_x + inter + c, mask=ok, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + c, (silu * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _silu_and_mul_quant_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    static_ptr,
+    rows,
+    inter,
+    stride_x,
+    stride_q,
+    STATIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One row per program: SwiGLU rounded as the reference, then FP8 with the row's absmax / 448 (or the
+    static scale)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    ok = c < inter
+    gate = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
+    dtype = gate.dtype
+    g = gate.to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + c, mask=ok, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    y = (silu * up).to(dtype).to(tl.float32)
+    if STATIC:
+        scale = tl.load(static_ptr)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+    tl.store(scale_ptr + row, scale)
+    q = tl.clamp(y / scale, -448.0, 448.0)
+    tl.store(q_ptr + row * stride_q + c, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+@torch.library.custom_op("hy3_triton::silu_and_mul_quant", mutates_args=())
+def silu_and_mul_quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    inter = x.shape[-1] // 2
+    if inter > MAX_QUANT_ROW:
+        raise ValueError(f"rows of {inter} elements exceed the kernel's {MAX_QUANT_ROW}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows = x.shape[0]
+    q = torch.empty((rows, inter), dtype=FP8_DTYPE, device=x.device)
+    q_scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows and inter:
+        block = triton.next_power_of_2(inter)
+        _silu_and_mul_quant_kernel[(rows,)](
+            x,
+            q,
+            q_scale,
+            scale.float().reshape(1) if scale is not None else q_scale,
+            rows,
+            inter,
+            x.stride(0),
+            q.stride(0),
+            STATIC=scale is not None,
+            BLOCK=block,
+            num_warps=max(min(block // 512, 16), 1),
+        )
+    return q, q_scale
+
+
+@silu_and_mul_quant.register_fake
+def _(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    rows = x.shape[0]
+    return x.new_empty((rows, x.shape[-1] // 2), dtype=FP8_DTYPE), x.new_empty((rows, 1), dtype=torch.float32)
 
 
 @torch.library.custom_op("hy3_triton::silu_and_mul", mutates_args=())
@@ -91,8 +160,26 @@ def _(seq_lens: Tensor, query_start_loc: Tensor, kv_tile: int, q_block: int) -> 
     return seq_lens.new_empty((2, seq_lens.shape[0] + 1), dtype=torch.int32)
 
 
+def _supports_quant(node) -> str | None:
+    x = node.args[0].meta.get("val")
+    if x is not None and (
+        x.dim() != 2 or (isinstance(x.shape[-1], int) and x.shape[-1] // 2 > MAX_QUANT_ROW)
+    ):
+        return f"expects [T, 2I] rows with I <= {MAX_QUANT_ROW}"
+    return None
+
+
 register_provider(
     Provider("triton", "silu_and_mul", torch.ops.hy3_triton.silu_and_mul.default, frozenset({"cuda"}))
+)
+register_provider(
+    Provider(
+        "triton",
+        "silu_and_mul_quant",
+        torch.ops.hy3_triton.silu_and_mul_quant.default,
+        frozenset({"cuda"}),
+        supports=_supports_quant,
+    )
 )
 register_provider(
     Provider("triton", "attention_plan", torch.ops.hy3_triton.attention_plan.default, frozenset({"cuda"}))

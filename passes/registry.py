@@ -17,6 +17,7 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
 def _load_builtin_passes() -> None:
     from hy3c.passes import (  # noqa: F401
         cleanup,
+        fuse_act_quant,
         fuse_add_rms_norm,
         fuse_moe,
         fuse_norm_quant,

@@ -31,6 +31,7 @@ L2_OPS = (
     "router_gemm",
     "topk_routing",
     "fused_moe",
+    "silu_and_mul_quant",
 )
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "L1_OPS", "L2_OPS", "attention", "fused", "moe", "norm", "quant", "rope"]

@@ -59,6 +59,28 @@ def _(x: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
+def silu_and_mul_quant_reference(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    y = silu_and_mul_reference(x)
+    if scale is None:
+        q_scale = per_token_scale(y)
+    else:
+        q_scale = scale.float().reshape(1, 1).expand(y.shape[0], 1).contiguous()
+    return quantize_fp8(y, q_scale), q_scale
+
+
+@torch.library.custom_op("hy3::silu_and_mul_quant", mutates_args=())
+def silu_and_mul_quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    """SwiGLU of x [T, 2I], quantized to FP8 for the next GEMM: (q [T, I] e4m3, q_scale [T, 1]) with
+    per-token dynamic scales, or the static per-tensor `scale`."""
+    return silu_and_mul_quant_reference(x, scale)
+
+
+@silu_and_mul_quant.register_fake
+def _(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    rows = x.shape[0]
+    return x.new_empty((rows, x.shape[-1] // 2), dtype=FP8_DTYPE), x.new_empty((rows, 1), dtype=torch.float32)
+
+
 def _expert_linear(x: Tensor, w: Tensor, w_scale: Tensor | None, a_scale: Tensor | None) -> Tensor:
     if w.dtype != FP8_DTYPE:
         return F.linear(x, w)

@@ -334,12 +334,30 @@ def test_fuse_norm_quant_folds_each_normed_fp8_input_and_keeps_the_numbers(trace
 def test_fuse_norm_quant_static_scales(traced):
     """The static form: `quant_fp8(normed, input_scale)` (an FP8 checkpoint's calibrated activation
     scale) folds the same way, the scale handed to the fused op, and the numbers do not move."""
-    from hy3c.passes.graph_utils import add_attr, fake_mode_of, infer_val
-
     gm, _ = traced
     cfg = preset_config("tiny")
     ctx = make_ctx(cfg, overrides=["quant.weights=fp8", "quant.activations=dynamic"])
     _run(gm, ctx, "quantize", "fuse_add_rms_norm")
+    _static_activation_scales(gm)
+    hy3 = torch.ops.hy3
+    _random_weights(gm)
+    before = copy.deepcopy(gm)
+    (result,) = _run(gm, ctx, "fuse_norm_quant")
+    assert result.matches == 2 * cfg.num_hidden_layers - 1
+    assert all(s.detail.startswith("static") for s in result.sites)
+    assert result.ops_delta["hy3.quant_fp8"] == -result.matches
+    fused = [n for n in gm.graph.nodes if n.target is hy3.add_rms_norm_quant.default]
+    assert all(n.args[4].op == "get_attr" for n in fused)
+    gm.graph.lint()
+    for out, ref in zip(_step(gm, cfg, torch.float32), _step(before, cfg, torch.float32)):
+        assert torch.equal(out, ref)
+
+
+def _static_activation_scales(gm: torch.fx.GraphModule) -> None:
+    """Turn every per-token FP8 quantization into the static form an FP8 checkpoint's calibrated
+    activation scales give: `quant_fp8(x, input_scale)`, the scale also going to the GEMM."""
+    from hy3c.passes.graph_utils import add_attr, fake_mode_of, infer_val
+
     fake, graph, hy3 = fake_mode_of(gm), gm.graph, torch.ops.hy3
     for i, dynamic in enumerate([n for n in graph.nodes if n.target is hy3.quant_fp8_per_token.default]):
         scale = add_attr(gm, f"input_scale_{i}", torch.tensor([0.05]), fake)
@@ -350,14 +368,27 @@ def test_fuse_norm_quant_static_scales(traced):
             getter.replace_all_uses_with(static if getter.args[1] == 0 else scale)
             graph.erase_node(getter)
         graph.erase_node(dynamic)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_fuse_act_quant_folds_each_swiglu_fp8_input_and_keeps_the_numbers(traced, static):
+    """After quantize: every SwiGLU whose only reader is the FP8 quantization of the down projection's
+    input (the dense MLP and each shared expert: one per layer) becomes one silu_and_mul_quant, per-token
+    or static, and the program computes exactly what it did."""
+    gm, _ = traced
+    cfg = preset_config("tiny")
+    ctx = make_ctx(cfg, overrides=["quant.weights=fp8", "quant.activations=dynamic"])
+    _run(gm, ctx, "quantize")
+    if static:
+        _static_activation_scales(gm)
     _random_weights(gm)
     before = copy.deepcopy(gm)
-    (result,) = _run(gm, ctx, "fuse_norm_quant")
-    assert result.matches == 2 * cfg.num_hidden_layers - 1
-    assert all(s.detail.startswith("static") for s in result.sites)
-    assert result.ops_delta["hy3.quant_fp8"] == -result.matches
-    fused = [n for n in gm.graph.nodes if n.target is hy3.add_rms_norm_quant.default]
-    assert all(n.args[4].op == "get_attr" for n in fused)
+    (result,) = _run(gm, ctx, "fuse_act_quant")
+    layers = cfg.num_hidden_layers
+    quant = "hy3.quant_fp8" if static else "hy3.quant_fp8_per_token"
+    assert result.matches == layers and sorted(s.layer for s in result.sites) == list(range(layers))
+    expected = {"hy3.silu_and_mul": -layers, quant: -layers, "hy3.silu_and_mul_quant": layers}
+    assert result.ops_delta == ({**expected, "getitem": layers} if static else expected)
     gm.graph.lint()
     for out, ref in zip(_step(gm, cfg, torch.float32), _step(before, cfg, torch.float32)):
         assert torch.equal(out, ref)

@@ -42,3 +42,21 @@ def test_opcheck_activation_kernels():
     torch.library.opcheck(tri.silu_and_mul.default, (torch.randn(3, 64),))
     seq_lens, qsl = torch.tensor([3, 70], dtype=torch.int32), torch.tensor([0, 3, 4], dtype=torch.int32)
     torch.library.opcheck(tri.attention_plan.default, (seq_lens, qsl, 256, 16))
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_and_mul_quant_matches_the_reference(static, dtype):
+    """The FP8 rows of the SwiGLU output for the next GEMM: per-row absmax scales, or a static one."""
+    x = (4 * torch.randn(6, 2 * 200, generator=torch.Generator().manual_seed(5))).to(dtype)
+    scale = torch.tensor([0.03]) if static else None
+    q, q_scale = tri.silu_and_mul_quant(x, scale)
+    ref_q, ref_scale = hy3.silu_and_mul_quant(x, scale)
+    assert q.dtype == ref_q.dtype and q.shape == (6, 200) and q_scale.shape == (6, 1)
+    torch.testing.assert_close(q_scale, ref_scale, atol=0, rtol=8e-3)
+    torch.testing.assert_close(q.float() * q_scale, ref_q.float() * ref_scale, atol=0.05, rtol=0.07)
+    if dtype == torch.float32:  # no intermediate rounding to differ: the same FP8 codes
+        assert torch.equal(q.float(), ref_q.float())
+    torch.library.opcheck(tri.silu_and_mul_quant.default, (x, scale))
+    with pytest.raises(ValueError, match="exceed"):
+        tri.silu_and_mul_quant(torch.randn(1, 2 * 16385), None)

@@ -191,3 +191,12 @@ def test_add_rms_norm_quant_real_shapes(static):
     assert torch.equal(total, ref[1])
     torch.testing.assert_close(out, ref[0], atol=2e-2, rtol=8e-3)
     torch.testing.assert_close(q.float() * q_scale, ref[2].float() * ref[3], atol=0.1, rtol=0.07)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_silu_and_mul_quant_real_shapes(static):
+    x = 4 * torch.randn(64, 2 * 1536, device="cuda", dtype=torch.bfloat16)
+    scale = torch.tensor([0.03], device="cuda") if static else None
+    q, q_scale = torch.ops.hy3_triton.silu_and_mul_quant(x, scale)
+    ref_q, ref_scale = hy3.silu_and_mul_quant(x, scale)
+    torch.testing.assert_close(q.float() * q_scale, ref_q.float() * ref_scale, atol=0.05, rtol=0.07)
