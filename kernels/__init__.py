@@ -17,6 +17,7 @@ else:
         activation,
         fused_moe,
         paged_attention,
+        plan_kernel,
         qknorm_rope_kvstore,
         quant,
         rms_norm,

@@ -1,4 +1,5 @@
-"""Triton silu_and_mul and attention_plan against the torch references (TRITON_INTERPRET=1 on CPU)."""
+"""Triton silu_and_mul(_quant) and the attention-plan kernel against the torch references
+(TRITON_INTERPRET=1 on CPU)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 import hy3c.kernels
 import hy3c.ops  # noqa: F401
-from hy3c.kernels.activation import MAX_PLAN_REQUESTS
+from hy3c.kernels.plan_kernel import MAX_PLAN_REQUESTS
 
 hy3, tri = torch.ops.hy3, torch.ops.hy3_triton
 
