@@ -144,7 +144,9 @@ def prepare_fused(
 def fused_inputs(params: list[SamplingParams], seeds: list[int], device: torch.device) -> FusedInputs:
     """The parameter columns of `prepare_fused` for the given seeds (two host-to-device copies)."""
     rows, pad = len(params), -len(params) % 4
-    floats = torch.tensor([(p.temperature, p.top_p, p.min_p) for p in params] + [(0, 0, 0)] * pad)
+    floats = torch.tensor(
+        [(p.temperature, p.top_p, p.min_p) for p in params] + [(0, 0, 0)] * pad, dtype=torch.float32
+    )
     ints = torch.tensor([(p.top_k, s) for p, s in zip(params, seeds)] + [(0, 0)] * pad, dtype=torch.int32)
     floats, ints = floats.T.contiguous().to(device), ints.T.contiguous().to(device)
     return FusedInputs((floats[0, :rows], ints[0, :rows], floats[1, :rows], floats[2, :rows], ints[1, :rows]))
@@ -161,8 +163,11 @@ def sample(
 ) -> SampleResult:
     """Sample one token per row; on CUDA through the Triton fused sampler (with the columns `prepared`
     earlier, else prepared now), elsewhere the reference."""
+    if not params:
+        return SampleResult([], [], [])
     if logits.is_cuda and _triton_sampler() is not None:
         inputs = prepared or prepare_fused(params, generators, logits.device)
+        assert inputs is not None
         return _sample_fused(logits, params, history, inputs, num_logprobs, noise)
     return sample_reference(logits, params, history, generators, num_logprobs, noise)
 

@@ -184,3 +184,26 @@ def test_prepared_inputs_are_the_ones_the_fused_sampler_uses(monkeypatch):
     monkeypatch.setattr(sampler_mod, "prepare_fused", lambda p, g, d: sampler_mod.fused_inputs(p, [9, 9], d))
     sample(logits, params, history, gens)
     assert used[-1][4].tolist() == [9, 9]
+
+
+def test_no_rows_sample_nothing_and_integer_parameters_stay_floats(monkeypatch):
+    """A step whose chunks want no logits samples nothing (on the fused path too); parameters that are
+    whole numbers still travel as fp32 columns."""
+    import hy3c.serve.sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "_triton_sampler", lambda: None)
+    empty = sample(torch.empty(0, 11), [], [], [])
+    assert empty.tokens == [] and empty.logprobs == [] and empty.top == []
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(sampler_mod, "_triton_sampler", lambda: pytest.fail)  # never reached for no rows
+    assert sample(torch.empty(0, 11), [], [], []).tokens == []
+    columns = sampler_mod.fused_inputs(
+        [SamplingParams(temperature=1, top_p=1, min_p=0)], [3], torch.device("cpu")
+    )
+    assert [c.dtype for c in columns.columns] == [
+        torch.float32,
+        torch.int32,
+        torch.float32,
+        torch.float32,
+        torch.int32,
+    ]
