@@ -68,6 +68,8 @@ def _silu_and_mul_quant_kernel(
 
 @torch.library.custom_op("hy3_triton::silu_and_mul_quant", mutates_args=())
 def silu_and_mul_quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    if x.dim() != 2:
+        raise ValueError(f"silu_and_mul_quant expects [T, 2I] activations, got {tuple(x.shape)}")
     inter = x.shape[-1] // 2
     if inter > MAX_QUANT_ROW:
         raise ValueError(f"rows of {inter} elements exceed the kernel's {MAX_QUANT_ROW}")

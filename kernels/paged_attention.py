@@ -53,7 +53,8 @@ class LaunchConfig:
     num_stages: int = 3
     ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
-    # dynamic decode only: the last CTA to finish a request merges its partials (no combine launch)
+    # dynamic decode only: the last CTA to finish a request merges its partials (no combine launch);
+    # every request must have a key (a decode step's always do: its own), else its rows stay unwritten
     fused_combine: bool = False
 
 

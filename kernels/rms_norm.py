@@ -139,7 +139,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 @rms_norm.register_fake
 def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the kernel writes it
 
 
 @torch.library.custom_op("hy3_triton::add_rms_norm", mutates_args=())
@@ -150,13 +150,15 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
 
 @add_rms_norm.register_fake
 def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(x), torch.empty_like(x)
+    return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
 @torch.library.custom_op("hy3_triton::add_rms_norm_quant", mutates_args=())
 def add_rms_norm_quant(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if x.dim() != 2:
+        raise ValueError(f"add_rms_norm_quant expects [T, H] activations, got {tuple(x.shape)}")
     out, total, q, q_scale = launch(
         x, residual, weight, eps, "static" if scale is not None else "dynamic", scale
     )
@@ -166,7 +168,7 @@ def add_rms_norm_quant(
 @add_rms_norm_quant.register_fake
 def _(x, residual, weight, eps, scale):
     rows = x.new_empty((x.shape[0], 1), dtype=torch.float32)
-    return torch.empty_like(x), torch.empty_like(x), torch.empty_like(x, dtype=FP8_DTYPE), rows
+    return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(x.shape, dtype=FP8_DTYPE), rows
 
 
 def _supports(node) -> str | None:
@@ -180,6 +182,8 @@ def _supports_add(node) -> str | None:
     x, residual = (node.args[i].meta.get("val") for i in (0, 1))
     if x is not None and residual is not None and (x.shape != residual.shape or x.dtype != residual.dtype):
         return "x and residual differ in shape or dtype"
+    if node.target is torch.ops.hy3.add_rms_norm_quant.default and x is not None and x.dim() != 2:
+        return "the quantized form expects [T, H] activations"
     return _supports(node)
 
 

@@ -44,6 +44,8 @@ class FuseActQuant(Pass):
             (quant,) = act.users
             if quant.target not in _QUANTS or quant.args[0] is not act:
                 continue
+            if getattr(act.meta.get("val"), "ndim", 0) != 2:
+                continue  # the quantized form takes [T, 2I] rows
             static = quant.target is hy3.quant_fp8.default
             scale = quant.args[1] if static else None
             if isinstance(scale, fx.Node) and order[scale] > order[act]:

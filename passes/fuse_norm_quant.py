@@ -51,8 +51,8 @@ class FuseNormQuant(Pass):
             outputs = _getitems(norm)
             normed = outputs.get(0)
             quant = next((u for u in normed.users if u.target in _QUANTS), None) if normed else None
-            if quant is None:
-                continue
+            if quant is None or getattr(normed.meta.get("val"), "ndim", 0) != 2:
+                continue  # nothing quantizes the normed rows, or they are not [T, H]
             static = quant.target is hy3.quant_fp8.default
             scale = quant.args[1] if static else None
             if isinstance(scale, fx.Node) and order[scale] > order[norm]:

@@ -33,6 +33,8 @@ def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, 
 def add_rms_norm_quant_reference(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if x.dim() != 2:
+        raise ValueError(f"add_rms_norm_quant expects [T, H] activations, got {tuple(x.shape)}")
     normed, total = add_rms_norm_reference(x, residual, weight, eps)
     if scale is None:
         q_scale = per_token_scale(normed)

@@ -60,6 +60,8 @@ def _(x: Tensor) -> Tensor:
 
 
 def silu_and_mul_quant_reference(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    if x.dim() != 2:
+        raise ValueError(f"silu_and_mul_quant expects [T, 2I] activations, got {tuple(x.shape)}")
     y = silu_and_mul_reference(x)
     if scale is None:
         q_scale = per_token_scale(y)

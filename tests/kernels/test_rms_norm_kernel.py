@@ -81,3 +81,18 @@ def test_add_rms_norm_quant_matches_the_reference(static, dtype):
     assert torch.equal(q.float(), own_q.float())
     torch.testing.assert_close(q.float() * q_scale, ref_q.float() * ref_scale, atol=0.1, rtol=0.07)
     torch.library.opcheck(tri.add_rms_norm_quant.default, (x, residual, weight, 1e-5, scale))
+
+
+def test_fakes_match_the_kernels_for_strided_input_and_quant_needs_rows():
+    """The kernels write contiguous outputs whatever x's layout (so must the fakes), and the quantized
+    form takes [T, H] activations only (its scales are per row)."""
+    x = torch.randn(64, 5).t()  # [5, 64] with a strided last dim
+    weight = torch.ones(64)
+    torch.library.opcheck(tri.rms_norm.default, (x, weight, 1e-5))
+    torch.library.opcheck(tri.add_rms_norm.default, (x, torch.randn(5, 64), weight, 1e-5))
+    for op in (tri.add_rms_norm_quant, hy3.add_rms_norm_quant):
+        with pytest.raises(ValueError, match=r"\[T, H\]"):
+            op(torch.randn(2, 3, 64), torch.randn(2, 3, 64), weight, 1e-5, None)
+    for op in (tri.silu_and_mul_quant, hy3.silu_and_mul_quant):
+        with pytest.raises(ValueError, match=r"\[T, 2I\]"):
+            op(torch.randn(2, 3, 64), None)
