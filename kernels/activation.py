@@ -20,17 +20,23 @@ BLOCK = 1024  # elements of one output row per program
 MAX_QUANT_ROW = 16384  # silu_and_mul_quant holds a whole output row (its absmax) in one program
 
 
+@triton.jit
+def _swiglu(row_ptr, c, ok, inter):
+    """silu(gate) * up for columns c of one [gate | up] row, rounded as the reference: silu(gate) to the
+    input dtype, then the product (returned in the input dtype)."""
+    gate = tl.load(row_ptr + c, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    up = tl.load(row_ptr + inter + c, mask=ok, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (silu * up).to(gate.dtype)
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _silu_and_mul_kernel(x_ptr, out_ptr, rows, inter, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < inter
-    gate = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
-    dtype = gate.dtype
-    g = gate.to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + inter + c, mask=ok, other=0.0).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + c, (silu * up).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + row * stride_o + c, _swiglu(x_ptr + row * stride_x, c, ok, inter), mask=ok)
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -51,12 +57,7 @@ def _silu_and_mul_quant_kernel(
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < inter
-    gate = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
-    dtype = gate.dtype
-    g = gate.to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + inter + c, mask=ok, other=0.0).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    y = (silu * up).to(dtype).to(tl.float32)
+    y = _swiglu(x_ptr + row * stride_x, c, ok, inter).to(tl.float32)
     if STATIC:
         scale = tl.load(static_ptr)
     else:

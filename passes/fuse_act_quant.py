@@ -22,11 +22,10 @@ import torch
 from torch import fx
 
 from hy3c.passes.base import CompileCtx, Pass, PassConfig, Site, Stage
-from hy3c.passes.graph_utils import copy_meta, fake_mode_of, infer_val, layer_of
+from hy3c.passes.graph_utils import copy_meta, fake_mode_of, fp8_quant_reader, infer_val, layer_of
 from hy3c.passes.registry import register_pass
 
 hy3 = torch.ops.hy3
-_QUANTS = (hy3.quant_fp8_per_token.default, hy3.quant_fp8.default)
 
 
 @register_pass
@@ -36,20 +35,13 @@ class FuseActQuant(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: CompileCtx, config: PassConfig) -> list[Site]:
         graph, fake = gm.graph, fake_mode_of(gm)
-        order = {node: i for i, node in enumerate(graph.nodes)}
         sites = []
         for act in [n for n in graph.nodes if n.target is hy3.silu_and_mul.default]:
-            if len(act.users) != 1:
-                continue  # the bf16 activation is read elsewhere too: keep it
-            (quant,) = act.users
-            if quant.target not in _QUANTS or quant.args[0] is not act:
-                continue
-            if getattr(act.meta.get("val"), "ndim", 0) != 2:
-                continue  # the quantized form takes [T, 2I] rows
-            static = quant.target is hy3.quant_fp8.default
-            scale = quant.args[1] if static else None
-            if isinstance(scale, fx.Node) and order[scale] > order[act]:
-                continue  # a computed static scale defined after the activation
+            reader = fp8_quant_reader(act, act) if len(act.users) == 1 else None
+            if reader is None:
+                continue  # no FP8 reader, or the bf16 activation is read elsewhere too: keep it
+            quant, scale = reader
+            static = scale is not None
             with graph.inserting_before(act):
                 fused = graph.call_function(hy3.silu_and_mul_quant.default, (act.args[0], scale))
             copy_meta(act, fused)

@@ -27,11 +27,10 @@ import torch
 from torch import fx
 
 from hy3c.passes.base import CompileCtx, Pass, PassConfig, Site, Stage
-from hy3c.passes.graph_utils import copy_meta, fake_mode_of, infer_val, layer_of
+from hy3c.passes.graph_utils import copy_meta, fake_mode_of, fp8_quant_reader, infer_val, layer_of
 from hy3c.passes.registry import register_pass
 
 hy3 = torch.ops.hy3
-_QUANTS = (hy3.quant_fp8_per_token.default, hy3.quant_fp8.default)
 
 
 def _getitems(node: fx.Node) -> dict[int, fx.Node]:
@@ -45,18 +44,14 @@ class FuseNormQuant(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: CompileCtx, config: PassConfig) -> list[Site]:
         graph, fake = gm.graph, fake_mode_of(gm)
-        order = {node: i for i, node in enumerate(graph.nodes)}
         sites = []
         for norm in [n for n in graph.nodes if n.target is hy3.add_rms_norm.default]:
             outputs = _getitems(norm)
-            normed = outputs.get(0)
-            quant = next((u for u in normed.users if u.target in _QUANTS), None) if normed else None
-            if quant is None or getattr(normed.meta.get("val"), "ndim", 0) != 2:
-                continue  # nothing quantizes the normed rows, or they are not [T, H]
-            static = quant.target is hy3.quant_fp8.default
-            scale = quant.args[1] if static else None
-            if isinstance(scale, fx.Node) and order[scale] > order[norm]:
-                continue  # a computed static scale defined after the norm
+            reader = fp8_quant_reader(outputs[0], norm) if 0 in outputs else None
+            if reader is None:
+                continue
+            quant, scale = reader
+            static = scale is not None
             with graph.inserting_before(norm):
                 fused = graph.call_function(hy3.add_rms_norm_quant.default, (*norm.args, scale))
             copy_meta(norm, fused)

@@ -100,3 +100,24 @@ def attr_tensor(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor | None:
         if obj is None:
             return None
     return obj if isinstance(obj, torch.Tensor) else None
+
+
+_FP8_QUANTS = (torch.ops.hy3.quant_fp8_per_token.default, torch.ops.hy3.quant_fp8.default)
+
+
+def fp8_quant_reader(value: fx.Node, anchor: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
+    """The FP8 quantization of `value` [T, K] for a GEMM (`quant_fp8_per_token(value)` or
+    `quant_fp8(value, scale)`) that a fused op inserted before `anchor` can take over: (quant node,
+    static scale or None). None if there is none, value is not 2-D, or its static scale is computed after
+    `anchor` (the fused op could not read it)."""
+    if getattr(value.meta.get("val"), "ndim", 0) != 2:
+        return None
+    quant = next((u for u in value.users if u.target in _FP8_QUANTS and u.args[0] is value), None)
+    if quant is None:
+        return None
+    scale = quant.args[1] if quant.target is torch.ops.hy3.quant_fp8.default else None
+    if isinstance(scale, fx.Node):
+        order = {node: i for i, node in enumerate(value.graph.nodes)}
+        if order[scale] > order[anchor]:
+            return None
+    return quant, scale
