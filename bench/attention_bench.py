@@ -5,7 +5,7 @@
 1. Fused QK-norm + RoPE + FP8 quant + KV store at 16K tokens (Hy3 heads 64/8 × 128): the eager chain
    of hy3 L1 reference ops, `torch.compile` of that chain, the Triton kernel; bytes floor at 4.25 TB/s.
 2. Decode attention, batch 32 of mixed lengths (1K…128K, the peer set: seed 1), page 64: dynamic
-   split-KV (separate or fused combine) vs static split-KV (16 splits per request, and the splits a
+   split-KV vs static split-KV (16 splits per request, and the splits a
    FlashAttention-2-style heuristic picks from the grid), bf16 and FP8 KV, vs a loop of torch SDPA over contiguous
    bf16 KV; % of copy bandwidth on the KV bytes read. Then a single 128K request.
 3. Causal prefill attention at 8K and 32K tokens vs torch SDPA (flash).
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -128,7 +127,6 @@ def _paged_cache(lengths: list[int], dtype: torch.dtype, kv_scale: float):
 def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
     d = "cuda"
     sms = torch.cuda.get_device_properties(d).multi_processor_count
-    fused = replace(DECODE_CONFIG, fused_combine=True)
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=d)
     qsl = torch.arange(len(lengths) + 1, dtype=torch.int32, device=d)
     q = torch.randn(len(lengths), HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
@@ -150,10 +148,7 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
             }
         name = "bf16" if dtype == torch.bfloat16 else "fp8"
         kv = (cache, scales, 0, table, seq_lens, scale)
-        out_fused = decode_attention_dynamic(q, *kv, plan, config=fused)
-        RESULTS[f"decode_{label}_{dtype}_fused_vs_unfused_max_abs"] = (out_fused - dyn).abs().max().item()
         t_dyn = bench(lambda kv=kv: decode_attention_dynamic(q, *kv, plan))
-        t_fused = bench(lambda kv=kv: decode_attention_dynamic(q, *kv, plan, config=fused))
         t_static = bench(lambda kv=kv: decode_attention_static(q, *kv))
         splits = plan_mod.heuristic_static_splits(
             len(lengths) * KV_HEADS, sms, plan_mod.cdiv(max(lengths), DECODE_CONFIG.block_n)
@@ -163,7 +158,6 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
         row(f"decode {label} {name} KV: static split-KV (16)", t_static, floor)
         row(f"decode {label} {name} KV: dynamic split-KV", t_dyn, floor, t_static, "static (16)")
         row(f"decode {label} {name} KV: dynamic vs FA2-style static", t_dyn, floor, t_heuristic, "FA2-style")
-        row(f"decode {label} {name} KV: dynamic, combine fused in", t_fused, floor, t_dyn, "separate combine")
         if sdpa_ms is not None:
             row(f"decode {label} {name} KV: dynamic vs SDPA loop", t_dyn, floor, sdpa_ms, "SDPA loop (bf16)")
         del cache, kv

@@ -38,7 +38,7 @@ from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
 DECODE_SPLITS_STATIC = 16
-COMBINE_SLOTS = 8  # partial results the combine kernel loads per trip
+COMBINE_SLOTS = 16  # partial results the combine kernel loads per trip
 # integer arguments that change with the batch: Triton would otherwise compile a variant for 1 and for
 # multiples of 16 — compilation (seconds) in the middle of live traffic
 BATCH_ARGS = ["num_requests", "search_iters"]
@@ -53,9 +53,6 @@ class LaunchConfig:
     num_stages: int = 3
     ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
-    # dynamic decode only: the last CTA to finish a request merges its partials (no combine launch);
-    # every request must have a key (a decode step's always do: its own), else its rows stay unwritten
-    fused_combine: bool = False
 
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
@@ -267,8 +264,6 @@ def _decode_dynamic_kernel(
     plan_ptr,
     part_o_ptr,
     part_lse_ptr,
-    out_ptr,
-    counter_ptr,
     num_requests,
     search_iters,
     num_ctas,
@@ -283,8 +278,6 @@ def _decode_dynamic_kernel(
     stride_po_slot,
     stride_po_head,
     stride_pl_slot,
-    stride_ot,
-    stride_oh,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -293,9 +286,6 @@ def _decode_dynamic_kernel(
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
-    COMBINE_SLOTS: tl.constexpr,
-    KV_HEADS: tl.constexpr,
 ):
     cta = tl.program_id(0)
     head = tl.program_id(1)
@@ -358,32 +348,6 @@ def _decode_dynamic_kernel(
             GROUP_PAD,
             HEAD_DIM,
         )
-        if FUSED_COMBINE:  # the last CTA to finish a request's partials merges them
-            first_slot, last_slot = _request_slots(plan_ptr, r, num_requests, num_ctas)
-            counter = counter_ptr + r * KV_HEADS + head
-            tl.debug_barrier()  # every thread's partial stores precede the release below
-            finished = tl.atomic_add(counter, 1, sem="acq_rel")
-            if finished == last_slot - first_slot - 1:
-                tl.debug_barrier()
-                _combine_request(
-                    out_ptr,
-                    part_o_ptr,
-                    part_lse_ptr,
-                    r,
-                    head,
-                    first_slot,
-                    last_slot,
-                    stride_ot,
-                    stride_oh,
-                    stride_po_slot,
-                    stride_po_head,
-                    stride_pl_slot,
-                    GROUP,
-                    GROUP_PAD,
-                    HEAD_DIM,
-                    COMBINE_SLOTS,
-                )
-                tl.atomic_xchg(counter, 0)  # zero again for the next launch (and CUDA-graph replay)
         t = seg_end
 
 
@@ -397,67 +361,6 @@ def _request_slots(plan_ptr, r, num_requests, num_ctas):
     first_slot = first_tile // quota + r
     last_slot = tl.where(last_tile > first_tile, (last_tile - 1) // quota + r + 1, first_slot)
     return first_slot, last_slot
-
-
-@triton.jit
-def _combine_request(
-    out_ptr,
-    part_o_ptr,
-    part_lse_ptr,
-    r,
-    head,
-    first_slot,
-    last_slot,
-    stride_ot,
-    stride_oh,
-    stride_po_slot,
-    stride_po_head,
-    stride_pl_slot,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    COMBINE_SLOTS: tl.constexpr,
-):
-    """Merge request r's partial (o, lse) results of one KV head into its output rows. The partials are
-    read from L2 (`.cg`): in the fused path other CTAs wrote them during this launch."""
-    g = tl.arange(0, GROUP)
-    d = tl.arange(0, HEAD_DIM)
-    # COMBINE_SLOTS partials at a time: their loads are issued together, not one round trip per slot
-    sl = tl.arange(0, COMBINE_SLOTS)
-    m = tl.full([GROUP], float("-inf"), tl.float32)
-    total_w = tl.zeros([GROUP], tl.float32)
-    acc = tl.zeros([GROUP, HEAD_DIM], tl.float32)
-    for base in range(first_slot, last_slot, COMBINE_SLOTS):
-        slot = base + sl
-        slot_ok = (slot < last_slot)[:, None]
-        lse = tl.load(
-            part_lse_ptr + slot[:, None] * stride_pl_slot + head * GROUP_PAD + g[None, :],
-            mask=slot_ok,
-            other=float("-inf"),
-            cache_modifier=".cg",
-        )
-        o = tl.load(
-            part_o_ptr
-            + slot[:, None, None] * stride_po_slot
-            + head * stride_po_head
-            + g[None, :, None] * HEAD_DIM
-            + d[None, None, :],
-            mask=slot_ok[:, :, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        m_new = tl.maximum(m, tl.max(lse, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe[None, :])
-        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], axis=0)
-        total_w = total_w * alpha + tl.sum(w, axis=0)
-        m = m_new
-    result = acc / tl.where(total_w == 0.0, 1.0, total_w)[:, None]
-    tl.store(
-        out_ptr + r * stride_ot + (head * GROUP + g)[:, None] * stride_oh + d[None, :],
-        result.to(out_ptr.dtype.element_ty),
-    )
 
 
 @triton.jit(do_not_specialize=BATCH_ARGS)
@@ -479,31 +382,43 @@ def _decode_combine_kernel(
     STATIC_SPLITS: tl.constexpr,
     COMBINE_SLOTS: tl.constexpr,
 ):
+    """Merge request r's partial (o, lse) results into one query head's output row. One program per
+    (request, query head) and COMBINE_SLOTS partials per trip (their loads issued together): a decode
+    step's requests usually have few slots, so most programs finish in one trip."""
     r = tl.program_id(0)
-    head = tl.program_id(1)
+    query_head = tl.program_id(1)
+    head = query_head // GROUP
+    g = query_head % GROUP
     if STATIC_SPLITS > 0:
         first_slot = r * STATIC_SPLITS
         last_slot = first_slot + STATIC_SPLITS
     else:
         first_slot, last_slot = _request_slots(plan_ptr, r, num_requests, num_ctas)
-    _combine_request(
-        out_ptr,
-        part_o_ptr,
-        part_lse_ptr,
-        r,
-        head,
-        first_slot,
-        last_slot,
-        stride_ot,
-        stride_oh,
-        stride_po_slot,
-        stride_po_head,
-        stride_pl_slot,
-        GROUP,
-        GROUP_PAD,
-        HEAD_DIM,
-        COMBINE_SLOTS,
-    )
+    d = tl.arange(0, HEAD_DIM)
+    sl = tl.arange(0, COMBINE_SLOTS)
+    m = tl.full([1], float("-inf"), tl.float32)
+    total_w = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for base in range(first_slot, last_slot, COMBINE_SLOTS):
+        slot = base + sl
+        slot_ok = slot < last_slot
+        lse = tl.load(
+            part_lse_ptr + slot * stride_pl_slot + head * GROUP_PAD + g, mask=slot_ok, other=float("-inf")
+        )
+        o = tl.load(
+            part_o_ptr + slot[:, None] * stride_po_slot + head * stride_po_head + g * HEAD_DIM + d[None, :],
+            mask=slot_ok[:, None],
+            other=0.0,
+        )
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
+        acc = acc * alpha + tl.sum(o * w[:, None], axis=0)
+        total_w = total_w * alpha + tl.sum(w, axis=0)
+        m = m_new
+    result = acc / tl.where(total_w == 0.0, 1.0, total_w)
+    tl.store(out_ptr + r * stride_ot + query_head * stride_oh + d, result.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -704,24 +619,6 @@ def _cache_flags(kv_cache: Tensor) -> dict[str, int | bool]:
     return dict(FP8=fp8, FP8_ASM=fp8 and kv_cache.is_cuda, PAGE_SIZE=kv_cache.shape[3])
 
 
-_COUNTERS: dict[str, list[Tensor]] = {}
-
-
-def _combine_counters(device: torch.device, needed: int) -> Tensor:
-    """Zeroed int32 arrival counters for the fused combine, one per (request, KV head).
-
-    The kernel leaves every counter it used at zero, so one buffer serves every launch on the device.
-    Buffers are kept for the life of the process (a captured CUDA graph keeps using the one it saw;
-    graphs are captured after warm-up runs, which allocate outside the capture). One stream at a time.
-    """
-    buffers = _COUNTERS.setdefault(str(device), [])
-    for buffer in buffers:
-        if buffer.numel() >= needed:
-            return buffer
-    buffers.append(torch.zeros(max(triton.next_power_of_2(needed), 1024), dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
 def num_decode_ctas(
     device: torch.device, num_kv_heads: int, ctas_per_sm: int = DECODE_CONFIG.ctas_per_sm
 ) -> int:
@@ -759,7 +656,6 @@ def decode_attention_dynamic(
     part_lse = torch.empty((slots, num_kv_heads, group_pad), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim)
-    counters = _combine_counters(q.device, num_requests * num_kv_heads) if config.fused_combine else part_lse
     _decode_dynamic_kernel[(num_ctas, num_kv_heads)](
         q,
         kv_cache[layer],
@@ -769,8 +665,6 @@ def decode_attention_dynamic(
         plan,
         part_o,
         part_lse,
-        out,
-        counters,
         num_requests,
         _search_iters(num_requests),
         num_ctas,
@@ -782,21 +676,14 @@ def decode_attention_dynamic(
         part_o.stride(0),
         part_o.stride(1),
         part_lse.stride(0),
-        out.stride(0),
-        out.stride(1),
         KV_TILE=KV_TILE,
         BLOCK_N=config.block_n,
         **_cache_flags(kv_cache),
-        FUSED_COMBINE=config.fused_combine,
-        COMBINE_SLOTS=COMBINE_SLOTS,
-        KV_HEADS=num_kv_heads,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **common,
     )
-    if config.fused_combine:
-        return out
-    _decode_combine_kernel[(num_requests, num_kv_heads)](
+    _decode_combine_kernel[(num_requests, num_kv_heads * group)](
         out,
         plan,
         part_o,
@@ -861,7 +748,7 @@ def decode_attention_static(
         num_stages=config.num_stages,
         **common,
     )
-    _decode_combine_kernel[(num_requests, num_kv_heads)](
+    _decode_combine_kernel[(num_requests, num_kv_heads * group)](
         out,
         seq_lens,
         part_o,
