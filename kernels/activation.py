@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -32,7 +33,10 @@ def _swiglu(row_ptr, c, ok, inter):
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _silu_and_mul_kernel(x_ptr, out_ptr, rows, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, rows, inter, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < inter
@@ -51,9 +55,11 @@ def _silu_and_mul_quant_kernel(
     stride_q,
     STATIC: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row per program: SwiGLU rounded as the reference, then FP8 with the row's absmax / 448 (or the
     static scale)."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < inter
@@ -92,6 +98,7 @@ def silu_and_mul_quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]
             STATIC=scale is not None,
             BLOCK=block,
             num_warps=max(min(block // 512, 16), 1),
+            **pdl_launch(x.device),
         )
     return q, q_scale
 
@@ -110,7 +117,15 @@ def silu_and_mul(x: Tensor) -> Tensor:
     if x2.shape[0] and inter:
         out2 = out.view(-1, inter)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, BLOCK))](
-            x2, out2, x2.shape[0], inter, x2.stride(0), out2.stride(0), BLOCK=BLOCK, num_warps=4
+            x2,
+            out2,
+            x2.shape[0],
+            inter,
+            x2.stride(0),
+            out2.stride(0),
+            BLOCK=BLOCK,
+            num_warps=4,
+            **pdl_launch(x.device),
         )
     return out
 

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.quant import quant_fp8, quant_fp8_per_token
 from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
@@ -106,12 +107,14 @@ def _moe_align_kernel(
     BLOCK_M: tl.constexpr,
     E_POW2: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: expert histogram, padded offsets, stable scatter of pair ids, expert of each M block.
 
     Pairs are processed BLOCK_P at a time against a one-hot [BLOCK_P, E_POW2] matrix: the column sums
     count, the column prefix sums rank a pair among the earlier pairs of its expert (stable order).
     """
+    wait_for_inputs(PDL)
     experts = tl.arange(0, E_POW2)
     lane = tl.arange(0, BLOCK_P)
     counts = tl.zeros([E_POW2], tl.int32)
@@ -176,6 +179,7 @@ def moe_align_triton(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[
         E_POW2=triton.next_power_of_2(num_experts),
         BLOCK_P=32,
         num_warps=4,
+        **pdl_launch(device),
     )
     return sorted_ids, expert_ids, padded
 
@@ -219,7 +223,9 @@ def _gate_up_kernel(
     FP8: tl.constexpr,
     A_PER_ROW: tl.constexpr,
     W_PER_ROW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     num_n_blocks = tl.cdiv(inter, BLOCK_N)
     pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):
@@ -299,7 +305,9 @@ def _down_kernel(
     FP8: tl.constexpr,
     A_PER_ROW: tl.constexpr,
     W_PER_ROW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     num_n_blocks = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):
@@ -355,7 +363,9 @@ def _combine_kernel(
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -442,6 +452,7 @@ def fused_moe_triton(
         A_PER_ROW=a_per_row,
         W_PER_ROW=w13_scale is not None and w13_scale.shape[-1] > 1,
         **common,
+        **pdl_launch(x.device),
     )
     h, h_scale, h_per_row = (hidden_act, dummy, False)
     if fp8:
@@ -470,6 +481,7 @@ def fused_moe_triton(
         A_PER_ROW=h_per_row,
         W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
         **common,
+        **pdl_launch(x.device),
     )
     block = 1024
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
@@ -484,6 +496,7 @@ def fused_moe_triton(
         BLOCK=block,
         HAS_SHARED=shared is not None,
         num_warps=4,
+        **pdl_launch(x.device),
     )
     return out
 

@@ -34,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hy3c.kernels.attention_plan import KV_TILE, PREFILL_ROWS, prefill_q_block
+from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -286,7 +287,9 @@ def _decode_dynamic_kernel(
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     cta = tl.program_id(0)
     head = tl.program_id(1)
     total = tl.load(plan_ptr + num_requests)
@@ -381,10 +384,12 @@ def _decode_combine_kernel(
     HEAD_DIM: tl.constexpr,
     STATIC_SPLITS: tl.constexpr,
     COMBINE_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge request r's partial (o, lse) results into one query head's output row. One program per
     (request, query head) and COMBINE_SLOTS partials per trip (their loads issued together): a decode
     step's requests usually have few slots, so most programs finish in one trip."""
+    wait_for_inputs(PDL)
     r = tl.program_id(0)
     query_head = tl.program_id(1)
     head = query_head // GROUP
@@ -449,7 +454,9 @@ def _decode_static_kernel(
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     r = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -536,7 +543,9 @@ def _prefill_kernel(
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     # one KV head at a time over the grid (its K/V stay in L2 while its query blocks run; with the heads
     # interleaved, 32K-token prefill measured 7% slower)
     tile = tl.program_id(0)
@@ -682,6 +691,7 @@ def decode_attention_dynamic(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **common,
+        **pdl_launch(q.device),
     )
     _decode_combine_kernel[(num_requests, num_kv_heads * group)](
         out,
@@ -698,6 +708,7 @@ def decode_attention_dynamic(
         STATIC_SPLITS=0,
         COMBINE_SLOTS=COMBINE_SLOTS,
         **common,
+        **pdl_launch(q.device),
     )
     return out
 
@@ -747,6 +758,7 @@ def decode_attention_static(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **common,
+        **pdl_launch(q.device),
     )
     _decode_combine_kernel[(num_requests, num_kv_heads * group)](
         out,
@@ -763,6 +775,7 @@ def decode_attention_static(
         STATIC_SPLITS=splits,
         COMBINE_SLOTS=COMBINE_SLOTS,
         **common,
+        **pdl_launch(q.device),
     )
     return out
 
@@ -809,6 +822,7 @@ def prefill_attention(
         **_cache_flags(kv_cache),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_launch(q.device),
     )
     return out
 

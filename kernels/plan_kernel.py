@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import Provider, register_provider
 
 MAX_PLAN_REQUESTS = 8192  # one program holds every request of the step
@@ -18,8 +19,16 @@ PLAN_BLOCK = 256  # at least this many lanes: one compiled variant for every bat
 
 @triton.jit(do_not_specialize=["num_requests"])
 def _attention_plan_kernel(
-    seq_lens_ptr, qsl_ptr, plan_ptr, num_requests, kv_tile, q_block, BLOCK: tl.constexpr
+    seq_lens_ptr,
+    qsl_ptr,
+    plan_ptr,
+    num_requests,
+    kv_tile,
+    q_block,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     r = tl.arange(0, BLOCK)
     ok = r < num_requests
     kv_tiles = (tl.load(seq_lens_ptr + r, mask=ok, other=0) + kv_tile - 1) // kv_tile
@@ -47,6 +56,7 @@ def attention_plan(seq_lens: Tensor, query_start_loc: Tensor, kv_tile: int, q_bl
         kv_tile,
         q_block,
         BLOCK=max(triton.next_power_of_2(num_requests), PLAN_BLOCK),
+        **pdl_launch(seq_lens.device),
     )
     return plan
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 from hy3c.ops.rope import hadamard_matrix
@@ -201,9 +202,11 @@ def _qknorm_rope_kvstore_kernel(
     HADAMARD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     GROUPS_PER_PROGRAM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (token block, j) handles head groups [j·GROUPS_PER_PROGRAM, …): the rotary cos/sin of the
     block are computed once and shared by all of them."""
+    wait_for_inputs(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     num_groups: tl.constexpr = NUM_Q_HEADS // Q_GROUP + 2
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -330,6 +333,7 @@ def launch(
         BLOCK_T=block_t,
         GROUPS_PER_PROGRAM=groups_per_program,
         num_warps=num_warps,
+        **pdl_launch(qkv.device),
     )
     return q
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -22,8 +23,18 @@ MAX_ROW = 16384
 
 @triton.jit
 def _quant_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, static_ptr, K, stride_x, stride_q, STATIC: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    static_ptr,
+    K,
+    stride_x,
+    stride_q,
+    STATIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < K
@@ -57,6 +68,7 @@ def _launch(x: Tensor, static: Tensor | None) -> tuple[Tensor, Tensor]:
             STATIC=static is not None,
             BLOCK=block,
             num_warps=max(min(block // 512, 16), 1),
+            **pdl_launch(x.device),
         )
     return q, scale
 

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -48,7 +49,9 @@ def _rms_norm_kernel(
     ADD: tl.constexpr,
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < cols
@@ -128,6 +131,7 @@ def launch(
             QUANT={None: 0, "dynamic": 1, "static": 2}[quant],
             BLOCK=block,
             num_warps=max(min(block // 512, 16), 1),
+            **pdl_launch(x.device),
         )
     return (out, total) if not quant else (out, total, q, q_scale)
 

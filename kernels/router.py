@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import split_router_weight
 
@@ -42,7 +43,9 @@ def _router_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ATOMIC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -104,6 +107,7 @@ def router_gemm_dual_bf16(x: Tensor, w_hi: Tensor, w_lo: Tensor, splits: int | N
         ATOMIC=splits > 1,
         num_warps=4,
         num_stages=3,
+        **pdl_launch(x.device),
     )
     return out
 
@@ -134,7 +138,9 @@ def _topk_routing_kernel(
     K_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     N_POW2: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.arange(0, N_POW2)
     row_ok = rm < M
@@ -184,6 +190,7 @@ def topk_routing(logits: Tensor, bias: Tensor, top_k: int, scale: float) -> tupl
             BLOCK_M=block_m,
             N_POW2=triton.next_power_of_2(n),
             num_warps=4,
+            **pdl_launch(logits.device),
         )
     return weights, ids
 
