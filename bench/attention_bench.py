@@ -149,6 +149,9 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
         name = "bf16" if dtype == torch.bfloat16 else "fp8"
         kv = (cache, scales, 0, table, seq_lens, scale)
         t_dyn = bench(lambda kv=kv: decode_attention_dynamic(q, *kv, plan))
+        os.environ["HY3C_PDL"] = "0"
+        t_no_pdl = bench(lambda kv=kv: decode_attention_dynamic(q, *kv, plan))
+        del os.environ["HY3C_PDL"]
         t_static = bench(lambda kv=kv: decode_attention_static(q, *kv))
         splits = plan_mod.heuristic_static_splits(
             len(lengths) * KV_HEADS, sms, plan_mod.cdiv(max(lengths), DECODE_CONFIG.block_n)
@@ -158,6 +161,7 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
         row(f"decode {label} {name} KV: static split-KV (16)", t_static, floor)
         row(f"decode {label} {name} KV: dynamic split-KV", t_dyn, floor, t_static, "static (16)")
         row(f"decode {label} {name} KV: dynamic vs FA2-style static", t_dyn, floor, t_heuristic, "FA2-style")
+        row(f"decode {label} {name} KV: dynamic, launched without PDL", t_no_pdl, floor, t_dyn, "with PDL")
         if sdpa_ms is not None:
             row(f"decode {label} {name} KV: dynamic vs SDPA loop", t_dyn, floor, sdpa_ms, "SDPA loop (bf16)")
         del cache, kv

@@ -14,7 +14,8 @@ derivation as `hy3c compile`), decode steps replaying the runner's CUDA graphs.
 * peers: transformers HYV3ForCausalLM (bf16, sdpa, grouped_mm experts; generate-based timing) and our
   model under plain torch.compile (no hy3c passes, torch reference ops);
 * `--part fp8`: one pass off at a time (decode at batch 1 and 32, 8K prefill) and a profile of one
-  decode step (kernel time by name; GPU idle share of the CUDA-graph step).
+  decode step (kernel time by name; the CUDA-graph replay's busy/idle split and largest gaps), and
+  decode steps captured with and without programmatic dependent launch, alternating in one process.
 """
 
 from __future__ import annotations
@@ -204,14 +205,14 @@ def _gpu_intervals(prof) -> list[tuple[float, float, str]]:
     return sorted(spans)
 
 
-def _graph_replay_profile(runner, batch, kv, device) -> dict:
-    """Where the GPU time of one CUDA-graph decode step goes: the span from its first GPU activity (the
-    input copies) to its last kernel's end, the union of the kernels' busy intervals (kernels launched
-    with PDL may overlap their predecessor's tail), and the largest gaps with their neighbours."""
+def _graph_replay_profile(graph: torch.cuda.CUDAGraph, device) -> dict:
+    """Where the GPU time of one CUDA-graph decode step goes (inputs already staged): the span from its
+    first to its last GPU activity, the union of the busy intervals (kernels launched with PDL may
+    overlap their predecessor's tail), and the largest gaps with their neighbours."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        runner.step(batch, kv)
+        graph.replay()
         sync(device)
     spans = _gpu_intervals(prof)
     if not spans:
@@ -235,6 +236,54 @@ def _graph_replay_profile(runner, batch, kv, device) -> dict:
         "gap_us_total": sum(g for g, _, _ in gaps),
         "largest_gaps_us": [(round(g, 2), a[:40], b[:40]) for g, a, b in gaps[:6]],
     }
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 50) -> float:
+    """GPU ms per replay of a captured step, replays back to back (the host queues ahead)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def pdl_ab(runner, sizes: list[int], context: int, rounds: int = 3) -> dict:
+    """Decode steps captured with and without programmatic dependent launch, alternating in one process
+    (HY3C_PDL is read at launch, so each capture takes the setting of its moment): graph replay ms and
+    the whole step's wall ms (input staging included), medians over the rounds."""
+    device = runner.device
+    per = -(-(context + 1) // PAGE)
+    kv = runner.allocate_kv_cache(max(sizes) * per + 1, PAGE)
+    fill_kv(kv)
+    samples: dict[str, list[float]] = {}
+    previous = os.environ.get("HY3C_PDL")
+    try:
+        for _ in range(rounds):
+            for mode in ("0", "1"):
+                os.environ["HY3C_PDL"] = mode
+                runner.capture_decode_graphs(kv, max_pages=per, batch_sizes=sizes)
+                for b in sizes:
+                    batch = decode_batch(b, context, device)
+                    name = f"B{b}_{'pdl' if mode == '1' else 'no_pdl'}"
+                    samples.setdefault(f"{name}_step_ms", []).append(
+                        timed(lambda bt=batch: runner.step(bt, kv), device, reps=20)
+                    )
+                    samples.setdefault(f"{name}_replay_ms", []).append(
+                        replay_ms(runner.decode_graphs.graphs[b].graph)
+                    )
+    finally:
+        os.environ.pop("HY3C_PDL", None)
+        if previous is not None:
+            os.environ["HY3C_PDL"] = previous
+    result = {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
+    for b in sizes:
+        off, on = result[f"B{b}_no_pdl_replay_ms"], result[f"B{b}_pdl_replay_ms"]
+        ROWS.append((f"graph replay B={b}: no PDL / PDL", f"{off:.3f} / {on:.3f}", f"{off / on:.2f}×", ""))
+    return result
 
 
 def profile_decode(runner, config, batch_size: int, context: int) -> dict:
@@ -263,9 +312,9 @@ def profile_decode(runner, config, batch_size: int, context: int) -> dict:
     busy = sum(kernels.values())
     runner.capture_decode_graphs(kv, max_pages=per, batch_sizes=[batch_size])
     step = timed(lambda: runner.step(batch, kv), device, reps=20)
+    graph = runner.decode_graphs.graphs[batch_size].graph
     replays = sorted(
-        (_graph_replay_profile(runner, batch, kv, device) for _ in range(3)),
-        key=lambda r: r.get("idle_pct", 100.0),
+        (_graph_replay_profile(graph, device) for _ in range(3)), key=lambda r: r.get("idle_pct", 100.0)
     )
     top = dict(sorted(kernels.items(), key=lambda kv_: -kv_[1])[:12])
     return {
@@ -273,6 +322,7 @@ def profile_decode(runner, config, batch_size: int, context: int) -> dict:
         "kernel_ms": busy,
         "gpu_idle_pct": max(0.0, (1 - busy / step) * 100),
         "kernel_launches": launches,
+        "graph_replay_ms": replay_ms(graph),
         "graph_replay": replays[1],
         "top_kernels_ms": top,
     }
@@ -340,6 +390,7 @@ def main() -> None:
         if not cpu:
             RESULTS["profile_decode_B1"] = profile_decode(runner, config, 1, context)
             RESULTS["profile_decode_B32"] = profile_decode(runner, config, 32, context)
+            RESULTS["pdl_ab"] = pdl_ab(runner, [1, 32], context)
         del runner
         for spec in [] if args.no_ablation else base.passes:
             if spec.name in ("lower", "cleanup"):
