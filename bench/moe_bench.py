@@ -5,7 +5,7 @@
 
 * Router GEMM, N=192, K=4096: fp32 cuBLAS, TF32 cuBLAS, hy3c dual-BF16 Triton; max abs error vs fp64.
 * moe_align, E=192, top-8: one Triton program vs the device-side torch ops, both replayed in a CUDA
-  graph as in a decode step; picks TRITON_ALIGN_MAX_PAIRS.
+  graph as in a decode step; picks MAX_ALIGN_PAIRS.
 * FusedMoE, E=192, top-8, H=4096, INTER=1536 (+ shared expert output added): hy3c Triton bf16 and FP8
   (per-channel weights, per-token activations) vs the `torch._grouped_mm` path and the transformers
   per-expert loop, and the FP8 variant vs an FP8 path on `torch._scaled_grouped_mm` (the same
@@ -92,7 +92,7 @@ def router_bench() -> None:
 
 
 def align_bench() -> None:
-    for t in (1, 8, 32, 64, 128, 256, 512):
+    for t in (1, 8, 32, 64, 128, 256, 512, 1024):
         ids = torch.stack([torch.randperm(E, device="cuda")[:K_TOP] for _ in range(t)]).int()
         same = all(
             torch.equal(a, b) for a, b in zip(moe_align_triton(ids, E, 16), moe_align_torch(ids, E, 16))

@@ -2,7 +2,7 @@
 
     out = fused_moe(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared)
 
-1. `moe_align` (one Triton program, or device-side torch ops for many pairs; no host sync): the
+1. `moe_align` (one Triton program, or device-side torch ops above 4096 pairs; no host sync): the
    (token, slot) pairs sorted by expert and padded per expert to a multiple of BLOCK_M (`sorted_ids`,
    pad value = T·k), the expert of every M block, and the padded total.
 2. gate-up GEMM: each program takes one M block of one expert and BLOCK_N columns of both the gate
@@ -95,7 +95,12 @@ def moe_align_torch(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[T
     return sorted_ids, expert_ids, padded_end[-1:].to(torch.int32)
 
 
-@triton.jit(do_not_specialize=["pairs"])
+@triton.jit
+def _running_max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit(do_not_specialize=["pairs", "capacity", "num_blocks"])
 def _moe_align_kernel(
     ids_ptr,
     sorted_ptr,
@@ -104,69 +109,87 @@ def _moe_align_kernel(
     pairs,
     num_experts,
     capacity,
+    num_blocks,
     BLOCK_M: tl.constexpr,
     E_POW2: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    P_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program: expert histogram, padded offsets, stable scatter of pair ids, expert of each M block.
+    """One program, all pairs at once:
 
-    Pairs are processed BLOCK_P at a time against a one-hot [BLOCK_P, E_POW2] matrix: the column sums
-    count, the column prefix sums rank a pair among the earlier pairs of its expert (stable order).
+    1. expert histogram of the pairs; padded per-expert counts; their exclusive prefix sums (`begin`);
+    2. the pairs sorted by (expert, pair id) — one key each, so the order within an expert is the pairs'
+       order (stable); a pair's rank in its expert = its sorted position − the expert's first position;
+       it goes to row begin[expert] + rank of `sorted_ids` (the rest of the rows hold the pad value);
+    3. the expert of each M block: every expert with pairs marks its first block, a running max over the
+       blocks carries the mark forward; blocks past the padded total get the last expert.
     """
     wait_for_inputs(PDL)
     experts = tl.arange(0, E_POW2)
-    lane = tl.arange(0, BLOCK_P)
-    counts = tl.zeros([E_POW2], tl.int32)
-    for start in range(0, pairs, BLOCK_P):
-        ids = tl.load(ids_ptr + start + lane, mask=start + lane < pairs, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    lane = tl.arange(0, P_POW2)
+    ok = lane < pairs
+    ids = tl.load(ids_ptr + lane, mask=ok, other=0)
+    counts = tl.histogram(ids, E_POW2, mask=ok)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, axis=0)
-    begin = end - padded
-    tl.store(padded_ptr, tl.sum(padded, axis=0))
-    for start in range(0, capacity, BLOCK_P):
-        row = start + lane
-        tl.store(sorted_ptr + row, tl.zeros([BLOCK_P], tl.int32) + pairs, mask=row < capacity)
-        block_start = row * BLOCK_M
-        owner = tl.sum(
-            ((end[None, :] <= block_start[:, None]) & (experts[None, :] < num_experts)).to(tl.int32), 1
+    begin = tl.cumsum(padded, axis=0) - padded
+    first = tl.cumsum(counts, axis=0) - counts
+    total = tl.sum(padded, axis=0)
+    tl.store(padded_ptr, total)
+    chunk = tl.arange(0, CHUNK)
+    for start in range(0, capacity, CHUNK):
+        tl.store(
+            sorted_ptr + start + chunk, tl.zeros([CHUNK], tl.int32) + pairs, mask=start + chunk < capacity
         )
-        tl.store(expert_ptr + row, tl.minimum(owner, num_experts - 1), mask=block_start < capacity)
+    for start in range(0, num_blocks, CHUNK):
+        tl.store(expert_ptr + start + chunk, tl.zeros([CHUNK], tl.int32), mask=start + chunk < num_blocks)
     tl.debug_barrier()
-    filled = tl.zeros([E_POW2], tl.int32)
-    for start in range(0, pairs, BLOCK_P):
-        ids = tl.load(ids_ptr + start + lane, mask=start + lane < pairs, other=-1)
-        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
-        earlier = tl.cumsum(hit, axis=0) - hit
-        dest = tl.sum(hit * (earlier + begin[None, :] + filled[None, :]), axis=1)
-        tl.store(sorted_ptr + dest, start + lane, mask=start + lane < pairs)
-        filled += tl.sum(hit, axis=0)
+    keys = tl.sort(tl.where(ok, ids, E_POW2) * P_POW2 + lane)
+    expert = tl.minimum(keys // P_POW2, E_POW2 - 1)
+    rank = lane - tl.gather(first, expert, 0)
+    tl.store(sorted_ptr + tl.gather(begin, expert, 0) + rank, keys % P_POW2, mask=ok)
+    tl.store(expert_ptr + begin // BLOCK_M, experts, mask=padded > 0)
+    tl.debug_barrier()
+    carried = tl.zeros([1], tl.int32)
+    for start in range(0, num_blocks, CHUNK):
+        block = start + chunk
+        mark = tl.load(expert_ptr + block, mask=block < num_blocks, other=0)
+        owner = tl.maximum(tl.associative_scan(mark, 0, _running_max), carried)
+        carried = tl.max(owner, axis=0, keep_dims=True)
+        owner = tl.where(block * BLOCK_M >= total, num_experts - 1, owner)
+        tl.debug_barrier()  # every thread has read the marks of this chunk before any is overwritten
+        tl.store(expert_ptr + block, owner, mask=block < num_blocks)
 
 
-TRITON_ALIGN_MAX_PAIRS = 64  # one program stops paying above this (bench/moe_bench.py, align table)
+# pairs per tile of the Triton align program (one compiled variant each: a step's token count picks one,
+# so a serving warm-up of a few prefill lengths compiles them all); above the last, the torch ops
+ALIGN_TILES = (64, 512, 4096)
+MAX_ALIGN_PAIRS = ALIGN_TILES[-1]
 
 
 def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
     """(sorted_ids [P] int32, expert of each M block [P / block_m] int32, padded total [1] int32).
 
     `sorted_ids` lists the (token, slot) pair ids grouped by expert in stable order, each expert padded
-    to a multiple of block_m with the pad value T·k. Up to TRITON_ALIGN_MAX_PAIRS pairs this is one
-    Triton launch; above it, device-side torch ops. Neither synchronizes with the host.
+    to a multiple of block_m with the pad value T·k. Up to MAX_ALIGN_PAIRS pairs this is one Triton
+    launch; above it, device-side torch ops. Neither synchronizes with the host.
     """
-    if topk_ids.numel() > TRITON_ALIGN_MAX_PAIRS:
+    if topk_ids.numel() > MAX_ALIGN_PAIRS:
         return moe_align_torch(topk_ids, num_experts, block_m)
     return moe_align_triton(topk_ids, num_experts, block_m)
 
 
 def moe_align_triton(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
-    """`moe_align` as one Triton program (any pair count; the cost grows linearly in one CTA)."""
+    """`moe_align` as one Triton program (up to MAX_ALIGN_PAIRS pairs: all of them in one tile)."""
     pairs = topk_ids.numel()
+    if pairs > MAX_ALIGN_PAIRS:
+        raise ValueError(f"{pairs} (token, expert) pairs exceed the align kernel's {MAX_ALIGN_PAIRS}")
     capacity = align_capacity(pairs, num_experts, block_m)
     device = topk_ids.device
     sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
     expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     padded = torch.empty(1, dtype=torch.int32, device=device)
+    tile = next(t for t in ALIGN_TILES if t >= pairs)
     _moe_align_kernel[(1,)](
         topk_ids.reshape(-1).to(torch.int32),
         sorted_ids,
@@ -175,10 +198,12 @@ def moe_align_triton(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[
         pairs,
         num_experts,
         capacity,
+        capacity // block_m,
         BLOCK_M=block_m,
-        E_POW2=triton.next_power_of_2(num_experts),
-        BLOCK_P=32,
-        num_warps=4,
+        E_POW2=max(triton.next_power_of_2(num_experts), 16),
+        P_POW2=tile,
+        CHUNK=1024,
+        num_warps=4 if tile <= 1024 else 8,
         **pdl_launch(device),
     )
     return sorted_ids, expert_ids, padded
