@@ -5,7 +5,8 @@
 
 Each graph is captured over static input buffers at a padded batch size. A smaller batch is padded up:
 padding rows get token 0, slot -1 (the KV store skips them), sequence length 1 over page 0 and are cut
-from the outputs. Capture is refused — with the reason, so the caller runs the step normally — when
+from the outputs (they are reset only when a smaller batch follows a larger one). Staging a batch built
+by `build_step_batch` takes three copies (token ids, positions and slots share one). Capture is refused — with the reason, so the caller runs the step normally — when
 the program calls an op whose provider is not CUDA-graph safe (it syncs with the host).
 """
 
@@ -40,10 +41,11 @@ def capture_blockers(gm: fx.GraphModule) -> list[str]:
 class _Graph:
     size: int
     graph: torch.cuda.CUDAGraph
-    inputs: tuple[
-        Tensor, ...
-    ]  # input_ids, positions, page_table, seq_lens, query_start_loc, slot_mapping, logits_indices
+    # input_ids, positions, page_table, seq_lens, query_start_loc, slot_mapping, logits_indices, and
+    # token_rows: the [3, size] storage of input_ids / positions / slot_mapping (one copy stages them)
+    inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, Tensor]
+    padded_from: int = 0  # rows from here on hold padding values (all rows at capture)
 
 
 class DecodeGraphs:
@@ -72,16 +74,19 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         graphs = {}
         for size in sorted(batch_sizes, reverse=True):  # largest first: smaller graphs reuse its pool
+            token_rows = torch.zeros(3, size, dtype=torch.int64, device=device)
+            token_rows[2].fill_(-1)
             static = (
-                torch.zeros(size, dtype=torch.int64, device=device),
-                torch.zeros(size, dtype=torch.int64, device=device),
+                token_rows[0],
+                token_rows[1],
                 torch.zeros(size, max_pages, dtype=torch.int32, device=device),
                 torch.ones(size, dtype=torch.int32, device=device),
                 torch.arange(size + 1, dtype=torch.int32, device=device),
-                torch.full((size,), -1, dtype=torch.int64, device=device),
+                token_rows[2],
                 torch.arange(size, dtype=torch.int64, device=device),
+                token_rows,
             )
-            args = (*static[:2], kv_cache, *static[2:])
+            args = (*static[:2], kv_cache, *static[2:7])
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream), torch.no_grad():
@@ -110,16 +115,20 @@ class DecodeGraphs:
             return None
         b = batch.seq_lens.shape[0]
         g = self.graphs[next(s for s in self.sizes if s >= b)]
-        ids, pos, table, lens, _, slots, _ = g.inputs
-        ids[:b].copy_(batch.input_ids)
-        pos[:b].copy_(batch.positions)
+        token_rows, table, lens = g.inputs[7], g.inputs[2], g.inputs[3]
+        if batch.token_rows is not None:  # ids, positions and slots in one copy
+            token_rows[:, :b].copy_(batch.token_rows)
+        else:
+            for row, values in enumerate((batch.input_ids, batch.positions, batch.slot_mapping)):
+                token_rows[row, :b].copy_(values)
         table[:b, : batch.page_table.shape[1]].copy_(batch.page_table)
         lens[:b].copy_(batch.seq_lens)
-        slots[:b].copy_(batch.slot_mapping)
-        if b < g.size:  # padding rows: nothing stored, one harmless key read
-            ids[b:].zero_()
-            table[b:].zero_()
-            lens[b:].fill_(1)
-            slots[b:].fill_(-1)
+        if b < g.padded_from:  # rows an earlier, larger batch used become padding again
+            end = g.padded_from
+            token_rows[0, b:end].zero_()
+            token_rows[2, b:end].fill_(-1)
+            table[b:end].zero_()
+            lens[b:end].fill_(1)
+        g.padded_from = b
         g.graph.replay()
         return g.outputs[0][:b], g.outputs[1][:b]

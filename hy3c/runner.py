@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental import _config as fx_config
 
 from hy3c.config import Hy3Config
 from hy3c.cuda_graphs import DecodeGraphs
@@ -122,9 +123,13 @@ class Runner:
         return self._run(*args)
 
     def _run(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.compiled:
-            for index, dims in _DYNAMIC_DIMS.items():
-                for dim in dims:
-                    torch._dynamo.decorators.mark_unbacked(args[index], dim)
-        with torch.no_grad():
+        if not self.compiled:
+            with torch.no_grad():
+                return self._fn(*args)
+        for index, dims in _DYNAMIC_DIMS.items():
+            for dim in dims:
+                torch._dynamo.decorators.mark_unbacked(args[index], dim)
+        # the step's index inputs are views at varying offsets of two shared tensors (build_step_batch):
+        # without duck sizing, equal-sized inputs do not make Dynamo guard on equal storage offsets
+        with torch.no_grad(), fx_config.patch(use_duck_shape=False):
             return self._fn(*args)

@@ -32,6 +32,9 @@ class StepBatch:
     slot_mapping: Tensor  # [T] int64
     logits_indices: Tensor  # [S] int64
     logits_owner: list[int] = field(default_factory=list)  # request index of each logits row
+    # [3, T] view over input_ids, positions and slot_mapping when they share storage (build_step_batch):
+    # one copy moves all three
+    token_rows: Tensor | None = None
 
     def model_args(self, kv_cache: Tensor) -> tuple[Tensor, ...]:
         """Positional arguments of Hy3ForCausalLM.forward."""
@@ -82,18 +85,52 @@ def build_step_batch(chunks: list[SeqChunk], page_size: int, device: torch.devic
         table.extend(chunk.pages)
         table.extend([0] * (max_pages - len(chunk.pages)))
 
-    def as_tensor(values: list[int], dtype: torch.dtype) -> Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+    return _packed_batch(
+        ids, positions, slots, logits_rows, table, max_pages, seq_lens, starts, owners, device
+    )
 
+
+def _aligned(n: int, elements: int) -> int:
+    """n rounded up to a multiple of `elements` (so the next segment starts 16-byte aligned)."""
+    return -(-n // elements) * elements
+
+
+def _packed_batch(
+    ids: list[int],
+    positions: list[int],
+    slots: list[int],
+    logits_rows: list[int],
+    table: list[int],
+    max_pages: int,
+    seq_lens: list[int],
+    starts: list[int],
+    owners: list[int],
+    device: torch.device | str,
+) -> StepBatch:
+    """The batch as views of two tensors (int64: ids | positions | slots | logits rows; int32: page
+    table | sequence lengths | query starts), so reaching the device costs two copies, not seven. Each
+    segment starts 16-byte aligned (Triton compiles one kernel variant per pointer alignment class)."""
+    t, b, cells = len(ids), len(seq_lens), len(table)
+    gap = [0] * (_aligned(t, 2) - t)
+    wide = torch.tensor([*ids, *gap, *positions, *gap, *slots, *gap, *logits_rows], dtype=torch.int64)
+    lens_at = _aligned(cells, 4)
+    starts_at = lens_at + _aligned(b, 4)
+    narrow = torch.tensor(
+        [*table, *[0] * (lens_at - cells), *seq_lens, *[0] * (starts_at - lens_at - b), *starts],
+        dtype=torch.int32,
+    )
+    wide, narrow = wide.to(device), narrow.to(device)
+    token_rows = wide[: 3 * (t + len(gap))].view(3, t + len(gap))[:, :t]
     return StepBatch(
-        input_ids=as_tensor(ids, torch.int64),
-        positions=as_tensor(positions, torch.int64),
-        page_table=as_tensor(table, torch.int32).view(len(chunks), max_pages),
-        seq_lens=as_tensor(seq_lens, torch.int32),
-        query_start_loc=as_tensor(starts, torch.int32),
-        slot_mapping=as_tensor(slots, torch.int64),
-        logits_indices=as_tensor(logits_rows, torch.int64),
+        input_ids=token_rows[0],
+        positions=token_rows[1],
+        page_table=narrow[:cells].view(b, max_pages),
+        seq_lens=narrow[lens_at : lens_at + b],
+        query_start_loc=narrow[starts_at:],
+        slot_mapping=token_rows[2],
+        logits_indices=wide[3 * (t + len(gap)) :],
         logits_owner=owners,
+        token_rows=token_rows,
     )
 
 

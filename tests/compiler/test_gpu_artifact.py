@@ -45,6 +45,15 @@ def test_h200_artifact_with_cuda_graphs_matches_eager(tiny_ckpt, tmp_path):
     torch.testing.assert_close(replayed[0], direct[0], atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(replayed[1], direct[1], atol=1e-2, rtol=1e-2)
 
+    # a full batch, then a smaller one in the same graph: the rows the first used become padding again
+    # (a stale row would store its K/V into page 6 once more)
+    runner.step(build_step_batch([*chunks, SeqChunk([13], 3, [6], "last")], 16, "cuda"), kv)
+    kv[:, :, 6].zero_()
+    smaller = build_step_batch(chunks, 16, "cuda")
+    replayed = runner.step(smaller, kv)
+    assert not kv[:, :, 6].any()
+    torch.testing.assert_close(replayed[0], runner(*smaller.model_args(kv))[0], atol=1e-2, rtol=1e-2)
+
 
 def test_fp8_conversion_calibrates_on_the_gpu_and_compiles_with_the_static_recipe(tiny_ckpt, tmp_path):
     """`hy3c init-checkpoint --fp8 static --device cuda` → `hy3c compile --recipe h20-w8a8c8` (the path

@@ -39,3 +39,28 @@ def test_chunked_prefill_then_decode_equals_recompute(tiny_ckpt, page_size, chun
             seqs[r].append(int(logits[row].argmax()))
             produced[r] += 1
     assert pool.num_free < 64
+
+
+def test_step_batch_values_and_packed_layout():
+    """build_step_batch: the flat inputs of a mixed step, held as 16-byte-aligned views of two tensors."""
+    chunks = [
+        SeqChunk([5, 6, 7], 0, [3], "last"),
+        SeqChunk([9], 10, [1, 2], "all"),
+        SeqChunk([], 4, [0], "none"),
+    ]
+    batch = build_step_batch(chunks, 8)
+    assert batch.input_ids.tolist() == [5, 6, 7, 9]
+    assert batch.positions.tolist() == [0, 1, 2, 10]
+    assert batch.slot_mapping.tolist() == [24, 25, 26, 18]
+    assert batch.page_table.tolist() == [[3, 0], [1, 2], [0, 0]]
+    assert batch.seq_lens.tolist() == [3, 11, 4]
+    assert batch.query_start_loc.tolist() == [0, 3, 4, 4]
+    assert batch.logits_indices.tolist() == [2, 3] and batch.logits_owner == [0, 1]
+    assert torch.equal(batch.token_rows, torch.stack([batch.input_ids, batch.positions, batch.slot_mapping]))
+    for tokens in (1, 2, 3, 5):
+        b = build_step_batch([SeqChunk(list(range(tokens)), 0, [0], "last")] * 3, 8)
+        tensors = [b.input_ids, b.positions, b.slot_mapping, b.logits_indices, b.page_table, b.seq_lens]
+        assert all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in [*tensors, b.query_start_loc])
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == 2
+    empty = build_step_batch([], 8)
+    assert empty.page_table.shape == (0, 1) and empty.query_start_loc.tolist() == [0]
