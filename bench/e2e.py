@@ -287,7 +287,8 @@ def pdl_ab(runner, sizes: list[int], context: int, rounds: int = 3) -> dict:
 
 
 def profile_decode(runner, config, batch_size: int, context: int) -> dict:
-    """One decode step: kernel time by name (an uncaptured step), then the CUDA-graph step: its wall
+    """One decode step: kernel time by name (an uncaptured step, launched without PDL so that no kernel's
+    time holds its wait for the one before), then the CUDA-graph step: its wall
     time (host input preparation included) and, under the profiler, its GPU busy/idle split (3 replays,
     the median by idle share)."""
     device = runner.device
@@ -300,9 +301,17 @@ def profile_decode(runner, config, batch_size: int, context: int) -> dict:
     sync(device)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    previous = os.environ.get("HY3C_PDL")
+    os.environ["HY3C_PDL"] = "0"  # kernels launched with PDL would count their wait for the predecessor
+    try:
         runner(*batch.model_args(kv))
-        sync(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner(*batch.model_args(kv))
+            sync(device)
+    finally:
+        os.environ.pop("HY3C_PDL")
+        if previous is not None:
+            os.environ["HY3C_PDL"] = previous
     kernels: dict[str, float] = {}
     launches = 0
     for event in prof.key_averages():
