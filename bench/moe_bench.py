@@ -93,7 +93,7 @@ def router_bench() -> None:
 
 
 def align_bench() -> None:
-    for t in (1, 8, 32, 64, 128, 256, 512):
+    for t in (1, 8, 32, 64, 128):
         ids = torch.stack([torch.randperm(E, device="cuda")[:K_TOP] for _ in range(t)]).int()
         same = all(
             torch.equal(a, b) for a, b in zip(moe_align_triton(ids, E, 16), moe_align_torch(ids, E, 16))

@@ -2,7 +2,7 @@
 
     out = fused_moe(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared)
 
-1. `moe_align` (one Triton program, or device-side torch ops above 4096 pairs; no host sync): the
+1. `moe_align` (one Triton program, or device-side torch ops above 1024 pairs; no host sync): the
    (token, slot) pairs sorted by expert and padded per expert to a multiple of BLOCK_M (`sorted_ids`,
    pad value = T·k), the expert of every M block, and the padded total.
 2. gate-up GEMM: each program takes one M block of one expert and BLOCK_N columns of both the gate
@@ -163,7 +163,7 @@ def _moe_align_kernel(
 
 # pairs per tile of the Triton align program (one compiled variant each: a step's token count picks one,
 # so a serving warm-up of a few prefill lengths compiles them all); above the last, the torch ops
-ALIGN_TILES = (64, 512, 4096)
+ALIGN_TILES = (64, 512, 1024)
 MAX_ALIGN_PAIRS = ALIGN_TILES[-1]
 
 
@@ -202,8 +202,8 @@ def moe_align_triton(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[
         BLOCK_M=block_m,
         E_POW2=max(triton.next_power_of_2(num_experts), 16),
         P_POW2=tile,
-        CHUNK=1024,
-        num_warps=4 if tile <= 1024 else 8,
+        CHUNK=256,
+        num_warps=4,
         **pdl_launch(device),
     )
     return sorted_ids, expert_ids, padded

@@ -114,7 +114,7 @@ class Engine:
         land on the first users' TTFT. Kernels specialize on the step's token count (a multiple of 16
         or not; integer arguments that follow the batch — request and token counts — are marked not
         to specialize) and pick launch configs by token-count bucket (FusedMoE: 16 / 128 / 1024 /
-        more; moe_align: 64 / 512 / 4096 pairs, i.e. 8 / 64 / 512 tokens at top-8), so single
+        more; moe_align: 64 / 512 / 1024 pairs, i.e. 8 / 64 / 128 tokens at top-8), so single
         prefills of WARM_UP_TOKENS (and of the token budget, and one less) run first; then one step samples the greedy, filtered, unfiltered and fallback paths of the sampler.
         Decode batch sizes are covered by the CUDA-graph capture. Leaves no trace: the metrics are kept
         aside and the prefix cache is emptied.

@@ -139,7 +139,7 @@ def test_router_gemm_real_shapes(rows):
     assert ids.shape == (rows, 8) and torch.all(logits_w.sum(-1) - 2.826 < 1e-4)
 
 
-@pytest.mark.parametrize("tokens", [1, 32, 128, 512])
+@pytest.mark.parametrize("tokens", [1, 32, 64, 128])
 def test_moe_align_real_shapes(tokens):
     """The one-program Triton alignment equals the torch ops at Hy3's 192 experts, top-8."""
     from hy3c.kernels.fused_moe import moe_align_torch, moe_align_triton
