@@ -346,13 +346,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (logic check)")
     parser.add_argument("--skip-peers", action="store_true", help="main: skip the peers (see --part peers)")
     parser.add_argument("--no-ablation", action="store_true", help="fp8: skip the pass ablation")
+    parser.add_argument("--ablate", default="", help="fp8: comma list of the passes to ablate (default: all)")
+    parser.add_argument("--no-profile", action="store_true", help="fp8: skip the profile and PDL A/B")
+    parser.add_argument("--decode", default="1,8,32,128", help="comma list of decode batch sizes")
     parser.add_argument("--prefill", default="2048,8192,32768", help="comma list of prefill lengths")
     args = parser.parse_args()
     device = torch.device(args.device)
     preset = f"real-shapes:{args.layers}" if args.preset == "real-shapes" else args.preset
     config = preset_config(preset, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     context = 128 if args.quick else 2048
-    decode_sizes = [1, 8] if args.quick else [1, 8, 32, 128]
+    decode_sizes = [1, 8] if args.quick else [int(n) for n in args.decode.split(",")]
     prefill_sizes = [256] if args.quick else [int(n) for n in args.prefill.split(",")]
     start = time.perf_counter()
     model = random_model(config, torch.bfloat16 if device.type == "cuda" else torch.float32, str(device))
@@ -396,13 +399,14 @@ def main() -> None:
         base = load_recipe("h20-w8a8c8", overrides)
         runner, _ = compile_model(model, base, compile=False)
         RESULTS["hy3c_fp8"] = measure(runner, "hy3c fp8", config, decode_sizes, prefill_sizes, context, 1)
-        if not cpu:
+        if not cpu and not args.no_profile:
             RESULTS["profile_decode_B1"] = profile_decode(runner, config, 1, context)
             RESULTS["profile_decode_B32"] = profile_decode(runner, config, 32, context)
             RESULTS["pdl_ab"] = pdl_ab(runner, [1, 32], context)
         del runner
+        chosen = set(args.ablate.split(",")) if args.ablate else None
         for spec in [] if args.no_ablation else base.passes:
-            if spec.name in ("lower", "cleanup"):
+            if spec.name in ("lower", "cleanup") or (chosen is not None and spec.name not in chosen):
                 continue
             recipe = load_recipe("h20-w8a8c8", [*overrides, f"passes.{spec.name}.enabled=false"])
             try:
