@@ -34,6 +34,33 @@ DISCONNECT_POLL_S = 0.25
 SYSTEM_ROLES = {"developer": "system"}
 
 
+class _LoopSink:
+    """Delivers a step's outputs for many requests to their queues on one event loop: one thread-safe
+    wake-up of the loop per engine step (not one per request: each is a syscall on the engine thread)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def __call__(self, items: list[tuple[_QueueEmit, StepOutput]]) -> None:
+        self.loop.call_soon_threadsafe(_put_each, items)
+
+
+class _QueueEmit:
+    """The engine's `emit` for one request: puts its outputs on an asyncio queue of the server's loop."""
+
+    def __init__(self, sink: _LoopSink, outputs: asyncio.Queue) -> None:
+        self.batch_sink = sink
+        self.outputs = outputs
+
+    def __call__(self, out: StepOutput) -> None:
+        self.batch_sink.loop.call_soon_threadsafe(self.outputs.put_nowait, out)
+
+
+def _put_each(items: list[tuple[_QueueEmit, StepOutput]]) -> None:
+    for emit, out in items:
+        emit.outputs.put_nowait(out)
+
+
 @dataclass
 class ServerConfig:
     model_name: str
@@ -109,6 +136,7 @@ async def _send_error(send, status: int, message: str, kind: str = "invalid_requ
 def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="hy3c", version=hy3c.__version__)
     max_len = engine.config.max_model_len
+    sinks: dict[asyncio.AbstractEventLoop, _LoopSink] = {}  # the serving loop's (one per app in practice)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -216,8 +244,9 @@ def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> 
         outputs: asyncio.Queue = asyncio.Queue()
         index_of = {r.request_id: i for i, r in enumerate(requests)}
         unfinished = set(index_of)
+        sink = sinks.get(loop) or sinks.setdefault(loop, _LoopSink(loop))
         for r in requests:
-            engine.submit(r, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+            engine.submit(r, _QueueEmit(sink, outputs))
         checked = loop.time()
         try:
             while unfinished:

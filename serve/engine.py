@@ -4,6 +4,10 @@
     engine.submit(GenerationRequest(...), emit)      # emit(StepOutput) is called from the engine thread
     engine.abort(request_id)
 
+An `emit` with a `batch_sink` attribute gets a step's outputs through that sink, together with every
+other request's that shares it: `batch_sink([(emit, output), ...])`, once per step (the HTTP server uses
+it to wake its event loop once per step rather than once per request).
+
 Each loop iteration takes new requests and aborts from the inbox, asks the scheduler for a step, runs it
 (`runner.step`: a captured CUDA graph for decode batches on GPU), samples the rows that need a next
 token, detokenizes incrementally, checks stop conditions and emits one `StepOutput` per request. A
@@ -306,6 +310,7 @@ class Engine:
             prepared=inputs,
         )
         now = time.monotonic()
+        emissions = []
         for lv, token, chosen, top in zip(lives, result.tokens, result.logprobs, result.top):
             req = lv.request
             if lv.first_token_at is None:
@@ -334,8 +339,22 @@ class Engine:
             if reason is not None:
                 out.text += lv.detok.flush()
                 self._finish(lv, out, reason)
-            lv.emit(out)
+            emissions.append((lv.emit, out))
+        self._deliver(emissions)
         return now
+
+    @staticmethod
+    def _deliver(emissions: list[tuple[Callable[[StepOutput], None], StepOutput]]) -> None:
+        """Hand a step's outputs over: emits that share a `batch_sink` get them in one call."""
+        batches: dict[int, tuple[Callable, list]] = {}
+        for emit, out in emissions:
+            sink = getattr(emit, "batch_sink", None)
+            if sink is None:
+                emit(out)
+            else:
+                batches.setdefault(id(sink), (sink, []))[1].append((emit, out))
+        for sink, items in batches.values():
+            sink(items)
 
     def _usage(self, live: _Live, out: StepOutput) -> StepOutput:
         out.prompt_tokens = len(live.request.prompt_ids)

@@ -460,3 +460,36 @@ def test_warm_up_prefills_each_token_count_class_then_samples_every_path(artifac
     assert engine.pool.num_free == engine.pool.usable and not engine.pool.page_of  # no pages, no cache
     fresh = build_engine(options)[0]
     assert engine.metrics.render("m") == fresh.metrics.render("m")
+
+
+def test_a_steps_outputs_reach_a_shared_sink_in_one_call(artifact):
+    """Emits that share a `batch_sink` get each step's outputs in one call (the HTTP server's loop is
+    woken once per step); a plain callable is still called per output."""
+    from hy3c.serve.engine import GenerationRequest
+    from hy3c.serve.sampler import SamplingParams
+    from hy3c.serve.server import build_engine
+
+    engine = build_engine(ServeOptions(artifact, kv_memory_gib=0.02, compile=False))[0]
+    calls: list[list[str]] = []
+    plain: list[str] = []
+
+    class Shared:
+        def __call__(self, items):
+            calls.append([out.request_id for _, out in items])
+
+    sink = Shared()
+
+    class Emit:
+        batch_sink = sink
+
+        def __call__(self, out):
+            raise AssertionError("a batched emit is not called one output at a time")
+
+    params = SamplingParams(temperature=0.0)
+    for name in ("a", "b", "c"):
+        engine._admit(GenerationRequest(name, [5, 6, 7], params, max_tokens=3), Emit())
+    engine._admit(GenerationRequest("d", [5, 6, 7], params, max_tokens=3), lambda out: plain.append(out.request_id))
+    while engine.scheduler.has_work:
+        engine._step()
+    assert calls and all(sorted(step) == ["a", "b", "c"] for step in calls)
+    assert len(calls) == 3 and plain == ["d"] * 3
