@@ -16,6 +16,7 @@ import hmac
 import json
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -136,7 +137,7 @@ async def _send_error(send, status: int, message: str, kind: str = "invalid_requ
 def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="hy3c", version=hy3c.__version__)
     max_len = engine.config.max_model_len
-    sinks: dict[asyncio.AbstractEventLoop, _LoopSink] = {}  # the serving loop's (one per app in practice)
+    sinks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop → its sink (one in practice)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):

@@ -311,50 +311,62 @@ class Engine:
         )
         now = time.monotonic()
         emissions = []
-        for lv, token, chosen, top in zip(lives, result.tokens, result.logprobs, result.top):
-            req = lv.request
-            if lv.first_token_at is None:
-                lv.first_token_at = now
-                self.metrics.ttft.observe(now - req.arrival)
-            else:
-                self.metrics.itl.observe(now - lv.last_token_at)
-            lv.last_token_at = now
-            stop_token = (token in self.eos_ids and not req.ignore_eos) or token in req.stop_token_ids
-            out = StepOutput(req.request_id)
-            if not stop_token:
-                lv.output.append(token)
-                lv.seq.tokens.append(token)
-                out.token_ids = [token]
-                out.text = lv.detok.push(token)
-                if req.num_logprobs is not None:
-                    out.logprobs = [(token, chosen, top[: req.num_logprobs])]
-                self.metrics.generation_tokens.inc()
-            reason = None
-            if stop_token:
-                reason, out.stop_reason = "stop", token
-            elif lv.detok.stopped_by is not None:
-                reason, out.stop_reason = "stop", lv.detok.stopped_by
-            elif len(lv.output) >= req.max_tokens or len(lv.seq.tokens) >= self.config.max_model_len:
-                reason = "length"
-            if reason is not None:
-                out.text += lv.detok.flush()
-                self._finish(lv, out, reason)
-            emissions.append((lv.emit, out))
-        self._deliver(emissions)
+        try:
+            for lv, token, chosen, top in zip(lives, result.tokens, result.logprobs, result.top):
+                req = lv.request
+                if lv.first_token_at is None:
+                    lv.first_token_at = now
+                    self.metrics.ttft.observe(now - req.arrival)
+                else:
+                    self.metrics.itl.observe(now - lv.last_token_at)
+                lv.last_token_at = now
+                stop_token = (token in self.eos_ids and not req.ignore_eos) or token in req.stop_token_ids
+                out = StepOutput(req.request_id)
+                if not stop_token:
+                    lv.output.append(token)
+                    lv.seq.tokens.append(token)
+                    out.token_ids = [token]
+                    out.text = lv.detok.push(token)
+                    if req.num_logprobs is not None:
+                        out.logprobs = [(token, chosen, top[: req.num_logprobs])]
+                    self.metrics.generation_tokens.inc()
+                reason = None
+                if stop_token:
+                    reason, out.stop_reason = "stop", token
+                elif lv.detok.stopped_by is not None:
+                    reason, out.stop_reason = "stop", lv.detok.stopped_by
+                elif len(lv.output) >= req.max_tokens or len(lv.seq.tokens) >= self.config.max_model_len:
+                    reason = "length"
+                if reason is not None:
+                    out.text += lv.detok.flush()
+                    self._finish(lv, out, reason)
+                emissions.append((lv.emit, out))
+        finally:  # rows done before a failing one keep their outputs (a finished one its last)
+            self._deliver(emissions)
         return now
 
     @staticmethod
     def _deliver(emissions: list[tuple[Callable[[StepOutput], None], StepOutput]]) -> None:
-        """Hand a step's outputs over: emits that share a `batch_sink` get them in one call."""
+        """Hand a step's outputs over: emits that share a `batch_sink` get them in one call. A consumer
+        that raises (e.g. its event loop closed) does not keep the others from theirs; the first
+        error is raised after every delivery was tried."""
         batches: dict[int, tuple[Callable, list]] = {}
+        calls: list[tuple[Callable, object]] = []
         for emit, out in emissions:
             sink = getattr(emit, "batch_sink", None)
             if sink is None:
-                emit(out)
+                calls.append((emit, out))
             else:
                 batches.setdefault(id(sink), (sink, []))[1].append((emit, out))
-        for sink, items in batches.values():
-            sink(items)
+        calls.extend(batches.values())
+        error: Exception | None = None
+        for consumer, payload in calls:
+            try:
+                consumer(payload)
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     def _usage(self, live: _Live, out: StepOutput) -> StepOutput:
         out.prompt_tokens = len(live.request.prompt_ids)

@@ -488,8 +488,45 @@ def test_a_steps_outputs_reach_a_shared_sink_in_one_call(artifact):
     params = SamplingParams(temperature=0.0)
     for name in ("a", "b", "c"):
         engine._admit(GenerationRequest(name, [5, 6, 7], params, max_tokens=3), Emit())
-    engine._admit(GenerationRequest("d", [5, 6, 7], params, max_tokens=3), lambda out: plain.append(out.request_id))
+    engine._admit(
+        GenerationRequest("d", [5, 6, 7], params, max_tokens=3), lambda out: plain.append(out.request_id)
+    )
     while engine.scheduler.has_work:
         engine._step()
     assert calls and all(sorted(step) == ["a", "b", "c"] for step in calls)
     assert len(calls) == 3 and plain == ["d"] * 3
+
+
+def test_a_failing_row_does_not_swallow_the_outputs_of_rows_done_before_it(artifact):
+    """Request a finishes in the same step in which b's detokenizer raises: a still gets its final
+    output (before the step's failure ends b), so its client does not wait forever."""
+    from hy3c.serve.engine import GenerationRequest
+    from hy3c.serve.sampler import SamplingParams
+    from hy3c.serve.server import build_engine
+
+    engine = build_engine(ServeOptions(artifact, kv_memory_gib=0.02, compile=False))[0]
+    got: dict[str, list] = {"a": [], "b": []}
+
+    class Sink:
+        def __call__(self, items):
+            for _, out in items:
+                got[out.request_id].append(out)
+
+    class Emit:
+        batch_sink = Sink()
+
+        def __call__(self, out):
+            got[out.request_id].append(out)
+
+    params = SamplingParams(temperature=0.0)
+    engine._admit(GenerationRequest("a", [5, 6, 7], params, max_tokens=1), Emit())
+    engine._admit(GenerationRequest("b", [5, 6, 8], params, max_tokens=5), Emit())
+
+    def broken_push(token):
+        raise RuntimeError("detokenizer failure")
+
+    engine._live["b"].detok.push = broken_push
+    while engine.scheduler.has_work:
+        engine._step()
+    assert [(o.finished, o.finish_reason) for o in got["a"]] == [(True, "length")]
+    assert got["b"][-1].finished and got["b"][-1].finish_reason == "error"
