@@ -246,26 +246,33 @@ def moe_bench(sweep: bool) -> None:
                     continue
                 share = wbytes / (2 if "FP8" in name else 1) / (ms * 1e-3) / BW * 100
                 row(f"FusedMoE T={t}, CUDA graph: {name}", ms, f"{share:.0f}% BW")
-        if sweep:  # bf16 configs; FP8 reuses them (its K blocks are at least as wide)
-            best = None
+        if sweep:  # bf16 and FP8 configs per bucket (FP8 moves half the bytes per K: wider K blocks)
             block_ms = {1: (16,), 16: (16,), 128: (16, 32), 1024: (32, 64), 8192: (64, 128)}[t]
-            for bm in block_ms:
-                for bn in (64, 128):
-                    for bk in (64, 128):
-                        warps, stages = (4, 4) if bm <= 32 else (8, 3)
-                        cfg = MoeConfig(bm, bn, bk, 1 if t <= 128 else 8, warps, stages)
-                        try:
-                            ms = bench(
-                                lambda c=cfg, x=x, ids=ids, wt=wt: fused_moe_triton(
-                                    x, wt, ids, w13, w2, None, None, None, None, None, config=c
+            for kind, weights, block_ks in (
+                ("bf16", (w13, w2, None, None), (64, 128)),
+                ("fp8", (q13, q2, s13, s2), (128, 256)),
+            ):
+                best = None
+                for bm in block_ms:
+                    for bn in (64, 128):
+                        for bk in block_ks:
+                            for stages in (3, 4) if bm <= 32 else (3,):
+                                cfg = MoeConfig(
+                                    bm, bn, bk, 1 if t <= 128 else 8, 4 if bm <= 32 else 8, stages
                                 )
-                            )
-                        except Exception:  # shared memory overflow for large tiles
-                            continue
-                        if best is None or ms < best[0]:
-                            best = (ms, cfg)
-            print(f"sweep T={t}: best {best[0]:.3f} ms with {best[1]} (default {select_config(t, False)})")
-            tuned["bf16"][t] = tuned["fp8"][t] = best[1].__dict__
+                                try:
+                                    ms = bench(
+                                        lambda c=cfg, x=x, ids=ids, wt=wt, w=weights: fused_moe_triton(
+                                            x, wt, ids, *w, None, None, None, config=c
+                                        )
+                                    )
+                                except Exception:  # shared memory overflow for large tiles
+                                    continue
+                                if best is None or ms < best[0]:
+                                    best = (ms, cfg)
+                default = select_config(t, kind == "fp8")
+                print(f"sweep {kind} T={t}: best {best[0]:.3f} ms with {best[1]} (default {default})")
+                tuned[kind][t] = best[1].__dict__
     if sweep and os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "fused_moe_h200.json"), "w") as f:
             json.dump(tuned, f, indent=1)
