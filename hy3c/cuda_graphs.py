@@ -74,7 +74,8 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         graphs = {}
         for size in sorted(batch_sizes, reverse=True):  # largest first: smaller graphs reuse its pool
-            token_rows = torch.zeros(3, size, dtype=torch.int64, device=device)
+            # rows of an even length: each starts 16-byte aligned (one kernel variant for every size)
+            token_rows = torch.zeros(3, size + size % 2, dtype=torch.int64, device=device)[:, :size]
             token_rows[2].fill_(-1)
             static = (
                 token_rows[0],
