@@ -128,7 +128,7 @@ def prepare_fused(
     """Draw this step's seeds and upload the parameter columns (None where the fused sampler is not used).
 
     Each row draws a fresh 31-bit seed from its request's generator, so seeded requests reproduce. The
-    two host-to-device copies put every column 16-byte aligned whatever the batch size (rows padded to
+    host-to-device copy puts every column 16-byte aligned whatever the batch size (rows padded to
     a multiple of 4): Triton specializes on pointer alignment, and an unaligned column would compile
     new kernel variants on live traffic.
     """
@@ -142,13 +142,15 @@ def prepare_fused(
 
 
 def fused_inputs(params: list[SamplingParams], seeds: list[int], device: torch.device) -> FusedInputs:
-    """The parameter columns of `prepare_fused` for the given seeds (two host-to-device copies)."""
+    """The parameter columns of `prepare_fused` for the given seeds: one host-to-device copy of a
+    [5, rows] int32 block whose first three rows hold the float columns' bits."""
     rows, pad = len(params), -len(params) % 4
     floats = torch.tensor(
         [(p.temperature, p.top_p, p.min_p) for p in params] + [(0, 0, 0)] * pad, dtype=torch.float32
     )
     ints = torch.tensor([(p.top_k, s) for p, s in zip(params, seeds)] + [(0, 0)] * pad, dtype=torch.int32)
-    floats, ints = floats.T.contiguous().to(device), ints.T.contiguous().to(device)
+    block = torch.cat([floats.T.contiguous().view(torch.int32), ints.T.contiguous()]).to(device)
+    floats, ints = block[:3].view(torch.float32), block[3:]
     return FusedInputs((floats[0, :rows], ints[0, :rows], floats[1, :rows], floats[2, :rows], ints[1, :rows]))
 
 
