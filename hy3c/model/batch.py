@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -95,6 +96,11 @@ def _aligned(n: int, elements: int) -> int:
     return -(-n // elements) * elements
 
 
+def _host_tensor(values: list[int], dtype: type) -> Tensor:
+    """A CPU tensor of Python ints through numpy: 3-4x faster than torch.tensor on a list."""
+    return torch.from_numpy(np.array(values, dtype=dtype))
+
+
 def _packed_batch(
     ids: list[int],
     positions: list[int],
@@ -112,12 +118,11 @@ def _packed_batch(
     segment starts 16-byte aligned (Triton compiles one kernel variant per pointer alignment class)."""
     t, b, cells = len(ids), len(seq_lens), len(table)
     gap = [0] * (_aligned(t, 2) - t)
-    wide = torch.tensor([*ids, *gap, *positions, *gap, *slots, *gap, *logits_rows], dtype=torch.int64)
+    wide = _host_tensor([*ids, *gap, *positions, *gap, *slots, *gap, *logits_rows], np.int64)
     lens_at = _aligned(cells, 4)
     starts_at = lens_at + _aligned(b, 4)
-    narrow = torch.tensor(
-        [*table, *[0] * (lens_at - cells), *seq_lens, *[0] * (starts_at - lens_at - b), *starts],
-        dtype=torch.int32,
+    narrow = _host_tensor(
+        [*table, *[0] * (lens_at - cells), *seq_lens, *[0] * (starts_at - lens_at - b), *starts], np.int32
     )
     wide, narrow = wide.to(device), narrow.to(device)
     token_rows = wide[: 3 * (t + len(gap))].view(3, t + len(gap))[:, :t]
