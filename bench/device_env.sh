@@ -3,6 +3,11 @@
 # symlinks) beside links to tests/, bench/ and pyproject.toml, and cds there; installs wheels carried
 # in .whl/ (e.g. pydantic) into /tmp/site.
 #   source bench/device_env.sh && python3 -m pytest -m gpu tests/...
+# The GPU machine lacks the serving stack; fetch its wheels here first (Python 3.12, x86-64):
+#   pip download --only-binary=:all: --python-version 3.12 --implementation cp --no-deps -d .whl \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+#     pydantic pydantic-core annotated-types typing-inspection typing-extensions fastapi starlette \
+#     annotated-doc anyio idna uvicorn h11 click httptools uvloop
 repo=$(pwd)
 run=/tmp/hy3c-run
 rm -rf "$run" && mkdir -p "$run/hy3c"
