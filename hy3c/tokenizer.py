@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import json
-from functools import cache
+import random
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,33 @@ class Hy3Tokenizer:
         if all(ch in table for ch in piece):
             return bytes(table[ch] for ch in piece)
         return text.encode()
+
+    @cached_property
+    def streaming_bytes(self) -> tuple[bytes, ...] | None:
+        """Each id's bytes under `decode` (special tokens: none), when decoding a sequence is exactly
+        decoding the concatenation of its tokens' bytes as UTF-8 — a plain byte-level BPE decoder, as
+        Hy3's. None otherwise, or when a check on random sequences finds a difference: then text is
+        streamed by decoding windows of ids (`IncrementalDetokenizer`)."""
+        if not isinstance(self.tokenizer.decoder, decoders.ByteLevel):
+            return None
+        table = _byte_level_table()
+        added = self.tokenizer.get_added_tokens_decoder()
+        pieces = []
+        for token_id in range(self.vocab_size):
+            if token_id in added:
+                token = added[token_id]
+                pieces.append(b"" if token.special else token.content.encode())
+                continue
+            piece = self.tokenizer.id_to_token(token_id) or ""
+            if any(ch not in table for ch in piece):
+                return None
+            pieces.append(bytes(table[ch] for ch in piece))
+        rng = random.Random(0)
+        for _ in range(256):
+            ids = [rng.randrange(self.vocab_size) for _ in range(rng.randint(1, 12))]
+            if b"".join(pieces[i] for i in ids).decode("utf-8", "replace") != self.decode(ids):
+                return None
+        return tuple(pieces)
 
     def token_text(self, token_id: int) -> str:
         """A token as OpenAI's logprobs show it: its text, or `bytes:\\xe6\\x97` for a partial character."""

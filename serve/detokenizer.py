@@ -1,12 +1,16 @@
 """Incremental, UTF-8-safe detokenization with stop strings that may span token boundaries.
 
-Each new token is decoded together with the tokens since the last emitted text (prefix offset / read
-offset), so only the new text is produced; text that ends in an incomplete UTF-8 sequence (U+FFFD) is held back until the
-next token completes it. The last `max(len(stop)) - 1` characters are also held back, so a stop string
+With a byte-level BPE tokenizer (`Hy3Tokenizer.streaming_bytes`), each token's bytes go through an
+incremental UTF-8 decoder: an incomplete character waits for the bytes that complete it — one table
+lookup per token, no tokenizer call. Otherwise each new token is decoded together with the tokens
+since the last emitted text (prefix offset / read offset), so only the new text is produced; text
+that ends in an incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it. The last `max(len(stop)) - 1` characters are also held back, so a stop string
 split across tokens is found before any of it is streamed. The stop string itself is not emitted.
 """
 
 from __future__ import annotations
+
+import codecs
 
 from hy3c.tokenizer import Hy3Tokenizer
 
@@ -22,11 +26,16 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded text so far (safe: no partial characters)
         self.emitted = 0  # characters of `text` already returned
         self.stopped_by: str | None = None
+        self.bytes_of = tokenizer.streaming_bytes
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self.bytes_of is not None else None
 
     def push(self, token: int) -> str:
         """Add one token; return the text now safe to stream ('' if held back or already stopped)."""
         if self.stopped_by is not None:
             return ""
+        if self.utf8 is not None:
+            self.text += self.utf8.decode(self.bytes_of[token] if 0 <= token < len(self.bytes_of) else b"")
+            return self._release()
         self.ids.append(token)
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         full = self.tokenizer.decode(self.ids[self.prefix_offset :])
@@ -58,8 +67,11 @@ class IncrementalDetokenizer:
         incomplete UTF-8 sequence (as U+FFFD, like a whole-sequence decode)."""
         if self.stopped_by is not None:
             return ""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        self.text += self.tokenizer.decode(self.ids[self.prefix_offset :])[len(prefix) :]
-        self.prefix_offset = self.read_offset = len(self.ids)
+        if self.utf8 is not None:
+            self.text += self.utf8.decode(b"", final=True)
+        else:
+            prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+            self.text += self.tokenizer.decode(self.ids[self.prefix_offset :])[len(prefix) :]
+            self.prefix_offset = self.read_offset = len(self.ids)
         released = self._release()
         return released + ("" if self.stopped_by is not None else self._take(len(self.text)))

@@ -207,3 +207,30 @@ def test_no_rows_sample_nothing_and_integer_parameters_stay_floats(monkeypatch):
         torch.float32,
         torch.int32,
     ]
+
+
+def test_byte_table_streaming_equals_decoding_the_whole_sequence(tiny_ckpt, monkeypatch):
+    """The byte-level fast path (one table lookup per token) streams exactly what decoding the whole
+    sequence gives, like the window-decoding path — random ids, partial UTF-8 and special tokens
+    included — and a tokenizer without a plain byte-level decoder falls back to windows."""
+    import random
+
+    tok = Hy3Tokenizer.from_dir(tiny_ckpt)
+    assert tok.streaming_bytes is not None and len(tok.streaming_bytes) == tok.vocab_size
+    rng = random.Random(1)
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _step in range(rng.randint(1, 40))]
+        fast = IncrementalDetokenizer(tok)
+        streamed = "".join(fast.push(i) for i in ids) + fast.flush()
+        assert streamed == tok.decode(ids), ids
+        slow = IncrementalDetokenizer(tok)
+        slow.utf8 = None  # the window-decoding path on the same tokenizer
+        assert "".join(slow.push(i) for i in ids) + slow.flush() == streamed
+    text = "naïve 日本語 café"
+    detok = IncrementalDetokenizer(tok)
+    assert [p for p in (detok.push(i) for i in tok.encode(text)) if "\ufffd" in p] == []
+    other = Hy3Tokenizer.from_dir(tiny_ckpt)
+    from tokenizers import decoders
+
+    other.tokenizer.decoder = decoders.Metaspace()
+    assert other.streaming_bytes is None and IncrementalDetokenizer(other).utf8 is None
