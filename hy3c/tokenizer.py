@@ -176,8 +176,9 @@ class Hy3Tokenizer:
             return None
         table = _byte_level_table()
         added = self.tokenizer.get_added_tokens_decoder()
+        vocab = self.vocab_size  # a call that costs milliseconds on a large vocabulary
         pieces = []
-        for token_id in range(self.vocab_size):
+        for token_id in range(vocab):
             if token_id in added:
                 token = added[token_id]
                 pieces.append(b"" if token.special else token.content.encode())
@@ -188,7 +189,7 @@ class Hy3Tokenizer:
             pieces.append(bytes(table[ch] for ch in piece))
         rng = random.Random(0)
         for _ in range(256):
-            ids = [rng.randrange(self.vocab_size) for _ in range(rng.randint(1, 12))]
+            ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
             if b"".join(pieces[i] for i in ids).decode("utf-8", "replace") != self.decode(ids):
                 return None
         return tuple(pieces)
