@@ -4,8 +4,9 @@ With a byte-level BPE tokenizer (`Hy3Tokenizer.streaming_bytes`), each token's b
 incremental UTF-8 decoder: an incomplete character waits for the bytes that complete it — one table
 lookup per token, no tokenizer call. Otherwise each new token is decoded together with the tokens
 since the last emitted text (prefix offset / read offset), so only the new text is produced; text
-that ends in an incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it. The last `max(len(stop)) - 1` characters are also held back, so a stop string
-split across tokens is found before any of it is streamed. The stop string itself is not emitted.
+that ends in an incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it.
+The last `max(len(stop)) - 1` characters are also held back, so a stop string split across tokens is
+found before any of it is streamed. The stop string itself is not emitted.
 """
 
 from __future__ import annotations
