@@ -15,6 +15,8 @@ import codecs
 
 from hy3c.tokenizer import Hy3Tokenizer
 
+TRIM_CHARS = 1024
+
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Hy3Tokenizer, stop: list[str] | None = None) -> None:
@@ -24,8 +26,9 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
-        self.text = ""  # all decoded text so far (safe: no partial characters)
+        self.text = ""  # decoded text a stop search may still look at, and what is not yet returned
         self.emitted = 0  # characters of `text` already returned
+        self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.stopped_by: str | None = None
         self.bytes_of = tokenizer.streaming_bytes
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self.bytes_of is not None else None
@@ -61,6 +64,10 @@ class IncrementalDetokenizer:
     def _take(self, upto: int) -> str:
         out = self.text[self.emitted : upto]
         self.emitted = max(self.emitted, upto)
+        done = self.emitted - self.longest_stop  # text before this no stop search reads again
+        if done > TRIM_CHARS:  # drop it now and then: `text` stays short, appends stay cheap
+            self.text = self.text[done:]
+            self.emitted -= done
         return out
 
     def flush(self) -> str:

@@ -234,3 +234,22 @@ def test_byte_table_streaming_equals_decoding_the_whole_sequence(tiny_ckpt, monk
 
     other.tokenizer.decoder = decoders.Metaspace()
     assert other.streaming_bytes is None and IncrementalDetokenizer(other).utf8 is None
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_long_generation_keeps_a_short_buffer_and_finds_a_late_stop(tiny_ckpt, fast):
+    """Thousands of tokens: the streamed text is the whole decode, the detokenizer keeps only what a stop
+    search can still reach, and a stop string that arrives late (split over tokens) is still found."""
+    tok = Hy3Tokenizer.from_dir(tiny_ckpt)
+    ids = tok.encode("naïve 日本語 café, more words; " * 300)
+    stop_ids = tok.encode(" then STOP here")
+    detok = IncrementalDetokenizer(tok, ["STOP"])
+    if not fast:
+        detok.utf8 = None
+    sizes, pieces = [], []
+    for i in ids + stop_ids:
+        pieces.append(detok.push(i))
+        sizes.append(len(detok.text))
+    pieces.append(detok.flush())
+    assert "".join(pieces) == tok.decode(ids) + " then " and detok.stopped_by == "STOP"
+    assert max(sizes) < 1100 < len(tok.decode(ids))
