@@ -11,7 +11,9 @@
   per-expert loop, and the FP8 variant vs an FP8 path on `torch._scaled_grouped_mm` (the same
   per-token activation and per-channel weight scales); % of copy bandwidth on the active experts'
   weight bytes and % of bf16 peak.
-* --sweep: tries launch configs per token bucket and writes the best to fused_moe_h200.json.
+* --sweep: tries launch configs per token bucket (CUDA-graph replays at T ≤ 128) and writes the best
+  to $OUT/fused_moe_h200.json (the shipped configs for buckets not in --tokens); with the router part,
+  also sweeps the dual-BF16 kernel's tiles and K splits per M.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import hy3c.kernels  # noqa: F401
 from hy3c.kernels.fused_moe import (
+    CONFIG_FILE,
     MoeConfig,
     fused_moe_triton,
     moe_align_torch,
@@ -61,11 +64,25 @@ def row(name, ms, pct="", ratio="") -> None:
     print("| " + " | ".join(ROWS[-1]) + " |", flush=True)  # a run cut short still shows what it measured
 
 
-def router_bench() -> None:
+def router_sweep(x, hi, lo) -> dict[str, float]:
+    """ms of the dual-BF16 kernel per (block_m, block_n, K splits) at this M."""
+    times = {}
+    m = x.shape[0]
+    for bm in (16, 32, 64):
+        if bm > 16 and bm > 2 * m:
+            continue
+        for bn in (32, 64):
+            for splits in (1, 2, 4, 8, 16):
+                ms = bench(lambda bm=bm, bn=bn, s=splits: router_gemm_dual_bf16(x, hi, lo, s, bm, bn))
+                times[f"{bm},{bn},{splits}"] = ms
+    return times
+
+
+def router_bench(sweep: bool) -> None:
     d = "cuda"
     w = torch.randn(E, H, device=d) * 0.02
     hi, lo = split_router_weight(w)
-    for m in (1, 2, 16, 64, 128, 208, 512, 1024, 4096):
+    for m in (1, 2, 16, 64, 128, 208, 256, 384, 512, 768, 1024, 4096):
         x = torch.randn(m, H, device=d).to(torch.bfloat16)
         ref = x.double() @ w.double().t()
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -84,6 +101,19 @@ def router_bench() -> None:
             "err_dual": err,
             "err_tf32": err_tf,
         }
+        RESULTS[f"router_M{m}"]["cuda_graph_ms"] = {
+            "fp32": graph_ms(lambda x=x: x.float() @ w.t()),
+            "dual": graph_ms(lambda x=x: router_gemm_dual_bf16(x, hi, lo)),
+        }
+        if sweep:
+            times = router_sweep(x, hi, lo)
+            best = min(times, key=times.get)
+            RESULTS[f"router_M{m}"]["sweep"] = times
+            print(
+                f"router sweep M={m}: best {times[best]:.4f} ms with (block_m, block_n, splits) = ({best}) "
+                f"({t32 / times[best]:.2f}× vs fp32); graph fp32 / dual "
+                f"{RESULTS[f'router_M{m}']['cuda_graph_ms']}"
+            )
         row(
             f"router M={m}: fp32 cuBLAS / TF32 / dual-BF16",
             tdual,
@@ -161,15 +191,77 @@ def loop_moe(x, ids, wt, w13, w2):
     return out
 
 
-def moe_bench(sweep: bool) -> None:
+def static_activation_scales(x, ids, w13) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8 activation scales calibrated as a checkpoint's static ones are: the absmax of the
+    MoE input and of the SiLU·up intermediate (from the first 16 tokens' pairs) over 448."""
+    pairs = [(t, e) for t in range(min(16, x.shape[0])) for e in ids[t].tolist()]
+    h_amax = max(
+        (F.silu(g) * u).abs().max().item()
+        for g, u in (F.linear(x[t], w13[e]).float().chunk(2) for t, e in pairs)
+    )
+    return (x.float().abs().max() / 448).reshape(1), torch.tensor([h_amax / 448], device=x.device)
+
+
+def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
+    """Launch configs tried at T tokens. Decode sizes (T ≤ 128): 16-row blocks, narrow to wide column
+    blocks (more programs balance the few active experts over the SMs), and for FP8 wider K blocks
+    (half the bytes per K) and the activation quantization inside the GEMMs or as its own kernels."""
+    if t <= 128:
+        return [
+            MoeConfig(16, bn, bk, 1, 4, stages, on_load)
+            for bn in (32, 64, 128)
+            for bk in ((128, 256) if fp8 else (64, 128))
+            for stages in (3, 4)
+            for on_load in ((False, True) if fp8 else (False,))
+        ]
+    block_ms = (32, 64) if t <= 1024 else (64, 128)
+    return [
+        MoeConfig(bm, bn, bk, 8, 4 if bm <= 32 else 8, 3)
+        for bm in block_ms
+        for bn in (64, 128)
+        for bk in ((128, 256) if fp8 else (64, 128))
+    ]
+
+
+def sweep_bucket(x, ids, wt, variants: dict[str, tuple]) -> dict[str, MoeConfig]:
+    """Best config of each variant (kind → weights, weight scales, activation scales) at this token
+    count: replayed from CUDA graphs at decode sizes (as a decode step runs them), plain launches above."""
+    t = x.shape[0]
+    timer = graph_ms if t <= 128 else bench
+    chosen = {}
+    for kind, weights in variants.items():
+        best: tuple[float, MoeConfig] | None = None
+        for cfg in sweep_configs(t, kind != "bf16"):
+            try:
+                ms = timer(lambda c=cfg, w=weights: fused_moe_triton(x, wt, ids, *w, None, config=c))
+            except Exception:  # shared memory overflow for large tiles
+                continue
+            if ms is not None and (best is None or ms < best[0]):
+                best = (ms, cfg)
+        default = select_config(t, kind)
+        default_ms = timer(lambda c=default, w=weights: fused_moe_triton(x, wt, ids, *w, None, config=c))
+        print(
+            f"sweep {kind} T={t}: best {best[0]:.4f} ms with {best[1]}; shipped {default_ms:.4f} ms {default}"
+        )
+        RESULTS.setdefault(f"sweep_T{t}", {})[kind] = {
+            "best_ms": best[0],
+            "best": best[1].__dict__,
+            "shipped_ms": default_ms,
+            "timer": "cuda_graph" if t <= 128 else "launches",
+        }
+        chosen[kind] = best[1]
+    return chosen
+
+
+def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
     d = "cuda"
     w13 = torch.randn(E, 2 * INTER, H, device=d, dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(E, H, INTER, device=d, dtype=torch.bfloat16) * 0.02
     s13, s2 = w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448
     q13 = (w13.float() / s13[..., None]).to(FP8_DTYPE)
     q2 = (w2.float() / s2[..., None]).to(FP8_DTYPE)
-    tuned: dict[str, dict[int, dict]] = {"bf16": {}, "fp8": {}}
-    for t in (1, 16, 128, 1024, 8192):
+    tuned: dict[str, dict[int, MoeConfig]] = {"bf16": {}, "fp8": {}, "fp8_static": {}}
+    for t in token_counts:
         x = torch.randn(t, H, device=d, dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(E, device=d)[:K_TOP] for _ in range(t)]).int()
         wt = torch.rand(t, K_TOP, device=d)
@@ -186,6 +278,14 @@ def moe_bench(sweep: bool) -> None:
         t_fp8 = bench(
             lambda x=x, ids=ids, wt=wt: fused_moe_triton(x, wt, ids, q13, q2, s13, s2, None, None, None)
         )
+        a13, a2 = static_activation_scales(x, ids, w13)
+        t_fp8s = bench(
+            lambda x=x, ids=ids, wt=wt, a13=a13, a2=a2: fused_moe_triton(
+                x, wt, ids, q13, q2, s13, s2, a13, a2, None
+            )
+        )
+        fp8s_out = fused_moe_triton(x, wt, ids, q13, q2, s13, s2, a13, a2, None)
+        err8s = ((fp8s_out.float() - ref.float()).norm() / ref.float().norm()).item()
         fp8_out = fused_moe_triton(x, wt, ids, q13, q2, s13, s2, None, None, None)
         err8 = ((fp8_out.float() - ref.float()).norm() / ref.float().norm()).item()
         t_loop = bench(lambda x=x, ids=ids, wt=wt: loop_moe(x, ids, wt, w13, w2)) if t <= 128 else None
@@ -200,6 +300,8 @@ def moe_bench(sweep: bool) -> None:
             "grouped_mm_ms": t_group,
             "hy3c_bf16_ms": t_ours,
             "hy3c_fp8_ms": t_fp8,
+            "hy3c_fp8_static_ms": t_fp8s,
+            "rel_err_fp8_static": err8s,
             "loop_ms": t_loop,
             "scaled_grouped_mm_fp8_ms": t_peer8,
             "rel_err_scaled_grouped_mm_fp8": err_peer8,
@@ -229,6 +331,12 @@ def moe_bench(sweep: bool) -> None:
             f"{t_ours / t_fp8:.2f}× vs hy3c bf16"
             + (f", {t_peer8 / t_fp8:.2f}× vs _scaled_grouped_mm" if t_peer8 is not None else ""),
         )
+        row(
+            f"FusedMoE T={t}: hy3c FP8, static activation scales (err {err8s:.1e})",
+            t_fp8s,
+            f"{wbytes / 2 / (t_fp8s * 1e-3) / BW * 100:.0f}% BW",
+            f"{t_ours / t_fp8s:.2f}× vs hy3c bf16",
+        )
         if t <= 128:  # decode sizes: replayed from a CUDA graph, as a decode step runs them
             graph = {
                 "grouped_mm peer": graph_ms(lambda x=x, ids=ids, wt=wt: grouped_mm_moe(x, ids, wt, w13, w2)),
@@ -238,6 +346,11 @@ def moe_bench(sweep: bool) -> None:
                 "hy3c FP8": graph_ms(
                     lambda x=x, ids=ids, wt=wt: fused_moe_triton(x, wt, ids, q13, q2, s13, s2, *[None] * 3)
                 ),
+                "hy3c FP8 static": graph_ms(
+                    lambda x=x, ids=ids, wt=wt, a13=a13, a2=a2: fused_moe_triton(
+                        x, wt, ids, q13, q2, s13, s2, a13, a2, None
+                    )
+                ),
             }
             RESULTS[f"moe_T{t}"]["cuda_graph_ms"] = graph
             for name, ms in graph.items():
@@ -246,51 +359,36 @@ def moe_bench(sweep: bool) -> None:
                     continue
                 share = wbytes / (2 if "FP8" in name else 1) / (ms * 1e-3) / BW * 100
                 row(f"FusedMoE T={t}, CUDA graph: {name}", ms, f"{share:.0f}% BW")
-        if sweep:  # bf16 and FP8 configs per bucket (FP8 moves half the bytes per K: wider K blocks)
-            block_ms = {1: (16,), 16: (16,), 128: (16, 32), 1024: (32, 64), 8192: (64, 128)}[t]
-            for kind, weights, block_ks in (
-                ("bf16", (w13, w2, None, None), (64, 128)),
-                ("fp8", (q13, q2, s13, s2), (128, 256)),
-            ):
-                best = None
-                for bm in block_ms:
-                    for bn in (64, 128):
-                        for bk in block_ks:
-                            for stages in (3, 4) if bm <= 32 else (3,):
-                                cfg = MoeConfig(
-                                    bm, bn, bk, 1 if t <= 128 else 8, 4 if bm <= 32 else 8, stages
-                                )
-                                try:
-                                    ms = bench(
-                                        lambda c=cfg, x=x, ids=ids, wt=wt, w=weights: fused_moe_triton(
-                                            x, wt, ids, *w, None, None, None, config=c
-                                        )
-                                    )
-                                except Exception:  # shared memory overflow for large tiles
-                                    continue
-                                if best is None or ms < best[0]:
-                                    best = (ms, cfg)
-                default = select_config(t, kind == "fp8")
-                print(f"sweep {kind} T={t}: best {best[0]:.3f} ms with {best[1]} (default {default})")
-                tuned[kind][t] = best[1].__dict__
-    if sweep and os.environ.get("OUT"):
+        if sweep:
+            variants = {
+                "bf16": (w13, w2, None, None, None, None),
+                "fp8": (q13, q2, s13, s2, None, None),
+                "fp8_static": (q13, q2, s13, s2, a13, a2),
+            }
+            for kind, cfg in sweep_bucket(x, ids, wt, variants).items():
+                tuned[kind][t] = cfg
+    if sweep and os.environ.get("OUT"):  # swept buckets replace theirs; the others keep the shipped configs
+        shipped = json.loads(CONFIG_FILE.read_text()) if CONFIG_FILE.is_file() else {}
+        for kind, table in tuned.items():
+            shipped.setdefault(kind, {}).update({str(t): cfg.__dict__ for t, cfg in table.items()})
         with open(os.path.join(os.environ["OUT"], "fused_moe_h200.json"), "w") as f:
-            json.dump(tuned, f, indent=1)
+            json.dump(shipped, f, indent=1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--parts", default="router,align,moe", help="comma list of router, align, moe")
+    parser.add_argument("--tokens", default="1,16,128,1024,8192", help="moe: comma list of token counts")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     torch.manual_seed(0)
     if "router" in parts:
-        router_bench()
+        router_bench(args.sweep)
     if "align" in parts:
         align_bench()
     if "moe" in parts:
-        moe_bench(args.sweep)
+        moe_bench(args.sweep, tuple(int(t) for t in args.tokens.split(",")))
     RESULTS["env"] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -13,7 +13,9 @@
 
 FP8: weights e4m3 with per-channel ([E, rows]) or per-tensor ([E, 1]) scales; activations e4m3 with a
 static per-tensor scale or dynamic per-token scales; fp8 × fp8 tensor-core products, scales applied in
-the epilogues. Launch configs per token-count bucket come from `configs/fused_moe_h200.json` (written by
+the epilogues. The activations are quantized either by one row-wise kernel before each GEMM, or — the
+config's `quant_on_load`, for few tokens — inside the GEMM as its rows are loaded (a dynamic scale is
+the row's absmax / 448, found by a first pass over the row): bit-identical, two launches fewer. Launch configs per token-count bucket come from `configs/fused_moe_h200.json` (written by
 `bench/moe_bench.py --sweep`) or the built-in defaults.
 """
 
@@ -45,6 +47,7 @@ class MoeConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    quant_on_load: bool = False  # FP8: quantize activation rows inside the GEMMs (no quantization kernels)
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
@@ -63,8 +66,18 @@ def _tuned() -> dict[str, dict[int, MoeConfig]]:
     return {kind: {int(t): MoeConfig(**c) for t, c in table.items()} for kind, table in data.items()}
 
 
-def select_config(num_tokens: int, fp8: bool) -> MoeConfig:
-    table = _tuned().get("fp8" if fp8 else "bf16") or _DEFAULTS
+def config_kind(fp8: bool, static_activations: bool) -> str:
+    """The config file's table for a variant: bf16, fp8 (dynamic per-token activations), fp8_static."""
+    if not fp8:
+        return "bf16"
+    return "fp8_static" if static_activations else "fp8"
+
+
+def select_config(num_tokens: int, kind: str) -> MoeConfig:
+    """The config of the smallest bucket holding num_tokens, from the file's `kind` table (fp8_static
+    falls back to fp8's) or the built-in defaults."""
+    tuned = _tuned()
+    table = tuned.get(kind) or tuned.get(kind.removesuffix("_static")) or _DEFAULTS
     bound = min((t for t in table if t >= num_tokens), default=max(table))
     return table[bound]
 
@@ -209,6 +222,30 @@ def moe_align_triton(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[
     return sorted_ids, expert_ids, padded
 
 
+ROW_SCALE_CHUNK = tl.constexpr(1024)  # columns per trip of the row-absmax pass of `quant_on_load`
+
+
+@triton.jit
+def _row_scales(ptr, rows, row_ok, stride, width, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Per-row FP8 scales as `quant_fp8_per_token` computes them: max(absmax / 448, 1e-12)."""
+    amax = tl.zeros([BLOCK_M], tl.float32)
+    for k in range(0, width, CHUNK):  # wide chunks: few dependent trips before the GEMM's loads start
+        rk = k + tl.arange(0, CHUNK)
+        a = tl.load(
+            ptr + rows[:, None].to(tl.int64) * stride + rk[None, :],
+            mask=row_ok[:, None] & (rk[None, :] < width),
+            other=0.0,
+        )
+        amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
+    return tl.maximum(amax / 448.0, 1e-12)
+
+
+@triton.jit
+def _quantize_tile(a, scale, dtype: tl.constexpr):
+    """An activation tile to FP8 as the quantization kernels do: a / scale, clamped to ±448, cast."""
+    return tl.clamp(a.to(tl.float32) / scale, -448.0, 448.0).to(dtype)
+
+
 @triton.jit
 def _program_block(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     """Grouped ordering: GROUP_M M-blocks share each weight column block while it is in L2."""
@@ -248,6 +285,7 @@ def _gate_up_kernel(
     FP8: tl.constexpr,
     A_PER_ROW: tl.constexpr,
     W_PER_ROW: tl.constexpr,
+    QUANT_ON_LOAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -263,6 +301,11 @@ def _gate_up_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     w_base = w_ptr + expert * stride_we
+    if QUANT_ON_LOAD:
+        if A_PER_ROW:
+            a_scale = _row_scales(x_ptr, token, row_ok, stride_xm, hidden, BLOCK_M, ROW_SCALE_CHUNK)[:, None]
+        else:
+            a_scale = tl.load(xs_ptr)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, hidden, BLOCK_K):
@@ -273,16 +316,19 @@ def _gate_up_kernel(
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
+        if QUANT_ON_LOAD:
+            a = _quantize_tile(a, a_scale, w_ptr.dtype.element_ty)
         w_mask = col_ok[None, :] & k_ok[:, None]
         wg = tl.load(w_base + cols[None, :] * stride_wn + rk[:, None], mask=w_mask, other=0.0)
         wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + rk[:, None], mask=w_mask, other=0.0)
         acc_g += tl.dot(a, wg)
         acc_u += tl.dot(a, wu)
     if FP8:
-        if A_PER_ROW:
-            a_scale = tl.load(xs_ptr + token, mask=row_ok, other=0.0)[:, None]
-        else:
-            a_scale = tl.load(xs_ptr)
+        if not QUANT_ON_LOAD:
+            if A_PER_ROW:
+                a_scale = tl.load(xs_ptr + token, mask=row_ok, other=0.0)[:, None]
+            else:
+                a_scale = tl.load(xs_ptr)
         if W_PER_ROW:
             sg = tl.load(ws_ptr + expert * stride_wse + cols, mask=col_ok, other=0.0)[None, :]
             su = tl.load(ws_ptr + expert * stride_wse + inter + cols, mask=col_ok, other=0.0)[None, :]
@@ -330,6 +376,7 @@ def _down_kernel(
     FP8: tl.constexpr,
     A_PER_ROW: tl.constexpr,
     W_PER_ROW: tl.constexpr,
+    QUANT_ON_LOAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -344,6 +391,11 @@ def _down_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     w_base = w_ptr + expert * stride_we
+    if QUANT_ON_LOAD:
+        if A_PER_ROW:
+            h_scale = _row_scales(h_ptr, pair, row_ok, stride_hm, inter, BLOCK_M, ROW_SCALE_CHUNK)[:, None]
+        else:
+            h_scale = tl.load(hs_ptr)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, inter, BLOCK_K):
         rk = k + tl.arange(0, BLOCK_K)
@@ -353,12 +405,16 @@ def _down_kernel(
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
+        if QUANT_ON_LOAD:
+            a = _quantize_tile(a, h_scale, w_ptr.dtype.element_ty)
         w = tl.load(
             w_base + cols[None, :] * stride_wn + rk[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0
         )
         acc += tl.dot(a, w)
     if FP8:
-        if A_PER_ROW:
+        if QUANT_ON_LOAD:
+            acc = acc * h_scale
+        elif A_PER_ROW:
             acc = acc * tl.load(hs_ptr + pair, mask=row_ok, other=0.0)[:, None]
         else:
             acc = acc * tl.load(hs_ptr)
@@ -407,8 +463,14 @@ def _combine_kernel(
     tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, result, mask=ok)
 
 
-def _quantize_activations(x: Tensor, static_scale: Tensor | None) -> tuple[Tensor, Tensor, bool]:
-    """One Triton pass per row (kernels/quant.py): static per-tensor or dynamic per-token scales."""
+def _quantize_activations(
+    x: Tensor, static_scale: Tensor | None, on_load: bool
+) -> tuple[Tensor, Tensor, bool]:
+    """(GEMM input, its scale, per-row scale?): one Triton pass per row (kernels/quant.py) with a static
+    per-tensor or dynamic per-token scale — or, `on_load`, x itself for the GEMM to quantize."""
+    if on_load:
+        per_row = static_scale is None
+        return x, (x.new_empty(1, dtype=torch.float32) if per_row else static_scale.float()), per_row
     if static_scale is not None:
         return quant_fp8(x, static_scale), static_scale.float(), False
     q, scale = quant_fp8_per_token(x)
@@ -437,13 +499,13 @@ def fused_moe_triton(
     if num_tokens == 0:
         return out
     fp8 = w13.dtype == FP8_DTYPE
-    cfg = config or select_config(num_tokens, fp8)
+    cfg = config or select_config(num_tokens, config_kind(fp8, a13_scale is not None))
     sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, cfg.block_m)
     num_m_blocks = expert_ids.shape[0]
     dummy = x.new_empty(1, dtype=torch.float32)
     a, a_scale, a_per_row = (x, dummy, False)
     if fp8:
-        a, a_scale, a_per_row = _quantize_activations(x, a13_scale)
+        a, a_scale, a_per_row = _quantize_activations(x, a13_scale, cfg.quant_on_load)
     hidden_act = x.new_empty((pairs, inter))
     w13_s = w13_scale if w13_scale is not None else dummy
     common = dict(
@@ -452,6 +514,7 @@ def fused_moe_triton(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         FP8=fp8,
+        QUANT_ON_LOAD=fp8 and cfg.quant_on_load,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -481,7 +544,7 @@ def fused_moe_triton(
     )
     h, h_scale, h_per_row = (hidden_act, dummy, False)
     if fp8:
-        h, h_scale, h_per_row = _quantize_activations(hidden_act, a2_scale)
+        h, h_scale, h_per_row = _quantize_activations(hidden_act, a2_scale, cfg.quant_on_load)
     per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
     w2_s = w2_scale if w2_scale is not None else dummy
     _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -106,7 +108,7 @@ def test_grouped_moe_real_shapes():
 @pytest.mark.parametrize("tokens", [1, 128, 1024])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_fused_moe_real_shapes(tokens, fp8):
-    from hy3c.kernels.fused_moe import fused_moe_triton
+    from hy3c.kernels.fused_moe import fused_moe_triton, select_config
 
     experts, top_k, hidden, inter = 192, 8, 4096, 1536
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -124,6 +126,11 @@ def test_fused_moe_real_shapes(tokens, fp8):
     out = fused_moe_triton(*args).float()
     ref = hy3.fused_moe(*args).float()
     assert (out - ref).norm() / ref.norm() < 1e-2
+    if fp8:  # activations quantized inside the GEMMs: the same FP8 rows as the quantization kernels'
+        for on_load in (False, True):
+            cfg = dataclasses.replace(select_config(tokens, "fp8"), quant_on_load=on_load)
+            other = fused_moe_triton(*args, config=cfg).float()
+            assert (other - out).norm() / out.norm() < 1e-3
 
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 208, 4096])

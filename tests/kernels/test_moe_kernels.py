@@ -3,6 +3,8 @@ on CPU at small shapes (the router accuracy test at the real N=192, K=4096)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -141,6 +143,8 @@ def test_fused_moe_fp8(static, per_channel):
     out = fused_moe_triton(*args, config=CFG)
     ref = hy3.fused_moe(*args)
     assert (out.float() - ref.float()).norm() / ref.float().norm() < 2e-2
+    on_load = fused_moe_triton(*args, config=dataclasses.replace(CFG, quant_on_load=True))
+    torch.testing.assert_close(on_load, out, atol=0, rtol=0)  # the same FP8 rows, quantized in the GEMMs
 
 
 def test_opcheck_moe_l2_ops():
