@@ -231,11 +231,13 @@ def sweep_bucket(x, ids, wt, variants: dict[str, tuple]) -> dict[str, MoeConfig]
     chosen = {}
     for kind, weights in variants.items():
         best: tuple[float, MoeConfig] | None = None
+        tried: dict[str, float | None] = {}
         for cfg in sweep_configs(t, kind != "bf16"):
             try:
                 ms = timer(lambda c=cfg, w=weights: fused_moe_triton(x, wt, ids, *w, None, config=c))
             except Exception:  # shared memory overflow for large tiles
                 continue
+            tried[str(cfg)] = ms
             if ms is not None and (best is None or ms < best[0]):
                 best = (ms, cfg)
         default = select_config(t, kind)
@@ -248,6 +250,7 @@ def sweep_bucket(x, ids, wt, variants: dict[str, tuple]) -> dict[str, MoeConfig]
             "best": best[1].__dict__,
             "shipped_ms": default_ms,
             "timer": "cuda_graph" if t <= 128 else "launches",
+            "tried": tried,
         }
         chosen[kind] = best[1]
     return chosen

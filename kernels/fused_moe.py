@@ -74,10 +74,10 @@ def config_kind(fp8: bool, static_activations: bool) -> str:
 
 
 def select_config(num_tokens: int, kind: str) -> MoeConfig:
-    """The config of the smallest bucket holding num_tokens, from the file's `kind` table (fp8_static
-    falls back to fp8's) or the built-in defaults."""
+    """The config of the smallest bucket holding num_tokens, from the file's `kind` table (buckets that
+    fp8_static lacks come from fp8's) or the built-in defaults."""
     tuned = _tuned()
-    table = tuned.get(kind) or tuned.get(kind.removesuffix("_static")) or _DEFAULTS
+    table = {**tuned.get(kind.removesuffix("_static"), {}), **tuned.get(kind, {})} or _DEFAULTS
     bound = min((t for t in table if t >= num_tokens), default=max(table))
     return table[bound]
 

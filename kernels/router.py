@@ -3,9 +3,9 @@
 * `hy3_triton::router_gemm(x, w, w_hi, w_lo)`: fp32 logits of x [M, K] (bf16) against the fp32 router
   weight, computed as X·W_hiᵀ + X·W_loᵀ / 256 with W_hi = bf16(W), W_lo = bf16((W − W_hi)·256): one
   kernel reads X once, runs both bf16 tensor-core products into two fp32 accumulators and combines them
-  in the epilogue (split over K for small M, with fp32 atomics). Below `DUAL_BF16_MIN_TOKENS` rows the
-  plain fp32 GEMM (cuBLAS) is faster and is used instead (threshold measured on the H200, see
-  BENCHMARKS.md).
+  in the epilogue (split over K for small M, with relaxed fp32 atomics). Measured on the H200 it beats
+  the fp32 cuBLAS GEMM at every M from 1 to 4096 (BENCHMARKS.md), so no row count falls back to fp32;
+  only activations that are not bf16 (an fp32 model) take the fp32 GEMM.
 * `hy3_triton::topk_routing(logits, bias, top_k, scale)`: sigmoid, + bias for selection, top-k by
   repeated arg-max, weights = unbiased scores renormalised × scale — one program per token block.
 """
@@ -22,8 +22,6 @@ from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import split_router_weight
 
 __all__ = ["router_gemm_dual_bf16", "split_router_weight"]
-
-DUAL_BF16_MIN_TOKENS = 1024  # below this, fp32 cuBLAS is faster on the H200 (BENCHMARKS.md)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -88,8 +86,10 @@ def router_gemm_dual_bf16(
     block_m = block_m or (16 if m <= 16 else 64)
     block_k = 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    if splits is None:  # enough programs to cover the GPU when M is small
-        splits = max(min(132 // tiles, triton.cdiv(k, block_k)), 1) if x.is_cuda else 2
+    if splits is None:  # about one program per SM when M is small: a power of two up to 16 (swept best)
+        splits = (
+            1 << (max(min(132 // tiles, 16, triton.cdiv(k, block_k)), 1).bit_length() - 1) if x.is_cuda else 2
+        )
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     out = (
         torch.zeros(m, n, dtype=torch.float32, device=x.device)
@@ -122,7 +122,7 @@ def router_gemm_dual_bf16(
 
 @torch.library.custom_op("hy3_triton::router_gemm", mutates_args=())
 def router_gemm(x: Tensor, weight: Tensor, w_hi: Tensor, w_lo: Tensor) -> Tensor:
-    if x.shape[0] < DUAL_BF16_MIN_TOKENS:
+    if x.dtype != torch.bfloat16:  # an fp32 (reference-precision) model: the plain fp32 GEMM
         return x.float() @ weight.t()
     return router_gemm_dual_bf16(x, w_hi, w_lo)
 

@@ -162,3 +162,22 @@ def test_opcheck_moe_l2_ops():
         (x, torch.randn(8, 32), torch.randn(8, 32).bfloat16(), torch.randn(8, 32).bfloat16()),
     )
     assert hy3c.kernels.HAVE_TRITON
+
+
+def test_static_fp8_configs_fall_back_to_dynamic_buckets(tmp_path, monkeypatch):
+    """fp8_static buckets the file lacks come from the fp8 table, not from its largest own bucket."""
+    import json
+
+    from hy3c.kernels import fused_moe
+
+    small, large = MoeConfig(16, 32, 128, 1, 4, 4), MoeConfig(128, 128, 64, 8, 8, 3)
+    table = {"fp8": {"16": large.__dict__, "8192": large.__dict__}, "fp8_static": {"16": small.__dict__}}
+    (tmp_path / "moe.json").write_text(json.dumps(table))
+    monkeypatch.setattr(fused_moe, "CONFIG_FILE", tmp_path / "moe.json")
+    fused_moe._tuned.cache_clear()
+    try:
+        assert fused_moe.select_config(1, "fp8_static") == small
+        assert fused_moe.select_config(4096, "fp8_static") == large
+        assert fused_moe.select_config(1, "fp8") == large
+    finally:
+        fused_moe._tuned.cache_clear()
