@@ -275,8 +275,16 @@ def sweep(lengths: list[int]) -> None:
         shapes = ((128, 4), (256, 4), (256, 8)) if dtype == FP8_DTYPE else ((64, 4), (128, 4), (128, 8))
         for block_n, warps in shapes:
             for stages in (2, 3):
-                for ctas in (2, 4, 8):
-                    cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, ctas_per_sm=ctas)
+                for ctas, min_tiles in [(2, 1), (4, 1), (8, 1)] + [(8, 8), (8, 16), (8, 32)] * (
+                    dtype == FP8_DTYPE
+                ):
+                    cfg = LaunchConfig(
+                        block_n=block_n,
+                        num_warps=warps,
+                        num_stages=stages,
+                        ctas_per_sm=ctas,
+                        min_tiles_per_cta=min_tiles,
+                    )
                     kv = (cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan)
                     try:
                         ms = bench(lambda c=cfg, kv=kv: decode_attention_dynamic(q, *kv, config=c))
@@ -286,7 +294,8 @@ def sweep(lengths: list[int]) -> None:
                     one = (cache, scales, 0, table[:1], seq_lens[:1], HEAD_DIM**-0.5, single_plan)
                     ms1 = bench(lambda c=cfg, one=one: decode_attention_dynamic(q[:1], *one, config=c))
                     print(
-                        f"sweep decode {dtype} block_n={block_n} warps={warps} stages={stages} ctas/sm={ctas}: "
+                        f"sweep decode {dtype} block_n={block_n} warps={warps} stages={stages} ctas/sm={ctas} "
+                        f"min tiles/CTA={min_tiles}: "
                         f"B=32 mixed {ms:.3f} ms ({floor / ms * 100:.0f}% BW), "
                         f"B=1 {single[0] // 1024}K {ms1:.3f} ms ({single_floor / ms1 * 100:.0f}% BW)"
                     )

@@ -53,11 +53,16 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
+    min_tiles_per_cta: int = 1  # dynamic decode only: a CTA's range is at least this many KV tiles
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
 
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
 DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=2)
+# FP8 KV widens K/V in registers between load and MMA, so its loads hide latency through occupancy:
+# 8 CTAs per SM, but ranges of at least 16 tiles (4K keys) so that one long request is not cut into
+# hundreds of short ranges (BENCHMARKS.md, attention run 6)
+FP8_DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=8, min_tiles_per_cta=16)
 PREFILL_CONFIG = LaunchConfig(block_n=128, num_warps=8, num_stages=3)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -284,6 +289,7 @@ def _decode_dynamic_kernel(
     HEAD_DIM: tl.constexpr,
     KV_TILE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -292,8 +298,8 @@ def _decode_dynamic_kernel(
     wait_for_inputs(PDL)
     cta = tl.program_id(0)
     head = tl.program_id(1)
+    quota = _tiles_per_cta(plan_ptr, num_requests, num_ctas, MIN_TILES)
     total = tl.load(plan_ptr + num_requests)
-    quota = tl.maximum(tl.cdiv(total, num_ctas), 1)
     t = cta * quota
     t_end = tl.minimum(t + quota, total)
     g = tl.arange(0, GROUP_PAD)
@@ -355,10 +361,15 @@ def _decode_dynamic_kernel(
 
 
 @triton.jit
-def _request_slots(plan_ptr, r, num_requests, num_ctas):
+def _tiles_per_cta(plan_ptr, num_requests, num_ctas, MIN_TILES: tl.constexpr):
+    """The dynamic schedule's range per CTA (attention_plan.tiles_per_cta)."""
+    return tl.maximum(tl.cdiv(tl.load(plan_ptr + num_requests), num_ctas), MIN_TILES)
+
+
+@triton.jit
+def _request_slots(plan_ptr, r, num_requests, num_ctas, MIN_TILES: tl.constexpr):
     """[first, last) partial-result slots of request r under the dynamic schedule (empty: no tiles)."""
-    total = tl.load(plan_ptr + num_requests)
-    quota = tl.maximum(tl.cdiv(total, num_ctas), 1)
+    quota = _tiles_per_cta(plan_ptr, num_requests, num_ctas, MIN_TILES)
     first_tile = tl.load(plan_ptr + r)
     last_tile = tl.load(plan_ptr + r + 1)
     first_slot = first_tile // quota + r
@@ -384,6 +395,7 @@ def _decode_combine_kernel(
     HEAD_DIM: tl.constexpr,
     STATIC_SPLITS: tl.constexpr,
     COMBINE_SLOTS: tl.constexpr,
+    MIN_TILES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Merge request r's partial (o, lse) results into one query head's output row. One program per
@@ -398,7 +410,7 @@ def _decode_combine_kernel(
         first_slot = r * STATIC_SPLITS
         last_slot = first_slot + STATIC_SPLITS
     else:
-        first_slot, last_slot = _request_slots(plan_ptr, r, num_requests, num_ctas)
+        first_slot, last_slot = _request_slots(plan_ptr, r, num_requests, num_ctas, MIN_TILES)
     d = tl.arange(0, HEAD_DIM)
     sl = tl.arange(0, COMBINE_SLOTS)
     m = tl.full([1], float("-inf"), tl.float32)
@@ -654,8 +666,10 @@ def decode_attention_dynamic(
     sm_scale: float,
     plan: Tensor,
     num_ctas: int | None = None,
-    config: LaunchConfig = DECODE_CONFIG,
+    config: LaunchConfig | None = None,
 ) -> Tensor:
+    """Dynamic split-KV decode; the launch config defaults by KV dtype (DECODE_CONFIG / FP8_DECODE_CONFIG)."""
+    config = config or (FP8_DECODE_CONFIG if kv_cache.dtype == FP8_DTYPE else DECODE_CONFIG)
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
     num_ctas = num_ctas or num_decode_ctas(q.device, num_kv_heads, config.ctas_per_sm)
@@ -687,6 +701,7 @@ def decode_attention_dynamic(
         part_lse.stride(0),
         KV_TILE=KV_TILE,
         BLOCK_N=config.block_n,
+        MIN_TILES=config.min_tiles_per_cta,
         **_cache_flags(kv_cache),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -706,6 +721,7 @@ def decode_attention_dynamic(
         part_o.stride(1),
         part_lse.stride(0),
         STATIC_SPLITS=0,
+        MIN_TILES=config.min_tiles_per_cta,
         COMBINE_SLOTS=COMBINE_SLOTS,
         **common,
         **pdl_launch(q.device),
@@ -773,6 +789,7 @@ def decode_attention_static(
         part_o.stride(1),
         part_lse.stride(0),
         STATIC_SPLITS=splits,
+        MIN_TILES=1,
         COMBINE_SLOTS=COMBINE_SLOTS,
         **common,
         **pdl_launch(q.device),

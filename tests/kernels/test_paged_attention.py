@@ -3,6 +3,7 @@ torch reference, under TRITON_INTERPRET=1 on CPU; the schedule as a pure functio
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -12,6 +13,7 @@ import torch
 import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
 from hy3c.kernels.paged_attention import (
+    FP8_DECODE_CONFIG,
     decode_attention_dynamic,
     decode_attention_static,
     prefill_attention,
@@ -86,6 +88,20 @@ def test_dynamic_and_static_decode_match_reference(lengths, page, heads, cache_d
     torch.testing.assert_close(static.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+def test_dynamic_decode_with_a_minimum_range_per_cta_matches_reference():
+    """FP8_DECODE_CONFIG's shape of schedule: ranges of at least N tiles, the CTAs past the work idle."""
+    lengths = [5 * plan_mod.KV_TILE + 3, 40, 2 * plan_mod.KV_TILE, 1]
+    q, cache, scales, table, seq_lens, qsl = _case(lengths, [1] * 4, 64, 8, 2, cache_dtype=FP8_DTYPE)
+    ref = _reference(q, cache, scales, table, seq_lens, qsl).float()
+    plan = _plan(seq_lens, qsl, 4)
+    for min_tiles in (1, 3, 16):
+        config = dataclasses.replace(FP8_DECODE_CONFIG, min_tiles_per_cta=min_tiles, block_n=32, num_stages=1)
+        out = decode_attention_dynamic(
+            q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=8, config=config
+        )
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_combine_merges_more_partials_than_one_trip_loads():
     """A request cut into more partial results than the combine kernel loads per trip (18 > 16)."""
     q, cache, scales, table, seq_lens, qsl = _case([18 * plan_mod.KV_TILE - 5], [1], 64, 8, 2)
@@ -127,22 +143,26 @@ def test_fp32_paths_are_exact_enough():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("min_tiles", [1, 5])
 @pytest.mark.parametrize("num_ctas", [1, 2, 7, 64, 300])
-def test_schedule_assigns_every_tile_once_with_balanced_load(num_ctas):
+def test_schedule_assigns_every_tile_once_with_balanced_load(num_ctas, min_tiles):
     gen = torch.Generator().manual_seed(num_ctas)
     lengths = [int(x) for x in torch.randint(0, 5000, (23,), generator=gen)] + [0, 1, 256, 257]
     starts = plan_mod.tile_starts(lengths)
-    segments = plan_mod.decode_segments(lengths, num_ctas)
+    segments = plan_mod.decode_segments(lengths, num_ctas, min_tiles=min_tiles)
     covered = sorted(t for s in segments for t in range(s.first_tile, s.last_tile))
     assert covered == list(range(starts[-1]))  # every tile exactly once
     load = [0] * num_ctas
     for s in segments:
         load[s.cta] += s.last_tile - s.first_tile
         assert starts[s.request] <= s.first_tile < s.last_tile <= starts[s.request + 1]
-    assert max(load) <= -(-starts[-1] // num_ctas)
+    quota = max(-(-starts[-1] // num_ctas), min_tiles)
+    assert max(load) <= quota
+    assert sum(1 for n in load if n) == -(-starts[-1] // quota)  # CTAs past the work stay idle
     assert len({s.slot for s in segments}) == len(segments)  # partial slots never collide
     for r in range(len(lengths)):  # the combine reads exactly the slots written for its request
-        assert plan_mod.combine_slots(lengths, r, num_ctas) == [s.slot for s in segments if s.request == r]
+        slots = plan_mod.combine_slots(lengths, r, num_ctas, min_tiles=min_tiles)
+        assert slots == [s.slot for s in segments if s.request == r]
 
 
 def test_combine_weights_merge_split_softmax_exactly():
