@@ -48,18 +48,19 @@ def tile_starts(seq_lens: list[int], tile: int = KV_TILE) -> list[int]:
     return starts
 
 
-def tiles_per_cta(total_tiles: int, num_ctas: int, min_tiles: int = 1) -> int:
-    """Each CTA's quota: an equal share, but at least min_tiles (a small step leaves CTAs idle rather
-    than cut every request into many short ranges)."""
-    return max(cdiv(total_tiles, num_ctas), min_tiles, 1)
+def tiles_per_cta(total_tiles: int, num_ctas: int, min_tiles: int = 1, min_ctas: int = 1) -> int:
+    """Each CTA's quota: an equal share of the tiles over num_ctas — or, where that share is below
+    min_tiles, up to min_tiles, leaving CTAs idle rather than cutting long requests into many short
+    ranges; but never so large that fewer than min_ctas CTAs would get work."""
+    return max(cdiv(total_tiles, num_ctas), min(min_tiles, cdiv(total_tiles, min_ctas)), 1)
 
 
 def decode_segments(
-    seq_lens: list[int], num_ctas: int, tile: int = KV_TILE, min_tiles: int = 1
+    seq_lens: list[int], num_ctas: int, tile: int = KV_TILE, min_tiles: int = 1, min_ctas: int = 1
 ) -> list[Segment]:
     """The dynamic split-KV schedule: contiguous equal tile ranges per CTA, cut at request boundaries."""
     starts = tile_starts(seq_lens, tile)
-    quota = tiles_per_cta(starts[-1], num_ctas, min_tiles)
+    quota = tiles_per_cta(starts[-1], num_ctas, min_tiles, min_ctas)
     segments = []
     for cta in range(num_ctas):
         t, end = cta * quota, min((cta + 1) * quota, starts[-1])
@@ -72,11 +73,16 @@ def decode_segments(
 
 
 def combine_slots(
-    seq_lens: list[int], request: int, num_ctas: int, tile: int = KV_TILE, min_tiles: int = 1
+    seq_lens: list[int],
+    request: int,
+    num_ctas: int,
+    tile: int = KV_TILE,
+    min_tiles: int = 1,
+    min_ctas: int = 1,
 ) -> list[int]:
     """The partial-result slots the combine kernel reads for one request (in tile order)."""
     starts = tile_starts(seq_lens, tile)
-    quota = tiles_per_cta(starts[-1], num_ctas, min_tiles)
+    quota = tiles_per_cta(starts[-1], num_ctas, min_tiles, min_ctas)
     first, last = starts[request], starts[request + 1]
     if first == last:
         return []

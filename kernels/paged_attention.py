@@ -53,16 +53,19 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
-    min_tiles_per_cta: int = 1  # dynamic decode only: a CTA's range is at least this many KV tiles
+    min_tiles_per_cta: int = 1  # dynamic decode only: ranges of at least this many KV tiles, as long as
+    min_ctas_per_sm: int = 2  # … at least this many CTAs per SM (over all KV heads) still get work
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
 
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
 DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=2)
 # FP8 KV widens K/V in registers between load and MMA, so its loads hide latency through occupancy:
-# 8 CTAs per SM, but ranges of at least 16 tiles (4K keys) so that one long request is not cut into
-# hundreds of short ranges (BENCHMARKS.md, attention run 6)
-FP8_DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=8, min_tiles_per_cta=16)
+# up to 8 CTAs per SM, but ranges of at least 16 tiles (4K keys) while 2 CTAs per SM stay busy, so that
+# one long request is not cut into hundreds of short ranges (BENCHMARKS.md, attention runs 6 and 7)
+FP8_DECODE_CONFIG = LaunchConfig(
+    block_n=128, num_warps=4, num_stages=2, ctas_per_sm=8, min_tiles_per_cta=16, min_ctas_per_sm=2
+)
 PREFILL_CONFIG = LaunchConfig(block_n=128, num_warps=8, num_stages=3)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -273,6 +276,7 @@ def _decode_dynamic_kernel(
     num_requests,
     search_iters,
     num_ctas,
+    min_ctas,
     sm_scale,
     stride_qt,
     stride_qh,
@@ -296,9 +300,9 @@ def _decode_dynamic_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
-    cta = tl.program_id(0)
-    head = tl.program_id(1)
-    quota = _tiles_per_cta(plan_ptr, num_requests, num_ctas, MIN_TILES)
+    head = tl.program_id(0)  # heads vary fastest: the CTAs with work spread over the SMs
+    cta = tl.program_id(1)
+    quota = _tiles_per_cta(plan_ptr, num_requests, num_ctas, min_ctas, MIN_TILES)
     total = tl.load(plan_ptr + num_requests)
     t = cta * quota
     t_end = tl.minimum(t + quota, total)
@@ -361,15 +365,18 @@ def _decode_dynamic_kernel(
 
 
 @triton.jit
-def _tiles_per_cta(plan_ptr, num_requests, num_ctas, MIN_TILES: tl.constexpr):
+def _tiles_per_cta(plan_ptr, num_requests, num_ctas, min_ctas, MIN_TILES: tl.constexpr):
     """The dynamic schedule's range per CTA (attention_plan.tiles_per_cta)."""
-    return tl.maximum(tl.cdiv(tl.load(plan_ptr + num_requests), num_ctas), MIN_TILES)
+    total = tl.load(plan_ptr + num_requests)
+    return tl.maximum(
+        tl.maximum(tl.cdiv(total, num_ctas), tl.minimum(MIN_TILES, tl.cdiv(total, min_ctas))), 1
+    )
 
 
 @triton.jit
-def _request_slots(plan_ptr, r, num_requests, num_ctas, MIN_TILES: tl.constexpr):
+def _request_slots(plan_ptr, r, num_requests, num_ctas, min_ctas, MIN_TILES: tl.constexpr):
     """[first, last) partial-result slots of request r under the dynamic schedule (empty: no tiles)."""
-    quota = _tiles_per_cta(plan_ptr, num_requests, num_ctas, MIN_TILES)
+    quota = _tiles_per_cta(plan_ptr, num_requests, num_ctas, min_ctas, MIN_TILES)
     first_tile = tl.load(plan_ptr + r)
     last_tile = tl.load(plan_ptr + r + 1)
     first_slot = first_tile // quota + r
@@ -385,6 +392,7 @@ def _decode_combine_kernel(
     part_lse_ptr,
     num_requests,
     num_ctas,
+    min_ctas,
     stride_ot,
     stride_oh,
     stride_po_slot,
@@ -410,7 +418,7 @@ def _decode_combine_kernel(
         first_slot = r * STATIC_SPLITS
         last_slot = first_slot + STATIC_SPLITS
     else:
-        first_slot, last_slot = _request_slots(plan_ptr, r, num_requests, num_ctas, MIN_TILES)
+        first_slot, last_slot = _request_slots(plan_ptr, r, num_requests, num_ctas, min_ctas, MIN_TILES)
     d = tl.arange(0, HEAD_DIM)
     sl = tl.arange(0, COMBINE_SLOTS)
     m = tl.full([1], float("-inf"), tl.float32)
@@ -667,19 +675,22 @@ def decode_attention_dynamic(
     plan: Tensor,
     num_ctas: int | None = None,
     config: LaunchConfig | None = None,
+    min_ctas: int | None = None,
 ) -> Tensor:
-    """Dynamic split-KV decode; the launch config defaults by KV dtype (DECODE_CONFIG / FP8_DECODE_CONFIG)."""
+    """Dynamic split-KV decode; the launch config defaults by KV dtype (DECODE_CONFIG / FP8_DECODE_CONFIG),
+    the grid (num_ctas per KV head, of which at least min_ctas get work) from it and the device."""
     config = config or (FP8_DECODE_CONFIG if kv_cache.dtype == FP8_DTYPE else DECODE_CONFIG)
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
     num_ctas = num_ctas or num_decode_ctas(q.device, num_kv_heads, config.ctas_per_sm)
+    min_ctas = min(min_ctas or num_decode_ctas(q.device, num_kv_heads, config.min_ctas_per_sm), num_ctas)
     group_pad = max(16, triton.next_power_of_2(group))
     slots = num_ctas + num_requests
     part_o = torch.empty((slots, num_kv_heads, group, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((slots, num_kv_heads, group_pad), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim)
-    _decode_dynamic_kernel[(num_ctas, num_kv_heads)](
+    _decode_dynamic_kernel[(num_kv_heads, num_ctas)](
         q,
         kv_cache[layer],
         kv_scales[layer],
@@ -691,6 +702,7 @@ def decode_attention_dynamic(
         num_requests,
         _search_iters(num_requests),
         num_ctas,
+        min_ctas,
         sm_scale,
         q.stride(0),
         q.stride(1),
@@ -715,6 +727,7 @@ def decode_attention_dynamic(
         part_lse,
         num_requests,
         num_ctas,
+        min_ctas,
         out.stride(0),
         out.stride(1),
         part_o.stride(0),
@@ -782,6 +795,7 @@ def decode_attention_static(
         part_o,
         part_lse,
         num_requests,
+        1,
         1,
         out.stride(0),
         out.stride(1),

@@ -88,6 +88,14 @@ def test_dynamic_and_static_decode_match_reference(lengths, page, heads, cache_d
     torch.testing.assert_close(static.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+def test_range_per_cta_grows_to_the_minimum_only_while_enough_ctas_stay_busy():
+    """132 CTAs per KV head, ranges of at least 16 tiles while 33 CTAs keep work (FP8 decode on the H200)."""
+    assert plan_mod.tiles_per_cta(8, 132, 16, 33) == 1  # one short request: 8 CTAs of one tile
+    assert plan_mod.tiles_per_cta(256, 132, 16, 33) == 8  # 32 × 2K: still 32 CTAs busy
+    assert plan_mod.tiles_per_cta(512, 132, 16, 33) == 16  # one 128K request: 32 ranges of 16 tiles
+    assert plan_mod.tiles_per_cta(7700, 132, 16, 33) == 59  # a large batch: every CTA, equal shares
+
+
 def test_dynamic_decode_with_a_minimum_range_per_cta_matches_reference():
     """FP8_DECODE_CONFIG's shape of schedule: ranges of at least N tiles, the CTAs past the work idle."""
     lengths = [5 * plan_mod.KV_TILE + 3, 40, 2 * plan_mod.KV_TILE, 1]
@@ -97,7 +105,7 @@ def test_dynamic_decode_with_a_minimum_range_per_cta_matches_reference():
     for min_tiles in (1, 3, 16):
         config = dataclasses.replace(FP8_DECODE_CONFIG, min_tiles_per_cta=min_tiles, block_n=32, num_stages=1)
         out = decode_attention_dynamic(
-            q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=8, config=config
+            q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=8, config=config, min_ctas=1
         )
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
@@ -143,25 +151,25 @@ def test_fp32_paths_are_exact_enough():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("min_tiles", [1, 5])
+@pytest.mark.parametrize(("min_tiles", "min_ctas"), [(1, 1), (5, 1), (40, 3)])
 @pytest.mark.parametrize("num_ctas", [1, 2, 7, 64, 300])
-def test_schedule_assigns_every_tile_once_with_balanced_load(num_ctas, min_tiles):
+def test_schedule_assigns_every_tile_once_with_balanced_load(num_ctas, min_tiles, min_ctas):
     gen = torch.Generator().manual_seed(num_ctas)
     lengths = [int(x) for x in torch.randint(0, 5000, (23,), generator=gen)] + [0, 1, 256, 257]
     starts = plan_mod.tile_starts(lengths)
-    segments = plan_mod.decode_segments(lengths, num_ctas, min_tiles=min_tiles)
+    segments = plan_mod.decode_segments(lengths, num_ctas, min_tiles=min_tiles, min_ctas=min_ctas)
     covered = sorted(t for s in segments for t in range(s.first_tile, s.last_tile))
     assert covered == list(range(starts[-1]))  # every tile exactly once
     load = [0] * num_ctas
     for s in segments:
         load[s.cta] += s.last_tile - s.first_tile
         assert starts[s.request] <= s.first_tile < s.last_tile <= starts[s.request + 1]
-    quota = max(-(-starts[-1] // num_ctas), min_tiles)
+    quota = plan_mod.tiles_per_cta(starts[-1], num_ctas, min_tiles, min_ctas)
     assert max(load) <= quota
     assert sum(1 for n in load if n) == -(-starts[-1] // quota)  # CTAs past the work stay idle
     assert len({s.slot for s in segments}) == len(segments)  # partial slots never collide
     for r in range(len(lengths)):  # the combine reads exactly the slots written for its request
-        slots = plan_mod.combine_slots(lengths, r, num_ctas, min_tiles=min_tiles)
+        slots = plan_mod.combine_slots(lengths, r, num_ctas, min_tiles=min_tiles, min_ctas=min_ctas)
         assert slots == [s.slot for s in segments if s.request == r]
 
 
