@@ -60,12 +60,23 @@ class LaunchConfig:
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
 DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=2)
-# FP8 KV widens K/V in registers between load and MMA, so its loads hide latency through occupancy:
-# up to 8 CTAs per SM, but ranges of at least 16 tiles (4K keys) while 2 CTAs per SM stay busy, so that
-# one long request is not cut into hundreds of short ranges (BENCHMARKS.md, attention runs 6 and 7)
-FP8_DECODE_CONFIG = LaunchConfig(
+# FP8 KV widens K/V in registers between load and MMA, so a batch's loads hide latency through
+# occupancy: up to 8 CTAs per SM, with ranges of at least 16 tiles (4K keys) while 2 CTAs per SM stay
+# busy. A single request or a few keep DECODE_CONFIG: measured faster there (BENCHMARKS.md, attention
+# runs 6 and 7, end to end runs 10 and 11).
+FP8_BATCH_DECODE_CONFIG = LaunchConfig(
     block_n=128, num_warps=4, num_stages=2, ctas_per_sm=8, min_tiles_per_cta=16, min_ctas_per_sm=2
 )
+FP8_BATCH_MIN_REQUESTS = 8
+
+
+def decode_config(kv_dtype: torch.dtype, num_requests: int) -> LaunchConfig:
+    """The dynamic decode launch config for a KV dtype and batch size (both known on the host)."""
+    if kv_dtype == FP8_DTYPE and num_requests >= FP8_BATCH_MIN_REQUESTS:
+        return FP8_BATCH_DECODE_CONFIG
+    return DECODE_CONFIG
+
+
 PREFILL_CONFIG = LaunchConfig(block_n=128, num_warps=8, num_stages=3)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -677,11 +688,11 @@ def decode_attention_dynamic(
     config: LaunchConfig | None = None,
     min_ctas: int | None = None,
 ) -> Tensor:
-    """Dynamic split-KV decode; the launch config defaults by KV dtype (DECODE_CONFIG / FP8_DECODE_CONFIG),
+    """Dynamic split-KV decode; the launch config defaults by KV dtype and batch size (`decode_config`),
     the grid (num_ctas per KV head, of which at least min_ctas get work) from it and the device."""
-    config = config or (FP8_DECODE_CONFIG if kv_cache.dtype == FP8_DTYPE else DECODE_CONFIG)
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
+    config = config or decode_config(kv_cache.dtype, num_requests)
     num_ctas = num_ctas or num_decode_ctas(q.device, num_kv_heads, config.ctas_per_sm)
     min_ctas = min(min_ctas or num_decode_ctas(q.device, num_kv_heads, config.min_ctas_per_sm), num_ctas)
     group_pad = max(16, triton.next_power_of_2(group))

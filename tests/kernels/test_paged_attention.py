@@ -13,9 +13,12 @@ import torch
 import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
 from hy3c.kernels.paged_attention import (
-    FP8_DECODE_CONFIG,
+    DECODE_CONFIG,
+    FP8_BATCH_DECODE_CONFIG,
+    FP8_BATCH_MIN_REQUESTS,
     decode_attention_dynamic,
     decode_attention_static,
+    decode_config,
     prefill_attention,
 )
 from hy3c.ops.quant import FP8_DTYPE
@@ -88,6 +91,12 @@ def test_dynamic_and_static_decode_match_reference(lengths, page, heads, cache_d
     torch.testing.assert_close(static.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+def test_decode_config_by_kv_dtype_and_batch():
+    assert decode_config(torch.bfloat16, 64) == DECODE_CONFIG
+    assert decode_config(FP8_DTYPE, FP8_BATCH_MIN_REQUESTS - 1) == DECODE_CONFIG
+    assert decode_config(FP8_DTYPE, FP8_BATCH_MIN_REQUESTS) == FP8_BATCH_DECODE_CONFIG
+
+
 def test_range_per_cta_grows_to_the_minimum_only_while_enough_ctas_stay_busy():
     """132 CTAs per KV head, ranges of at least 16 tiles while 33 CTAs keep work (FP8 decode on the H200)."""
     assert plan_mod.tiles_per_cta(8, 132, 16, 33) == 1  # one short request: 8 CTAs of one tile
@@ -97,13 +106,15 @@ def test_range_per_cta_grows_to_the_minimum_only_while_enough_ctas_stay_busy():
 
 
 def test_dynamic_decode_with_a_minimum_range_per_cta_matches_reference():
-    """FP8_DECODE_CONFIG's shape of schedule: ranges of at least N tiles, the CTAs past the work idle."""
+    """FP8_BATCH_DECODE_CONFIG's shape of schedule: ranges of at least N tiles, the CTAs past the work idle."""
     lengths = [5 * plan_mod.KV_TILE + 3, 40, 2 * plan_mod.KV_TILE, 1]
     q, cache, scales, table, seq_lens, qsl = _case(lengths, [1] * 4, 64, 8, 2, cache_dtype=FP8_DTYPE)
     ref = _reference(q, cache, scales, table, seq_lens, qsl).float()
     plan = _plan(seq_lens, qsl, 4)
     for min_tiles in (1, 3, 16):
-        config = dataclasses.replace(FP8_DECODE_CONFIG, min_tiles_per_cta=min_tiles, block_n=32, num_stages=1)
+        config = dataclasses.replace(
+            FP8_BATCH_DECODE_CONFIG, min_tiles_per_cta=min_tiles, block_n=32, num_stages=1
+        )
         out = decode_attention_dynamic(
             q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=8, config=config, min_ctas=1
         )
