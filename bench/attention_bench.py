@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -31,6 +32,7 @@ from hy3c.kernels.paged_attention import (
     LaunchConfig,
     decode_attention_dynamic,
     decode_attention_static,
+    decode_config,
     prefill_attention,
 )
 from hy3c.ops.fused import qknorm_rope_quant_kvstore_reference
@@ -164,6 +166,19 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
         row(f"decode {label} {name} KV: dynamic, launched without PDL", t_no_pdl, floor, t_dyn, "with PDL")
         if sdpa_ms is not None:
             row(f"decode {label} {name} KV: dynamic vs SDPA loop", t_dyn, floor, sdpa_ms, "SDPA loop (bf16)")
+        if dtype == FP8_DTYPE:  # q quantized per row, QKᵀ as an e4m3 MMA (K unwidened)
+            cfg = dataclasses.replace(decode_config(dtype, len(lengths)), fp8_qk=True)
+            qk8 = decode_attention_dynamic(q, *kv, plan, config=cfg)
+            err = ((qk8.float() - dyn.float()).norm() / dyn.float().norm()).item()
+            RESULTS[f"decode_{label}_fp8_qk_rel_err_vs_widened"] = err
+            t_qk8 = bench(lambda kv=kv, c=cfg: decode_attention_dynamic(q, *kv, plan, config=c))
+            row(
+                f"decode {label} {name} KV: dynamic, FP8 QK product (rel. diff {err:.1e})",
+                t_qk8,
+                floor,
+                t_dyn,
+                "widened K",
+            )
         del cache, kv
 
 
@@ -275,8 +290,10 @@ def sweep(lengths: list[int]) -> None:
         shapes = ((128, 4), (256, 4), (256, 8)) if dtype == FP8_DTYPE else ((64, 4), (128, 4), (128, 8))
         for block_n, warps in shapes:
             for stages in (2, 3):
-                for ctas, min_tiles in [(2, 1), (4, 1), (8, 1)] + [(8, 8), (8, 16), (8, 32)] * (
-                    dtype == FP8_DTYPE
+                for ctas, min_tiles, fp8_qk in (
+                    [(2, 1, False), (4, 1, False), (8, 1, False)]
+                    + [(8, 8, False), (8, 16, False), (8, 32, False)] * (dtype == FP8_DTYPE)
+                    + [(2, 1, True), (8, 1, True), (8, 16, True)] * (dtype == FP8_DTYPE and block_n == 128)
                 ):
                     cfg = LaunchConfig(
                         block_n=block_n,
@@ -284,6 +301,7 @@ def sweep(lengths: list[int]) -> None:
                         num_stages=stages,
                         ctas_per_sm=ctas,
                         min_tiles_per_cta=min_tiles,
+                        fp8_qk=fp8_qk,
                     )
                     kv = (cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan)
                     try:
@@ -295,7 +313,7 @@ def sweep(lengths: list[int]) -> None:
                     ms1 = bench(lambda c=cfg, one=one: decode_attention_dynamic(q[:1], *one, config=c))
                     print(
                         f"sweep decode {dtype} block_n={block_n} warps={warps} stages={stages} ctas/sm={ctas} "
-                        f"min tiles/CTA={min_tiles}: "
+                        f"min tiles/CTA={min_tiles} fp8 QK={fp8_qk}: "
                         f"B=32 mixed {ms:.3f} ms ({floor / ms * 100:.0f}% BW), "
                         f"B=1 {single[0] // 1024}K {ms1:.3f} ms ({single_floor / ms1 * 100:.0f}% BW)"
                     )

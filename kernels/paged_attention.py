@@ -17,7 +17,10 @@ FP8 K/V are loaded as e4m3 and widened to fp16 (a native conversion on Hopper; t
 fp16 once) for the MMA, and their per-tensor scales are applied to the scores (K) and to the output (V).
 V is widened through an opaque PTX conversion (`_widen_v`): left to itself, Triton moves the conversion
 after the layout change into the MMA operand and reads the transposed 8-bit tile from shared memory
-one byte per instruction (this was why FP8 decode ran at bf16 speed).
+one byte per instruction (this was why FP8 decode ran at bf16 speed). As a `LaunchConfig` option
+(`fp8_qk`, dynamic decode), q is quantized per row to e4m3 instead and QKᵀ runs as an e4m3 × e4m3 MMA,
+so K reaches the MMA as loaded (only V is widened); `bench/attention_bench.py` measures it against
+the widened path.
 
 Key blocks that every query row sees whole (all of a decode range but its tail; the keys before a
 prefill block's first query) take an unmasked path; only the tail / diagonal blocks pay for masks.
@@ -55,6 +58,7 @@ class LaunchConfig:
     ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
     min_tiles_per_cta: int = 1  # dynamic decode only: ranges of at least this many KV tiles, as long as
     min_ctas_per_sm: int = 2  # … at least this many CTAs per SM (over all KV heads) still get work
+    fp8_qk: bool = False  # dynamic decode, FP8 KV only: q quantized per row, QKᵀ as an e4m3 × e4m3 MMA
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
 
 
@@ -112,8 +116,17 @@ def _widen_v(v, dtype, FP8_ASM: tl.constexpr):
 
 
 @triton.jit
+def _quantize_rows_e4m3(q):
+    """q rows to e4m3 with one scale per row (absmax / 448), for the FP8 QK product."""
+    qf = q.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(qf), axis=1) / 448.0, 1e-12)
+    return tl.clamp(qf / scale[:, None], -448.0, 448.0).to(tl.float8e4nv), scale
+
+
+@triton.jit
 def _attend_block(
     q,
+    q_scale,
     m_i,
     l_i,
     acc,
@@ -133,6 +146,7 @@ def _attend_block(
     BLOCK_N: tl.constexpr,
     MASK: tl.constexpr,
     FP8_ASM: tl.constexpr,
+    FP8_QK: tl.constexpr,
 ):
     """One BLOCK_N block of keys [key_start, key_start + BLOCK_N) for the rows of q (online softmax in
     base 2, the scale folded into the exponent). MASK: 0 = every key valid and visible (no masking at
@@ -154,7 +168,10 @@ def _attend_block(
     else:
         k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)))  # e4m3 → f16 is native
+    if FP8_QK:  # e4m3 q × e4m3 K: K goes to the MMA as loaded; q's per-row scales applied after
+        s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))  # e4m3 → f16 is native
     if MASK == 1:
         s = tl.where(valid[None, :], s, float("-inf"))
     if MASK == 2:
@@ -162,7 +179,11 @@ def _attend_block(
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
     p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _widen_v(v, q.dtype, FP8_ASM))
+    if FP8_QK:
+        pv = tl.dot(p.to(tl.float16), _widen_v(v, tl.float16, FP8_ASM))
+    else:
+        pv = tl.dot(p.to(q.dtype), _widen_v(v, q.dtype, FP8_ASM))
+    acc = acc * alpha[:, None] + pv
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return m_new, l_i, acc
 
@@ -170,6 +191,7 @@ def _attend_block(
 @triton.jit
 def _attend_range(
     q,
+    q_scale,
     m_i,
     l_i,
     acc,
@@ -190,12 +212,14 @@ def _attend_range(
     BLOCK_N: tl.constexpr,
     TAIL_MASK: tl.constexpr,
     FP8_ASM: tl.constexpr,
+    FP8_QK: tl.constexpr,
 ):
     """Keys [key_begin, key_end): the blocks before full_end are seen whole by every row (no masks), the
     rest with TAIL_MASK (1: keys past key_end; 2: also causal against row_limit)."""
     for key in range(key_begin, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q,
+            q_scale,
             m_i,
             l_i,
             acc,
@@ -215,10 +239,12 @@ def _attend_range(
             BLOCK_N,
             0,
             FP8_ASM,
+            FP8_QK,
         )
     for key in range(full_end, key_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q,
+            q_scale,
             m_i,
             l_i,
             acc,
@@ -238,6 +264,7 @@ def _attend_range(
             BLOCK_N,
             TAIL_MASK,
             FP8_ASM,
+            FP8_QK,
         )
     return m_i, l_i, acc
 
@@ -307,6 +334,7 @@ def _decode_dynamic_kernel(
     MIN_TILES: tl.constexpr,
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
+    FP8_QK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -331,7 +359,10 @@ def _decode_dynamic_kernel(
             mask=(g < GROUP)[:, None],
             other=0.0,
         )
-        if FP8:
+        q_scale = tl.full([GROUP_PAD], 1.0, tl.float32)
+        if FP8_QK:
+            q, q_scale = _quantize_rows_e4m3(q)
+        elif FP8:
             q = q.to(tl.float16)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -340,6 +371,7 @@ def _decode_dynamic_kernel(
         key_end = tl.minimum((seg_end - first_tile) * KV_TILE, length)
         m_i, l_i, acc = _attend_range(
             q,
+            q_scale,
             m_i,
             l_i,
             acc,
@@ -360,6 +392,7 @@ def _decode_dynamic_kernel(
             BLOCK_N,
             1,
             FP8_ASM,
+            FP8_QK,
         )
         _store_partial(
             part_o_ptr + (cta + r) * stride_po_slot + head * stride_po_head,
@@ -510,6 +543,7 @@ def _decode_static_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     m_i, l_i, acc = _attend_range(
         q,
+        1.0,
         m_i,
         l_i,
         acc,
@@ -530,6 +564,7 @@ def _decode_static_kernel(
         BLOCK_N,
         1,
         FP8_ASM,
+        False,
     )
     slot = r * SPLITS + split
     _store_partial(
@@ -613,6 +648,7 @@ def _prefill_kernel(
     full_end = (first_position + 1) // BLOCK_N * BLOCK_N  # keys every row of the block sees
     m_i, l_i, acc = _attend_range(
         q,
+        1.0,
         m_i,
         l_i,
         acc,
@@ -633,6 +669,7 @@ def _prefill_kernel(
         BLOCK_N,
         2,
         FP8_ASM,
+        False,
     )
     result = acc / l_i[:, None] * v_scale
     tl.store(
@@ -725,6 +762,7 @@ def decode_attention_dynamic(
         KV_TILE=KV_TILE,
         BLOCK_N=config.block_n,
         MIN_TILES=config.min_tiles_per_cta,
+        FP8_QK=config.fp8_qk and kv_cache.dtype == FP8_DTYPE,
         **_cache_flags(kv_cache),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

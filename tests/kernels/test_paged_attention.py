@@ -121,6 +121,25 @@ def test_dynamic_decode_with_a_minimum_range_per_cta_matches_reference():
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize(("lengths", "heads"), [([1, 300, 129], (8, 2)), ([700, 5], (4, 4))])
+def test_dynamic_decode_with_an_fp8_qk_product_matches_reference(lengths, heads):
+    """q quantized per row to e4m3 and QKᵀ as an e4m3 MMA: close to the reference (q's rounding is the
+    only new error), and not the same as the widened path (the option takes effect)."""
+    q, cache, scales, table, seq_lens, qsl = _case(
+        lengths, [1] * len(lengths), 64, *heads, cache_dtype=FP8_DTYPE
+    )
+    ref = _reference(q, cache, scales, table, seq_lens, qsl).float()
+    plan = _plan(seq_lens, qsl, heads[0] // heads[1])
+    widened = decode_attention_dynamic(q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=3)
+    config = dataclasses.replace(DECODE_CONFIG, fp8_qk=True, block_n=32, num_stages=1)
+    fp8_qk = decode_attention_dynamic(
+        q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=3, config=config
+    )
+    torch.testing.assert_close(fp8_qk.float(), ref, atol=5e-2, rtol=5e-2)
+    assert (fp8_qk.float() - ref).norm() / ref.norm() < 3e-2
+    assert not torch.equal(fp8_qk, widened)
+
+
 def test_combine_merges_more_partials_than_one_trip_loads():
     """A request cut into more partial results than the combine kernel loads per trip (18 > 16)."""
     q, cache, scales, table, seq_lens, qsl = _case([18 * plan_mod.KV_TILE - 5], [1], 64, 8, 2)
