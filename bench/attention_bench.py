@@ -55,6 +55,7 @@ def row(
     pct = f"{floor_ms / ms * 100:.0f}%" if floor_ms else ""
     ratio = f"{base_ms / ms:.2f}× vs {base_name}" if base_ms else ""
     ROWS.append((name, f"{ms:.3f}", pct, ratio))
+    print("| " + " | ".join(ROWS[-1]) + " |", flush=True)  # a run cut short still shows what it measured
     RESULTS[name] = {
         "ms": ms,
         "floor_ms": floor_ms,
