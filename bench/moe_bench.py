@@ -240,11 +240,13 @@ def sweep_bucket(x, ids, wt, variants: dict[str, tuple]) -> dict[str, MoeConfig]
             tried[str(cfg)] = ms
             if ms is not None and (best is None or ms < best[0]):
                 best = (ms, cfg)
+        if best is None:  # nothing could be timed (every capture failed): keep the shipped config
+            print(f"sweep {kind} T={t}: no config could be timed")
+            continue
         default = select_config(t, kind)
         default_ms = timer(lambda c=default, w=weights: fused_moe_triton(x, wt, ids, *w, None, config=c))
-        print(
-            f"sweep {kind} T={t}: best {best[0]:.4f} ms with {best[1]}; shipped {default_ms:.4f} ms {default}"
-        )
+        shipped = f"{default_ms:.4f} ms" if default_ms is not None else "not capturable"
+        print(f"sweep {kind} T={t}: best {best[0]:.4f} ms with {best[1]}; shipped {shipped} {default}")
         RESULTS.setdefault(f"sweep_T{t}", {})[kind] = {
             "best_ms": best[0],
             "best": best[1].__dict__,

@@ -51,7 +51,8 @@ def tile_starts(seq_lens: list[int], tile: int = KV_TILE) -> list[int]:
 def tiles_per_cta(total_tiles: int, num_ctas: int, min_tiles: int = 1, min_ctas: int = 1) -> int:
     """Each CTA's quota: an equal share of the tiles over num_ctas — or, where that share is below
     min_tiles, up to min_tiles, leaving CTAs idle rather than cutting long requests into many short
-    ranges; but never so large that fewer than min_ctas CTAs would get work."""
+    ranges; but at most the equal share over min_ctas CTAs (rounded up: with few tiles, as few as about
+    half of min_ctas CTAs get work — the rule as measured on the H200)."""
     return max(cdiv(total_tiles, num_ctas), min(min_tiles, cdiv(total_tiles, min_ctas)), 1)
 
 

@@ -500,6 +500,8 @@ def fused_moe_triton(
         return out
     fp8 = w13.dtype == FP8_DTYPE
     cfg = config or select_config(num_tokens, config_kind(fp8, a13_scale is not None))
+    if cfg.quant_on_load and cfg.block_m > 32:  # the row-absmax pass holds BLOCK_M × 1024 values
+        raise ValueError(f"quant_on_load needs block_m <= 32 (got {cfg.block_m})")
     sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, cfg.block_m)
     num_m_blocks = expert_ids.shape[0]
     dummy = x.new_empty(1, dtype=torch.float32)

@@ -57,7 +57,7 @@ class LaunchConfig:
     num_stages: int = 3
     ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
     min_tiles_per_cta: int = 1  # dynamic decode only: ranges of at least this many KV tiles, as long as
-    min_ctas_per_sm: int = 2  # … at least this many CTAs per SM (over all KV heads) still get work
+    min_ctas_per_sm: int = 2  # … the equal share over this many CTAs per SM allows (tiles_per_cta)
     fp8_qk: bool = False  # dynamic decode, FP8 KV only: q quantized per row, QKᵀ as an e4m3 × e4m3 MMA
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
 

@@ -3,7 +3,8 @@
 * `hy3_triton::router_gemm(x, w, w_hi, w_lo)`: fp32 logits of x [M, K] (bf16) against the fp32 router
   weight, computed as X·W_hiᵀ + X·W_loᵀ / 256 with W_hi = bf16(W), W_lo = bf16((W − W_hi)·256): one
   kernel reads X once, runs both bf16 tensor-core products into two fp32 accumulators and combines them
-  in the epilogue (split over K for small M, with relaxed fp32 atomics). Measured on the H200 it beats
+  in the epilogue (split over K for small M: each split writes its partial sums, then one fixed-order
+  reduction — deterministic, unlike atomics, so expert choices do not change between runs). Measured on the H200 it beats
   the fp32 cuBLAS GEMM at every M from 1 to 4096 (BENCHMARKS.md), so no row count falls back to fp32;
   only activations that are not bf16 (an fp32 model) take the fp32 GEMM.
 * `hy3_triton::topk_routing(logits, bias, top_k, scale)`: sigmoid, + bias for selection, top-k by
@@ -36,11 +37,11 @@ def _router_gemm_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    stride_split,
     k_per_split,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -64,12 +65,8 @@ def _router_gemm_kernel(
         acc_hi += tl.dot(a, tl.load(hi_ptr + w_offs, mask=w_mask, other=0.0))
         acc_lo += tl.dot(a, tl.load(lo_ptr + w_offs, mask=w_mask, other=0.0))
     out = acc_hi + acc_lo * (1.0 / 256.0)
-    ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if ATOMIC:  # relaxed: fire-and-forget reductions in L2 (acq_rel would fence every element)
-        tl.atomic_add(ptrs, out, mask=mask, sem="relaxed")
-    else:
-        tl.store(ptrs, out, mask=mask)
+    ptrs = out_ptr + split * stride_split + rm[:, None] * stride_om + rn[None, :]
+    tl.store(ptrs, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def router_gemm_dual_bf16(
@@ -91,33 +88,29 @@ def router_gemm_dual_bf16(
             1 << (max(min(132 // tiles, 16, triton.cdiv(k, block_k)), 1).bit_length() - 1) if x.is_cuda else 2
         )
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    out = (
-        torch.zeros(m, n, dtype=torch.float32, device=x.device)
-        if splits > 1
-        else x.new_empty((m, n), dtype=torch.float32)
-    )
+    partial = x.new_empty((splits, m, n), dtype=torch.float32)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
     _router_gemm_kernel[grid](
         x,
         w_hi,
         w_lo,
-        out,
+        partial,
         m,
         n,
         k,
         x.stride(0),
         w_hi.stride(0),
-        out.stride(0),
+        partial.stride(1),
+        partial.stride(0),
         k_per_split,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        ATOMIC=splits > 1,
         num_warps=4,
         num_stages=3,
         **pdl_launch(x.device),
     )
-    return out
+    return partial.sum(0) if splits > 1 else partial[0]
 
 
 @torch.library.custom_op("hy3_triton::router_gemm", mutates_args=())

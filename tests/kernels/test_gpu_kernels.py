@@ -142,6 +142,7 @@ def test_router_gemm_real_shapes(rows):
     hi, lo = split_router_weight(w)
     out = torch.ops.hy3_triton.router_gemm(x, w, hi, lo)
     assert (out.double() - x.double() @ w.double().t()).abs().max() <= 2e-3
+    assert torch.equal(out, torch.ops.hy3_triton.router_gemm(x, w, hi, lo))  # K splits: no atomics
     logits_w, ids = torch.ops.hy3_triton.topk_routing(out, 0.01 * torch.randn(192, device="cuda"), 8, 2.826)
     assert ids.shape == (rows, 8) and torch.all(logits_w.sum(-1) - 2.826 < 1e-4)
 

@@ -97,12 +97,13 @@ def test_decode_config_by_kv_dtype_and_batch():
     assert decode_config(FP8_DTYPE, FP8_BATCH_MIN_REQUESTS) == FP8_BATCH_DECODE_CONFIG
 
 
-def test_range_per_cta_grows_to_the_minimum_only_while_enough_ctas_stay_busy():
-    """132 CTAs per KV head, ranges of at least 16 tiles while 33 CTAs keep work (FP8 decode on the H200)."""
+def test_range_per_cta_grows_to_the_minimum_at_most_to_the_share_over_min_ctas():
+    """132 CTAs per KV head, ranges grow toward 16 tiles up to the share over 33 CTAs (FP8 decode, H200)."""
     assert plan_mod.tiles_per_cta(8, 132, 16, 33) == 1  # one short request: 8 CTAs of one tile
     assert plan_mod.tiles_per_cta(256, 132, 16, 33) == 8  # 32 × 2K: still 32 CTAs busy
     assert plan_mod.tiles_per_cta(512, 132, 16, 33) == 16  # one 128K request: 32 ranges of 16 tiles
     assert plan_mod.tiles_per_cta(7700, 132, 16, 33) == 59  # a large batch: every CTA, equal shares
+    assert plan_mod.tiles_per_cta(34, 132, 16, 33) == 2  # rounded up: 17 CTAs busy, not 33
 
 
 def test_dynamic_decode_with_a_minimum_range_per_cta_matches_reference():
