@@ -15,7 +15,9 @@ FP8: weights e4m3 with per-channel ([E, rows]) or per-tensor ([E, 1]) scales; ac
 static per-tensor scale or dynamic per-token scales; fp8 × fp8 tensor-core products, scales applied in
 the epilogues. The activations are quantized either by one row-wise kernel before each GEMM, or — the
 config's `quant_on_load`, for few tokens — inside the GEMM as its rows are loaded (a dynamic scale is
-the row's absmax / 448, found by a first pass over the row): bit-identical, two launches fewer. Launch configs per token-count bucket come from `configs/fused_moe_h200.json` (written by
+the row's absmax / 448, found by a first pass over the row): bit-identical, two launches fewer. With
+a static scale for the down GEMM's input, the gate-up epilogue writes the intermediate as e4m3 itself
+(half the bytes, no quantization launch; the same values as the row-wise kernel). Launch configs per token-count bucket come from `configs/fused_moe_h200.json` (written by
 `bench/moe_bench.py --sweep`) or the built-in defaults.
 """
 
@@ -37,6 +39,7 @@ from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
 CONFIG_FILE = Path(__file__).parent / "configs" / "fused_moe_h200.json"
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @dataclass(frozen=True)
@@ -268,6 +271,7 @@ def _gate_up_kernel(
     padded_ptr,
     xs_ptr,
     ws_ptr,
+    hs_ptr,
     pairs,
     top_k,
     inter,
@@ -286,6 +290,8 @@ def _gate_up_kernel(
     A_PER_ROW: tl.constexpr,
     W_PER_ROW: tl.constexpr,
     QUANT_ON_LOAD: tl.constexpr,
+    QUANT_H: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -337,11 +343,12 @@ def _gate_up_kernel(
             su = sg
         acc_g = acc_g * a_scale * sg
         acc_u = acc_u * a_scale * su
-    out_dtype = out_ptr.dtype.element_ty
-    gate = acc_g.to(out_dtype).to(tl.float32)  # rounded like the reference's gate-up GEMM output
-    up = acc_u.to(out_dtype).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(out_dtype).to(tl.float32)
-    h = (act * up).to(out_dtype)
+    gate = acc_g.to(ACT_DTYPE).to(tl.float32)  # rounded like the reference's gate-up GEMM output
+    up = acc_u.to(ACT_DTYPE).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(ACT_DTYPE).to(tl.float32)
+    h = (act * up).to(ACT_DTYPE)
+    if QUANT_H:  # a static FP8 scale for the down GEMM's input: the intermediate is written as e4m3
+        h = _quantize_tile(h, tl.load(hs_ptr), out_ptr.dtype.element_ty)
     tl.store(
         out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :],
         h,
@@ -508,7 +515,9 @@ def fused_moe_triton(
     a, a_scale, a_per_row = (x, dummy, False)
     if fp8:
         a, a_scale, a_per_row = _quantize_activations(x, a13_scale, cfg.quant_on_load)
-    hidden_act = x.new_empty((pairs, inter))
+    quant_h = fp8 and a2_scale is not None  # static: the gate-up epilogue quantizes the intermediate
+    hidden_act = x.new_empty((pairs, inter), dtype=FP8_DTYPE if quant_h else x.dtype)
+    h_scale_static = a2_scale.float().reshape(1) if quant_h else dummy
     w13_s = w13_scale if w13_scale is not None else dummy
     common = dict(
         BLOCK_M=cfg.block_m,
@@ -516,7 +525,6 @@ def fused_moe_triton(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         FP8=fp8,
-        QUANT_ON_LOAD=fp8 and cfg.quant_on_load,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -529,6 +537,7 @@ def fused_moe_triton(
         padded,
         a_scale,
         w13_s,
+        h_scale_static,
         pairs,
         top_k,
         inter,
@@ -541,12 +550,15 @@ def fused_moe_triton(
         w13_s.stride(0) if w13_scale is not None else 0,
         A_PER_ROW=a_per_row,
         W_PER_ROW=w13_scale is not None and w13_scale.shape[-1] > 1,
+        QUANT_ON_LOAD=fp8 and cfg.quant_on_load,
+        QUANT_H=quant_h,
+        ACT_DTYPE=_TL_DTYPES[x.dtype],
         **common,
         **pdl_launch(x.device),
     )
-    h, h_scale, h_per_row = (hidden_act, dummy, False)
-    if fp8:
-        h, h_scale, h_per_row = _quantize_activations(hidden_act, a2_scale, cfg.quant_on_load)
+    h, h_scale, h_per_row = (hidden_act, h_scale_static, False)
+    if fp8 and not quant_h:
+        h, h_scale, h_per_row = _quantize_activations(hidden_act, None, cfg.quant_on_load)
     per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
     w2_s = w2_scale if w2_scale is not None else dummy
     _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
@@ -570,6 +582,7 @@ def fused_moe_triton(
         w2_s.stride(0) if w2_scale is not None else 0,
         A_PER_ROW=h_per_row,
         W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
+        QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
         **common,
         **pdl_launch(x.device),
     )
