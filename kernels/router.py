@@ -4,9 +4,10 @@
   weight, computed as X·W_hiᵀ + X·W_loᵀ / 256 with W_hi = bf16(W), W_lo = bf16((W − W_hi)·256): one
   kernel reads X once, runs both bf16 tensor-core products into two fp32 accumulators and combines them
   in the epilogue (split over K for small M: each split writes its partial sums, then one fixed-order
-  reduction — deterministic, unlike atomics, so expert choices do not change between runs). Measured on the H200 it beats
-  the fp32 cuBLAS GEMM at every M from 1 to 4096 (BENCHMARKS.md), so no row count falls back to fp32;
-  only activations that are not bf16 (an fp32 model) take the fp32 GEMM.
+  reduction — deterministic, unlike atomics, so expert choices do not change between runs). On the
+  H200 it beat the fp32 cuBLAS GEMM at every M from 1 to 4096 (BENCHMARKS.md; measured with the
+  earlier atomic reduction), so no row count falls back to fp32; only activations that are not bf16
+  (an fp32 model) take the fp32 GEMM.
 * `hy3_triton::topk_routing(logits, bias, top_k, scale)`: sigmoid, + bias for selection, top-k by
   repeated arg-max, weights = unbiased scores renormalised × scale — one program per token block.
 """
