@@ -324,10 +324,10 @@ def sweep(lengths: list[int]) -> None:
     seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
     qsl = torch.tensor([0, 8192], dtype=torch.int32, device=d)
     flops = 4 * HEADS * 8192 * 8192 * HEAD_DIM / 2
-    for rows in (128,):
+    for rows in (64, 128, 256):
         plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8, rows))
         for block_n in (64, 128):
-            for warps in (8,):
+            for warps in (4, 8) if rows <= 128 else (8,):
                 for stages in (2, 3, 4):
                     cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, q_rows=rows)
                     label = f"sweep prefill 8192 rows={rows} block_n={block_n} warps={warps} stages={stages}"
