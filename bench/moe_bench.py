@@ -211,7 +211,7 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
             MoeConfig(16, bn, bk, 1, 4, stages, on_load)
             for bn in (32, 64, 128)
             for bk in ((128, 256) if fp8 else (64, 128))
-            for stages in (3, 4)
+            for stages in ((3, 4, 5) if fp8 else (3, 4))
             for on_load in ((False, True) if fp8 else (False,))
         ]
     block_ms = (32, 64) if t <= 1024 else (64, 128)
