@@ -81,7 +81,9 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int) -> LaunchConfig:
     return DECODE_CONFIG
 
 
-PREFILL_CONFIG = LaunchConfig(block_n=128, num_warps=8, num_stages=3)
+# prefill: 256 query rows (32 tokens × 8 heads at Hy3's GQA), 128-key blocks — the --sweep's best at 8K
+# (452 TFLOP/s vs 398 with 128 rows and 3 stages; BENCHMARKS.md, attention run 8)
+PREFILL_CONFIG = LaunchConfig(block_n=128, num_warps=8, num_stages=2)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -620,7 +622,9 @@ def _prefill_kernel(
     if tile >= tl.load(q_starts + num_requests):
         return
     r = _find_request(q_starts, tile, num_requests, search_iters)
-    block = tile - tl.load(q_starts + r)
+    # a request's last query block (the most keys under the causal mask) first: the long programs start
+    # in the first waves and the short ones fill the tail
+    block = tl.load(q_starts + r + 1) - 1 - tile
     q_start = tl.load(qsl_ptr + r)
     q_len = tl.load(qsl_ptr + r + 1) - q_start
     length = tl.load(seq_lens_ptr + r)

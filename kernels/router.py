@@ -3,11 +3,11 @@
 * `hy3_triton::router_gemm(x, w, w_hi, w_lo)`: fp32 logits of x [M, K] (bf16) against the fp32 router
   weight, computed as X·W_hiᵀ + X·W_loᵀ / 256 with W_hi = bf16(W), W_lo = bf16((W − W_hi)·256): one
   kernel reads X once, runs both bf16 tensor-core products into two fp32 accumulators and combines them
-  in the epilogue (split over K for small M: each split writes its partial sums, then one fixed-order
-  reduction — deterministic, unlike atomics, so expert choices do not change between runs). On the
-  H200 it beat the fp32 cuBLAS GEMM at every M from 1 to 4096 (BENCHMARKS.md; measured with the
-  earlier atomic reduction), so no row count falls back to fp32; only activations that are not bf16
-  (an fp32 model) take the fp32 GEMM.
+  in the epilogue. For small M the K dimension is split over programs: each split stores its partial
+  sums, and the last split of an output tile to arrive (an arrival counter per tile) adds them in split
+  order — one launch, and deterministic, unlike atomic adds, so expert choices do not change between
+  runs. On the H200 it beat the fp32 cuBLAS GEMM at every M from 1 to 4096 (BENCHMARKS.md), so no row
+  count falls back to fp32; only activations that are not bf16 (an fp32 model) take the fp32 GEMM.
 * `hy3_triton::topk_routing(logits, bias, top_k, scale)`: sigmoid, + bias for selection, top-k by
   repeated arg-max, weights = unbiased scores renormalised × scale — one program per token block.
 """
@@ -32,6 +32,8 @@ def _router_gemm_kernel(
     hi_ptr,
     lo_ptr,
     out_ptr,
+    partial_ptr,
+    counter_ptr,
     M,
     N,
     K,
@@ -40,6 +42,7 @@ def _router_gemm_kernel(
     stride_om,
     stride_split,
     k_per_split,
+    SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -66,8 +69,41 @@ def _router_gemm_kernel(
         acc_hi += tl.dot(a, tl.load(hi_ptr + w_offs, mask=w_mask, other=0.0))
         acc_lo += tl.dot(a, tl.load(lo_ptr + w_offs, mask=w_mask, other=0.0))
     out = acc_hi + acc_lo * (1.0 / 256.0)
-    ptrs = out_ptr + split * stride_split + rm[:, None] * stride_om + rn[None, :]
-    tl.store(ptrs, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tile = rm[:, None] * stride_om + rn[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLITS == 1:
+        tl.store(out_ptr + tile, out, mask=mask)
+    else:  # the last split of this tile to arrive sums all partials in split order (deterministic)
+        tl.store(partial_ptr + split * stride_split + tile, out, mask=mask)
+        counter = counter_ptr + pid_m * tl.num_programs(1) + pid_n
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLITS):
+                total += tl.load(
+                    partial_ptr + s * stride_split + tile, mask=mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.store(out_ptr + tile, total, mask=mask)
+            tl.atomic_xchg(counter, 0)  # zero again for the next launch (and CUDA-graph replay)
+
+
+_COUNTERS: dict[str, list[Tensor]] = {}
+
+
+def _arrival_counters(device: torch.device, needed: int) -> Tensor:
+    """Zeroed int32 arrival counters, one per output tile of a split-K launch.
+
+    The kernel leaves every counter it used at zero, so one buffer serves every launch on the device.
+    Buffers live as long as the process (a captured CUDA graph keeps using the one it saw; graphs are
+    captured after warm-up runs, which allocate outside the capture). One stream at a time.
+    """
+    buffers = _COUNTERS.setdefault(str(device), [])
+    for buffer in buffers:
+        if buffer.numel() >= needed:
+            return buffer
+    buffers.append(torch.zeros(max(triton.next_power_of_2(needed), 256), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def router_gemm_dual_bf16(
@@ -89,21 +125,26 @@ def router_gemm_dual_bf16(
             1 << (max(min(132 // tiles, 16, triton.cdiv(k, block_k)), 1).bit_length() - 1) if x.is_cuda else 2
         )
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    partial = x.new_empty((splits, m, n), dtype=torch.float32)
+    out = x.new_empty((m, n), dtype=torch.float32)
+    partial = x.new_empty((splits, m, n), dtype=torch.float32) if splits > 1 else out
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
+    counters = _arrival_counters(x.device, grid[0] * grid[1]) if splits > 1 else out
     _router_gemm_kernel[grid](
         x,
         w_hi,
         w_lo,
+        out,
         partial,
+        counters,
         m,
         n,
         k,
         x.stride(0),
         w_hi.stride(0),
-        partial.stride(1),
+        out.stride(0),
         partial.stride(0),
         k_per_split,
+        SPLITS=splits,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -111,7 +152,7 @@ def router_gemm_dual_bf16(
         num_stages=3,
         **pdl_launch(x.device),
     )
-    return partial.sum(0) if splits > 1 else partial[0]
+    return out
 
 
 @torch.library.custom_op("hy3_triton::router_gemm", mutates_args=())

@@ -11,6 +11,7 @@ import torch
 import hy3c.kernels
 import hy3c.ops
 from hy3c.kernels.fused_moe import MoeConfig, fused_moe_triton, moe_align_torch, moe_align_triton
+from hy3c.kernels import router
 from hy3c.kernels.router import router_gemm_dual_bf16
 from hy3c.ops.quant import FP8_DTYPE, split_router_weight
 
@@ -32,12 +33,16 @@ def test_dual_bf16_router_gemm_accuracy(rows):
 
 @pytest.mark.parametrize("splits", [1, 3, 4])
 def test_router_gemm_split_k_partials_sum_to_the_product(splits):
-    """Each K split writes its own partial sums (uneven last split with 3), reduced in a fixed order."""
+    """Each K split writes its own partial sums (uneven last split with 3); the last split of each of the
+    four output tiles to arrive adds them, and leaves its arrival counter at zero for the next launch."""
     w = 0.02 * torch.randn(24, 512)
     x = torch.randn(20, 512).to(torch.bfloat16)
     hi, lo = split_router_weight(w)
-    out = router_gemm_dual_bf16(x, hi, lo, splits=splits, block_m=16, block_n=16)
-    assert (out.double() - x.double() @ w.double().t()).abs().max() <= 1e-4
+    for _ in range(2):  # the second launch reuses the counters the first one left
+        out = router_gemm_dual_bf16(x, hi, lo, splits=splits, block_m=16, block_n=16)
+        assert (out.double() - x.double() @ w.double().t()).abs().max() <= 1e-4
+    for buffers in router._COUNTERS.values():
+        assert all(int(buffer.abs().sum()) == 0 for buffer in buffers)
 
 
 def test_router_weight_split_reconstructs_fp32():
