@@ -205,17 +205,7 @@ def static_activation_scales(x, ids, w13) -> tuple[torch.Tensor, torch.Tensor]:
 def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
     """Launch configs tried at T tokens. Decode sizes (T ≤ 128): 16-row blocks, narrow to wide column
     blocks (more programs balance the few active experts over the SMs), and for FP8 wider K blocks
-    (half the bytes per K) and the activation quantization inside the GEMMs or as its own kernels. A
-    single token also tries the pair-major path (no alignment, no combine launch) and 16-column blocks."""
-    if t == 1:
-        return [
-            MoeConfig(16, bn, bk, 1, 4, stages, on_load, pair_major)
-            for bn in (16, 32, 64)
-            for bk in ((128, 256) if fp8 else (64, 128))
-            for stages in ((4, 5) if fp8 else (3, 4))
-            for on_load in ((False, True) if fp8 else (False,))
-            for pair_major in (False, True)
-        ]
+    (half the bytes per K) and the activation quantization inside the GEMMs or as its own kernels."""
     if t <= 128:
         return [
             MoeConfig(16, bn, bk, 1, 4, stages, on_load)

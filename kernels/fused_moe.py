@@ -17,14 +17,7 @@ the epilogues. The activations are quantized either by one row-wise kernel befor
 config's `quant_on_load`, for few tokens — inside the GEMM as its rows are loaded (a dynamic scale is
 the row's absmax / 448, found by a first pass over the row): bit-identical, two launches fewer. With
 a static scale for the down GEMM's input, the gate-up epilogue writes the intermediate as e4m3 itself
-(half the bytes, no quantization launch; the same values as the row-wise kernel).
-
-Pair-major (the config's `pair_major`, for a token or two): no alignment — each gate-up program takes
-one (token, slot) pair as row 0 of its MMA tile, its expert read from topk_ids — and the down GEMM runs
-one program per (token, column block) over the token's k experts in turn, adding their weighted outputs
-and the shared expert's itself (steps 1 and 4 are not launched).
-
-Launch configs per token-count bucket come from `configs/fused_moe_h200.json` (written by
+(half the bytes, no quantization launch; the same values as the row-wise kernel). Launch configs per token-count bucket come from `configs/fused_moe_h200.json` (written by
 `bench/moe_bench.py --sweep`) or the built-in defaults.
 """
 
@@ -58,7 +51,6 @@ class MoeConfig:
     num_warps: int = 4
     num_stages: int = 3
     quant_on_load: bool = False  # FP8: quantize activation rows inside the GEMMs (no quantization kernels)
-    pair_major: bool = False  # few tokens: no alignment, one pair per gate-up program, combine in the down
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
@@ -300,21 +292,15 @@ def _gate_up_kernel(
     QUANT_ON_LOAD: tl.constexpr,
     QUANT_H: tl.constexpr,
     ACT_DTYPE: tl.constexpr,
-    PAIR_MAJOR: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Aligned: program (M block of sorted_ids, BLOCK_N columns); its rows are pairs of the block's expert
-    (expert_ptr: the expert of each M block). PAIR_MAJOR: program (pair, BLOCK_N columns), no alignment;
-    the pair is the tile's row 0 (the others masked) and expert_ptr holds every pair's expert."""
     wait_for_inputs(PDL)
     num_n_blocks = tl.cdiv(inter, BLOCK_N)
     pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
-    if PAIR_MAJOR:
-        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, pairs)
-    else:
-        if pid_m * BLOCK_M >= tl.load(padded_ptr):
-            return
-        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if pid_m * BLOCK_M >= tl.load(padded_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
     row_ok = pair < pairs
     token = pair // top_k
     expert = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -453,78 +439,6 @@ def _down_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["hidden", "inter"])
-def _down_combine_kernel(
-    h_ptr,
-    w_ptr,
-    shared_ptr,
-    out_ptr,
-    ids_ptr,
-    topk_w_ptr,
-    hs_ptr,
-    ws_ptr,
-    hidden,
-    inter,
-    stride_hm,
-    stride_we,
-    stride_wn,
-    stride_sm,
-    stride_om,
-    stride_wse,
-    TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr,
-    A_PER_ROW: tl.constexpr,
-    W_PER_ROW: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Pair-major down GEMM + combine: program (token, BLOCK_N columns) runs the token's k experts one
-    after another in one loop over (slot, K block) — the pair's intermediate row is row 0 of the MMA
-    tile — and adds each expert's weighted output in slot order, then the shared expert's: the values of
-    `_down_kernel` + `_combine_kernel`, without the combine launch or the per-pair fp32 rows."""
-    wait_for_inputs(PDL)
-    token = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
-    first_row = (tl.arange(0, BLOCK_M) == 0)[:, None]
-    out_dtype = out_ptr.dtype.element_ty
-    k_blocks = tl.cdiv(inter, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for step in range(0, TOP_K * k_blocks):
-        pair = token * TOP_K + step // k_blocks
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        rk = (step % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = rk < inter
-        a = tl.load(
-            h_ptr + pair.to(tl.int64) * stride_hm + rk[None, :], mask=first_row & k_ok[None, :], other=0.0
-        )
-        w = tl.load(
-            w_ptr + expert * stride_we + cols[None, :] * stride_wn + rk[:, None],
-            mask=col_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )
-        acc += tl.dot(a, w)
-        if step % k_blocks == k_blocks - 1:  # the pair's expert is done: its weighted output joins the sum
-            y = tl.sum(acc, axis=0)  # row 0 (the other rows are zero)
-            if FP8:
-                y = y * tl.load(hs_ptr + pair) if A_PER_ROW else y * tl.load(hs_ptr)
-                if W_PER_ROW:
-                    y = y * tl.load(ws_ptr + expert * stride_wse + cols, mask=col_ok, other=0.0)
-                else:
-                    y = y * tl.load(ws_ptr + expert * stride_wse)
-            total += y.to(out_dtype).to(tl.float32) * tl.load(topk_w_ptr + pair)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    result = total.to(out_dtype)
-    if HAS_SHARED:
-        shared = tl.load(shared_ptr + token.to(tl.int64) * stride_sm + cols, mask=col_ok, other=0.0)
-        result = (result.to(tl.float32) + shared.to(tl.float32)).to(out_dtype)
-    tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, result, mask=col_ok)
-
-
 @triton.jit
 def _combine_kernel(
     y_ptr,
@@ -595,12 +509,8 @@ def fused_moe_triton(
     cfg = config or select_config(num_tokens, config_kind(fp8, a13_scale is not None))
     if cfg.quant_on_load and cfg.block_m > 32:  # the row-absmax pass holds BLOCK_M × 1024 values
         raise ValueError(f"quant_on_load needs block_m <= 32 (got {cfg.block_m})")
-    if cfg.pair_major:  # no alignment: the gate-up programs take the pairs in order, experts from topk_ids
-        expert_ids = topk_ids.reshape(-1).to(torch.int32)
-        sorted_ids, padded, num_m_blocks = expert_ids, expert_ids, pairs
-    else:
-        sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, cfg.block_m)
-        num_m_blocks = expert_ids.shape[0]
+    sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, cfg.block_m)
+    num_m_blocks = expert_ids.shape[0]
     dummy = x.new_empty(1, dtype=torch.float32)
     a, a_scale, a_per_row = (x, dummy, False)
     if fp8:
@@ -643,48 +553,14 @@ def fused_moe_triton(
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load,
         QUANT_H=quant_h,
         ACT_DTYPE=_TL_DTYPES[x.dtype],
-        PAIR_MAJOR=cfg.pair_major,
         **common,
         **pdl_launch(x.device),
     )
     h, h_scale, h_per_row = (hidden_act, h_scale_static, False)
-    if fp8 and not quant_h:  # pair-major: the down GEMM takes quantized rows
-        h, h_scale, h_per_row = _quantize_activations(
-            hidden_act, None, cfg.quant_on_load and not cfg.pair_major
-        )
-    w2_s = w2_scale if w2_scale is not None else dummy
-    if cfg.pair_major:
-        _down_combine_kernel[(num_tokens, triton.cdiv(hidden, cfg.block_n))](
-            h,
-            w2,
-            shared if shared is not None else x,
-            out,
-            expert_ids,
-            topk_weights.reshape(-1).float(),
-            h_scale,
-            w2_s,
-            hidden,
-            inter,
-            h.stride(0),
-            w2.stride(0),
-            w2.stride(1),
-            shared.stride(0) if shared is not None else 0,
-            out.stride(0),
-            w2_s.stride(0) if w2_scale is not None else 0,
-            TOP_K=top_k,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            FP8=fp8,
-            A_PER_ROW=h_per_row,
-            W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
-            HAS_SHARED=shared is not None,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            **pdl_launch(x.device),
-        )
-        return out
+    if fp8 and not quant_h:
+        h, h_scale, h_per_row = _quantize_activations(hidden_act, None, cfg.quant_on_load)
     per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
+    w2_s = w2_scale if w2_scale is not None else dummy
     _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
         h,
         w2,

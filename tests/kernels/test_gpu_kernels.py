@@ -137,11 +137,6 @@ def test_fused_moe_real_shapes(tokens, fp8):
         out = fused_moe_triton(*args).float()
         ref = hy3.fused_moe(*args).float()
         assert (out - ref).norm() / ref.norm() < 1e-2
-    if tokens == 1:  # the pair-major path (no alignment, combine in the down GEMM), either way swept
-        for pair_major in (False, True):
-            cfg = dataclasses.replace(select_config(1, "fp8" if fp8 else "bf16"), pair_major=pair_major)
-            other = fused_moe_triton(*args, config=cfg).float()
-            assert (other - out).norm() / out.norm() < 1e-3
 
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 208, 4096])
