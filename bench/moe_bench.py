@@ -205,17 +205,14 @@ def static_activation_scales(x, ids, w13) -> tuple[torch.Tensor, torch.Tensor]:
 def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
     """Launch configs tried at T tokens. Decode sizes (T ≤ 128): 16-row blocks, narrow to wide column
     blocks (more programs balance the few active experts over the SMs), and for FP8 wider K blocks
-    (half the bytes per K) and the activation quantization inside the GEMMs or as its own kernels; and
-    weight rows prefetched into L2 before each GEMM waits for its predecessor (1 KB or whole rows)."""
+    (half the bytes per K) and the activation quantization inside the GEMMs or as its own kernels."""
     if t <= 128:
         return [
-            MoeConfig(16, bn, bk, 1, 4, stages, on_load, prefetch)
+            MoeConfig(16, bn, bk, 1, 4, stages, on_load)
             for bn in (32, 64, 128)
             for bk in ((128, 256) if fp8 else (64, 128))
-            for stages in (3, 4)
-            for on_load, prefetch in (
-                ((False, 0), (True, 0), (False, 1024), (False, 4096)) if fp8 else ((False, 0), (False, 1024))
-            )
+            for stages in ((3, 4, 5) if fp8 else (3, 4))
+            for on_load in ((False, True) if fp8 else (False,))
         ]
     block_ms = (32, 64) if t <= 1024 else (64, 128)
     return [

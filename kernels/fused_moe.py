@@ -51,7 +51,6 @@ class MoeConfig:
     num_warps: int = 4
     num_stages: int = 3
     quant_on_load: bool = False  # FP8: quantize activation rows inside the GEMMs (no quantization kernels)
-    prefetch: int = 0  # bytes of each weight row asked into L2 before a GEMM waits for its predecessor
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
@@ -251,39 +250,6 @@ def _quantize_tile(a, scale, dtype: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows_to_l2(row_ptrs, NBYTES: tl.constexpr):
-    """One bulk L2 prefetch of NBYTES from each row start (Hopper; no result, nothing waits for it)."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        "=r,l,r",
-        [row_ptrs.to(tl.int64), tl.full(row_ptrs.shape, NBYTES, tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _prefetch_expert_rows(
-    w_ptr,
-    expert_ptr,
-    padded_ptr,
-    pid_m,
-    rows,
-    stride_we,
-    stride_wn,
-    BLOCK_M: tl.constexpr,
-    NBYTES: tl.constexpr,
-):
-    """Before a GEMM's wait: ask L2 for the first NBYTES of the weight rows its M block will read. The
-    block's expert comes from the alignment, which must be at least two launches back (it finished
-    before the predecessor's wait ended, so its outputs can be read before this kernel's wait)."""
-    if pid_m * BLOCK_M < tl.load(padded_ptr):
-        first = w_ptr + tl.load(expert_ptr + pid_m).to(tl.int64) * stride_we
-        _prefetch_rows_to_l2(first + rows.to(tl.int64) * stride_wn, NBYTES)
-
-
-@triton.jit
 def _program_block(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     """Grouped ordering: GROUP_M M-blocks share each weight column block while it is in L2."""
     per_group = GROUP_M * num_n_blocks
@@ -326,20 +292,11 @@ def _gate_up_kernel(
     QUANT_ON_LOAD: tl.constexpr,
     QUANT_H: tl.constexpr,
     ACT_DTYPE: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     num_n_blocks = tl.cdiv(inter, BLOCK_N)
     pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
-    if PREFETCH:
-        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), inter - 1)
-        _prefetch_expert_rows(
-            w_ptr, expert_ptr, padded_ptr, pid_m, rows, stride_we, stride_wn, BLOCK_M, PREFETCH
-        )
-        _prefetch_expert_rows(
-            w_ptr, expert_ptr, padded_ptr, pid_m, rows + inter, stride_we, stride_wn, BLOCK_M, PREFETCH
-        )
-    wait_for_inputs(PDL)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -427,17 +384,11 @@ def _down_kernel(
     A_PER_ROW: tl.constexpr,
     W_PER_ROW: tl.constexpr,
     QUANT_ON_LOAD: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     num_n_blocks = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
-    if PREFETCH:
-        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), hidden - 1)
-        _prefetch_expert_rows(
-            w_ptr, expert_ptr, padded_ptr, pid_m, rows, stride_we, stride_wn, BLOCK_M, PREFETCH
-        )
-    wait_for_inputs(PDL)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -565,12 +516,6 @@ def fused_moe_triton(
     if fp8:
         a, a_scale, a_per_row = _quantize_activations(x, a13_scale, cfg.quant_on_load)
     quant_h = fp8 and a2_scale is not None  # static: the gate-up epilogue quantizes the intermediate
-    # L2 prefetch before a GEMM's wait (PDL on the GPU): only where the alignment is at least two launches
-    # back — the gate-up GEMM needs the activation quantization kernel between them
-    pdl = pdl_launch(x.device)
-    prefetch = cfg.prefetch if pdl["PDL"] else 0
-    prefetch_gate_up = min(prefetch, hidden * w13.element_size()) if fp8 and not cfg.quant_on_load else 0
-    prefetch_down = min(prefetch, inter * w2.element_size())
     hidden_act = x.new_empty((pairs, inter), dtype=FP8_DTYPE if quant_h else x.dtype)
     h_scale_static = a2_scale.float().reshape(1) if quant_h else dummy
     w13_s = w13_scale if w13_scale is not None else dummy
@@ -608,9 +553,8 @@ def fused_moe_triton(
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load,
         QUANT_H=quant_h,
         ACT_DTYPE=_TL_DTYPES[x.dtype],
-        PREFETCH=prefetch_gate_up,
         **common,
-        **pdl,
+        **pdl_launch(x.device),
     )
     h, h_scale, h_per_row = (hidden_act, h_scale_static, False)
     if fp8 and not quant_h:
@@ -639,9 +583,8 @@ def fused_moe_triton(
         A_PER_ROW=h_per_row,
         W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
-        PREFETCH=prefetch_down,
         **common,
-        **pdl,
+        **pdl_launch(x.device),
     )
     block = 1024
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](

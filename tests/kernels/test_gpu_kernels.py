@@ -126,10 +126,6 @@ def test_fused_moe_real_shapes(tokens, fp8):
     out = fused_moe_triton(*args).float()
     ref = hy3.fused_moe(*args).float()
     assert (out - ref).norm() / ref.norm() < 1e-2
-    shipped = select_config(tokens, "fp8" if fp8 else "bf16")
-    for prefetch in (0, 1024):  # weight rows asked into L2 before the wait: the same products
-        cfg = dataclasses.replace(shipped, prefetch=prefetch)
-        assert torch.equal(fused_moe_triton(*args, config=cfg), fused_moe_triton(*args, config=shipped))
     if fp8 and select_config(tokens, "fp8").block_m <= 32:  # activations quantized inside the GEMMs
         for on_load in (False, True):
             cfg = dataclasses.replace(select_config(tokens, "fp8"), quant_on_load=on_load)
