@@ -10,8 +10,8 @@ import torch
 
 import hy3c.kernels
 import hy3c.ops
-from hy3c.kernels.fused_moe import MoeConfig, fused_moe_triton, moe_align_torch, moe_align_triton
 from hy3c.kernels import router
+from hy3c.kernels.fused_moe import MoeConfig, fused_moe_triton, moe_align_torch, moe_align_triton
 from hy3c.kernels.router import router_gemm_dual_bf16
 from hy3c.ops.quant import FP8_DTYPE, split_router_weight
 
