@@ -204,21 +204,59 @@ def sdpa_loop_ms(lengths: list[int]) -> float:
 
 
 def prefill_bench(tokens: int) -> None:
+    """Causal prefill of one request over a paged bf16 and an FP8 KV cache vs SDPA on contiguous bf16."""
     d = "cuda"
-    cache, table, scales = _paged_cache([tokens], torch.bfloat16, 1.0)
     q = torch.randn(tokens, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([tokens], dtype=torch.int32, device=d)
     qsl = torch.tensor([0, tokens], dtype=torch.int32, device=d)
     plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
-    ours = bench(lambda: prefill_attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan))
     qq = torch.randn(1, HEADS, tokens, HEAD_DIM, device=d, dtype=torch.bfloat16)
     kk = torch.randn(1, KV_HEADS, tokens, HEAD_DIM, device=d, dtype=torch.bfloat16)
     vv = torch.randn_like(kk)
     sdpa = bench(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True))
     flops = 4 * HEADS * tokens * tokens * HEAD_DIM / 2
     row(f"prefill {tokens} causal: SDPA (flash, contiguous)", sdpa)
-    row(f"prefill {tokens} causal: hy3c Triton paged", ours, None, sdpa, "SDPA")
-    RESULTS[f"prefill_{tokens}_tflops"] = {"hy3c": flops / ours / 1e9, "sdpa": flops / sdpa / 1e9}
+    RESULTS[f"prefill_{tokens}_tflops"] = {"sdpa": flops / sdpa / 1e9}
+    for dtype, kv_scale, name in ((torch.bfloat16, 1.0, "bf16"), (FP8_DTYPE, 0.01, "fp8")):
+        cache, table, scales = _paged_cache([tokens], dtype, kv_scale)
+        ours = bench(
+            lambda c=cache, t=table, s=scales: prefill_attention(
+                q, c, s, 0, t, seq_lens, qsl, HEAD_DIM**-0.5, plan
+            )
+        )
+        row(f"prefill {tokens} causal: hy3c Triton paged, {name} KV", ours, None, sdpa, "SDPA")
+        RESULTS[f"prefill_{tokens}_tflops"][name] = flops / ours / 1e9
+        del cache
+
+
+def sweep_prefill() -> None:
+    """Prefill launch configs at 8K tokens, bf16 and FP8 KV: query rows per program, key block, warps,
+    stages."""
+    d = "cuda"
+    q = torch.randn(8192, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
+    seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
+    qsl = torch.tensor([0, 8192], dtype=torch.int32, device=d)
+    flops = 4 * HEADS * 8192 * 8192 * HEAD_DIM / 2
+    for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
+        cache, table, scales = _paged_cache([8192], dtype, kv_scale)
+        for rows in (128, 256):
+            plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8, rows))
+            for block_n in (64, 128):
+                for warps in (4, 8) if rows <= 128 else (8,):
+                    for stages in (2, 3):
+                        cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, q_rows=rows)
+                        label = f"sweep prefill 8192 {dtype} rows={rows} block_n={block_n} warps={warps} stages={stages}"
+                        try:
+                            ms = bench(
+                                lambda c=cfg, p=plan, kv=(cache, scales, 0, table): prefill_attention(
+                                    q, *kv, seq_lens, qsl, HEAD_DIM**-0.5, p, config=c
+                                )
+                            )
+                        except Exception as exc:  # e.g. out of shared memory for the larger tiles
+                            print(f"{label}: failed {type(exc).__name__}")
+                            continue
+                        print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)")
+        del cache
 
 
 def sweep(lengths: list[int]) -> None:
@@ -318,37 +356,22 @@ def sweep(lengths: list[int]) -> None:
                         f"B=32 mixed {ms:.3f} ms ({floor / ms * 100:.0f}% BW), "
                         f"B=1 {single[0] // 1024}K {ms1:.3f} ms ({single_floor / ms1 * 100:.0f}% BW)"
                     )
-        del cache, kv, one
-    cache, table, scales = _paged_cache([8192], torch.bfloat16, 1.0)
-    q = torch.randn(8192, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
-    seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
-    qsl = torch.tensor([0, 8192], dtype=torch.int32, device=d)
-    flops = 4 * HEADS * 8192 * 8192 * HEAD_DIM / 2
-    for rows in (64, 128, 256):
-        plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8, rows))
-        for block_n in (64, 128):
-            for warps in (4, 8) if rows <= 128 else (8,):
-                for stages in (2, 3, 4):
-                    cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, q_rows=rows)
-                    label = f"sweep prefill 8192 rows={rows} block_n={block_n} warps={warps} stages={stages}"
-                    try:
-                        ms = bench(
-                            lambda c=cfg, p=plan: prefill_attention(
-                                q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, p, config=c
-                            )
-                        )
-                    except Exception as exc:  # e.g. out of shared memory for the larger tiles
-                        print(f"{label}: failed {type(exc).__name__}")
-                        continue
-                    print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)")
+        del kv, one
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller shapes (smoke test)")
     parser.add_argument("--sweep", action="store_true", help="time each kernel's tunables first")
+    parser.add_argument("--sweep-prefill", action="store_true", help="only the prefill sweep and rows")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.sweep_prefill:
+        sweep_prefill()
+        for tokens in (8192, 32768):
+            prefill_bench(tokens)
+        print("\n".join("| " + " | ".join(r) + " |" for r in ROWS))
+        return
     qknorm_bench(2048 if args.quick else 16384)
     gen = torch.Generator().manual_seed(1)
     lengths = [int(x) for x in torch.randint(1024, 131072, (32,), generator=gen)]
@@ -357,6 +380,7 @@ def main() -> None:
         lengths = [n // 16 for n in lengths]
     if args.sweep:
         sweep(lengths)
+        sweep_prefill()
     sdpa = sdpa_loop_ms(lengths)
     decode_bench(lengths, f"B=32 mixed ({sum(lengths) / 1e6:.2f}M tok)", sdpa)
     single = [lengths[0]]
