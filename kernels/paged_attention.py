@@ -81,9 +81,16 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int) -> LaunchConfig:
     return DECODE_CONFIG
 
 
-# prefill: 256 query rows (32 tokens × 8 heads at Hy3's GQA), 128-key blocks — the --sweep's best at 8K
-# (452 TFLOP/s vs 398 with 128 rows and 3 stages; BENCHMARKS.md, attention run 8)
-PREFILL_CONFIG = LaunchConfig(block_n=128, num_warps=8, num_stages=2)
+# prefill: 256 query rows (32 tokens × 8 heads at Hy3's GQA; the plan's PREFILL_ROWS), swept at 8K
+# (BENCHMARKS.md, attention run 8): 128-key blocks for a bf16 cache (464 TFLOP/s; 396 with 128 rows),
+# 64-key blocks for FP8 (329 TFLOP/s; 128-key blocks 227 — the widened K and V tiles spill)
+PREFILL_CONFIG = LaunchConfig(block_n=128, num_warps=8, num_stages=3)
+FP8_PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=8, num_stages=3)
+
+
+def prefill_config(kv_dtype: torch.dtype) -> LaunchConfig:
+    """The prefill launch config for a KV cache dtype."""
+    return FP8_PREFILL_CONFIG if kv_dtype == FP8_DTYPE else PREFILL_CONFIG
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -874,8 +881,9 @@ def prefill_attention(
     query_start_loc: Tensor,
     sm_scale: float,
     plan: Tensor,
-    config: LaunchConfig = PREFILL_CONFIG,
+    config: LaunchConfig | None = None,
 ) -> Tensor:
+    config = config or prefill_config(kv_cache.dtype)
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
     q_block = prefill_q_block(group, config.q_rows)
