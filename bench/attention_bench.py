@@ -229,9 +229,9 @@ def prefill_bench(tokens: int) -> None:
         del cache
 
 
-def sweep_prefill() -> None:
+def sweep_prefill(tma_only: bool = False) -> None:
     """Prefill launch configs at 8K tokens, bf16 and FP8 KV: query rows per program, key block, warps,
-    stages."""
+    stages, and key blocks by TMA bulk copies (one per page slice) instead of per-row pointer loads."""
     d = "cuda"
     q = torch.randn(8192, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
@@ -241,11 +241,16 @@ def sweep_prefill() -> None:
         cache, table, scales = _paged_cache([8192], dtype, kv_scale)
         for rows in (128, 256):
             plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8, rows))
-            for block_n in (64, 128):
+            for block_n, tma in ((64, True),) if tma_only else ((64, False), (128, False), (64, True)):
                 for warps in (4, 8) if rows <= 128 else (8,):
-                    for stages in (2, 3):
-                        cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, q_rows=rows)
-                        label = f"sweep prefill 8192 {dtype} rows={rows} block_n={block_n} warps={warps} stages={stages}"
+                    for stages in (2, 3, 4) if tma else (2, 3):
+                        cfg = LaunchConfig(
+                            block_n=block_n, num_warps=warps, num_stages=stages, q_rows=rows, tma=tma
+                        )
+                        label = (
+                            f"sweep prefill 8192 {dtype} rows={rows} block_n={block_n} warps={warps} "
+                            f"stages={stages} tma={tma}"
+                        )
                         try:
                             ms = bench(
                                 lambda c=cfg, p=plan, kv=(cache, scales, 0, table): prefill_attention(
@@ -363,11 +368,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller shapes (smoke test)")
     parser.add_argument("--sweep", action="store_true", help="time each kernel's tunables first")
-    parser.add_argument("--sweep-prefill", action="store_true", help="only the prefill sweep and rows")
+    parser.add_argument(
+        "--sweep-prefill",
+        nargs="?",
+        const="all",
+        choices=("all", "tma"),
+        help="only the prefill sweep (all variants, or the TMA ones) and the prefill rows",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.sweep_prefill:
-        sweep_prefill()
+        sweep_prefill(tma_only=args.sweep_prefill == "tma")
         for tokens in (8192, 32768):
             prefill_bench(tokens)
         print("\n".join("| " + " | ".join(r) + " |" for r in ROWS))

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hy3c.kernels.attention_plan import KV_TILE, PREFILL_ROWS, prefill_q_block
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
@@ -60,6 +61,7 @@ class LaunchConfig:
     min_ctas_per_sm: int = 2  # … the equal share over this many CTAs per SM allows (tiles_per_cta)
     fp8_qk: bool = False  # dynamic decode, FP8 KV only: q quantized per row, QKᵀ as an e4m3 × e4m3 MMA
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
+    tma: bool = False  # prefill only: K/V blocks by TMA bulk copies (block_n must divide the page size)
 
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
@@ -91,6 +93,8 @@ FP8_PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=8, num_stages=3)
 def prefill_config(kv_dtype: torch.dtype) -> LaunchConfig:
     """The prefill launch config for a KV cache dtype."""
     return FP8_PREFILL_CONFIG if kv_dtype == FP8_DTYPE else PREFILL_CONFIG
+
+
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -156,27 +160,40 @@ def _attend_block(
     MASK: tl.constexpr,
     FP8_ASM: tl.constexpr,
     FP8_QK: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One BLOCK_N block of keys [key_start, key_start + BLOCK_N) for the rows of q (online softmax in
     base 2, the scale folded into the exponent). MASK: 0 = every key valid and visible (no masking at
     all), 1 = keys past key_limit masked, 2 = also causal (key n visible to a row iff n <= row_limit).
-    Every row must see at least one key in its first block (true for all callers), so m is finite."""
+    Every row must see at least one key in its first block (true for all callers), so m is finite.
+    TMA: cache_k / cache_v are tensor descriptors over [pages · PAGE_SIZE, kv_heads · HEAD_DIM] and the
+    block lies inside one page (BLOCK_N divides PAGE_SIZE): one bulk copy per operand, no per-row
+    pointers; a tail block's rows past key_limit come from the page's unused (zeroed or stale) slots,
+    their V rows are zeroed and their scores masked."""
     n = key_start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
-    if MASK == 0:
-        page = tl.load(page_row_ptr + n // PAGE_SIZE)
-    else:
+    if MASK != 0:
         valid = n < key_limit
-        page = tl.load(page_row_ptr + n // PAGE_SIZE, mask=valid, other=0)
-    offs = page.to(tl.int64) * stride_page + (n % PAGE_SIZE) * stride_off + head * stride_head
-    k_ptrs = cache_k + offs[:, None] + d[None, :]
-    v_ptrs = cache_v + offs[:, None] + d[None, :]
-    if MASK == 0:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+    if TMA:
+        row = tl.load(page_row_ptr + key_start // PAGE_SIZE) * PAGE_SIZE + key_start % PAGE_SIZE
+        k = cache_k.load([row, head * HEAD_DIM])
+        v = cache_v.load([row, head * HEAD_DIM])
+        if MASK != 0:
+            v = tl.where(valid[:, None], v, tl.zeros_like(v))
     else:
-        k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
+        if MASK == 0:
+            page = tl.load(page_row_ptr + n // PAGE_SIZE)
+        else:
+            page = tl.load(page_row_ptr + n // PAGE_SIZE, mask=valid, other=0)
+        offs = page.to(tl.int64) * stride_page + (n % PAGE_SIZE) * stride_off + head * stride_head
+        k_ptrs = cache_k + offs[:, None] + d[None, :]
+        v_ptrs = cache_v + offs[:, None] + d[None, :]
+        if MASK == 0:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
     if FP8_QK:  # e4m3 q × e4m3 K: K goes to the MMA as loaded; q's per-row scales applied after
         s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
     else:
@@ -222,6 +239,7 @@ def _attend_range(
     TAIL_MASK: tl.constexpr,
     FP8_ASM: tl.constexpr,
     FP8_QK: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     """Keys [key_begin, key_end): the blocks before full_end are seen whole by every row (no masks), the
     rest with TAIL_MASK (1: keys past key_end; 2: also causal against row_limit)."""
@@ -249,6 +267,7 @@ def _attend_range(
             0,
             FP8_ASM,
             FP8_QK,
+            TMA,
         )
     for key in range(full_end, key_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
@@ -274,6 +293,7 @@ def _attend_range(
             TAIL_MASK,
             FP8_ASM,
             FP8_QK,
+            TMA,
         )
     return m_i, l_i, acc
 
@@ -594,6 +614,8 @@ def _prefill_kernel(
     q_ptr,
     out_ptr,
     cache_ptr,
+    k_desc,
+    v_desc,
     scales_ptr,
     page_table_ptr,
     seq_lens_ptr,
@@ -618,6 +640,7 @@ def _prefill_kernel(
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -657,14 +680,20 @@ def _prefill_kernel(
     first_position = length - q_len + block * Q_BLOCK
     key_end = tl.minimum(first_position + Q_BLOCK, length)
     full_end = (first_position + 1) // BLOCK_N * BLOCK_N  # keys every row of the block sees
+    if TMA:
+        cache_k = k_desc
+        cache_v = v_desc
+    else:
+        cache_k = cache_ptr
+        cache_v = cache_ptr + stride_ckv
     m_i, l_i, acc = _attend_range(
         q,
         1.0,
         m_i,
         l_i,
         acc,
-        cache_ptr,
-        cache_ptr + stride_ckv,
+        cache_k,
+        cache_v,
         page_table_ptr + r * stride_pt,
         0,
         full_end,
@@ -681,6 +710,7 @@ def _prefill_kernel(
         2,
         FP8_ASM,
         False,
+        TMA,
     )
     result = acc / l_i[:, None] * v_scale
     tl.store(
@@ -889,10 +919,13 @@ def prefill_attention(
     q_block = prefill_q_block(group, config.q_rows)
     out = torch.empty_like(q)
     max_tiles = triton.cdiv(q.shape[0], q_block) + num_requests
+    k_desc, v_desc = _page_descriptors(kv_cache[layer], config.block_n) if config.tma else (None, None)
     _prefill_kernel[(max_tiles, num_kv_heads)](
         q,
         out,
         kv_cache[layer],
+        k_desc,
+        v_desc,
         kv_scales[layer],
         page_table,
         seq_lens,
@@ -912,11 +945,24 @@ def prefill_attention(
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
         **_cache_flags(kv_cache),
+        TMA=config.tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch(q.device),
     )
     return out
+
+
+def _page_descriptors(layer_cache: Tensor, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of one layer's K and V as [pages · page_size, kv_heads · head_dim] with
+    [block_n, head_dim] boxes: a key block is one bulk copy when block_n divides the page size."""
+    _, pages, page_size, kv_heads, head_dim = layer_cache.shape
+    if page_size % block_n:
+        raise ValueError(f"TMA prefill needs block_n ({block_n}) to divide the page size ({page_size})")
+    rows, width = pages * page_size, kv_heads * head_dim
+    return tuple(
+        TensorDescriptor(layer_cache[i], [rows, width], [width, 1], [block_n, head_dim]) for i in (0, 1)
+    )
 
 
 @torch.library.custom_op("hy3_triton::paged_attention", mutates_args=())

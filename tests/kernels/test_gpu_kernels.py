@@ -10,7 +10,12 @@ import torch
 import hy3c.kernels
 import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
-from hy3c.kernels.paged_attention import decode_attention_dynamic, decode_attention_static, prefill_attention
+from hy3c.kernels.paged_attention import (
+    LaunchConfig,
+    decode_attention_dynamic,
+    decode_attention_static,
+    prefill_attention,
+)
 from hy3c.ops.quant import FP8_DTYPE
 
 pytestmark = pytest.mark.gpu
@@ -66,6 +71,10 @@ def test_prefill_attention_real_shapes(cache_dtype):
     plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
     out = prefill_attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    for stages in (2, 3):  # key blocks by TMA bulk copies (one per 64-key page)
+        cfg = LaunchConfig(block_n=PAGE, num_warps=8, num_stages=stages, tma=True)
+        tma = prefill_attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan, config=cfg)
+        torch.testing.assert_close(tma.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("hadamard", [False, True])

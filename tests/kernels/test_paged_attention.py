@@ -16,6 +16,7 @@ from hy3c.kernels.paged_attention import (
     DECODE_CONFIG,
     FP8_BATCH_DECODE_CONFIG,
     FP8_BATCH_MIN_REQUESTS,
+    LaunchConfig,
     decode_attention_dynamic,
     decode_attention_static,
     decode_config,
@@ -35,13 +36,15 @@ def _case(
     head_dim=32,
     cache_dtype=torch.bfloat16,
     q_dtype=torch.bfloat16,
+    unused=0.0,
 ):
-    """A random paged cache (pages shuffled) holding `lengths` tokens; the last new_tokens[r] are queries."""
+    """A random paged cache (pages shuffled) holding `lengths` tokens; the last new_tokens[r] are queries.
+    Slots no token was written to hold `unused`."""
     pages_per = [-(-n // page_size) for n in lengths]
     num_pages = sum(pages_per) + 2
     order = torch.randperm(num_pages).tolist()
     table = torch.zeros(len(lengths), max([*pages_per, 1]), dtype=torch.int32)
-    cache = torch.zeros(2, 2, num_pages, page_size, kv_heads, head_dim, dtype=cache_dtype)
+    cache = torch.full((2, 2, num_pages, page_size, kv_heads, head_dim), unused, dtype=cache_dtype)
     scales = torch.tensor([[1.0, 1.0], [0.02, 0.03]])
     cursor = 0
     for r, n in enumerate(lengths):
@@ -169,6 +172,46 @@ def test_prefill_matches_reference(lengths, new, page, heads, cache_dtype):
     torch.testing.assert_close(
         out.float(), _reference(q, cache, scales, table, seq_lens, qsl).float(), atol=2e-2, rtol=2e-2
     )
+
+
+@pytest.mark.parametrize(
+    ("lengths", "new", "page", "heads", "block_n"),
+    [
+        ([9, 40, 3], [9, 13, 1], 16, (8, 1), 16),
+        ([70, 20], [1, 20], 64, (8, 8), 32),
+        ([130], [130], 64, (4, 2), 64),
+    ],
+)
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
+def test_prefill_by_tma_copies_matches_reference(lengths, new, page, heads, block_n, cache_dtype):
+    """Key blocks as TMA bulk copies of page slices whose unused slots hold NaN: a tail block's rows past
+    the sequence must not reach the output."""
+    q, cache, scales, table, seq_lens, qsl = _case(
+        lengths, new, page, *heads, cache_dtype=cache_dtype, unused=float("nan")
+    )
+    config = LaunchConfig(block_n=block_n, num_warps=4, num_stages=2, tma=True)
+    plan = _plan(seq_lens, qsl, heads[0] // heads[1])
+    out = prefill_attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2, plan, config=config)
+    torch.testing.assert_close(
+        out.float(), _reference(q, cache, scales, table, seq_lens, qsl).float(), atol=2e-2, rtol=2e-2
+    )
+
+
+def test_prefill_by_tma_copies_needs_blocks_inside_a_page():
+    q, cache, scales, table, seq_lens, qsl = _case([130], [130], 5, 4, 2)
+    with pytest.raises(ValueError, match="divide the page size"):
+        prefill_attention(
+            q,
+            cache,
+            scales,
+            1,
+            table,
+            seq_lens,
+            qsl,
+            0.2,
+            _plan(seq_lens, qsl, 2),
+            config=LaunchConfig(tma=True),
+        )
 
 
 def test_fp32_paths_are_exact_enough():
