@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 KV_TILE = 256
-PREFILL_ROWS = 256  # query rows (tokens × heads of one KV group) per prefill program
+PREFILL_ROWS = 128  # query rows (tokens × heads of one KV group) per prefill program
 
 
 def prefill_q_block(group: int, rows: int = PREFILL_ROWS) -> int:

@@ -83,16 +83,15 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int) -> LaunchConfig:
     return DECODE_CONFIG
 
 
-# prefill: 256 query rows (32 tokens × 8 heads at Hy3's GQA; the plan's PREFILL_ROWS), swept at 8K
-# (BENCHMARKS.md, attention run 8): 128-key blocks for a bf16 cache (464 TFLOP/s; 396 with 128 rows),
-# 64-key blocks for FP8 (329 TFLOP/s; 128-key blocks 227 — the widened K and V tiles spill)
-PREFILL_CONFIG = LaunchConfig(block_n=128, num_warps=8, num_stages=3)
-FP8_PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=8, num_stages=3)
+# prefill: 128 query rows (16 tokens × 8 heads at Hy3's GQA; the plan's PREFILL_ROWS), 64-key blocks as
+# TMA bulk copies, 4 warps, 3 stages — the sweep's best at 8K for bf16 (530 TFLOP/s; 464 with per-row
+# pointer loads) and FP8 KV (344; 329) (BENCHMARKS.md, attention runs 8-11)
+PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=3, tma=True)
 
 
 def prefill_config(kv_dtype: torch.dtype) -> LaunchConfig:
-    """The prefill launch config for a KV cache dtype."""
-    return FP8_PREFILL_CONFIG if kv_dtype == FP8_DTYPE else PREFILL_CONFIG
+    """The prefill launch config for a KV cache dtype (the same for bf16 and FP8 since TMA loads)."""
+    return PREFILL_CONFIG
 
 
 _LOG2E = tl.constexpr(1.4426950408889634)
