@@ -85,13 +85,15 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int) -> LaunchConfig:
 
 # prefill: 128 query rows (16 tokens × 8 heads at Hy3's GQA; the plan's PREFILL_ROWS), 64-key blocks as
 # TMA bulk copies, 4 warps, 3 stages — the sweep's best at 8K for bf16 (530 TFLOP/s; 464 with per-row
-# pointer loads) and FP8 KV (344; 329) (BENCHMARKS.md, attention runs 8-11)
+# pointer loads) and FP8 KV (344; 329) (BENCHMARKS.md, attention runs 8-12). Pages that a 64-key block
+# does not tile (a page size that 64 does not divide) take per-row pointer loads (bf16 335, FP8 321).
 PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=3, tma=True)
+PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 
 
-def prefill_config(kv_dtype: torch.dtype) -> LaunchConfig:
-    """The prefill launch config for a KV cache dtype (the same for bf16 and FP8 since TMA loads)."""
-    return PREFILL_CONFIG
+def prefill_config(page_size: int) -> LaunchConfig:
+    """The prefill launch config for a KV cache's page size (bf16 and FP8 KV alike)."""
+    return PREFILL_CONFIG if page_size % PREFILL_CONFIG.block_n == 0 else PREFILL_CONFIG_ANY_PAGE
 
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -912,7 +914,7 @@ def prefill_attention(
     plan: Tensor,
     config: LaunchConfig | None = None,
 ) -> Tensor:
-    config = config or prefill_config(kv_cache.dtype)
+    config = config or prefill_config(kv_cache.shape[3])
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
     q_block = prefill_q_block(group, config.q_rows)
