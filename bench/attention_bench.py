@@ -167,6 +167,17 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
         row(f"decode {label} {name} KV: dynamic, launched without PDL", t_no_pdl, floor, t_dyn, "with PDL")
         if sdpa_ms is not None:
             row(f"decode {label} {name} KV: dynamic vs SDPA loop", t_dyn, floor, sdpa_ms, "SDPA loop (bf16)")
+        tma_cfg = dataclasses.replace(decode_config(dtype, len(lengths)), block_n=PAGE, tma=True)
+        tma = decode_attention_dynamic(q, *kv, plan, config=tma_cfg)
+        RESULTS[f"decode_{label}_{dtype}_tma_max_abs_diff"] = (tma.float() - dyn.float()).abs().max().item()
+        t_tma = bench(lambda kv=kv, c=tma_cfg: decode_attention_dynamic(q, *kv, plan, config=c))
+        row(
+            f"decode {label} {name} KV: dynamic, TMA key blocks ({PAGE})",
+            t_tma,
+            floor,
+            t_dyn,
+            "pointer loads",
+        )
         if dtype == FP8_DTYPE:  # q quantized per row, QKᵀ as an e4m3 MMA (K unwidened)
             cfg = dataclasses.replace(decode_config(dtype, len(lengths)), fp8_qk=True)
             qk8 = decode_attention_dynamic(q, *kv, plan, config=cfg)
@@ -332,12 +343,13 @@ def sweep(lengths: list[int]) -> None:
         floor = sum(lengths) * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
         single_floor = single[0] * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
         shapes = ((128, 4), (256, 4), (256, 8)) if dtype == FP8_DTYPE else ((64, 4), (128, 4), (128, 8))
-        for block_n, warps in shapes:
-            for stages in (2, 3):
+        for block_n, warps, tma in [(n, w, False) for n, w in shapes] + [(PAGE, 4, True)]:
+            for stages in (2, 3, 4) if tma else (2, 3):
                 for ctas, min_tiles, fp8_qk in (
                     [(2, 1, False), (4, 1, False), (8, 1, False)]
                     + [(8, 8, False), (8, 16, False), (8, 32, False)] * (dtype == FP8_DTYPE)
-                    + [(2, 1, True), (8, 1, True), (8, 16, True)] * (dtype == FP8_DTYPE and block_n == 128)
+                    + [(2, 1, True), (8, 1, True), (8, 16, True)]
+                    * (dtype == FP8_DTYPE and (block_n == 128 or tma))
                 ):
                     cfg = LaunchConfig(
                         block_n=block_n,
@@ -346,6 +358,7 @@ def sweep(lengths: list[int]) -> None:
                         ctas_per_sm=ctas,
                         min_tiles_per_cta=min_tiles,
                         fp8_qk=fp8_qk,
+                        tma=tma,
                     )
                     kv = (cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan)
                     try:
@@ -356,7 +369,7 @@ def sweep(lengths: list[int]) -> None:
                     one = (cache, scales, 0, table[:1], seq_lens[:1], HEAD_DIM**-0.5, single_plan)
                     ms1 = bench(lambda c=cfg, one=one: decode_attention_dynamic(q[:1], *one, config=c))
                     print(
-                        f"sweep decode {dtype} block_n={block_n} warps={warps} stages={stages} ctas/sm={ctas} "
+                        f"sweep decode {dtype} block_n={block_n} tma={tma} warps={warps} stages={stages} ctas/sm={ctas} "
                         f"min tiles/CTA={min_tiles} fp8 QK={fp8_qk}: "
                         f"B=32 mixed {ms:.3f} ms ({floor / ms * 100:.0f}% BW), "
                         f"B=1 {single[0] // 1024}K {ms1:.3f} ms ({single_floor / ms1 * 100:.0f}% BW)"

@@ -61,7 +61,7 @@ class LaunchConfig:
     min_ctas_per_sm: int = 2  # … the equal share over this many CTAs per SM allows (tiles_per_cta)
     fp8_qk: bool = False  # dynamic decode, FP8 KV only: q quantized per row, QKᵀ as an e4m3 × e4m3 MMA
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
-    tma: bool = False  # prefill only: K/V blocks by TMA bulk copies (block_n must divide the page size)
+    tma: bool = False  # prefill, dynamic decode: K/V blocks by TMA bulk copies (block_n divides the page)
 
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
@@ -335,6 +335,8 @@ def _kv_scales(scales_ptr, FP8: tl.constexpr):
 def _decode_dynamic_kernel(
     q_ptr,
     cache_ptr,
+    k_desc,
+    v_desc,
     scales_ptr,
     page_table_ptr,
     seq_lens_ptr,
@@ -366,9 +368,16 @@ def _decode_dynamic_kernel(
     FP8_ASM: tl.constexpr,
     FP8_QK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
+    if TMA:
+        cache_k = k_desc
+        cache_v = v_desc
+    else:
+        cache_k = cache_ptr
+        cache_v = cache_ptr + stride_ckv
     head = tl.program_id(0)  # heads vary fastest: the CTAs with work spread over the SMs
     cta = tl.program_id(1)
     quota = _tiles_per_cta(plan_ptr, num_requests, num_ctas, min_ctas, MIN_TILES)
@@ -405,8 +414,8 @@ def _decode_dynamic_kernel(
             m_i,
             l_i,
             acc,
-            cache_ptr,
-            cache_ptr + stride_ckv,
+            cache_k,
+            cache_v,
             page_table_ptr + r * stride_pt,
             key_begin,
             key_begin + (key_end - key_begin) // BLOCK_N * BLOCK_N,
@@ -423,6 +432,7 @@ def _decode_dynamic_kernel(
             1,
             FP8_ASM,
             FP8_QK,
+            TMA,
         )
         _store_partial(
             part_o_ptr + (cta + r) * stride_po_slot + head * stride_po_head,
@@ -780,9 +790,12 @@ def decode_attention_dynamic(
     part_lse = torch.empty((slots, num_kv_heads, group_pad), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim)
+    k_desc, v_desc = _page_descriptors(kv_cache[layer], config.block_n) if config.tma else (None, None)
     _decode_dynamic_kernel[(num_kv_heads, num_ctas)](
         q,
         kv_cache[layer],
+        k_desc,
+        v_desc,
         kv_scales[layer],
         page_table,
         seq_lens,
@@ -806,6 +819,7 @@ def decode_attention_dynamic(
         MIN_TILES=config.min_tiles_per_cta,
         FP8_QK=config.fp8_qk and kv_cache.dtype == FP8_DTYPE,
         **_cache_flags(kv_cache),
+        TMA=config.tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **common,
@@ -956,10 +970,13 @@ def prefill_attention(
 
 def _page_descriptors(layer_cache: Tensor, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA descriptors of one layer's K and V as [pages · page_size, kv_heads · head_dim] with
-    [block_n, head_dim] boxes: a key block is one bulk copy when block_n divides the page size."""
+    [block_n, head_dim] boxes: a key block is one bulk copy when block_n divides the page size (and the
+    decode tile, KV_TILE, so that every block a decode range starts lies inside one page)."""
     _, pages, page_size, kv_heads, head_dim = layer_cache.shape
-    if page_size % block_n:
-        raise ValueError(f"TMA prefill needs block_n ({block_n}) to divide the page size ({page_size})")
+    if page_size % block_n or KV_TILE % block_n:
+        raise ValueError(
+            f"TMA attention needs block_n ({block_n}) to divide the page size ({page_size}) and {KV_TILE}"
+        )
     rows, width = pages * page_size, kv_heads * head_dim
     return tuple(
         TensorDescriptor(layer_cache[i], [rows, width], [width, 1], [block_n, head_dim]) for i in (0, 1)

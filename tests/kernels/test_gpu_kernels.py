@@ -61,6 +61,10 @@ def test_decode_attention_real_shapes(cache_dtype):
     static = decode_attention_static(q, cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5)
     torch.testing.assert_close(dyn.float(), ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(static.float(), ref, atol=2e-2, rtol=2e-2)
+    for ctas_per_sm in (2, 8):  # key blocks by TMA bulk copies (one per 64-key page)
+        cfg = LaunchConfig(block_n=PAGE, num_warps=4, num_stages=3, ctas_per_sm=ctas_per_sm, tma=True)
+        tma = decode_attention_dynamic(q, cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan, config=cfg)
+        torch.testing.assert_close(tma.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])

@@ -94,6 +94,30 @@ def test_dynamic_and_static_decode_match_reference(lengths, page, heads, cache_d
     torch.testing.assert_close(static.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize(
+    ("lengths", "page", "block_n"), [([1, 17, 300, 5, 1100], 16, 16), ([513, 1, 260], 64, 32)]
+)
+@pytest.mark.parametrize("fp8_qk", [False, True])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
+def test_dynamic_decode_by_tma_copies_matches_reference(lengths, page, block_n, fp8_qk, cache_dtype):
+    """Key blocks as TMA bulk copies of page slices (unused slots hold NaN), ranges split over CTAs at
+    tile boundaries, with and without the FP8 QK product."""
+    if fp8_qk and cache_dtype != FP8_DTYPE:
+        pytest.skip("the FP8 QK product needs an FP8 cache")
+    q, cache, scales, table, seq_lens, qsl = _case(
+        lengths, [1] * len(lengths), page, 8, 2, cache_dtype=cache_dtype, unused=float("nan")
+    )
+    ref = _reference(q, cache, scales, table, seq_lens, qsl).float()
+    plan = _plan(seq_lens, qsl, 4)
+    config = dataclasses.replace(DECODE_CONFIG, block_n=block_n, num_stages=1, tma=True, fp8_qk=fp8_qk)
+    for num_ctas in (1, 5):
+        out = decode_attention_dynamic(
+            q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=num_ctas, config=config
+        )
+        tol = 5e-2 if fp8_qk else 2e-2
+        torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
 def test_decode_config_by_kv_dtype_and_batch():
     assert decode_config(torch.bfloat16, 64) == DECODE_CONFIG
     assert decode_config(FP8_DTYPE, FP8_BATCH_MIN_REQUESTS - 1) == DECODE_CONFIG
@@ -199,7 +223,7 @@ def test_prefill_by_tma_copies_matches_reference(lengths, new, page, heads, bloc
 
 def test_prefill_by_tma_copies_needs_blocks_inside_a_page():
     q, cache, scales, table, seq_lens, qsl = _case([130], [130], 5, 4, 2)
-    with pytest.raises(ValueError, match="divide the page size"):
+    with pytest.raises(ValueError, match="to divide the page size"):
         prefill_attention(
             q,
             cache,
