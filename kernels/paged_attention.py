@@ -22,6 +22,13 @@ one byte per instruction (this was why FP8 decode ran at bf16 speed). As a `Laun
 so K reaches the MMA as loaded (only V is widened); `bench/attention_bench.py` measures it against
 the widened path.
 
+K/V blocks are gathered through the page table either with per-row pointer loads or — `LaunchConfig.tma`,
+when a block lies inside one page (its size divides the page size) — as one TMA bulk copy per operand
+from a tensor descriptor over the layer's cache viewed as [pages · page size, KV heads · head dim]. A
+tail block's rows past the sequence then come from the page's unused slots: their V rows are zeroed and
+their scores masked. Prefill uses TMA by default where the page size allows (measured 1.14× the pointer
+loads at 8K, BENCHMARKS.md); for decode it is a benchmarked option.
+
 Key blocks that every query row sees whole (all of a decode range but its tail; the keys before a
 prefill block's first query) take an unmasked path; only the tail / diagonal blocks pay for masks.
 The softmax runs in base 2 with the scale folded into the exponent.
