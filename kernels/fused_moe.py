@@ -17,7 +17,12 @@ the epilogues. The activations are quantized either by one row-wise kernel befor
 config's `quant_on_load`, for few tokens — inside the GEMM as its rows are loaded (a dynamic scale is
 the row's absmax / 448, found by a first pass over the row): bit-identical, two launches fewer. With
 a static scale for the down GEMM's input, the gate-up epilogue writes the intermediate as e4m3 itself
-(half the bytes, no quantization launch; the same values as the row-wise kernel). Launch configs per token-count bucket come from `configs/fused_moe_h200.json` (written by
+(half the bytes, no quantization launch; the same values as the row-wise kernel).
+
+Weight tiles are pointer loads or — the config's `tma` — TMA bulk copies from a tensor descriptor over
+the stacked weights ([E · 2I, H] and [E · H, I]; the block sizes must tile each expert's matrices).
+
+Launch configs per token-count bucket come from `configs/fused_moe_h200.json` (written by
 `bench/moe_bench.py --sweep`) or the built-in defaults.
 """
 
@@ -32,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.quant import quant_fp8, quant_fp8_per_token
@@ -51,6 +57,7 @@ class MoeConfig:
     num_warps: int = 4
     num_stages: int = 3
     quant_on_load: bool = False  # FP8: quantize activation rows inside the GEMMs (no quantization kernels)
+    tma: bool = False  # weight tiles by TMA bulk copies (block sizes must tile each expert's matrices)
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
@@ -265,6 +272,7 @@ def _program_block(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
+    w_desc,
     out_ptr,
     sorted_ptr,
     expert_ptr,
@@ -292,6 +300,7 @@ def _gate_up_kernel(
     QUANT_ON_LOAD: tl.constexpr,
     QUANT_H: tl.constexpr,
     ACT_DTYPE: tl.constexpr,
+    TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -324,9 +333,14 @@ def _gate_up_kernel(
         )
         if QUANT_ON_LOAD:
             a = _quantize_tile(a, a_scale, w_ptr.dtype.element_ty)
-        w_mask = col_ok[None, :] & k_ok[:, None]
-        wg = tl.load(w_base + cols[None, :] * stride_wn + rk[:, None], mask=w_mask, other=0.0)
-        wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + rk[:, None], mask=w_mask, other=0.0)
+        if TMA:  # w_desc: the stacked weights as [experts · 2·inter, hidden], [BLOCK_N, BLOCK_K] boxes
+            first_row = (expert * 2 * inter + pid_n * BLOCK_N).to(tl.int32)
+            wg = tl.trans(w_desc.load([first_row, k]))
+            wu = tl.trans(w_desc.load([first_row + inter, k]))
+        else:
+            w_mask = col_ok[None, :] & k_ok[:, None]
+            wg = tl.load(w_base + cols[None, :] * stride_wn + rk[:, None], mask=w_mask, other=0.0)
+            wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + rk[:, None], mask=w_mask, other=0.0)
         acc_g += tl.dot(a, wg)
         acc_u += tl.dot(a, wu)
     if FP8:
@@ -360,6 +374,7 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr,
     w_ptr,
+    w_desc,
     out_ptr,
     sorted_ptr,
     expert_ptr,
@@ -384,6 +399,7 @@ def _down_kernel(
     A_PER_ROW: tl.constexpr,
     W_PER_ROW: tl.constexpr,
     QUANT_ON_LOAD: tl.constexpr,
+    TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -414,9 +430,14 @@ def _down_kernel(
         )
         if QUANT_ON_LOAD:
             a = _quantize_tile(a, h_scale, w_ptr.dtype.element_ty)
-        w = tl.load(
-            w_base + cols[None, :] * stride_wn + rk[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0
-        )
+        if TMA:  # w_desc: the stacked weights as [experts · hidden, inter], [BLOCK_N, BLOCK_K] boxes
+            w = tl.trans(w_desc.load([(expert * hidden + pid_n * BLOCK_N).to(tl.int32), k]))
+        else:
+            w = tl.load(
+                w_base + cols[None, :] * stride_wn + rk[:, None],
+                mask=col_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
         acc += tl.dot(a, w)
     if FP8:
         if QUANT_ON_LOAD:
@@ -484,6 +505,25 @@ def _quantize_activations(
     return q, scale.reshape(-1), True
 
 
+def _weight_descriptors(w13: Tensor, w2: Tensor, cfg: MoeConfig) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of the stacked expert weights, [E · 2I, H] and [E · H, I], with [block_n, block_k]
+    boxes. The blocks must tile every expert's matrices exactly (a box never reaches the next expert)."""
+    experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    if inter % cfg.block_n or hidden % cfg.block_n or hidden % cfg.block_k or inter % cfg.block_k:
+        raise ValueError(
+            f"TMA weight tiles need block_n ({cfg.block_n}) and block_k ({cfg.block_k}) to divide the expert "
+            f"widths ({inter}, {hidden})"
+        )
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("TMA weight tiles need contiguous stacked expert weights")
+    box = [cfg.block_n, cfg.block_k]
+    return (
+        TensorDescriptor(w13, [experts * two_inter, hidden], [hidden, 1], box),
+        TensorDescriptor(w2, [experts * hidden, inter], [inter, 1], box),
+    )
+
+
 def fused_moe_triton(
     x: Tensor,
     topk_weights: Tensor,
@@ -519,6 +559,7 @@ def fused_moe_triton(
     hidden_act = x.new_empty((pairs, inter), dtype=FP8_DTYPE if quant_h else x.dtype)
     h_scale_static = a2_scale.float().reshape(1) if quant_h else dummy
     w13_s = w13_scale if w13_scale is not None else dummy
+    w13_desc, w2_desc = _weight_descriptors(w13, w2, cfg) if cfg.tma else (None, None)
     common = dict(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -531,6 +572,7 @@ def fused_moe_triton(
     _gate_up_kernel[(num_m_blocks * triton.cdiv(inter, cfg.block_n),)](
         a,
         w13,
+        w13_desc,
         hidden_act,
         sorted_ids,
         expert_ids,
@@ -553,6 +595,7 @@ def fused_moe_triton(
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load,
         QUANT_H=quant_h,
         ACT_DTYPE=_TL_DTYPES[x.dtype],
+        TMA=cfg.tma,
         **common,
         **pdl_launch(x.device),
     )
@@ -564,6 +607,7 @@ def fused_moe_triton(
     _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
         h,
         w2,
+        w2_desc,
         per_pair,
         sorted_ids,
         expert_ids,
@@ -583,6 +627,7 @@ def fused_moe_triton(
         A_PER_ROW=h_per_row,
         W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
+        TMA=cfg.tma,
         **common,
         **pdl_launch(x.device),
     )

@@ -139,6 +139,10 @@ def test_fused_moe_real_shapes(tokens, fp8):
     out = fused_moe_triton(*args).float()
     ref = hy3.fused_moe(*args).float()
     assert (out - ref).norm() / ref.norm() < 1e-2
+    tma = dataclasses.replace(
+        select_config(tokens, "fp8" if fp8 else "bf16"), tma=True
+    )  # weight tiles by TMA
+    assert (fused_moe_triton(*args, config=tma).float() - out).norm() / out.norm() < 1e-3
     if fp8 and select_config(tokens, "fp8").block_m <= 32:  # activations quantized inside the GEMMs
         for on_load in (False, True):
             cfg = dataclasses.replace(select_config(tokens, "fp8"), quant_on_load=on_load)

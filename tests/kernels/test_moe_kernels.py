@@ -138,6 +138,8 @@ def test_fused_moe_bf16_and_fp32(tokens, experts, top_k, case):
         args = (x.to(dtype), w, ids, w13.to(dtype), w2.to(dtype), None, None, None, None, shared.to(dtype))
         out = fused_moe_triton(*args, config=CFG)
         torch.testing.assert_close(out.float(), hy3.fused_moe(*args).float(), atol=tol, rtol=tol)
+        tma = fused_moe_triton(*args, config=dataclasses.replace(CFG, tma=True))  # weight tiles by TMA
+        torch.testing.assert_close(tma.float(), hy3.fused_moe(*args).float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("static", [True, False])
@@ -160,6 +162,18 @@ def test_fused_moe_fp8(static, per_channel):
     assert (out.float() - ref.float()).norm() / ref.float().norm() < 2e-2
     on_load = fused_moe_triton(*args, config=dataclasses.replace(CFG, quant_on_load=True))
     torch.testing.assert_close(on_load, out, atol=0, rtol=0)  # the same FP8 rows, quantized in the GEMMs
+    tma = fused_moe_triton(*args, config=dataclasses.replace(CFG, tma=True))  # weight tiles by TMA
+    torch.testing.assert_close(tma, out, atol=0, rtol=0)
+
+
+def test_fused_moe_tma_needs_blocks_that_tile_the_experts():
+    x, w = torch.randn(3, 64), torch.rand(3, 2)
+    w13, w2 = _weights(4, 64, 48)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="to divide the expert widths"):
+        fused_moe_triton(
+            x, w, ids, w13, w2, None, None, None, None, None, config=dataclasses.replace(CFG, tma=True)
+        )
 
 
 def test_opcheck_moe_l2_ops():
