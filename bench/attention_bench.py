@@ -34,6 +34,7 @@ from hy3c.kernels.paged_attention import (
     decode_attention_static,
     decode_config,
     prefill_attention,
+    prefill_config,
 )
 from hy3c.ops.fused import qknorm_rope_quant_kvstore_reference
 from hy3c.ops.quant import FP8_DTYPE
@@ -237,12 +238,29 @@ def prefill_bench(tokens: int) -> None:
         )
         row(f"prefill {tokens} causal: hy3c Triton paged, {name} KV", ours, None, sdpa, "SDPA")
         RESULTS[f"prefill_{tokens}_tflops"][name] = flops / ours / 1e9
+        if dtype == FP8_DTYPE:  # q quantized per row, QKᵀ as an e4m3 MMA (K unwidened)
+            cfg = dataclasses.replace(prefill_config(cache.shape[3]), fp8_qk=True)
+            kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
+            widened = prefill_attention(q, *kv)
+            qk8 = prefill_attention(q, *kv, config=cfg)
+            err = ((qk8.float() - widened.float()).norm() / widened.float().norm()).item()
+            t_qk8 = bench(lambda kv=kv, c=cfg: prefill_attention(q, *kv, config=c))
+            row(
+                f"prefill {tokens} causal: hy3c Triton paged, fp8 KV, FP8 QK product (rel. diff {err:.1e})",
+                t_qk8,
+                None,
+                sdpa,
+                "SDPA",
+            )
+            RESULTS[f"prefill_{tokens}_tflops"]["fp8_qk"] = flops / t_qk8 / 1e9
+            del kv
         del cache
 
 
 def sweep_prefill(tma_only: bool = False) -> None:
     """Prefill launch configs at 8K tokens, bf16 and FP8 KV: query rows per program, key block, warps,
-    stages, and key blocks by TMA bulk copies (one per page slice) instead of per-row pointer loads."""
+    stages, key blocks by TMA bulk copies (one per page slice) or per-row pointer loads, and for FP8 KV
+    the FP8 QK product."""
     d = "cuda"
     q = torch.randn(8192, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
@@ -254,13 +272,22 @@ def sweep_prefill(tma_only: bool = False) -> None:
             plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8, rows))
             for block_n, tma in ((64, True),) if tma_only else ((64, False), (128, False), (64, True)):
                 for warps in (4, 8) if rows <= 128 else (8,):
-                    for stages in (2, 3, 4) if tma else (2, 3):
+                    for stages, fp8_qk in [
+                        (n, qk)
+                        for n in ((2, 3, 4) if tma else (2, 3))
+                        for qk in ((False, True) if dtype == FP8_DTYPE else (False,))
+                    ]:
                         cfg = LaunchConfig(
-                            block_n=block_n, num_warps=warps, num_stages=stages, q_rows=rows, tma=tma
+                            block_n=block_n,
+                            num_warps=warps,
+                            num_stages=stages,
+                            q_rows=rows,
+                            tma=tma,
+                            fp8_qk=fp8_qk,
                         )
                         label = (
                             f"sweep prefill 8192 {dtype} rows={rows} block_n={block_n} warps={warps} "
-                            f"stages={stages} tma={tma}"
+                            f"stages={stages} tma={tma} fp8_qk={fp8_qk}"
                         )
                         try:
                             ms = bench(

@@ -18,7 +18,7 @@ fp16 once) for the MMA, and their per-tensor scales are applied to the scores (K
 V is widened through an opaque PTX conversion (`_widen_v`): left to itself, Triton moves the conversion
 after the layout change into the MMA operand and reads the transposed 8-bit tile from shared memory
 one byte per instruction (this was why FP8 decode ran at bf16 speed). As a `LaunchConfig` option
-(`fp8_qk`, dynamic decode), q is quantized per row to e4m3 instead and QKᵀ runs as an e4m3 × e4m3 MMA,
+(`fp8_qk`, dynamic decode and prefill), q is quantized per row to e4m3 instead and QKᵀ runs as an e4m3 × e4m3 MMA,
 so K reaches the MMA as loaded (only V is widened); `bench/attention_bench.py` measures it against
 the widened path.
 
@@ -66,7 +66,7 @@ class LaunchConfig:
     ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
     min_tiles_per_cta: int = 1  # dynamic decode only: ranges of at least this many KV tiles, as long as
     min_ctas_per_sm: int = 2  # … the equal share over this many CTAs per SM allows (tiles_per_cta)
-    fp8_qk: bool = False  # dynamic decode, FP8 KV only: q quantized per row, QKᵀ as an e4m3 × e4m3 MMA
+    fp8_qk: bool = False  # dynamic decode, prefill; FP8 KV only: q quantized per row, QKᵀ as an e4m3 MMA
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
     tma: bool = False  # prefill, dynamic decode: K/V blocks by TMA bulk copies (block_n divides the page)
 
@@ -657,6 +657,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
+    FP8_QK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TMA: tl.constexpr,
     PDL: tl.constexpr,
@@ -690,7 +691,10 @@ def _prefill_kernel(
     position = length - q_len + token  # absolute position of each query row (padding rows: past the end)
     k_scale, v_scale = _kv_scales(scales_ptr, FP8)
     qk_scale = sm_scale * k_scale * _LOG2E
-    if FP8:
+    q_scale = tl.full([ROWS], 1.0, tl.float32)
+    if FP8_QK:
+        q, q_scale = _quantize_rows_e4m3(q)
+    elif FP8:
         q = q.to(tl.float16)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
@@ -706,7 +710,7 @@ def _prefill_kernel(
         cache_v = cache_ptr + stride_ckv
     m_i, l_i, acc = _attend_range(
         q,
-        1.0,
+        q_scale,
         m_i,
         l_i,
         acc,
@@ -727,7 +731,7 @@ def _prefill_kernel(
         BLOCK_N,
         2,
         FP8_ASM,
-        False,
+        FP8_QK,
         TMA,
     )
     result = acc / l_i[:, None] * v_scale
@@ -967,6 +971,7 @@ def prefill_attention(
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
         **_cache_flags(kv_cache),
+        FP8_QK=config.fp8_qk and kv_cache.dtype == FP8_DTYPE,
         TMA=config.tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
