@@ -328,6 +328,18 @@ def _store_partial(
 
 
 @triton.jit
+def _kv_operands(cache_ptr, stride_ckv, k_desc, v_desc, TMA: tl.constexpr):
+    """What `_attend_block` reads K and V through: the TMA descriptors, or the layer's K and V bases."""
+    if TMA:
+        cache_k = k_desc
+        cache_v = v_desc
+    else:
+        cache_k = cache_ptr
+        cache_v = cache_ptr + stride_ckv
+    return cache_k, cache_v
+
+
+@triton.jit
 def _kv_scales(scales_ptr, FP8: tl.constexpr):
     """The layer's K and V dequantization scales (1.0 for a bf16 cache)."""
     k_scale = 1.0
@@ -379,12 +391,7 @@ def _decode_dynamic_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
-    if TMA:
-        cache_k = k_desc
-        cache_v = v_desc
-    else:
-        cache_k = cache_ptr
-        cache_v = cache_ptr + stride_ckv
+    cache_k, cache_v = _kv_operands(cache_ptr, stride_ckv, k_desc, v_desc, TMA)
     head = tl.program_id(0)  # heads vary fastest: the CTAs with work spread over the SMs
     cta = tl.program_id(1)
     quota = _tiles_per_cta(plan_ptr, num_requests, num_ctas, min_ctas, MIN_TILES)
@@ -702,12 +709,7 @@ def _prefill_kernel(
     first_position = length - q_len + block * Q_BLOCK
     key_end = tl.minimum(first_position + Q_BLOCK, length)
     full_end = (first_position + 1) // BLOCK_N * BLOCK_N  # keys every row of the block sees
-    if TMA:
-        cache_k = k_desc
-        cache_v = v_desc
-    else:
-        cache_k = cache_ptr
-        cache_v = cache_ptr + stride_ckv
+    cache_k, cache_v = _kv_operands(cache_ptr, stride_ckv, k_desc, v_desc, TMA)
     m_i, l_i, acc = _attend_range(
         q,
         q_scale,

@@ -1,0 +1,157 @@
+"""Compile hy3c's Triton kernels for the H200 (sm_90) on a machine without a GPU.
+
+    python tests/kernels/sm90_compile.py      # exit status 1 if any variant fails to compile
+
+Triton's frontend and NVIDIA backend run on the CPU down to a cubin, so kernel variants that the CPU
+interpreter runs but the GPU machine has not yet compiled (options measured only later: TMA tiles, the
+FP8 QK product, the router's split-K arrival counters) are checked here first. Must run without
+TRITON_INTERPRET (the test runs it in a subprocess).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from hy3c.kernels import fused_moe, paged_attention, router
+
+TARGET = GPUTarget("cuda", 90, 32)
+KV_DTYPES = {"bf16": "bf16", "fp8": "fp8e4nv"}
+
+
+@dataclass
+class Variant:
+    label: str
+    kernel: object
+    pointers: dict[str, str]  # pointer arguments whose element type is not int32
+    constexprs: dict[str, object]
+    descriptors: dict[str, str] = field(default_factory=dict)
+    fp32_scalars: tuple[str, ...] = ()
+
+    def signature(self) -> dict[str, str]:
+        """Each argument's type: constexpr, tensor descriptor, pointer (int32 unless named), fp32 or i32."""
+        sig = {}
+        for name in self.kernel.arg_names:
+            if name in self.constexprs:
+                sig[name] = "constexpr"
+            elif name in self.descriptors:
+                sig[name] = self.descriptors[name]
+            elif name in self.pointers or name.endswith("_ptr"):
+                sig[name] = self.pointers.get(name, "*i32")
+            else:
+                sig[name] = "fp32" if name in self.fp32_scalars else "i32"
+        return sig
+
+
+def _descriptors(names: tuple[str, ...], dtype: str, box: tuple[int, int], on: bool) -> dict[str, str]:
+    return {name: f"tensordesc<{dtype}[{box[0]}, {box[1]}]>" for name in names} if on else {}
+
+
+def attention_variants() -> list[Variant]:
+    variants = []
+    for kv in ("bf16", "fp8"):
+        cache = {"cache_ptr": f"*{KV_DTYPES[kv]}", "scales_ptr": "*fp32"}
+        for tma in (False, True):
+            for fp8_qk in (False, True) if kv == "fp8" else (False,):
+                flags = dict(
+                    FP8=kv == "fp8", FP8_ASM=kv == "fp8", FP8_QK=fp8_qk, PAGE_SIZE=64, TMA=tma, PDL=True
+                )
+                unused = {} if tma else {"k_desc": None, "v_desc": None}
+                descs = _descriptors(("k_desc", "v_desc"), KV_DTYPES[kv], (64, 128), tma)
+                variants.append(
+                    Variant(
+                        f"prefill {kv} tma={tma} fp8_qk={fp8_qk}",
+                        paged_attention._prefill_kernel,
+                        {"q_ptr": "*bf16", "out_ptr": "*bf16", **cache},
+                        dict(GROUP=8, Q_BLOCK=16, HEAD_DIM=128, BLOCK_N=64, **flags, **unused),
+                        descs,
+                        ("sm_scale",),
+                    )
+                )
+                decode = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1)
+                variants.append(
+                    Variant(
+                        f"decode {kv} tma={tma} fp8_qk={fp8_qk}",
+                        paged_attention._decode_dynamic_kernel,
+                        {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache},
+                        dict(BLOCK_N=64 if tma else 128, **decode, **flags, **unused),
+                        descs,
+                        ("sm_scale",),
+                    )
+                )
+    return variants
+
+
+def moe_variants() -> list[Variant]:
+    variants = []
+    for weights in ("bf16", "fp8"):
+        fp8 = weights == "fp8"
+        w, block_k = f"*{KV_DTYPES[weights]}", 256 if fp8 else 128
+        scales = {"xs_ptr": "*fp32", "ws_ptr": "*fp32", "hs_ptr": "*fp32"}
+        for tma in (False, True):
+            common = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, FP8=fp8, A_PER_ROW=fp8)
+            common |= dict(W_PER_ROW=fp8, QUANT_ON_LOAD=False, TMA=tma, PDL=True)
+            if not tma:
+                common["w_desc"] = None
+            descs = _descriptors(("w_desc",), KV_DTYPES[weights], (64, block_k), tma)
+            variants.append(
+                Variant(
+                    f"fused_moe gate-up {weights} tma={tma}",
+                    fused_moe._gate_up_kernel,
+                    {"x_ptr": w, "w_ptr": w, "out_ptr": "*bf16", **scales},
+                    dict(common, QUANT_H=False, ACT_DTYPE=tl.bfloat16),
+                    descs,
+                )
+            )
+            variants.append(
+                Variant(
+                    f"fused_moe down {weights} tma={tma}",
+                    fused_moe._down_kernel,
+                    {"h_ptr": w, "w_ptr": w, "out_ptr": "*fp32", "topk_w_ptr": "*fp32", **scales},
+                    common,
+                    descs,
+                )
+            )
+    return variants
+
+
+def router_variants() -> list[Variant]:
+    pointers = {
+        "x_ptr": "*bf16",
+        "hi_ptr": "*bf16",
+        "lo_ptr": "*bf16",
+        "out_ptr": "*fp32",
+        "partial_ptr": "*fp32",
+    }
+    return [
+        Variant(
+            f"router_gemm splits={splits}",
+            router._router_gemm_kernel,
+            pointers,
+            dict(SPLITS=splits, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=True),
+        )
+        for splits in (1, 16)
+    ]
+
+
+def main() -> int:
+    failures = 0
+    for variant in attention_variants() + moe_variants() + router_variants():
+        source = ASTSource(variant.kernel, variant.signature(), constexprs=variant.constexprs)
+        try:
+            compiled = triton.compile(source, target=TARGET)
+        except Exception as exc:  # report every failing variant, not only the first
+            failures += 1
+            print(f"FAIL {variant.label}: {type(exc).__name__}: {exc}")
+            continue
+        print(f"ok   {variant.label}: {compiled.metadata.shared} B shared memory")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
