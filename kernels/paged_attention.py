@@ -987,6 +987,8 @@ def _page_descriptors(layer_cache: Tensor, block_n: int) -> tuple[TensorDescript
     [block_n, head_dim] boxes: a key block is one bulk copy when block_n divides the page size (and the
     decode tile, KV_TILE, so that every block a decode range starts lies inside one page)."""
     _, pages, page_size, kv_heads, head_dim = layer_cache.shape
+    if not layer_cache.is_contiguous():
+        raise ValueError("TMA attention needs a contiguous KV cache layer")
     if page_size % block_n or KV_TILE % block_n:
         raise ValueError(
             f"TMA attention needs block_n ({block_n}) to divide the page size ({page_size}) and {KV_TILE}"

@@ -96,12 +96,16 @@ def _arrival_counters(device: torch.device, needed: int) -> Tensor:
 
     The kernel leaves every counter it used at zero, so one buffer serves every launch on the device.
     Buffers live as long as the process (a captured CUDA graph keeps using the one it saw; graphs are
-    captured after warm-up runs, which allocate outside the capture). One stream at a time.
+    captured after warm-up runs, which allocate outside the capture; allocating inside a capture is refused,
+    since the zeroing would only be recorded). One stream at a time: two launches running concurrently on
+    different streams would share the counters.
     """
     buffers = _COUNTERS.setdefault(str(device), [])
     for buffer in buffers:
         if buffer.numel() >= needed:
             return buffer
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("router_gemm's arrival counters must be allocated by a warm-up run before capture")
     buffers.append(torch.zeros(max(triton.next_power_of_2(needed), 256), dtype=torch.int32, device=device))
     return buffers[-1]
 

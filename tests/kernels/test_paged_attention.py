@@ -21,6 +21,7 @@ from hy3c.kernels.paged_attention import (
     decode_attention_static,
     decode_config,
     prefill_attention,
+    prefill_config,
 )
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -83,7 +84,7 @@ DECODE_CASES = [
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
 def test_dynamic_and_static_decode_match_reference(lengths, page, heads, cache_dtype):
     q, cache, scales, table, seq_lens, qsl = _case(
-        lengths, [1] * len(lengths), page, *heads, cache_dtype=cache_dtype
+        lengths, [1] * len(lengths), page, *heads, cache_dtype=cache_dtype, unused=float("nan")
     )
     ref = _reference(q, cache, scales, table, seq_lens, qsl).float()
     plan = _plan(seq_lens, qsl, heads[0] // heads[1])
@@ -189,7 +190,9 @@ def test_combine_merges_more_partials_than_one_trip_loads():
 )
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
 def test_prefill_matches_reference(lengths, new, page, heads, cache_dtype):
-    q, cache, scales, table, seq_lens, qsl = _case(lengths, new, page, *heads, cache_dtype=cache_dtype)
+    q, cache, scales, table, seq_lens, qsl = _case(
+        lengths, new, page, *heads, cache_dtype=cache_dtype, unused=float("nan")
+    )
     out = prefill_attention(
         q, cache, scales, 1, table, seq_lens, qsl, 0.2, _plan(seq_lens, qsl, heads[0] // heads[1])
     )
@@ -234,6 +237,11 @@ def test_prefill_with_an_fp8_qk_product_matches_reference(tma):
     assert (fp8_qk.float() - ref).abs().max() < 0.15  # early rows of the causal chunk see few keys
     assert (fp8_qk.float() - ref).norm() / ref.norm() < 3e-2
     assert not torch.equal(fp8_qk, widened)
+
+
+def test_prefill_takes_tma_copies_where_the_page_size_allows():
+    assert prefill_config(64).tma and prefill_config(128).tma
+    assert not prefill_config(16).tma and not prefill_config(96).tma
 
 
 def test_prefill_by_tma_copies_needs_blocks_inside_a_page():
