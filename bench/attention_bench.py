@@ -179,19 +179,6 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
             t_dyn,
             "pointer loads",
         )
-        if dtype == FP8_DTYPE:  # q quantized per row, QKᵀ as an e4m3 MMA (K unwidened)
-            cfg = dataclasses.replace(decode_config(dtype, len(lengths)), fp8_qk=True)
-            qk8 = decode_attention_dynamic(q, *kv, plan, config=cfg)
-            err = ((qk8.float() - dyn.float()).norm() / dyn.float().norm()).item()
-            RESULTS[f"decode_{label}_fp8_qk_rel_err_vs_widened"] = err
-            t_qk8 = bench(lambda kv=kv, c=cfg: decode_attention_dynamic(q, *kv, plan, config=c))
-            row(
-                f"decode {label} {name} KV: dynamic, FP8 QK product (rel. diff {err:.1e})",
-                t_qk8,
-                floor,
-                t_dyn,
-                "widened K",
-            )
         del cache, kv
 
 
@@ -372,11 +359,8 @@ def sweep(lengths: list[int]) -> None:
         shapes = ((128, 4), (256, 4), (256, 8)) if dtype == FP8_DTYPE else ((64, 4), (128, 4), (128, 8))
         for block_n, warps, tma in [(n, w, False) for n, w in shapes] + [(PAGE, 4, True)]:
             for stages in (2, 3, 4) if tma else (2, 3):
-                for ctas, min_tiles, fp8_qk in (
-                    [(2, 1, False), (4, 1, False), (8, 1, False)]
-                    + [(8, 8, False), (8, 16, False), (8, 32, False)] * (dtype == FP8_DTYPE)
-                    + [(2, 1, True), (8, 1, True), (8, 16, True)]
-                    * (dtype == FP8_DTYPE and (block_n == 128 or tma))
+                for ctas, min_tiles in [(2, 1), (4, 1), (8, 1)] + [(8, 8), (8, 16), (8, 32)] * (
+                    dtype == FP8_DTYPE
                 ):
                     cfg = LaunchConfig(
                         block_n=block_n,
@@ -384,7 +368,6 @@ def sweep(lengths: list[int]) -> None:
                         num_stages=stages,
                         ctas_per_sm=ctas,
                         min_tiles_per_cta=min_tiles,
-                        fp8_qk=fp8_qk,
                         tma=tma,
                     )
                     kv = (cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan)
@@ -396,8 +379,8 @@ def sweep(lengths: list[int]) -> None:
                     one = (cache, scales, 0, table[:1], seq_lens[:1], HEAD_DIM**-0.5, single_plan)
                     ms1 = bench(lambda c=cfg, one=one: decode_attention_dynamic(q[:1], *one, config=c))
                     print(
-                        f"sweep decode {dtype} block_n={block_n} tma={tma} warps={warps} stages={stages} ctas/sm={ctas} "
-                        f"min tiles/CTA={min_tiles} fp8 QK={fp8_qk}: "
+                        f"sweep decode {dtype} block_n={block_n} tma={tma} warps={warps} stages={stages} "
+                        f"ctas/sm={ctas} min tiles/CTA={min_tiles}: "
                         f"B=32 mixed {ms:.3f} ms ({floor / ms * 100:.0f}% BW), "
                         f"B=1 {single[0] // 1024}K {ms1:.3f} ms ({single_floor / ms1 * 100:.0f}% BW)"
                     )

@@ -17,10 +17,12 @@ FP8 K/V are loaded as e4m3 and widened to fp16 (a native conversion on Hopper; t
 fp16 once) for the MMA, and their per-tensor scales are applied to the scores (K) and to the output (V).
 V is widened through an opaque PTX conversion (`_widen_v`): left to itself, Triton moves the conversion
 after the layout change into the MMA operand and reads the transposed 8-bit tile from shared memory
-one byte per instruction (this was why FP8 decode ran at bf16 speed). As a `LaunchConfig` option
-(`fp8_qk`, dynamic decode and prefill), q is quantized per row to e4m3 instead and QKᵀ runs as an e4m3 × e4m3 MMA,
-so K reaches the MMA as loaded (only V is widened); `bench/attention_bench.py` measures it against
-the widened path.
+one byte per instruction (this was why FP8 decode ran at bf16 speed). As a prefill `LaunchConfig`
+option (`fp8_qk`), q is quantized per row to e4m3 instead and QKᵀ runs as an e4m3 × e4m3 MMA (a
+wgmma on Hopper), so K reaches the MMA as loaded (only V is widened); `bench/attention_bench.py`
+measures it against the widened path. Decode does not offer it: with its 16 query rows (one KV head's
+8, padded) Triton lowers an e4m3 dot to fp16 `mma.sync` with the operands converted (no FP8 MMA below
+64 rows), so it only added q's rounding (measured 1.01× / 0.70×; BENCHMARKS.md).
 
 K/V blocks are gathered through the page table either with per-row pointer loads or — `LaunchConfig.tma`,
 when a block lies inside one page (its size divides the page size) — as one TMA bulk copy per operand
@@ -66,7 +68,7 @@ class LaunchConfig:
     ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
     min_tiles_per_cta: int = 1  # dynamic decode only: ranges of at least this many KV tiles, as long as
     min_ctas_per_sm: int = 2  # … the equal share over this many CTAs per SM allows (tiles_per_cta)
-    fp8_qk: bool = False  # dynamic decode, prefill; FP8 KV only: q quantized per row, QKᵀ as an e4m3 MMA
+    fp8_qk: bool = False  # prefill, FP8 KV only: q quantized per row, QKᵀ as an e4m3 MMA
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
     tma: bool = False  # prefill, dynamic decode: K/V blocks by TMA bulk copies (block_n divides the page)
 
@@ -385,7 +387,6 @@ def _decode_dynamic_kernel(
     MIN_TILES: tl.constexpr,
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
-    FP8_QK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TMA: tl.constexpr,
     PDL: tl.constexpr,
@@ -412,10 +413,7 @@ def _decode_dynamic_kernel(
             mask=(g < GROUP)[:, None],
             other=0.0,
         )
-        q_scale = tl.full([GROUP_PAD], 1.0, tl.float32)
-        if FP8_QK:
-            q, q_scale = _quantize_rows_e4m3(q)
-        elif FP8:
+        if FP8:
             q = q.to(tl.float16)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -424,7 +422,7 @@ def _decode_dynamic_kernel(
         key_end = tl.minimum((seg_end - first_tile) * KV_TILE, length)
         m_i, l_i, acc = _attend_range(
             q,
-            q_scale,
+            1.0,
             m_i,
             l_i,
             acc,
@@ -445,7 +443,7 @@ def _decode_dynamic_kernel(
             BLOCK_N,
             1,
             FP8_ASM,
-            FP8_QK,
+            False,
             TMA,
         )
         _store_partial(
@@ -830,7 +828,6 @@ def decode_attention_dynamic(
         KV_TILE=KV_TILE,
         BLOCK_N=config.block_n,
         MIN_TILES=config.min_tiles_per_cta,
-        FP8_QK=config.fp8_qk and kv_cache.dtype == FP8_DTYPE,
         **_cache_flags(kv_cache),
         TMA=config.tma,
         num_warps=config.num_warps,

@@ -82,13 +82,16 @@ def attention_variants() -> list[Variant]:
                         ("sm_scale",),
                     )
                 )
+                if fp8_qk:  # a prefill option only
+                    continue
                 decode = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1)
+                decode_flags = {key: value for key, value in flags.items() if key != "FP8_QK"}
                 variants.append(
                     Variant(
-                        f"decode {kv} tma={tma} fp8_qk={fp8_qk}",
+                        f"decode {kv} tma={tma}",
                         paged_attention._decode_dynamic_kernel,
                         {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache},
-                        dict(BLOCK_N=64 if tma else 128, **decode, **flags, **unused),
+                        dict(BLOCK_N=64 if tma else 128, **decode, **decode_flags, **unused),
                         descs,
                         ("sm_scale",),
                     )
