@@ -105,15 +105,15 @@ def moe_variants() -> list[Variant]:
         fp8 = weights == "fp8"
         w, block_k = f"*{KV_DTYPES[weights]}", 256 if fp8 else 128
         scales = {"xs_ptr": "*fp32", "ws_ptr": "*fp32", "hs_ptr": "*fp32"}
-        for tma in (False, True):
-            common = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, FP8=fp8, A_PER_ROW=fp8)
+        for tma, block_m in ((False, 16), (True, 16), (True, 64)):
+            common = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, FP8=fp8, A_PER_ROW=fp8)
             common |= dict(W_PER_ROW=fp8, QUANT_ON_LOAD=False, TMA=tma, PDL=True)
             if not tma:
                 common["w_desc"] = None
             descs = _descriptors(("w_desc",), KV_DTYPES[weights], (64, block_k), tma)
             variants.append(
                 Variant(
-                    f"fused_moe gate-up {weights} tma={tma}",
+                    f"fused_moe gate-up {weights} tma={tma} block_m={block_m}",
                     fused_moe._gate_up_kernel,
                     {"x_ptr": w, "w_ptr": w, "out_ptr": "*bf16", **scales},
                     dict(common, QUANT_H=False, ACT_DTYPE=tl.bfloat16),
@@ -122,7 +122,7 @@ def moe_variants() -> list[Variant]:
             )
             variants.append(
                 Variant(
-                    f"fused_moe down {weights} tma={tma}",
+                    f"fused_moe down {weights} tma={tma} block_m={block_m}",
                     fused_moe._down_kernel,
                     {"h_ptr": w, "w_ptr": w, "out_ptr": "*fp32", "topk_w_ptr": "*fp32", **scales},
                     common,
