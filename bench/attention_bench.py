@@ -168,6 +168,26 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
         row(f"decode {label} {name} KV: dynamic, launched without PDL", t_no_pdl, floor, t_dyn, "with PDL")
         if sdpa_ms is not None:
             row(f"decode {label} {name} KV: dynamic vs SDPA loop", t_dyn, floor, sdpa_ms, "SDPA loop (bf16)")
+        swapped = [
+            ("keys as MMA rows", dict(swap_ab=True)),
+            ("keys as MMA rows, TMA", dict(swap_ab=True, tma=True)),
+        ]
+        if dtype == FP8_DTYPE:
+            swapped.append(
+                ("keys as MMA rows, TMA, FP8 QK product", dict(swap_ab=True, tma=True, fp8_qk=True))
+            )
+        for what, options in swapped:  # Sᵀ = K·qᵀ: Hopper's wgmma instead of mma.sync on 16 padded rows
+            cfg = dataclasses.replace(decode_config(dtype, len(lengths)), block_n=PAGE, **options)
+            out = decode_attention_dynamic(q, *kv, plan, config=cfg)
+            err = ((out.float() - dyn.float()).norm() / dyn.float().norm()).item()
+            t_swap = bench(lambda kv=kv, c=cfg: decode_attention_dynamic(q, *kv, plan, config=c))
+            row(
+                f"decode {label} {name} KV: dynamic, {what} (rel. diff {err:.1e})",
+                t_swap,
+                floor,
+                t_dyn,
+                "default",
+            )
         tma_cfg = dataclasses.replace(decode_config(dtype, len(lengths)), block_n=PAGE, tma=True)
         tma = decode_attention_dynamic(q, *kv, plan, config=tma_cfg)
         RESULTS[f"decode_{label}_{dtype}_tma_max_abs_diff"] = (tma.float() - dyn.float()).abs().max().item()
@@ -289,8 +309,8 @@ def sweep_prefill(tma_only: bool = False) -> None:
         del cache
 
 
-def sweep(lengths: list[int]) -> None:
-    """Time the tunables of each kernel; prints one line per variant (pick the defaults from these)."""
+def sweep_qknorm() -> None:
+    """Fused QK-norm/RoPE/FP8/KV-store launch shapes at 1 … 16K tokens."""
     d = "cuda"
     tokens = 16384
     qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=d, dtype=torch.bfloat16)
@@ -340,7 +360,13 @@ def sweep(lengths: list[int]) -> None:
                 f"sweep qknorm T={n} block_t={block_t} warps={warps} groups/program={per_program or 'auto'}: "
                 f"{ms:.4f} ms ({floor * n / tokens / ms * 100:.0f}% BW)"
             )
-    del cache
+
+
+def sweep_decode(lengths: list[int]) -> None:
+    """Dynamic decode launch configs on the mixed batch and its longest request, bf16 and FP8 KV: key
+    block, warps, stages, CTAs per SM, minimum range per CTA, TMA copies, keys as the MMA rows, and for
+    FP8 the FP8 QK product."""
+    d = "cuda"
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=d)
     qsl = torch.arange(len(lengths) + 1, dtype=torch.int32, device=d)
     q = torch.randn(len(lengths), HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
@@ -357,7 +383,14 @@ def sweep(lengths: list[int]) -> None:
         floor = sum(lengths) * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
         single_floor = single[0] * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
         shapes = ((128, 4), (256, 4), (256, 8)) if dtype == FP8_DTYPE else ((64, 4), (128, 4), (128, 8))
-        for block_n, warps, tma in [(n, w, False) for n, w in shapes] + [(PAGE, 4, True)]:
+        fp8_qk_options = (False, True) if dtype == FP8_DTYPE else (False,)
+        variants = [(n, w, False, False, False) for n, w in shapes] + [(PAGE, 4, True, False, False)]
+        variants += [
+            (n, 4, tma, True, qk) for n in (64, 128) for tma in (False, True) for qk in fp8_qk_options
+        ]
+        for block_n, warps, tma, swap, fp8_qk in variants:
+            if tma and block_n > PAGE:
+                continue
             for stages in (2, 3, 4) if tma else (2, 3):
                 for ctas, min_tiles in [(2, 1), (4, 1), (8, 1)] + [(8, 8), (8, 16), (8, 32)] * (
                     dtype == FP8_DTYPE
@@ -369,6 +402,8 @@ def sweep(lengths: list[int]) -> None:
                         ctas_per_sm=ctas,
                         min_tiles_per_cta=min_tiles,
                         tma=tma,
+                        swap_ab=swap,
+                        fp8_qk=fp8_qk,
                     )
                     kv = (cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan)
                     try:
@@ -379,8 +414,8 @@ def sweep(lengths: list[int]) -> None:
                     one = (cache, scales, 0, table[:1], seq_lens[:1], HEAD_DIM**-0.5, single_plan)
                     ms1 = bench(lambda c=cfg, one=one: decode_attention_dynamic(q[:1], *one, config=c))
                     print(
-                        f"sweep decode {dtype} block_n={block_n} tma={tma} warps={warps} stages={stages} "
-                        f"ctas/sm={ctas} min tiles/CTA={min_tiles}: "
+                        f"sweep decode {dtype} block_n={block_n} tma={tma} swap_ab={swap} fp8_qk={fp8_qk} "
+                        f"warps={warps} stages={stages} ctas/sm={ctas} min tiles/CTA={min_tiles}: "
                         f"B=32 mixed {ms:.3f} ms ({floor / ms * 100:.0f}% BW), "
                         f"B=1 {single[0] // 1024}K {ms1:.3f} ms ({single_floor / ms1 * 100:.0f}% BW)"
                     )
@@ -391,6 +426,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller shapes (smoke test)")
     parser.add_argument("--sweep", action="store_true", help="time each kernel's tunables first")
+    parser.add_argument("--sweep-decode", action="store_true", help="only the decode sweep, then the rows")
     parser.add_argument(
         "--sweep-prefill",
         nargs="?",
@@ -413,8 +449,11 @@ def main() -> None:
     if args.quick:
         lengths = [n // 16 for n in lengths]
     if args.sweep:
-        sweep(lengths)
+        sweep_qknorm()
+        sweep_decode(lengths)
         sweep_prefill()
+    elif args.sweep_decode:
+        sweep_decode(lengths)
     sdpa = sdpa_loop_ms(lengths)
     decode_bench(lengths, f"B=32 mixed ({sum(lengths) / 1e6:.2f}M tok)", sdpa)
     single = [lengths[0]]

@@ -68,7 +68,8 @@ class LaunchConfig:
     ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
     min_tiles_per_cta: int = 1  # dynamic decode only: ranges of at least this many KV tiles, as long as
     min_ctas_per_sm: int = 2  # … the equal share over this many CTAs per SM allows (tiles_per_cta)
-    fp8_qk: bool = False  # prefill, FP8 KV only: q quantized per row, QKᵀ as an e4m3 MMA
+    fp8_qk: bool = False  # FP8 KV only: q quantized per row, QKᵀ as an e4m3 MMA (decode: with swap_ab)
+    swap_ab: bool = False  # dynamic decode: keys as the MMA rows (Sᵀ = K·qᵀ), so Hopper's wgmma applies
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
     tma: bool = False  # prefill, dynamic decode: K/V blocks by TMA bulk copies (block_n divides the page)
 
@@ -171,6 +172,7 @@ def _attend_block(
     FP8_ASM: tl.constexpr,
     FP8_QK: tl.constexpr,
     TMA: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     """One BLOCK_N block of keys [key_start, key_start + BLOCK_N) for the rows of q (online softmax in
     base 2, the scale folded into the exponent). MASK: 0 = every key valid and visible (no masking at
@@ -179,7 +181,10 @@ def _attend_block(
     TMA: cache_k / cache_v are tensor descriptors over [pages · PAGE_SIZE, kv_heads · HEAD_DIM] and the
     block lies inside one page (BLOCK_N divides PAGE_SIZE): one bulk copy per operand, no per-row
     pointers; a tail block's rows past key_limit come from the page's unused (zeroed or stale) slots,
-    their V rows are zeroed and their scores masked."""
+    their V rows are zeroed and their scores masked.
+    SWAP: the keys are the MMA rows and the query rows its columns (Sᵀ = K·qᵀ, accᵀ += Vᵀ·Pᵀ, acc is
+    [HEAD_DIM, rows]): a decode tile's 16 query rows are too few for Hopper's wgmma (64 rows), its
+    BLOCK_N keys are not."""
     n = key_start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     if MASK != 0:
@@ -204,23 +209,39 @@ def _attend_block(
         else:
             k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
-    if FP8_QK:  # e4m3 q × e4m3 K: K goes to the MMA as loaded; q's per-row scales applied after
-        s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
+    if SWAP:
+        if FP8_QK:
+            s_t = tl.dot(k, tl.trans(q)) * q_scale[None, :]
+        else:
+            s_t = tl.dot(k.to(q.dtype), tl.trans(q))
+        if MASK == 1:
+            s_t = tl.where(valid[:, None], s_t, float("-inf"))
+        if MASK == 2:
+            s_t = tl.where(valid[:, None] & (n[:, None] <= row_limit[None, :]), s_t, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_t, axis=0) * qk_scale)
+        p_t = tl.exp2(s_t * qk_scale - m_new[None, :])
+        alpha = tl.exp2(m_i - m_new)
+        v_t = tl.trans(_widen_v(v, tl.float16 if FP8_QK else q.dtype, FP8_ASM))
+        acc = acc * alpha[None, :] + tl.dot(v_t, p_t.to(v_t.dtype))
+        l_i = l_i * alpha + tl.sum(p_t, axis=0)
     else:
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))  # e4m3 → f16 is native
-    if MASK == 1:
-        s = tl.where(valid[None, :], s, float("-inf"))
-    if MASK == 2:
-        s = tl.where(valid[None, :] & (n[None, :] <= row_limit[:, None]), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-    p = tl.exp2(s * qk_scale - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    if FP8_QK:
-        pv = tl.dot(p.to(tl.float16), _widen_v(v, tl.float16, FP8_ASM))
-    else:
-        pv = tl.dot(p.to(q.dtype), _widen_v(v, q.dtype, FP8_ASM))
-    acc = acc * alpha[:, None] + pv
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP8_QK:  # e4m3 q × e4m3 K: K goes to the MMA as loaded; q's per-row scales applied after
+            s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # e4m3 → f16 is native
+        if MASK == 1:
+            s = tl.where(valid[None, :], s, float("-inf"))
+        if MASK == 2:
+            s = tl.where(valid[None, :] & (n[None, :] <= row_limit[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        if FP8_QK:
+            pv = tl.dot(p.to(tl.float16), _widen_v(v, tl.float16, FP8_ASM))
+        else:
+            pv = tl.dot(p.to(q.dtype), _widen_v(v, q.dtype, FP8_ASM))
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, axis=1)
     return m_new, l_i, acc
 
 
@@ -250,6 +271,7 @@ def _attend_range(
     FP8_ASM: tl.constexpr,
     FP8_QK: tl.constexpr,
     TMA: tl.constexpr = False,
+    SWAP: tl.constexpr = False,
 ):
     """Keys [key_begin, key_end): the blocks before full_end are seen whole by every row (no masks), the
     rest with TAIL_MASK (1: keys past key_end; 2: also causal against row_limit)."""
@@ -278,6 +300,7 @@ def _attend_range(
             FP8_ASM,
             FP8_QK,
             TMA,
+            SWAP,
         )
     for key in range(full_end, key_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
@@ -304,6 +327,7 @@ def _attend_range(
             FP8_ASM,
             FP8_QK,
             TMA,
+            SWAP,
         )
     return m_i, l_i, acc
 
@@ -387,8 +411,10 @@ def _decode_dynamic_kernel(
     MIN_TILES: tl.constexpr,
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
+    FP8_QK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TMA: tl.constexpr,
+    SWAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -413,16 +439,22 @@ def _decode_dynamic_kernel(
             mask=(g < GROUP)[:, None],
             other=0.0,
         )
-        if FP8:
+        q_scale = tl.full([GROUP_PAD], 1.0, tl.float32)
+        if FP8_QK:
+            q, q_scale = _quantize_rows_e4m3(q)
+        elif FP8:
             q = q.to(tl.float16)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        if SWAP:
+            acc = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
+        else:
+            acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         key_begin = (t - first_tile) * KV_TILE
         key_end = tl.minimum((seg_end - first_tile) * KV_TILE, length)
         m_i, l_i, acc = _attend_range(
             q,
-            1.0,
+            q_scale,
             m_i,
             l_i,
             acc,
@@ -443,9 +475,12 @@ def _decode_dynamic_kernel(
             BLOCK_N,
             1,
             FP8_ASM,
-            False,
+            FP8_QK,
             TMA,
+            SWAP,
         )
+        if SWAP:
+            acc = tl.trans(acc)
         _store_partial(
             part_o_ptr + (cta + r) * stride_po_slot + head * stride_po_head,
             part_lse_ptr + (cta + r) * stride_pl_slot + head * GROUP_PAD,
@@ -793,6 +828,10 @@ def decode_attention_dynamic(
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
     config = config or decode_config(kv_cache.dtype, num_requests)
+    if config.fp8_qk and not config.swap_ab:
+        raise ValueError(
+            "decode's FP8 QK product needs swap_ab (16 query rows get no FP8 tensor-core product)"
+        )
     num_ctas = num_ctas or num_decode_ctas(q.device, num_kv_heads, config.ctas_per_sm)
     min_ctas = min(min_ctas or num_decode_ctas(q.device, num_kv_heads, config.min_ctas_per_sm), num_ctas)
     group_pad = max(16, triton.next_power_of_2(group))
@@ -829,7 +868,9 @@ def decode_attention_dynamic(
         BLOCK_N=config.block_n,
         MIN_TILES=config.min_tiles_per_cta,
         **_cache_flags(kv_cache),
+        FP8_QK=config.fp8_qk and kv_cache.dtype == FP8_DTYPE,
         TMA=config.tma,
+        SWAP=config.swap_ab,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **common,

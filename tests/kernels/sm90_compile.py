@@ -82,20 +82,18 @@ def attention_variants() -> list[Variant]:
                         ("sm_scale",),
                     )
                 )
-                if fp8_qk:  # a prefill option only
-                    continue
                 decode = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1)
-                decode_flags = {key: value for key, value in flags.items() if key != "FP8_QK"}
-                variants.append(
-                    Variant(
-                        f"decode {kv} tma={tma}",
-                        paged_attention._decode_dynamic_kernel,
-                        {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache},
-                        dict(BLOCK_N=64 if tma else 128, **decode, **decode_flags, **unused),
-                        descs,
-                        ("sm_scale",),
+                for swap in (False, True) if not fp8_qk else (True,):  # decode's FP8 QK needs swap_ab
+                    variants.append(
+                        Variant(
+                            f"decode {kv} tma={tma} fp8_qk={fp8_qk} swap_ab={swap}",
+                            paged_attention._decode_dynamic_kernel,
+                            {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache},
+                            dict(BLOCK_N=64 if tma else 128, SWAP=swap, **decode, **flags, **unused),
+                            descs,
+                            ("sm_scale",),
+                        )
                     )
-                )
     return variants
 
 

@@ -115,6 +115,41 @@ def test_dynamic_decode_by_tma_copies_matches_reference(lengths, page, block_n, 
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize(
+    ("cache_dtype", "fp8_qk"), [(torch.bfloat16, False), (FP8_DTYPE, False), (FP8_DTYPE, True)]
+)
+def test_dynamic_decode_with_keys_as_mma_rows_matches_reference(cache_dtype, fp8_qk, tma):
+    """swap_ab: Sᵀ = K·qᵀ and accᵀ += Vᵀ·Pᵀ (the keys as the MMA rows), ranges split over CTAs, a tail
+    block masked; with the FP8 QK product the error stays q's rounding."""
+    lengths = [1, 17, 300, 5, 1100]
+    q, cache, scales, table, seq_lens, qsl = _case(
+        lengths, [1] * len(lengths), 64, 8, 2, cache_dtype=cache_dtype, unused=float("nan")
+    )
+    ref = _reference(q, cache, scales, table, seq_lens, qsl).float()
+    plan = _plan(seq_lens, qsl, 4)
+    config = dataclasses.replace(
+        DECODE_CONFIG, block_n=32, num_stages=1, swap_ab=True, tma=tma, fp8_qk=fp8_qk
+    )
+    for num_ctas in (1, 5):
+        out = decode_attention_dynamic(
+            q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=num_ctas, config=config
+        ).float()
+        if fp8_qk:
+            assert (out - ref).norm() / ref.norm() < 3e-2
+        else:
+            torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_decode_fp8_qk_needs_keys_as_mma_rows():
+    q, cache, scales, table, seq_lens, qsl = _case([40], [1], 64, 8, 2, cache_dtype=FP8_DTYPE)
+    config = dataclasses.replace(DECODE_CONFIG, fp8_qk=True)
+    with pytest.raises(ValueError, match="needs swap_ab"):
+        decode_attention_dynamic(
+            q, cache, scales, 1, table, seq_lens, 0.2, _plan(seq_lens, qsl, 4), config=config
+        )
+
+
 def test_decode_config_by_kv_dtype_and_batch():
     assert decode_config(torch.bfloat16, 64) == DECODE_CONFIG
     assert decode_config(FP8_DTYPE, FP8_BATCH_MIN_REQUESTS - 1) == DECODE_CONFIG
