@@ -17,12 +17,14 @@ FP8 K/V are loaded as e4m3 and widened to fp16 (a native conversion on Hopper; t
 fp16 once) for the MMA, and their per-tensor scales are applied to the scores (K) and to the output (V).
 V is widened through an opaque PTX conversion (`_widen_v`): left to itself, Triton moves the conversion
 after the layout change into the MMA operand and reads the transposed 8-bit tile from shared memory
-one byte per instruction (this was why FP8 decode ran at bf16 speed). As a prefill `LaunchConfig`
-option (`fp8_qk`), q is quantized per row to e4m3 instead and QKᵀ runs as an e4m3 × e4m3 MMA (a
-wgmma on Hopper), so K reaches the MMA as loaded (only V is widened); `bench/attention_bench.py`
-measures it against the widened path. Decode does not offer it: with its 16 query rows (one KV head's
-8, padded) Triton lowers an e4m3 dot to fp16 `mma.sync` with the operands converted (no FP8 MMA below
-64 rows), so it only added q's rounding (measured 1.01× / 0.70×; BENCHMARKS.md).
+one byte per instruction (this was why FP8 decode ran at bf16 speed). As a `LaunchConfig` option
+(`fp8_qk`), q is quantized per row to e4m3 instead and QKᵀ runs as an e4m3 × e4m3 MMA (a wgmma on
+Hopper), so K reaches the MMA as loaded (only V is widened); `bench/attention_bench.py` measures it
+against the widened path. Decode's tile has only 16 query rows (one KV head's 8, padded), too few for
+wgmma (64): Triton lowers its dots to `mma.sync`, and an e4m3 dot to an fp16 one with the operands
+converted (the FP8 QK product measured 1.01×). With `swap_ab` decode makes the keys the MMA rows
+(Sᵀ = K·qᵀ, accᵀ += Vᵀ·Pᵀ, the accumulator [head_dim, rows]), so both products become wgmma — and
+the FP8 QK product an e4m3 one; decode offers `fp8_qk` only together with it.
 
 K/V blocks are gathered through the page table either with per-row pointer loads or — `LaunchConfig.tma`,
 when a block lies inside one page (its size divides the page size) — as one TMA bulk copy per operand
