@@ -70,6 +70,11 @@ def test_decode_attention_real_shapes(cache_dtype):
         cfg = LaunchConfig(block_n=PAGE, num_warps=4, num_stages=3, ctas_per_sm=ctas_per_sm, tma=True)
         tma = decode_attention_dynamic(q, cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan, config=cfg)
         torch.testing.assert_close(tma.float(), ref, atol=2e-2, rtol=2e-2)
+    for tma in (False, True):  # keys as the MMA rows (wgmma), with the FP8 QK product on FP8 KV
+        fp8_qk = cache_dtype == FP8_DTYPE
+        cfg = LaunchConfig(block_n=PAGE, num_warps=4, num_stages=3, tma=tma, swap_ab=True, fp8_qk=fp8_qk)
+        out = decode_attention_dynamic(q, cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan, config=cfg)
+        assert (out.float() - ref).norm() / ref.norm() < (3e-2 if fp8_qk else 1e-2)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
