@@ -216,10 +216,9 @@ def _attend_block(
             s_t = tl.dot(k, tl.trans(q)) * q_scale[None, :]
         else:
             s_t = tl.dot(k.to(q.dtype), tl.trans(q))
+        tl.static_assert(MASK != 2, "keys as the MMA rows: decode only (no causal mask)")
         if MASK == 1:
             s_t = tl.where(valid[:, None], s_t, float("-inf"))
-        if MASK == 2:
-            s_t = tl.where(valid[:, None] & (n[:, None] <= row_limit[None, :]), s_t, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s_t, axis=0) * qk_scale)
         p_t = tl.exp2(s_t * qk_scale - m_new[None, :])
         alpha = tl.exp2(m_i - m_new)
