@@ -20,7 +20,8 @@ a static scale for the down GEMM's input, the gate-up epilogue writes the interm
 (half the bytes, no quantization launch; the same values as the row-wise kernel).
 
 Weight tiles are pointer loads or — the config's `tma` — TMA bulk copies from a tensor descriptor over
-the stacked weights ([E · 2I, H] and [E · H, I]; the block sizes must tile each expert's matrices).
+the stacked weights ([E · 2I, H] and [E · H, I]; block_n must tile each expert's rows, a K block past the
+last column is zero-filled).
 
 Launch configs per token-count bucket come from `configs/fused_moe_h200.json` (written by
 `bench/moe_bench.py --sweep`) or the built-in defaults.
@@ -57,7 +58,7 @@ class MoeConfig:
     num_warps: int = 4
     num_stages: int = 3
     quant_on_load: bool = False  # FP8: quantize activation rows inside the GEMMs (no quantization kernels)
-    tma: bool = False  # weight tiles by TMA bulk copies (block sizes must tile each expert's matrices)
+    tma: bool = False  # weight tiles by TMA bulk copies (block_n must tile each expert's rows)
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
