@@ -19,8 +19,8 @@ V is widened through an opaque PTX conversion (`_widen_v`): left to itself, Trit
 after the layout change into the MMA operand and reads the transposed 8-bit tile from shared memory
 one byte per instruction (this was why FP8 decode ran at bf16 speed). As a `LaunchConfig` option
 (`fp8_qk`), q is quantized per row to e4m3 instead and QKᵀ runs as an e4m3 × e4m3 MMA (a wgmma on
-Hopper), so K reaches the MMA as loaded (only V is widened); `bench/attention_bench.py` measures it
-against the widened path. Decode's tile has only 16 query rows (one KV head's 8, padded), too few for
+Hopper), so K reaches the MMA as loaded (only V is widened); prefill does so by default for FP8 KV
+(`prefill_config`), `bench/attention_bench.py` measures it against the widened path. Decode's tile has only 16 query rows (one KV head's 8, padded), too few for
 wgmma (64): Triton lowers its dots to `mma.sync`, and an e4m3 dot to an fp16 one with the operands
 converted (the FP8 QK product measured 1.01×). With `swap_ab` decode makes the keys the MMA rows
 (Sᵀ = K·qᵀ, accᵀ += Vᵀ·Pᵀ, the accumulator [head_dim, rows]), so both products become wgmma — and
@@ -40,7 +40,7 @@ The softmax runs in base 2 with the scale folded into the exponent.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -97,15 +97,18 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int) -> LaunchConfig:
 
 # prefill: 128 query rows (16 tokens × 8 heads at Hy3's GQA; the plan's PREFILL_ROWS), 64-key blocks as
 # TMA bulk copies, 4 warps, 3 stages — the sweep's best at 8K for bf16 (530 TFLOP/s; 464 with per-row
-# pointer loads) and FP8 KV (344; 329) (BENCHMARKS.md, attention runs 8-12). Pages that a 64-key block
-# does not tile (a page size that 64 does not divide) take per-row pointer loads (bf16 335, FP8 321).
+# pointer loads) and FP8 KV (BENCHMARKS.md, attention runs 8-14). Pages that a 64-key block does not
+# tile (a page size that 64 does not divide) take per-row pointer loads (bf16 335, FP8 321). FP8 KV also
+# quantizes q per row and runs QKᵀ as an e4m3 MMA (418 TFLOP/s at 8K vs 343 with K widened to bf16;
+# relative difference 2.4e-2 from the widened product).
 PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=3, tma=True)
 PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 
 
-def prefill_config(page_size: int) -> LaunchConfig:
-    """The prefill launch config for a KV cache's page size (bf16 and FP8 KV alike)."""
-    return PREFILL_CONFIG if page_size % PREFILL_CONFIG.block_n == 0 else PREFILL_CONFIG_ANY_PAGE
+def prefill_config(page_size: int, kv_dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
+    """The prefill launch config for a KV cache's page size and dtype."""
+    config = PREFILL_CONFIG if page_size % PREFILL_CONFIG.block_n == 0 else PREFILL_CONFIG_ANY_PAGE
+    return replace(config, fp8_qk=True) if kv_dtype == FP8_DTYPE else config
 
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -980,7 +983,7 @@ def prefill_attention(
     plan: Tensor,
     config: LaunchConfig | None = None,
 ) -> Tensor:
-    config = config or prefill_config(kv_cache.shape[3])
+    config = config or prefill_config(kv_cache.shape[3], kv_cache.dtype)
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
     q_block = prefill_q_block(group, config.q_rows)

@@ -23,7 +23,7 @@ from hy3c.kernels.paged_attention import (
     prefill_attention,
     prefill_config,
 )
-from hy3c.ops.quant import FP8_DTYPE
+from hy3c.ops.quant import FP8_DTYPE, per_token_scale, quantize_fp8
 
 hy3 = torch.ops.hy3
 
@@ -69,6 +69,12 @@ def _plan(seq_lens, qsl, group):
 
 def _reference(q, cache, scales, table, seq_lens, qsl):
     return hy3.attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2)
+
+
+def _e4m3_rows(q):
+    """q as the FP8 QK product sees it: each head's row quantized to e4m3 with scale absmax / 448."""
+    scale = per_token_scale(q)
+    return (quantize_fp8(q, scale).float() * scale).to(q.dtype)
 
 
 DECODE_CASES = [
@@ -208,8 +214,9 @@ def test_prefill_matches_reference(lengths, new, page, heads, cache_dtype):
     out = prefill_attention(
         q, cache, scales, 1, table, seq_lens, qsl, 0.2, _plan(seq_lens, qsl, heads[0] // heads[1])
     )
+    q_seen = _e4m3_rows(q) if cache_dtype == FP8_DTYPE else q  # FP8 KV: QKᵀ as an e4m3 product
     torch.testing.assert_close(
-        out.float(), _reference(q, cache, scales, table, seq_lens, qsl).float(), atol=2e-2, rtol=2e-2
+        out.float(), _reference(q_seen, cache, scales, table, seq_lens, qsl).float(), atol=2e-2, rtol=2e-2
     )
 
 
@@ -254,6 +261,11 @@ def test_prefill_with_an_fp8_qk_product_matches_reference(tma):
 def test_prefill_takes_tma_copies_where_the_page_size_allows():
     assert prefill_config(64).tma and prefill_config(128).tma
     assert not prefill_config(16).tma and not prefill_config(96).tma
+
+
+def test_prefill_multiplies_fp8_q_and_k_for_fp8_kv_only():
+    assert all(prefill_config(page, FP8_DTYPE).fp8_qk for page in (16, 64))
+    assert not any(prefill_config(page, torch.bfloat16).fp8_qk for page in (16, 64))
 
 
 def test_prefill_by_tma_copies_needs_blocks_inside_a_page():
