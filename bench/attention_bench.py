@@ -267,9 +267,8 @@ def prefill_bench(tokens: int) -> None:
 
 def sweep_prefill(tma_only: bool = False) -> None:
     """Prefill launch configs at 8K tokens, bf16 and FP8 KV: query rows per program, key block, warps,
-    stages, key blocks by TMA bulk copies (a page slice, or two whole pages) or per-row pointer loads,
-    and for FP8 KV the FP8 QK product (tma_only: TMA blocks, 2-3 stages, FP8 KV with the FP8 QK product
-    only)."""
+    stages, key blocks by TMA bulk copies (one per page slice) or per-row pointer loads, and for FP8 KV
+    the FP8 QK product."""
     d = "cuda"
     q = torch.randn(8192, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
@@ -279,15 +278,12 @@ def sweep_prefill(tma_only: bool = False) -> None:
         cache, table, scales = _paged_cache([8192], dtype, kv_scale)
         for rows in (128, 256):
             plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8, rows))
-            blocks = ((64, False), (128, False), (64, True), (128, True))
-            for block_n, tma in blocks[2:] if tma_only else blocks:  # TMA 128: two 64-key pages
+            for block_n, tma in ((64, True),) if tma_only else ((64, False), (128, False), (64, True)):
                 for warps in (4, 8) if rows <= 128 else (8,):
                     for stages, fp8_qk in [
                         (n, qk)
-                        for n in ((2, 3) if tma_only else (2, 3, 4) if tma else (2, 3))
-                        for qk in (
-                            ((True,) if tma_only else (False, True)) if dtype == FP8_DTYPE else (False,)
-                        )
+                        for n in ((2, 3, 4) if tma else (2, 3))
+                        for qk in ((False, True) if dtype == FP8_DTYPE else (False,))
                     ]:
                         cfg = LaunchConfig(
                             block_n=block_n,

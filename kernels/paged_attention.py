@@ -73,7 +73,7 @@ class LaunchConfig:
     fp8_qk: bool = False  # FP8 KV only: q quantized per row, QKᵀ as an e4m3 MMA (decode: with swap_ab)
     swap_ab: bool = False  # dynamic decode: keys as the MMA rows (Sᵀ = K·qᵀ), so Hopper's wgmma applies
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
-    tma: bool = False  # prefill, dynamic decode: K/V blocks by TMA bulk copies (`tma_fits`)
+    tma: bool = False  # prefill, dynamic decode: K/V blocks by TMA bulk copies (block_n divides the page)
 
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
@@ -107,7 +107,7 @@ PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 
 def prefill_config(page_size: int, kv_dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
     """The prefill launch config for a KV cache's page size and dtype."""
-    config = PREFILL_CONFIG if tma_fits(PREFILL_CONFIG.block_n, page_size) else PREFILL_CONFIG_ANY_PAGE
+    config = PREFILL_CONFIG if page_size % PREFILL_CONFIG.block_n == 0 else PREFILL_CONFIG_ANY_PAGE
     return replace(config, fp8_qk=True) if kv_dtype == FP8_DTYPE else config
 
 
@@ -153,76 +153,6 @@ def _quantize_rows_e4m3(q):
 
 
 @triton.jit
-def _scores(q, q_scale, k, FP8_QK: tl.constexpr):
-    """q·Kᵀ for rows of q: e4m3 × e4m3 with q's per-row scales applied after (FP8_QK), or K widened."""
-    if FP8_QK:
-        s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
-    else:
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))  # e4m3 → f16 is native
-    return s
-
-
-@triton.jit
-def _attend_page_pair(
-    q,
-    q_scale,
-    m_i,
-    l_i,
-    acc,
-    cache_k,
-    cache_v,
-    page_row_ptr,
-    key_start,
-    key_limit,
-    row_limit,
-    head,
-    qk_scale,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    MASK: tl.constexpr,
-    FP8_ASM: tl.constexpr,
-    FP8_QK: tl.constexpr,
-):
-    """A key block of two whole pages [key_start, key_start + 2 · PAGE_SIZE) by TMA: one bulk copy per
-    page and operand, both pages' scores before one online-softmax update (one rescale of acc per two
-    pages). A second page wholly past key_limit is read from page 0 and fully masked."""
-    first = key_start // PAGE_SIZE
-    n0 = key_start + tl.arange(0, PAGE_SIZE)
-    n1 = n0 + PAGE_SIZE
-    row0 = tl.load(page_row_ptr + first) * PAGE_SIZE
-    if MASK == 0:
-        row1 = tl.load(page_row_ptr + first + 1) * PAGE_SIZE
-    else:
-        row1 = tl.load(page_row_ptr + first + 1, mask=key_start + PAGE_SIZE < key_limit, other=0) * PAGE_SIZE
-    k0 = cache_k.load([row0, head * HEAD_DIM])
-    k1 = cache_k.load([row1, head * HEAD_DIM])
-    v0 = cache_v.load([row0, head * HEAD_DIM])
-    v1 = cache_v.load([row1, head * HEAD_DIM])
-    s0 = _scores(q, q_scale, k0, FP8_QK)
-    s1 = _scores(q, q_scale, k1, FP8_QK)
-    if MASK != 0:
-        valid0 = n0 < key_limit
-        valid1 = n1 < key_limit
-        v0 = tl.where(valid0[:, None], v0, tl.zeros_like(v0))
-        v1 = tl.where(valid1[:, None], v1, tl.zeros_like(v1))
-        if MASK == 1:
-            s0 = tl.where(valid0[None, :], s0, float("-inf"))
-            s1 = tl.where(valid1[None, :], s1, float("-inf"))
-        else:
-            s0 = tl.where(valid0[None, :] & (n0[None, :] <= row_limit[:, None]), s0, float("-inf"))
-            s1 = tl.where(valid1[None, :] & (n1[None, :] <= row_limit[:, None]), s1, float("-inf"))
-    m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, axis=1), tl.max(s1, axis=1)) * qk_scale)
-    p0 = tl.exp2(s0 * qk_scale - m_new[:, None])
-    p1 = tl.exp2(s1 * qk_scale - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    mma_dtype: tl.constexpr = tl.float16 if FP8_QK else q.dtype
-    acc = tl.dot(p0.to(mma_dtype), _widen_v(v0, mma_dtype, FP8_ASM), acc * alpha[:, None])
-    acc = tl.dot(p1.to(mma_dtype), _widen_v(v1, mma_dtype, FP8_ASM), acc)
-    l_i = l_i * alpha + tl.sum(p0, axis=1) + tl.sum(p1, axis=1)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _attend_block(
     q,
     q_scale,
@@ -260,84 +190,62 @@ def _attend_block(
     SWAP: the keys are the MMA rows and the query rows its columns (Sᵀ = K·qᵀ, accᵀ += Vᵀ·Pᵀ, acc is
     [HEAD_DIM, rows]): a decode tile's 16 query rows are too few for Hopper's wgmma (64 rows), its
     BLOCK_N keys are not."""
-    if TMA and BLOCK_N > PAGE_SIZE:
-        tl.static_assert(
-            BLOCK_N == 2 * PAGE_SIZE and not SWAP, "TMA key blocks: one page, or two (rows of q)"
-        )
-        m_new, l_i, acc = _attend_page_pair(
-            q,
-            q_scale,
-            m_i,
-            l_i,
-            acc,
-            cache_k,
-            cache_v,
-            page_row_ptr,
-            key_start,
-            key_limit,
-            row_limit,
-            head,
-            qk_scale,
-            PAGE_SIZE,
-            HEAD_DIM,
-            MASK,
-            FP8_ASM,
-            FP8_QK,
-        )
-    else:
-        n = key_start + tl.arange(0, BLOCK_N)
-        d = tl.arange(0, HEAD_DIM)
+    n = key_start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    if MASK != 0:
+        valid = n < key_limit
+    if TMA:
+        row = tl.load(page_row_ptr + key_start // PAGE_SIZE) * PAGE_SIZE + key_start % PAGE_SIZE
+        k = cache_k.load([row, head * HEAD_DIM])
+        v = cache_v.load([row, head * HEAD_DIM])
         if MASK != 0:
-            valid = n < key_limit
-        if TMA:
-            row = tl.load(page_row_ptr + key_start // PAGE_SIZE) * PAGE_SIZE + key_start % PAGE_SIZE
-            k = cache_k.load([row, head * HEAD_DIM])
-            v = cache_v.load([row, head * HEAD_DIM])
-            if MASK != 0:
-                v = tl.where(valid[:, None], v, tl.zeros_like(v))
+            v = tl.where(valid[:, None], v, tl.zeros_like(v))
+    else:
+        if MASK == 0:
+            page = tl.load(page_row_ptr + n // PAGE_SIZE)
         else:
-            if MASK == 0:
-                page = tl.load(page_row_ptr + n // PAGE_SIZE)
-            else:
-                page = tl.load(page_row_ptr + n // PAGE_SIZE, mask=valid, other=0)
-            offs = page.to(tl.int64) * stride_page + (n % PAGE_SIZE) * stride_off + head * stride_head
-            k_ptrs = cache_k + offs[:, None] + d[None, :]
-            v_ptrs = cache_v + offs[:, None] + d[None, :]
-            if MASK == 0:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
-        if SWAP:
-            if FP8_QK:
-                s_t = tl.dot(k, tl.trans(q)) * q_scale[None, :]
-            else:
-                s_t = tl.dot(k.to(q.dtype), tl.trans(q))
-            tl.static_assert(MASK != 2, "keys as the MMA rows: decode only (no causal mask)")
-            if MASK == 1:
-                s_t = tl.where(valid[:, None], s_t, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s_t, axis=0) * qk_scale)
-            p_t = tl.exp2(s_t * qk_scale - m_new[None, :])
-            alpha = tl.exp2(m_i - m_new)
-            v_t = tl.trans(_widen_v(v, tl.float16 if FP8_QK else q.dtype, FP8_ASM))
-            acc = acc * alpha[None, :] + tl.dot(v_t, p_t.to(v_t.dtype))
-            l_i = l_i * alpha + tl.sum(p_t, axis=0)
+            page = tl.load(page_row_ptr + n // PAGE_SIZE, mask=valid, other=0)
+        offs = page.to(tl.int64) * stride_page + (n % PAGE_SIZE) * stride_off + head * stride_head
+        k_ptrs = cache_k + offs[:, None] + d[None, :]
+        v_ptrs = cache_v + offs[:, None] + d[None, :]
+        if MASK == 0:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
         else:
-            s = _scores(q, q_scale, k, FP8_QK)  # FP8_QK: K goes to the MMA as loaded
-            if MASK == 1:
-                s = tl.where(valid[None, :], s, float("-inf"))
-            if MASK == 2:
-                s = tl.where(valid[None, :] & (n[None, :] <= row_limit[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            if FP8_QK:
-                pv = tl.dot(p.to(tl.float16), _widen_v(v, tl.float16, FP8_ASM))
-            else:
-                pv = tl.dot(p.to(q.dtype), _widen_v(v, q.dtype, FP8_ASM))
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
+    if SWAP:
+        if FP8_QK:
+            s_t = tl.dot(k, tl.trans(q)) * q_scale[None, :]
+        else:
+            s_t = tl.dot(k.to(q.dtype), tl.trans(q))
+        tl.static_assert(MASK != 2, "keys as the MMA rows: decode only (no causal mask)")
+        if MASK == 1:
+            s_t = tl.where(valid[:, None], s_t, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_t, axis=0) * qk_scale)
+        p_t = tl.exp2(s_t * qk_scale - m_new[None, :])
+        alpha = tl.exp2(m_i - m_new)
+        v_t = tl.trans(_widen_v(v, tl.float16 if FP8_QK else q.dtype, FP8_ASM))
+        acc = acc * alpha[None, :] + tl.dot(v_t, p_t.to(v_t.dtype))
+        l_i = l_i * alpha + tl.sum(p_t, axis=0)
+    else:
+        if FP8_QK:  # e4m3 q × e4m3 K: K goes to the MMA as loaded; q's per-row scales applied after
+            s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # e4m3 → f16 is native
+        if MASK == 1:
+            s = tl.where(valid[None, :], s, float("-inf"))
+        if MASK == 2:
+            s = tl.where(valid[None, :] & (n[None, :] <= row_limit[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        if FP8_QK:
+            pv = tl.dot(p.to(tl.float16), _widen_v(v, tl.float16, FP8_ASM))
+        else:
+            pv = tl.dot(p.to(q.dtype), _widen_v(v, q.dtype, FP8_ASM))
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, axis=1)
     return m_new, l_i, acc
 
 
@@ -928,8 +836,6 @@ def decode_attention_dynamic(
         raise ValueError(
             "decode's FP8 QK product needs swap_ab (16 query rows get no FP8 tensor-core product)"
         )
-    if config.swap_ab and config.tma and config.block_n > kv_cache.shape[3]:
-        raise ValueError(f"swap_ab with TMA needs key blocks inside one page (block_n {config.block_n})")
     num_ctas = num_ctas or num_decode_ctas(q.device, num_kv_heads, config.ctas_per_sm)
     min_ctas = min(min_ctas or num_decode_ctas(q.device, num_kv_heads, config.min_ctas_per_sm), num_ctas)
     group_pad = max(16, triton.next_power_of_2(group))
@@ -1118,26 +1024,21 @@ def prefill_attention(
     return out
 
 
-def tma_fits(block_n: int, page_size: int) -> bool:
-    """Whether a block_n-key block is one TMA copy per operand (block_n divides the page size) or two
-    (block_n is two pages), and divides the decode tile (KV_TILE), so no block straddles a page."""
-    return (page_size % block_n == 0 or block_n == 2 * page_size) and KV_TILE % block_n == 0
-
-
 def _page_descriptors(layer_cache: Tensor, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors of one layer's K and V as [pages · page_size, kv_heads · head_dim] with boxes of
-    [min(block_n, page_size), head_dim] rows: a key block is one bulk copy, or one per page when it is
-    two pages (`tma_fits`)."""
+    """TMA descriptors of one layer's K and V as [pages · page_size, kv_heads · head_dim] with
+    [block_n, head_dim] boxes: a key block is one bulk copy when block_n divides the page size (and the
+    decode tile, KV_TILE, so that every block a decode range starts lies inside one page)."""
     _, pages, page_size, kv_heads, head_dim = layer_cache.shape
     if not layer_cache.is_contiguous():
         raise ValueError("TMA attention needs a contiguous KV cache layer")
-    if not tma_fits(block_n, page_size):
+    if page_size % block_n or KV_TILE % block_n:
         raise ValueError(
-            f"TMA attention needs block_n ({block_n}) to divide the page size ({page_size}) or to be two "
-            f"pages, and to divide {KV_TILE}"
+            f"TMA attention needs block_n ({block_n}) to divide the page size ({page_size}) and {KV_TILE}"
         )
-    rows, width, box = pages * page_size, kv_heads * head_dim, [min(block_n, page_size), head_dim]
-    return tuple(TensorDescriptor(layer_cache[i], [rows, width], [width, 1], box) for i in (0, 1))
+    rows, width = pages * page_size, kv_heads * head_dim
+    return tuple(
+        TensorDescriptor(layer_cache[i], [rows, width], [width, 1], [block_n, head_dim]) for i in (0, 1)
+    )
 
 
 @torch.library.custom_op("hy3_triton::paged_attention", mutates_args=())

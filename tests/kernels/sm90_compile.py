@@ -72,17 +72,16 @@ def attention_variants() -> list[Variant]:
                 )
                 unused = {} if tma else {"k_desc": None, "v_desc": None}
                 descs = _descriptors(("k_desc", "v_desc"), KV_DTYPES[kv], (64, 128), tma)
-                for block_n in (64, 128) if tma else (64,):  # 128 keys by TMA: two 64-key pages
-                    variants.append(
-                        Variant(
-                            f"prefill {kv} tma={tma} block_n={block_n} fp8_qk={fp8_qk}",
-                            paged_attention._prefill_kernel,
-                            {"q_ptr": "*bf16", "out_ptr": "*bf16", **cache},
-                            dict(GROUP=8, Q_BLOCK=16, HEAD_DIM=128, BLOCK_N=block_n, **flags, **unused),
-                            descs,
-                            ("sm_scale",),
-                        )
+                variants.append(
+                    Variant(
+                        f"prefill {kv} tma={tma} fp8_qk={fp8_qk}",
+                        paged_attention._prefill_kernel,
+                        {"q_ptr": "*bf16", "out_ptr": "*bf16", **cache},
+                        dict(GROUP=8, Q_BLOCK=16, HEAD_DIM=128, BLOCK_N=64, **flags, **unused),
+                        descs,
+                        ("sm_scale",),
                     )
+                )
                 decode = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1)
                 for swap in (False, True) if not fp8_qk else (True,):  # decode's FP8 QK needs swap_ab
                     variants.append(
