@@ -268,7 +268,7 @@ def prefill_bench(tokens: int) -> None:
 def sweep_prefill(tma_only: bool = False) -> None:
     """Prefill launch configs at 8K tokens, bf16 and FP8 KV: query rows per program, key block, warps,
     stages, key blocks by TMA bulk copies (one per page slice) or per-row pointer loads, and for FP8 KV
-    the FP8 QK product."""
+    the FP8 QK product (tma_only: FP8 KV with the FP8 QK product only, the default since run 14)."""
     d = "cuda"
     q = torch.randn(8192, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
@@ -283,7 +283,9 @@ def sweep_prefill(tma_only: bool = False) -> None:
                     for stages, fp8_qk in [
                         (n, qk)
                         for n in ((2, 3, 4) if tma else (2, 3))
-                        for qk in ((False, True) if dtype == FP8_DTYPE else (False,))
+                        for qk in (
+                            ((True,) if tma_only else (False, True)) if dtype == FP8_DTYPE else (False,)
+                        )
                     ]:
                         cfg = LaunchConfig(
                             block_n=block_n,

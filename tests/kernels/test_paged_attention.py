@@ -250,8 +250,9 @@ def test_prefill_with_an_fp8_qk_product_matches_reference(tma):
     q, cache, scales, table, seq_lens, qsl = _case([70, 20], [40, 20], 64, 8, 2, cache_dtype=FP8_DTYPE)
     ref = _reference(q, cache, scales, table, seq_lens, qsl).float()
     plan = _plan(seq_lens, qsl, 4)
-    widened = prefill_attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2, plan)
     config = LaunchConfig(block_n=32, num_warps=4, num_stages=1, tma=tma, fp8_qk=True)
+    widened_config = dataclasses.replace(config, fp8_qk=False)
+    widened = prefill_attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2, plan, config=widened_config)
     fp8_qk = prefill_attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2, plan, config=config)
     assert (fp8_qk.float() - ref).abs().max() < 0.15  # early rows of the causal chunk see few keys
     assert (fp8_qk.float() - ref).norm() / ref.norm() < 3e-2
