@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 
@@ -168,36 +169,16 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
         row(f"decode {label} {name} KV: dynamic, launched without PDL", t_no_pdl, floor, t_dyn, "with PDL")
         if sdpa_ms is not None:
             row(f"decode {label} {name} KV: dynamic vs SDPA loop", t_dyn, floor, sdpa_ms, "SDPA loop (bf16)")
-        swapped = [
-            ("keys as MMA rows", dict(swap_ab=True)),
-            ("keys as MMA rows, TMA", dict(swap_ab=True, tma=True)),
-        ]
-        if dtype == FP8_DTYPE:
-            swapped.append(
-                ("keys as MMA rows, TMA, FP8 QK product", dict(swap_ab=True, tma=True, fp8_qk=True))
-            )
-        for what, options in swapped:  # Sᵀ = K·qᵀ: Hopper's wgmma instead of mma.sync on 16 padded rows
-            cfg = dataclasses.replace(decode_config(dtype, len(lengths)), block_n=PAGE, **options)
-            out = decode_attention_dynamic(q, *kv, plan, config=cfg)
-            err = ((out.float() - dyn.float()).norm() / dyn.float().norm()).item()
-            t_swap = bench(lambda kv=kv, c=cfg: decode_attention_dynamic(q, *kv, plan, config=c))
-            row(
-                f"decode {label} {name} KV: dynamic, {what} (rel. diff {err:.1e})",
-                t_swap,
-                floor,
-                t_dyn,
-                "default",
-            )
-        tma_cfg = dataclasses.replace(decode_config(dtype, len(lengths)), block_n=PAGE, tma=True)
-        tma = decode_attention_dynamic(q, *kv, plan, config=tma_cfg)
-        RESULTS[f"decode_{label}_{dtype}_tma_max_abs_diff"] = (tma.float() - dyn.float()).abs().max().item()
-        t_tma = bench(lambda kv=kv, c=tma_cfg: decode_attention_dynamic(q, *kv, plan, config=c))
+        lazy_cfg = dataclasses.replace(decode_config(dtype, len(lengths)), lazy_rescale=True)
+        lazy = decode_attention_dynamic(q, *kv, plan, config=lazy_cfg)
+        err = ((lazy.float() - dyn.float()).norm() / dyn.float().norm()).item()
+        t_lazy = bench(lambda kv=kv, c=lazy_cfg: decode_attention_dynamic(q, *kv, plan, config=c))
         row(
-            f"decode {label} {name} KV: dynamic, TMA key blocks ({PAGE})",
-            t_tma,
+            f"decode {label} {name} KV: dynamic, lazy rescale (rel. diff {err:.1e})",
+            t_lazy,
             floor,
             t_dyn,
-            "pointer loads",
+            "default",
         )
         del cache, kv
 
@@ -261,8 +242,20 @@ def prefill_bench(tokens: int) -> None:
                 "SDPA",
             )
             RESULTS[f"prefill_{tokens}_tflops"]["fp8_widened_qk"] = flops / t_widened / 1e9
-            del kv
-        del cache
+        kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
+        lazy_cfg = dataclasses.replace(prefill_config(cache.shape[3], dtype), lazy_rescale=True)
+        default, lazy = prefill_attention(q, *kv), prefill_attention(q, *kv, config=lazy_cfg)
+        err = ((lazy.float() - default.float()).norm() / default.float().norm()).item()
+        t_lazy = bench(lambda kv=kv, c=lazy_cfg: prefill_attention(q, *kv, config=c))
+        row(
+            f"prefill {tokens} causal: hy3c Triton paged, {name} KV, lazy rescale (rel. diff {err:.1e})",
+            t_lazy,
+            None,
+            ours,
+            "default",
+        )
+        RESULTS[f"prefill_{tokens}_tflops"][f"{name}_lazy"] = flops / t_lazy / 1e9
+        del cache, kv
 
 
 def sweep_prefill(tma_only: bool = False) -> None:
@@ -365,10 +358,9 @@ def sweep_qknorm() -> None:
             )
 
 
-def sweep_decode(lengths: list[int], swap_only: bool = False) -> None:
+def sweep_decode(lengths: list[int]) -> None:
     """Dynamic decode launch configs on the mixed batch and its longest request, bf16 and FP8 KV: key
-    block, warps, stages, CTAs per SM, minimum range per CTA, TMA copies, keys as the MMA rows, and for
-    FP8 the FP8 QK product. swap_only: FP8 KV with the keys as the MMA rows, two occupancy settings."""
+    block, warps, stages, CTAs per SM, minimum range per CTA, lazy rescaling."""
     d = "cuda"
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=d)
     qsl = torch.arange(len(lengths) + 1, dtype=torch.int32, device=d)
@@ -381,47 +373,36 @@ def sweep_decode(lengths: list[int], swap_only: bool = False) -> None:
         plan_mod.KV_TILE,
         plan_mod.prefill_q_block(8),
     )
-    for dtype, kv_scale in ((FP8_DTYPE, 0.01),) if swap_only else ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
+    for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
         cache, table, scales = _paged_cache(lengths, dtype, kv_scale)
         floor = sum(lengths) * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
         single_floor = single[0] * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
         shapes = ((128, 4), (256, 4), (256, 8)) if dtype == FP8_DTYPE else ((64, 4), (128, 4), (128, 8))
-        fp8_qk_options = (False, True) if dtype == FP8_DTYPE else (False,)
-        variants = [] if swap_only else [(n, w, False, False, False) for n, w in shapes]
-        variants += [] if swap_only else [(PAGE, 4, True, False, False)]
-        variants += [
-            (n, 4, tma, True, qk) for n in (64, 128) for tma in (False, True) for qk in fp8_qk_options
-        ]
-        for block_n, warps, tma, swap, fp8_qk in variants:
-            if tma and block_n > PAGE:
+        occupancy = [(2, 1), (4, 1), (8, 1)] + [(8, 8), (8, 16), (8, 32)] * (dtype == FP8_DTYPE)
+        for (block_n, warps), stages, (ctas, min_tiles), lazy in itertools.product(
+            shapes, (2, 3), occupancy, (False, True)
+        ):
+            cfg = LaunchConfig(
+                block_n=block_n,
+                num_warps=warps,
+                num_stages=stages,
+                ctas_per_sm=ctas,
+                min_tiles_per_cta=min_tiles,
+                lazy_rescale=lazy,
+            )
+            kv = (cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan)
+            try:
+                ms = bench(lambda c=cfg, kv=kv: decode_attention_dynamic(q, *kv, config=c))
+            except Exception as exc:  # e.g. out of shared memory for the larger tiles
+                print(f"sweep decode {dtype} {cfg}: failed {type(exc).__name__}")
                 continue
-            for stages in (2, 3, 4) if tma else (2, 3):
-                occupancy = [(2, 1), (4, 1), (8, 1)] + [(8, 8), (8, 16), (8, 32)] * (dtype == FP8_DTYPE)
-                for ctas, min_tiles in [(2, 1), (8, 16)] if swap_only else occupancy:
-                    cfg = LaunchConfig(
-                        block_n=block_n,
-                        num_warps=warps,
-                        num_stages=stages,
-                        ctas_per_sm=ctas,
-                        min_tiles_per_cta=min_tiles,
-                        tma=tma,
-                        swap_ab=swap,
-                        fp8_qk=fp8_qk,
-                    )
-                    kv = (cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan)
-                    try:
-                        ms = bench(lambda c=cfg, kv=kv: decode_attention_dynamic(q, *kv, config=c))
-                    except Exception as exc:  # e.g. out of shared memory for the larger tiles
-                        print(f"sweep decode {dtype} {cfg}: failed {type(exc).__name__}")
-                        continue
-                    one = (cache, scales, 0, table[:1], seq_lens[:1], HEAD_DIM**-0.5, single_plan)
-                    ms1 = bench(lambda c=cfg, one=one: decode_attention_dynamic(q[:1], *one, config=c))
-                    print(
-                        f"sweep decode {dtype} block_n={block_n} tma={tma} swap_ab={swap} fp8_qk={fp8_qk} "
-                        f"warps={warps} stages={stages} ctas/sm={ctas} min tiles/CTA={min_tiles}: "
-                        f"B=32 mixed {ms:.3f} ms ({floor / ms * 100:.0f}% BW), "
-                        f"B=1 {single[0] // 1024}K {ms1:.3f} ms ({single_floor / ms1 * 100:.0f}% BW)"
-                    )
+            one = (cache, scales, 0, table[:1], seq_lens[:1], HEAD_DIM**-0.5, single_plan)
+            ms1 = bench(lambda c=cfg, one=one: decode_attention_dynamic(q[:1], *one, config=c))
+            print(
+                f"sweep decode {dtype} block_n={block_n} warps={warps} stages={stages} ctas/sm={ctas} "
+                f"min tiles/CTA={min_tiles} lazy={lazy}: B=32 mixed {ms:.3f} ms ({floor / ms * 100:.0f}% BW), "
+                f"B=1 {single[0] // 1024}K {ms1:.3f} ms ({single_floor / ms1 * 100:.0f}% BW)"
+            )
         del kv, one
 
 
@@ -429,13 +410,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller shapes (smoke test)")
     parser.add_argument("--sweep", action="store_true", help="time each kernel's tunables first")
-    parser.add_argument(
-        "--sweep-decode",
-        nargs="?",
-        const="all",
-        choices=("all", "swap"),
-        help="only the decode sweep, then the rows (or only FP8 KV with the keys as the MMA rows, no rows)",
-    )
+    parser.add_argument("--sweep-decode", action="store_true", help="only the decode sweep, then the rows")
     parser.add_argument(
         "--sweep-prefill",
         nargs="?",
@@ -461,9 +436,6 @@ def main() -> None:
         sweep_qknorm()
         sweep_decode(lengths)
         sweep_prefill()
-    elif args.sweep_decode == "swap":  # the sweep alone
-        sweep_decode(lengths, swap_only=True)
-        return
     elif args.sweep_decode:
         sweep_decode(lengths)
     sdpa = sdpa_loop_ms(lengths)

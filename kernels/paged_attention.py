@@ -20,18 +20,18 @@ after the layout change into the MMA operand and reads the transposed 8-bit tile
 one byte per instruction (this was why FP8 decode ran at bf16 speed). As a `LaunchConfig` option
 (`fp8_qk`), q is quantized per row to e4m3 instead and QKᵀ runs as an e4m3 × e4m3 MMA (a wgmma on
 Hopper), so K reaches the MMA as loaded (only V is widened); prefill does so by default for FP8 KV
-(`prefill_config`), `bench/attention_bench.py` measures it against the widened path. Decode's tile has only 16 query rows (one KV head's 8, padded), too few for
-wgmma (64): Triton lowers its dots to `mma.sync`, and an e4m3 dot to an fp16 one with the operands
-converted (the FP8 QK product measured 1.01×). With `swap_ab` decode makes the keys the MMA rows
-(Sᵀ = K·qᵀ, accᵀ += Vᵀ·Pᵀ, the accumulator [head_dim, rows]), so both products become wgmma — and
-the FP8 QK product an e4m3 one; decode offers `fp8_qk` only together with it.
+(`prefill_config`; `bench/attention_bench.py` measures it against the widened path). Decode keeps
+the widened path: its tile has only 16 query rows (one KV head's 8, padded), too few for wgmma (64),
+so Triton lowers its dots to `mma.sync` and an e4m3 dot to an fp16 one with converted operands (the
+FP8 QK product measured 1.01×; making the keys the MMA rows, so that both products became wgmma,
+measured 0.67–0.97× — BENCHMARKS.md, attention runs 8–15).
 
-K/V blocks are gathered through the page table either with per-row pointer loads or — `LaunchConfig.tma`,
+Prefill K/V blocks are gathered through the page table either with per-row pointer loads or — `LaunchConfig.tma`,
 when a block lies inside one page (its size divides the page size) — as one TMA bulk copy per operand
 from a tensor descriptor over the layer's cache viewed as [pages · page size, KV heads · head dim]. A
 tail block's rows past the sequence then come from the page's unused slots: their V rows are zeroed and
-their scores masked. Prefill uses TMA by default where the page size allows (measured 1.14× the pointer
-loads at 8K, BENCHMARKS.md); for decode it is a benchmarked option.
+their scores masked. Prefill uses TMA where the page size allows (measured 1.14× the pointer loads at
+8K, BENCHMARKS.md); decode uses pointer loads (TMA blocks of 64 keys measured 0.78–0.96×).
 
 Key blocks that every query row sees whole (all of a decode range but its tail; the keys before a
 prefill block's first query) take an unmasked path; only the tail / diagonal blocks pay for masks.
@@ -70,10 +70,10 @@ class LaunchConfig:
     ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
     min_tiles_per_cta: int = 1  # dynamic decode only: ranges of at least this many KV tiles, as long as
     min_ctas_per_sm: int = 2  # … the equal share over this many CTAs per SM allows (tiles_per_cta)
-    fp8_qk: bool = False  # FP8 KV only: q quantized per row, QKᵀ as an e4m3 MMA (decode: with swap_ab)
-    swap_ab: bool = False  # dynamic decode: keys as the MMA rows (Sᵀ = K·qᵀ), so Hopper's wgmma applies
+    fp8_qk: bool = False  # prefill over FP8 KV: q quantized per row, QKᵀ as an e4m3 MMA
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
-    tma: bool = False  # prefill, dynamic decode: K/V blocks by TMA bulk copies (block_n divides the page)
+    lazy_rescale: bool = False  # prefill, dynamic decode: rescale acc only when a row's max grows by > 2^8
+    tma: bool = False  # prefill: K/V blocks by TMA bulk copies (block_n divides the page)
 
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
@@ -112,6 +112,9 @@ def prefill_config(page_size: int, kv_dtype: torch.dtype = torch.bfloat16) -> La
 
 
 _LOG2E = tl.constexpr(1.4426950408889634)
+# lazy rescaling (LaunchConfig.lazy_rescale): the running max moves when a row's block max exceeds it by
+# more than 2^8 (the FlashAttention-4 choice); probabilities against a stale max stay ≤ 256
+LAZY_RESCALE_LOG2 = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -177,7 +180,7 @@ def _attend_block(
     FP8_ASM: tl.constexpr,
     FP8_QK: tl.constexpr,
     TMA: tl.constexpr,
-    SWAP: tl.constexpr,
+    LAZY: tl.constexpr,
 ):
     """One BLOCK_N block of keys [key_start, key_start + BLOCK_N) for the rows of q (online softmax in
     base 2, the scale folded into the exponent). MASK: 0 = every key valid and visible (no masking at
@@ -187,9 +190,9 @@ def _attend_block(
     block lies inside one page (BLOCK_N divides PAGE_SIZE): one bulk copy per operand, no per-row
     pointers; a tail block's rows past key_limit come from the page's unused (zeroed or stale) slots,
     their V rows are zeroed and their scores masked.
-    SWAP: the keys are the MMA rows and the query rows its columns (Sᵀ = K·qᵀ, accᵀ += Vᵀ·Pᵀ, acc is
-    [HEAD_DIM, rows]): a decode tile's 16 query rows are too few for Hopper's wgmma (64 rows), its
-    BLOCK_N keys are not."""
+    LAZY: the running max m (and with it acc and l) moves only when some row's block max exceeds it by
+    more than 2^LAZY_RESCALE_LOG2 — otherwise the block's probabilities are taken against the old m
+    (each ≤ 2^8, exact once acc is divided by l), which skips the rescale of acc in most blocks."""
     n = key_start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     if MASK != 0:
@@ -214,38 +217,31 @@ def _attend_block(
         else:
             k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
-    if SWAP:
-        if FP8_QK:
-            s_t = tl.dot(k, tl.trans(q)) * q_scale[None, :]
-        else:
-            s_t = tl.dot(k.to(q.dtype), tl.trans(q))
-        tl.static_assert(MASK != 2, "keys as the MMA rows: decode only (no causal mask)")
-        if MASK == 1:
-            s_t = tl.where(valid[:, None], s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, axis=0) * qk_scale)
-        p_t = tl.exp2(s_t * qk_scale - m_new[None, :])
-        alpha = tl.exp2(m_i - m_new)
-        v_t = tl.trans(_widen_v(v, tl.float16 if FP8_QK else q.dtype, FP8_ASM))
-        acc = acc * alpha[None, :] + tl.dot(v_t, p_t.to(v_t.dtype))
-        l_i = l_i * alpha + tl.sum(p_t, axis=0)
+    if FP8_QK:  # e4m3 q × e4m3 K: K goes to the MMA as loaded; q's per-row scales applied after
+        s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
     else:
-        if FP8_QK:  # e4m3 q × e4m3 K: K goes to the MMA as loaded; q's per-row scales applied after
-            s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # e4m3 → f16 is native
-        if MASK == 1:
-            s = tl.where(valid[None, :], s, float("-inf"))
-        if MASK == 2:
-            s = tl.where(valid[None, :] & (n[None, :] <= row_limit[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))  # e4m3 → f16 is native
+    if MASK == 1:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    if MASK == 2:
+        s = tl.where(valid[None, :] & (n[None, :] <= row_limit[:, None]), s, float("-inf"))
+    m_block = tl.max(s, axis=1) * qk_scale
+    if LAZY:
+        m_new = m_i
+        if tl.max(m_block - m_i, axis=0) > LAZY_RESCALE_LOG2:
+            m_new = tl.maximum(m_i, m_block)
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+    else:
+        m_new = tl.maximum(m_i, m_block)
         alpha = tl.exp2(m_i - m_new)
-        if FP8_QK:
-            pv = tl.dot(p.to(tl.float16), _widen_v(v, tl.float16, FP8_ASM))
-        else:
-            pv = tl.dot(p.to(q.dtype), _widen_v(v, q.dtype, FP8_ASM))
-        acc = acc * alpha[:, None] + pv
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    mma_dtype: tl.constexpr = tl.float16 if FP8_QK else q.dtype
+    acc = tl.dot(p.to(mma_dtype), _widen_v(v, mma_dtype, FP8_ASM), acc)
+    l_i = l_i + tl.sum(p, axis=1)
     return m_new, l_i, acc
 
 
@@ -274,8 +270,8 @@ def _attend_range(
     TAIL_MASK: tl.constexpr,
     FP8_ASM: tl.constexpr,
     FP8_QK: tl.constexpr,
-    TMA: tl.constexpr = False,
-    SWAP: tl.constexpr = False,
+    TMA: tl.constexpr,
+    LAZY: tl.constexpr,
 ):
     """Keys [key_begin, key_end): the blocks before full_end are seen whole by every row (no masks), the
     rest with TAIL_MASK (1: keys past key_end; 2: also causal against row_limit)."""
@@ -304,7 +300,7 @@ def _attend_range(
             FP8_ASM,
             FP8_QK,
             TMA,
-            SWAP,
+            LAZY,
         )
     for key in range(full_end, key_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
@@ -331,7 +327,7 @@ def _attend_range(
             FP8_ASM,
             FP8_QK,
             TMA,
-            SWAP,
+            LAZY,
         )
     return m_i, l_i, acc
 
@@ -384,8 +380,6 @@ def _kv_scales(scales_ptr, FP8: tl.constexpr):
 def _decode_dynamic_kernel(
     q_ptr,
     cache_ptr,
-    k_desc,
-    v_desc,
     scales_ptr,
     page_table_ptr,
     seq_lens_ptr,
@@ -415,14 +409,11 @@ def _decode_dynamic_kernel(
     MIN_TILES: tl.constexpr,
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
-    FP8_QK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    TMA: tl.constexpr,
-    SWAP: tl.constexpr,
+    LAZY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
-    cache_k, cache_v = _kv_operands(cache_ptr, stride_ckv, k_desc, v_desc, TMA)
     head = tl.program_id(0)  # heads vary fastest: the CTAs with work spread over the SMs
     cta = tl.program_id(1)
     quota = _tiles_per_cta(plan_ptr, num_requests, num_ctas, min_ctas, MIN_TILES)
@@ -443,27 +434,21 @@ def _decode_dynamic_kernel(
             mask=(g < GROUP)[:, None],
             other=0.0,
         )
-        q_scale = tl.full([GROUP_PAD], 1.0, tl.float32)
-        if FP8_QK:
-            q, q_scale = _quantize_rows_e4m3(q)
-        elif FP8:
+        if FP8:
             q = q.to(tl.float16)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
-        if SWAP:
-            acc = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
-        else:
-            acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         key_begin = (t - first_tile) * KV_TILE
         key_end = tl.minimum((seg_end - first_tile) * KV_TILE, length)
         m_i, l_i, acc = _attend_range(
             q,
-            q_scale,
+            1.0,
             m_i,
             l_i,
             acc,
-            cache_k,
-            cache_v,
+            cache_ptr,
+            cache_ptr + stride_ckv,
             page_table_ptr + r * stride_pt,
             key_begin,
             key_begin + (key_end - key_begin) // BLOCK_N * BLOCK_N,
@@ -479,12 +464,10 @@ def _decode_dynamic_kernel(
             BLOCK_N,
             1,
             FP8_ASM,
-            FP8_QK,
-            TMA,
-            SWAP,
+            False,
+            False,
+            LAZY,
         )
-        if SWAP:
-            acc = tl.trans(acc)
         _store_partial(
             part_o_ptr + (cta + r) * stride_po_slot + head * stride_po_head,
             part_lse_ptr + (cta + r) * stride_pl_slot + head * GROUP_PAD,
@@ -656,6 +639,8 @@ def _decode_static_kernel(
         1,
         FP8_ASM,
         False,
+        False,
+        False,
     )
     slot = r * SPLITS + split
     _store_partial(
@@ -704,6 +689,7 @@ def _prefill_kernel(
     FP8_QK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TMA: tl.constexpr,
+    LAZY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -772,6 +758,7 @@ def _prefill_kernel(
         FP8_ASM,
         FP8_QK,
         TMA,
+        LAZY,
     )
     result = acc / l_i[:, None] * v_scale
     tl.store(
@@ -832,10 +819,8 @@ def decode_attention_dynamic(
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
     config = config or decode_config(kv_cache.dtype, num_requests)
-    if config.fp8_qk and not config.swap_ab:
-        raise ValueError(
-            "decode's FP8 QK product needs swap_ab (16 query rows get no FP8 tensor-core product)"
-        )
+    if config.tma or config.fp8_qk:
+        raise ValueError("LaunchConfig.tma and fp8_qk are prefill options (decode measured slower with them)")
     num_ctas = num_ctas or num_decode_ctas(q.device, num_kv_heads, config.ctas_per_sm)
     min_ctas = min(min_ctas or num_decode_ctas(q.device, num_kv_heads, config.min_ctas_per_sm), num_ctas)
     group_pad = max(16, triton.next_power_of_2(group))
@@ -844,12 +829,9 @@ def decode_attention_dynamic(
     part_lse = torch.empty((slots, num_kv_heads, group_pad), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim)
-    k_desc, v_desc = _page_descriptors(kv_cache[layer], config.block_n) if config.tma else (None, None)
     _decode_dynamic_kernel[(num_kv_heads, num_ctas)](
         q,
         kv_cache[layer],
-        k_desc,
-        v_desc,
         kv_scales[layer],
         page_table,
         seq_lens,
@@ -872,9 +854,7 @@ def decode_attention_dynamic(
         BLOCK_N=config.block_n,
         MIN_TILES=config.min_tiles_per_cta,
         **_cache_flags(kv_cache),
-        FP8_QK=config.fp8_qk and kv_cache.dtype == FP8_DTYPE,
-        TMA=config.tma,
-        SWAP=config.swap_ab,
+        LAZY=config.lazy_rescale,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **common,
@@ -1017,6 +997,7 @@ def prefill_attention(
         **_cache_flags(kv_cache),
         FP8_QK=config.fp8_qk and kv_cache.dtype == FP8_DTYPE,
         TMA=config.tma,
+        LAZY=config.lazy_rescale,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch(q.device),
@@ -1026,15 +1007,13 @@ def prefill_attention(
 
 def _page_descriptors(layer_cache: Tensor, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA descriptors of one layer's K and V as [pages · page_size, kv_heads · head_dim] with
-    [block_n, head_dim] boxes: a key block is one bulk copy when block_n divides the page size (and the
-    decode tile, KV_TILE, so that every block a decode range starts lies inside one page)."""
+    [block_n, head_dim] boxes: a prefill key block (starting at a multiple of block_n) is one bulk copy
+    when block_n divides the page size."""
     _, pages, page_size, kv_heads, head_dim = layer_cache.shape
     if not layer_cache.is_contiguous():
         raise ValueError("TMA attention needs a contiguous KV cache layer")
-    if page_size % block_n or KV_TILE % block_n:
-        raise ValueError(
-            f"TMA attention needs block_n ({block_n}) to divide the page size ({page_size}) and {KV_TILE}"
-        )
+    if page_size % block_n:
+        raise ValueError(f"TMA attention needs block_n ({block_n}) to divide the page size ({page_size})")
     rows, width = pages * page_size, kv_heads * head_dim
     return tuple(
         TensorDescriptor(layer_cache[i], [rows, width], [width, 1], [block_n, head_dim]) for i in (0, 1)

@@ -65,35 +65,33 @@ def attention_variants() -> list[Variant]:
     variants = []
     for kv in ("bf16", "fp8"):
         cache = {"cache_ptr": f"*{KV_DTYPES[kv]}", "scales_ptr": "*fp32"}
-        for tma in (False, True):
-            for fp8_qk in (False, True) if kv == "fp8" else (False,):
-                flags = dict(
-                    FP8=kv == "fp8", FP8_ASM=kv == "fp8", FP8_QK=fp8_qk, PAGE_SIZE=64, TMA=tma, PDL=True
-                )
-                unused = {} if tma else {"k_desc": None, "v_desc": None}
-                descs = _descriptors(("k_desc", "v_desc"), KV_DTYPES[kv], (64, 128), tma)
-                variants.append(
-                    Variant(
-                        f"prefill {kv} tma={tma} fp8_qk={fp8_qk}",
-                        paged_attention._prefill_kernel,
-                        {"q_ptr": "*bf16", "out_ptr": "*bf16", **cache},
-                        dict(GROUP=8, Q_BLOCK=16, HEAD_DIM=128, BLOCK_N=64, **flags, **unused),
-                        descs,
-                        ("sm_scale",),
-                    )
-                )
-                decode = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1)
-                for swap in (False, True) if not fp8_qk else (True,):  # decode's FP8 QK needs swap_ab
+        fp8 = dict(FP8=kv == "fp8", FP8_ASM=kv == "fp8", PAGE_SIZE=64, PDL=True)
+        for lazy in (False, True):
+            for tma in (False, True):
+                for fp8_qk in (False, True) if kv == "fp8" else (False,):
+                    unused = {} if tma else {"k_desc": None, "v_desc": None}
                     variants.append(
                         Variant(
-                            f"decode {kv} tma={tma} fp8_qk={fp8_qk} swap_ab={swap}",
-                            paged_attention._decode_dynamic_kernel,
-                            {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache},
-                            dict(BLOCK_N=64 if tma else 128, SWAP=swap, **decode, **flags, **unused),
-                            descs,
+                            f"prefill {kv} tma={tma} fp8_qk={fp8_qk} lazy={lazy}",
+                            paged_attention._prefill_kernel,
+                            {"q_ptr": "*bf16", "out_ptr": "*bf16", **cache},
+                            dict(GROUP=8, Q_BLOCK=16, HEAD_DIM=128, BLOCK_N=64, FP8_QK=fp8_qk, TMA=tma)
+                            | dict(LAZY=lazy, **fp8, **unused),
+                            _descriptors(("k_desc", "v_desc"), KV_DTYPES[kv], (64, 128), tma),
                             ("sm_scale",),
                         )
                     )
+            decode = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1, BLOCK_N=128)
+            variants.append(
+                Variant(
+                    f"decode {kv} lazy={lazy}",
+                    paged_attention._decode_dynamic_kernel,
+                    {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache},
+                    dict(LAZY=lazy, **decode, **fp8),
+                    {},
+                    ("sm_scale",),
+                )
+            )
     return variants
 
 
