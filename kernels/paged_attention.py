@@ -72,7 +72,7 @@ class LaunchConfig:
     min_ctas_per_sm: int = 2  # … the equal share over this many CTAs per SM allows (tiles_per_cta)
     fp8_qk: bool = False  # prefill over FP8 KV: q quantized per row, QKᵀ as an e4m3 MMA
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
-    lazy_rescale: bool = False  # prefill, dynamic decode: rescale acc only when a row's max grows by > 2^8
+    lazy_rescale: bool = False  # prefill: rescale acc only when a row's max grows by more than 2^8
     tma: bool = False  # prefill: K/V blocks by TMA bulk copies (block_n divides the page)
 
 
@@ -100,7 +100,8 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int) -> LaunchConfig:
 # pointer loads) and FP8 KV (BENCHMARKS.md, attention runs 8-14). Pages that a 64-key block does not
 # tile (a page size that 64 does not divide) take per-row pointer loads (bf16 335, FP8 321). FP8 KV also
 # quantizes q per row and runs QKᵀ as an e4m3 MMA (418 TFLOP/s at 8K vs 343 with K widened to bf16;
-# relative difference 2.4e-2 from the widened product).
+# relative difference 2.4e-2 from the widened product), and rescales lazily (1.06-1.07× at 8K-32K; bf16
+# prefill and decode of either dtype measured slower with it: attention run 17).
 PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=3, tma=True)
 PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 
@@ -108,7 +109,7 @@ PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 def prefill_config(page_size: int, kv_dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
     """The prefill launch config for a KV cache's page size and dtype."""
     config = PREFILL_CONFIG if page_size % PREFILL_CONFIG.block_n == 0 else PREFILL_CONFIG_ANY_PAGE
-    return replace(config, fp8_qk=True) if kv_dtype == FP8_DTYPE else config
+    return replace(config, fp8_qk=True, lazy_rescale=True) if kv_dtype == FP8_DTYPE else config
 
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -410,7 +411,6 @@ def _decode_dynamic_kernel(
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    LAZY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -466,7 +466,7 @@ def _decode_dynamic_kernel(
             FP8_ASM,
             False,
             False,
-            LAZY,
+            False,
         )
         _store_partial(
             part_o_ptr + (cta + r) * stride_po_slot + head * stride_po_head,
@@ -819,8 +819,10 @@ def decode_attention_dynamic(
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
     config = config or decode_config(kv_cache.dtype, num_requests)
-    if config.tma or config.fp8_qk:
-        raise ValueError("LaunchConfig.tma and fp8_qk are prefill options (decode measured slower with them)")
+    if config.tma or config.fp8_qk or config.lazy_rescale:
+        raise ValueError(
+            "LaunchConfig.tma, fp8_qk and lazy_rescale are prefill options (decode measured slower with them)"
+        )
     num_ctas = num_ctas or num_decode_ctas(q.device, num_kv_heads, config.ctas_per_sm)
     min_ctas = min(min_ctas or num_decode_ctas(q.device, num_kv_heads, config.min_ctas_per_sm), num_ctas)
     group_pad = max(16, triton.next_power_of_2(group))
@@ -854,7 +856,6 @@ def decode_attention_dynamic(
         BLOCK_N=config.block_n,
         MIN_TILES=config.min_tiles_per_cta,
         **_cache_flags(kv_cache),
-        LAZY=config.lazy_rescale,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **common,
