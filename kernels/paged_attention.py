@@ -35,7 +35,9 @@ their scores masked. Prefill uses TMA where the page size allows (measured 1.14�
 
 Key blocks that every query row sees whole (all of a decode range but its tail; the keys before a
 prefill block's first query) take an unmasked path; only the tail / diagonal blocks pay for masks.
-The softmax runs in base 2 with the scale folded into the exponent.
+The softmax runs in base 2 with the scale folded into the exponent. With `LaunchConfig.lazy_rescale`
+(FP8-KV prefill by default) the accumulator is rescaled only when some row's max grows by more than
+2^8 (measured 1.06–1.07× there; slower for bf16 prefill and for decode).
 """
 
 from __future__ import annotations
