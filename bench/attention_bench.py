@@ -259,16 +259,13 @@ def sweep_prefill(tma_only: bool = False) -> None:
     flops = 4 * HEADS * 8192 * 8192 * HEAD_DIM / 2
     for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
         cache, table, scales = _paged_cache([8192], dtype, kv_scale)
+        fp8_qk_options = ((True,) if tma_only else (False, True)) if dtype == FP8_DTYPE else (False,)
         for rows in (128, 256):
             plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8, rows))
             for block_n, tma in ((64, True),) if tma_only else ((64, False), (128, False), (64, True)):
                 for warps in (4, 8) if rows <= 128 else (8,):
                     for stages, fp8_qk in [
-                        (n, qk)
-                        for n in ((2, 3, 4) if tma else (2, 3))
-                        for qk in (
-                            ((True,) if tma_only else (False, True)) if dtype == FP8_DTYPE else (False,)
-                        )
+                        (n, qk) for n in ((2, 3, 4) if tma else (2, 3)) for qk in fp8_qk_options
                     ]:
                         cfg = LaunchConfig(
                             block_n=block_n,
