@@ -36,6 +36,7 @@ from hy3c.kernels.paged_attention import (
     prefill_attention,
     prefill_config,
 )
+from hy3c.kernels.pdl import pdl_env
 from hy3c.ops.fused import qknorm_rope_quant_kvstore_reference
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -153,9 +154,8 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
         name = "bf16" if dtype == torch.bfloat16 else "fp8"
         kv = (cache, scales, 0, table, seq_lens, scale)
         t_dyn = bench(lambda kv=kv: decode_attention_dynamic(q, *kv, plan))
-        os.environ["HY3C_PDL"] = "0"
-        t_no_pdl = bench(lambda kv=kv: decode_attention_dynamic(q, *kv, plan))
-        del os.environ["HY3C_PDL"]
+        with pdl_env(False):
+            t_no_pdl = bench(lambda kv=kv: decode_attention_dynamic(q, *kv, plan))
         t_static = bench(lambda kv=kv: decode_attention_static(q, *kv))
         splits = plan_mod.heuristic_static_splits(
             len(lengths) * KV_HEADS, sms, plan_mod.cdiv(max(lengths), DECODE_CONFIG.block_n)
@@ -215,14 +215,14 @@ def prefill_bench(tokens: int) -> None:
         row(f"prefill {tokens} causal: hy3c Triton paged, {name} KV", ours, None, sdpa, "SDPA")
         RESULTS[f"prefill_{tokens}_tflops"][name] = flops / ours / 1e9
         if dtype == FP8_DTYPE:  # the default quantizes q per row (QKᵀ as an e4m3 MMA); K widened instead
-            cfg = dataclasses.replace(prefill_config(cache.shape[3], dtype), fp8_qk=False)
+            cfg = dataclasses.replace(prefill_config(cache.shape[3], dtype), fp8_qk=False, lazy_rescale=False)
             kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
             fp8_qk = prefill_attention(q, *kv)
             widened = prefill_attention(q, *kv, config=cfg)
             err = ((fp8_qk.float() - widened.float()).norm() / widened.float().norm()).item()
             t_widened = bench(lambda kv=kv, c=cfg: prefill_attention(q, *kv, config=c))
             row(
-                f"prefill {tokens} causal: hy3c Triton paged, fp8 KV widened to bf16 for QKᵀ "
+                f"prefill {tokens} causal: hy3c Triton paged, fp8 KV widened to bf16 for QKᵀ, eager rescale "
                 f"(default's rel. diff to it {err:.1e})",
                 t_widened,
                 None,
@@ -251,7 +251,8 @@ def prefill_bench(tokens: int) -> None:
 def sweep_prefill(tma_only: bool = False) -> None:
     """Prefill launch configs at 8K tokens, bf16 and FP8 KV: query rows per program, key block, warps,
     stages, key blocks by TMA bulk copies (one per page slice) or per-row pointer loads, and for FP8 KV
-    the FP8 QK product (tma_only: FP8 KV with the FP8 QK product only, the default since run 14)."""
+    the FP8 QK product (tma_only: FP8 KV with the FP8 QK product only, the default since run 14);
+    rescaling as the dtype's default (lazy for FP8 KV)."""
     d = "cuda"
     q = torch.randn(8192, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
@@ -274,6 +275,7 @@ def sweep_prefill(tma_only: bool = False) -> None:
                             q_rows=rows,
                             tma=tma,
                             fp8_qk=fp8_qk,
+                            lazy_rescale=prefill_config(PAGE, dtype).lazy_rescale,
                         )
                         label = (
                             f"sweep prefill 8192 {dtype} rows={rows} block_n={block_n} warps={warps} "

@@ -31,6 +31,7 @@ import hy3c.kernels  # noqa: F401
 from hy3c.compiler.driver import compile_model
 from hy3c.config import preset_config
 from hy3c.init_checkpoint import random_model
+from hy3c.kernels.pdl import pdl_env
 from hy3c.model.batch import SeqChunk, build_step_batch
 from hy3c.recipe import load_recipe
 
@@ -260,25 +261,19 @@ def pdl_ab(runner, sizes: list[int], context: int, rounds: int = 3) -> dict:
     kv = runner.allocate_kv_cache(max(sizes) * per + 1, PAGE)
     fill_kv(kv)
     samples: dict[str, list[float]] = {}
-    previous = os.environ.get("HY3C_PDL")
-    try:
-        for _ in range(rounds):
-            for mode in ("0", "1"):
-                os.environ["HY3C_PDL"] = mode
+    for _ in range(rounds):
+        for pdl in (False, True):
+            with pdl_env(pdl):
                 runner.capture_decode_graphs(kv, max_pages=per, batch_sizes=sizes)
                 for b in sizes:
                     batch = decode_batch(b, context, device)
-                    name = f"B{b}_{'pdl' if mode == '1' else 'no_pdl'}"
+                    name = f"B{b}_{'pdl' if pdl else 'no_pdl'}"
                     samples.setdefault(f"{name}_step_ms", []).append(
                         timed(lambda bt=batch: runner.step(bt, kv), device, reps=20)
                     )
                     samples.setdefault(f"{name}_replay_ms", []).append(
                         replay_ms(runner.decode_graphs.graphs[b].graph)
                     )
-    finally:
-        os.environ.pop("HY3C_PDL", None)
-        if previous is not None:
-            os.environ["HY3C_PDL"] = previous
     result = {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
     for b in sizes:
         off, on = result[f"B{b}_no_pdl_replay_ms"], result[f"B{b}_pdl_replay_ms"]
@@ -301,17 +296,11 @@ def profile_decode(runner, config, batch_size: int, context: int) -> dict:
     sync(device)
     from torch.profiler import ProfilerActivity, profile
 
-    previous = os.environ.get("HY3C_PDL")
-    os.environ["HY3C_PDL"] = "0"  # kernels launched with PDL would count their wait for the predecessor
-    try:
+    with pdl_env(False):  # kernels launched with PDL would count their wait for the predecessor
         runner(*batch.model_args(kv))
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             runner(*batch.model_args(kv))
             sync(device)
-    finally:
-        os.environ.pop("HY3C_PDL")
-        if previous is not None:
-            os.environ["HY3C_PDL"] = previous
     kernels: dict[str, float] = {}
     launches = 0
     for event in prof.key_averages():

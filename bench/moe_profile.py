@@ -4,9 +4,11 @@ against the layer's CUDA-graph replay time.
     python bench/moe_profile.py [--tokens 1,16]     # markdown table; $OUT/moe_profile.json
 
 For each variant (bf16 weights; FP8 weights with per-token or static activation scales), with the
-shipped configs: the layer replayed from a CUDA graph (median ms, as a decode step runs it), and the
-same graph replayed under torch.profiler — each kernel's mean GPU time per replay. The replay time
-minus the kernels' sum is what kernel boundaries cost (launch gaps inside the graph, ramp and tail).
+shipped configs: the layer replayed from a CUDA graph (median µs, as a decode step runs it, with
+programmatic dependent launch); the same without PDL; and a capture without PDL replayed under
+torch.profiler — each kernel's mean GPU time per replay (without PDL a kernel's time is its own: with
+it, a kernel's programs start early and wait). "boundaries" = the replay without PDL minus the
+kernels' sum (launch gaps inside the graph); each kernel's own ramp and tail are inside its time.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from triton.testing import do_bench_cudagraph
 
 import hy3c.kernels  # noqa: F401
 from hy3c.kernels.fused_moe import fused_moe_triton, select_config
+from hy3c.kernels.pdl import pdl_env
 from hy3c.ops.quant import FP8_DTYPE
 
 E, K_TOP, H, INTER = 192, 8, 4096, 1536
@@ -76,26 +79,26 @@ def main() -> None:
         x = torch.randn(t, H, device=d, dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(E, device=d)[:K_TOP] for _ in range(t)]).int()
         wt = torch.rand(t, K_TOP, device=d)
-        variants = {
-            "bf16": ("bf16", (w13, w2, None, None, None, None)),
-            "fp8": ("fp8", (q13, q2, s13, s2, None, None)),
-            "fp8_static": ("fp8_static", (q13, q2, s13, s2, a_scale, a_scale)),
+        variants = {  # config kind → weights, weight scales, activation scales
+            "bf16": (w13, w2, None, None, None, None),
+            "fp8": (q13, q2, s13, s2, None, None),
+            "fp8_static": (q13, q2, s13, s2, a_scale, a_scale),
         }
-        for name, (kind, weights) in variants.items():
+        for kind, weights in variants.items():
             layer = functools.partial(fused_moe_triton, x, wt, ids, *weights, None)
-            replay_us = do_bench_cudagraph(layer, rep=50, return_mode="median") * 1e3
-            os.environ["HY3C_PDL"] = "0"  # serialized kernels: each one's time is its own
-            serial_us = do_bench_cudagraph(layer, rep=50, return_mode="median") * 1e3
-            kernels = kernel_times(capture(layer))
-            del os.environ["HY3C_PDL"]
+            with pdl_env(True):
+                replay_us = do_bench_cudagraph(layer, rep=50, return_mode="median") * 1e3
+            with pdl_env(False):  # serialized kernels: each one's time is its own
+                serial_us = do_bench_cudagraph(layer, rep=50, return_mode="median") * 1e3
+                kernels = kernel_times(capture(layer))
             total = sum(kernels.values())
             short = ", ".join(f"{n.split('(')[0][:28]} {us:.1f}" for n, us in kernels.items())
             cfg = select_config(t, kind)
             print(
-                f"| {t} | {name} | {cfg} | {replay_us:.1f} | {serial_us:.1f} | {total:.1f} | "
+                f"| {t} | {kind} | {cfg} | {replay_us:.1f} | {serial_us:.1f} | {total:.1f} | "
                 f"{serial_us - total:.1f} | {short} |"
             )
-            results[f"T{t}_{name}"] = {
+            results[f"T{t}_{kind}"] = {
                 "replay_us": replay_us,
                 "replay_without_pdl_us": serial_us,
                 "kernels_us": kernels,

@@ -357,18 +357,6 @@ def _store_partial(
 
 
 @triton.jit
-def _kv_operands(cache_ptr, stride_ckv, k_desc, v_desc, TMA: tl.constexpr):
-    """What `_attend_block` reads K and V through: the TMA descriptors, or the layer's K and V bases."""
-    if TMA:
-        cache_k = k_desc
-        cache_v = v_desc
-    else:
-        cache_k = cache_ptr
-        cache_v = cache_ptr + stride_ckv
-    return cache_k, cache_v
-
-
-@triton.jit
 def _kv_scales(scales_ptr, FP8: tl.constexpr):
     """The layer's K and V dequantization scales (1.0 for a bf16 cache)."""
     k_scale = 1.0
@@ -734,7 +722,12 @@ def _prefill_kernel(
     first_position = length - q_len + block * Q_BLOCK
     key_end = tl.minimum(first_position + Q_BLOCK, length)
     full_end = (first_position + 1) // BLOCK_N * BLOCK_N  # keys every row of the block sees
-    cache_k, cache_v = _kv_operands(cache_ptr, stride_ckv, k_desc, v_desc, TMA)
+    if TMA:  # K and V through their tensor descriptors, or the layer's K and V bases
+        cache_k = k_desc
+        cache_v = v_desc
+    else:
+        cache_k = cache_ptr
+        cache_v = cache_ptr + stride_ckv
     m_i, l_i, acc = _attend_range(
         q,
         q_scale,
@@ -803,6 +796,13 @@ def _group(q: Tensor, kv_cache: Tensor) -> tuple[int, int, int]:
     return num_heads // num_kv_heads, num_kv_heads, head_dim
 
 
+def _refuse_prefill_options(config: LaunchConfig) -> None:
+    if config.tma or config.fp8_qk or config.lazy_rescale:
+        raise ValueError(
+            "LaunchConfig.tma, fp8_qk and lazy_rescale are prefill options (decode measured slower with them)"
+        )
+
+
 def decode_attention_dynamic(
     q: Tensor,
     kv_cache: Tensor,
@@ -821,10 +821,7 @@ def decode_attention_dynamic(
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
     config = config or decode_config(kv_cache.dtype, num_requests)
-    if config.tma or config.fp8_qk or config.lazy_rescale:
-        raise ValueError(
-            "LaunchConfig.tma, fp8_qk and lazy_rescale are prefill options (decode measured slower with them)"
-        )
+    _refuse_prefill_options(config)
     num_ctas = num_ctas or num_decode_ctas(q.device, num_kv_heads, config.ctas_per_sm)
     min_ctas = min(min_ctas or num_decode_ctas(q.device, num_kv_heads, config.min_ctas_per_sm), num_ctas)
     group_pad = max(16, triton.next_power_of_2(group))
@@ -897,6 +894,7 @@ def decode_attention_static(
     config: LaunchConfig = DECODE_CONFIG,
 ) -> Tensor:
     """Baseline: every request split into `splits` equal KV ranges, whatever its length."""
+    _refuse_prefill_options(config)
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
     group_pad = max(16, triton.next_power_of_2(group))

@@ -22,6 +22,8 @@ never use it (the interpreter ignores the launch option, and `PDL` is False ther
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -51,3 +53,17 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
         and _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())
     )
     return {"PDL": on, "launch_pdl": on}
+
+
+@contextmanager
+def pdl_env(on: bool) -> Iterator[None]:
+    """HY3C_PDL set to on/off inside the block and restored after it (for A/B measurements: launches and
+    CUDA-graph captures inside take the setting)."""
+    previous = os.environ.get("HY3C_PDL")
+    os.environ["HY3C_PDL"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        os.environ.pop("HY3C_PDL", None)
+        if previous is not None:
+            os.environ["HY3C_PDL"] = previous

@@ -25,7 +25,8 @@ hy3 = torch.ops.hy3
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 64, 8, 128, 64
 
 
-def _paged(lengths, new, cache_dtype, device="cuda"):
+def _paged(lengths, new, cache_dtype, device="cuda", key_ramp=0.0):
+    """A paged cache of random K/V (key at position t scaled by 1 + key_ramp·t) and the queries."""
     pages_per = [-(-n // PAGE) for n in lengths]
     total = sum(pages_per)
     order = torch.randperm(total, device=device)
@@ -44,7 +45,7 @@ def _paged(lengths, new, cache_dtype, device="cuda"):
         pos = torch.arange(n, device=device)
         slots = pages[pos // PAGE].long() * PAGE + pos % PAGE
         hy3.kv_store(
-            torch.randn(n, KV_HEADS, HEAD_DIM, device=device),
+            torch.randn(n, KV_HEADS, HEAD_DIM, device=device) * (1 + key_ramp * pos)[:, None, None],
             torch.randn(n, KV_HEADS, HEAD_DIM, device=device),
             cache,
             scales,
@@ -93,6 +94,23 @@ def test_prefill_attention_real_shapes(cache_dtype):
         q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan, config=other
     )
     torch.testing.assert_close(out_other.float(), out.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
+def test_prefill_lazy_rescaling_with_growing_scores_real_shapes(cache_dtype):
+    """Key norms ramped ×5 over 2K positions and q ×4: a row's max keeps outgrowing the kept one by more
+    than 2^8 after the first key block (over a thousand times per 256 rows in a CPU simulation), so the
+    lazy path's rescale of a nonzero accumulator runs on the GPU."""
+    q, cache, scales, table, seq_lens, qsl = _paged([2048, 700], [2048, 300], cache_dtype, key_ramp=0.002)
+    q = q * 4
+    plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
+    fp8 = cache_dtype == FP8_DTYPE
+    config = dataclasses.replace(prefill_config(PAGE, cache_dtype), lazy_rescale=True)
+    out = prefill_attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan, config=config)
+    q_scale = per_token_scale(q)
+    q_seen = quantize_fp8(q, q_scale).float() * q_scale if fp8 else q
+    ref = hy3.attention(q_seen, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5).float()
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("hadamard", [False, True])

@@ -110,8 +110,9 @@ def _ramp_keys(cache, table, lengths, rate):
             slot.copy_((slot.float() * (1 + rate * t)).to(cache.dtype))
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
-def test_lazy_rescaling_matches_reference(cache_dtype):
+def test_lazy_rescaling_matches_reference(cache_dtype, tma):
     """lazy_rescale: the running max moves only when a row's block max outgrows it by more than 2^8 —
     causal prefill chunks over cached prefixes (unused slots hold NaN), with key norms ramped along the
     sequence so that the max moves again after it has been kept (acc nonzero)."""
@@ -122,7 +123,7 @@ def test_lazy_rescaling_matches_reference(cache_dtype):
     _ramp_keys(cache, table, lengths, 0.05)
     q = q * 4
     fp8 = cache_dtype == FP8_DTYPE  # prefill over FP8 KV: with the FP8 QK product, as by default
-    config = LaunchConfig(block_n=16, num_warps=4, num_stages=1, lazy_rescale=True)
+    config = LaunchConfig(block_n=16, num_warps=4, num_stages=1, lazy_rescale=True, tma=tma)
     prefill = prefill_attention(
         q,
         *(cache, scales, 1, table, seq_lens, qsl, 0.2, _plan(seq_lens, qsl, 4)),
@@ -141,6 +142,8 @@ def test_decode_refuses_prefill_options(option):
         decode_attention_dynamic(
             q, cache, scales, 1, table, seq_lens, 0.2, _plan(seq_lens, qsl, 4), config=config
         )
+    with pytest.raises(ValueError, match="prefill options"):
+        decode_attention_static(q, cache, scales, 1, table, seq_lens, 0.2, config=config)
 
 
 def test_decode_config_by_kv_dtype_and_batch():

@@ -4,11 +4,13 @@ read stale data)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import hy3c.kernels  # noqa: F401
-from hy3c.kernels.pdl import pdl_launch
+from hy3c.kernels.pdl import pdl_env, pdl_launch
 
 tri = torch.ops.hy3_triton
 
@@ -17,6 +19,19 @@ def test_pdl_is_off_on_the_cpu_and_when_disabled(monkeypatch):
     assert pdl_launch(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
     monkeypatch.setenv("HY3C_PDL", "0")
     assert pdl_launch(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+
+
+@pytest.mark.parametrize("before", [None, "0", "1"])
+def test_pdl_env_sets_the_switch_and_restores_it_even_after_an_error(monkeypatch, before):
+    if before is None:
+        monkeypatch.delenv("HY3C_PDL", raising=False)
+    else:
+        monkeypatch.setenv("HY3C_PDL", before)
+    for on in (False, True):
+        with pytest.raises(RuntimeError), pdl_env(on):
+            assert os.environ["HY3C_PDL"] == ("1" if on else "0")
+            raise RuntimeError
+        assert os.environ.get("HY3C_PDL") == before
 
 
 def _chain(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, steps: int) -> torch.Tensor:
