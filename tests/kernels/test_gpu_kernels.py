@@ -25,6 +25,13 @@ hy3 = torch.ops.hy3
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 64, 8, 128, 64
 
 
+def _e4m3_rows(q):
+    """q as the FP8 QK product sees it: each head's row quantized to e4m3 (scale absmax / 448), kept in
+    fp32 (a bf16 rounding would add its own error)."""
+    scale = per_token_scale(q)
+    return quantize_fp8(q, scale).float() * scale
+
+
 def _paged(lengths, new, cache_dtype, device="cuda", key_ramp=0.0):
     """A paged cache of random K/V (key at position t scaled by 1 + key_ramp·t) and the queries."""
     pages_per = [-(-n // PAGE) for n in lengths]
@@ -77,10 +84,10 @@ def test_prefill_attention_real_shapes(cache_dtype):
     ref = hy3.attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5).float()
     plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
     out = prefill_attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
-    if cache_dtype == FP8_DTYPE:  # the default FP8 QK product: each head's q row quantized to e4m3
-        q_scale = per_token_scale(q)
-        q_seen = quantize_fp8(q, q_scale).float() * q_scale  # fp32: bf16 would round it again
-        ref_seen = hy3.attention(q_seen, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5).float()
+    if cache_dtype == FP8_DTYPE:  # the default FP8 QK product
+        ref_seen = hy3.attention(
+            _e4m3_rows(q), cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5
+        ).float()
         torch.testing.assert_close(out.float(), ref_seen, atol=2e-2, rtol=2e-2)
     else:
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
@@ -107,8 +114,7 @@ def test_prefill_lazy_rescaling_with_growing_scores_real_shapes(cache_dtype):
     fp8 = cache_dtype == FP8_DTYPE
     config = dataclasses.replace(prefill_config(PAGE, cache_dtype), lazy_rescale=True)
     out = prefill_attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan, config=config)
-    q_scale = per_token_scale(q)
-    q_seen = quantize_fp8(q, q_scale).float() * q_scale if fp8 else q
+    q_seen = _e4m3_rows(q) if fp8 else q
     ref = hy3.attention(q_seen, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5).float()
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
