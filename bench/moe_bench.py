@@ -204,30 +204,30 @@ def static_activation_scales(x, ids, w13) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
     """Launch configs tried at T tokens. Decode sizes (T ≤ 128): 16-row blocks, narrow to wide column
-    blocks (more programs balance the few active experts over the SMs), and for FP8 wider K blocks
-    (half the bytes per K) and the activation quantization inside the GEMMs or as its own kernels, and
-    64-row blocks (an FP8 tensor-core product on Hopper). Every size: weight tiles by pointer loads or by
-    TMA bulk copies. (Five stages, tried in session 5, never won.)"""
+    blocks (more programs balance the few active experts over the SMs), for FP8 wider K blocks (half the
+    bytes per K) and the activation quantization inside the GEMMs or as its own kernels; and the weights
+    as the MMA's rows (`swap_ab`: a wgmma with 16 token columns, FP8 weights read from shared memory
+    without widening). Every size: weight tiles by pointer loads or by TMA bulk copies. (Five stages,
+    tried in session 5, and 64-row FP8 blocks at decode sizes, session 7, never won.)"""
     if t <= 128:
+        k_blocks = (128, 256) if fp8 else (64, 128)
         rows = [
             MoeConfig(16, bn, bk, 1, 4, stages, on_load, tma)
             for bn in (32, 64, 128)
-            for bk in ((128, 256) if fp8 else (64, 128))
+            for bk in k_blocks
             for stages in (3, 4)
             for on_load, tma in (
                 ((False, False), (True, False), (False, True)) if fp8 else ((False, False), (False, True))
             )
         ]
-        # FP8 with 64-row blocks: mostly padding at decode sizes, but an e4m3 wgmma reads the weights from
-        # shared memory as they are, where 16-row blocks lower to fp16 mma.sync with every weight converted
-        wide = [
-            MoeConfig(64, bn, bk, 1, 4, stages, False, tma)
-            for bn in (32, 64, 128)
-            for bk in (128, 256)
+        swapped = [
+            MoeConfig(16, bn, bk, 1, 4, stages, False, tma, swap_ab=True)
+            for bn in (64, 128)
+            for bk in k_blocks
             for stages in (3, 4)
             for tma in (False, True)
         ]
-        return rows + wide * fp8
+        return rows + swapped
     block_ms = (32, 64) if t <= 1024 else (64, 128)
     return [
         MoeConfig(bm, bn, bk, 8, 4 if bm <= 32 else 8, 3, tma=tma)

@@ -21,7 +21,10 @@ a static scale for the down GEMM's input, the gate-up epilogue writes the interm
 
 Weight tiles are pointer loads or — the config's `tma` — TMA bulk copies from a tensor descriptor over
 the stacked weights ([E · 2I, H] and [E · H, I]; block_n must tile each expert's rows, a K block past the
-last column is zero-filled).
+last column is zero-filled). With the config's `swap_ab` the weights are the MMA's rows and the few
+tokens its columns (accᵀ = W · aᵀ, transposed back in the epilogue): on Hopper a block_n × block_m
+tile is a wgmma (m64nBLOCK_Mk32 for e4m3, reading the weights from shared memory as they are), where
+16 token rows × block_n weights lower to `mma.sync` with every FP8 weight widened in registers.
 
 Launch configs per token-count bucket come from `configs/fused_moe_h200.json` (written by
 `bench/moe_bench.py --sweep`) or the built-in defaults.
@@ -59,6 +62,7 @@ class MoeConfig:
     num_stages: int = 3
     quant_on_load: bool = False  # FP8: quantize activation rows inside the GEMMs (no quantization kernels)
     tma: bool = False  # weight tiles by TMA bulk copies (block_n must tile each expert's rows)
+    swap_ab: bool = False  # weights as the MMA's rows (acc^T = W · a^T): a wgmma with block_m token columns
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
@@ -258,6 +262,28 @@ def _quantize_tile(a, scale, dtype: tl.constexpr):
 
 
 @triton.jit
+def _weight_tile(
+    w_desc, w_base, first_row, cols, col_ok, rk, k_ok, k, stride_wn, TMA: tl.constexpr, SWAP_AB: tl.constexpr
+):
+    """One tile of an expert's weight rows as the MMA takes it: [BLOCK_N, BLOCK_K] when the weights are
+    its rows (SWAP_AB), else [BLOCK_K, BLOCK_N]. A TMA box of the stacked weights (w_desc, from
+    first_row) or pointer loads from w_base (the expert's first row), masked at the edges."""
+    if TMA:
+        tile = w_desc.load([first_row, k])
+        if not SWAP_AB:
+            tile = tl.trans(tile)
+    elif SWAP_AB:
+        tile = tl.load(
+            w_base + cols[:, None] * stride_wn + rk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
+        )
+    else:
+        tile = tl.load(
+            w_base + cols[None, :] * stride_wn + rk[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0
+        )
+    return tile
+
+
+@triton.jit
 def _program_block(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     """Grouped ordering: GROUP_M M-blocks share each weight column block while it is in L2."""
     per_group = GROUP_M * num_n_blocks
@@ -302,6 +328,7 @@ def _gate_up_kernel(
     QUANT_H: tl.constexpr,
     ACT_DTYPE: tl.constexpr,
     TMA: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -322,8 +349,12 @@ def _gate_up_kernel(
             a_scale = _row_scales(x_ptr, token, row_ok, stride_xm, hidden, BLOCK_M, ROW_SCALE_CHUNK)[:, None]
         else:
             a_scale = tl.load(xs_ptr)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP_AB:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, hidden, BLOCK_K):
         rk = k + tl.arange(0, BLOCK_K)
         k_ok = rk < hidden
@@ -334,16 +365,30 @@ def _gate_up_kernel(
         )
         if QUANT_ON_LOAD:
             a = _quantize_tile(a, a_scale, w_ptr.dtype.element_ty)
-        if TMA:  # w_desc: the stacked weights as [experts · 2·inter, hidden], [BLOCK_N, BLOCK_K] boxes
-            first_row = (expert * 2 * inter + pid_n * BLOCK_N).to(tl.int32)
-            wg = tl.trans(w_desc.load([first_row, k]))
-            wu = tl.trans(w_desc.load([first_row + inter, k]))
+        first_row = (expert * 2 * inter + pid_n * BLOCK_N).to(tl.int32)
+        wg = _weight_tile(w_desc, w_base, first_row, cols, col_ok, rk, k_ok, k, stride_wn, TMA, SWAP_AB)
+        wu = _weight_tile(
+            w_desc,
+            w_base + inter * stride_wn,
+            first_row + inter,
+            cols,
+            col_ok,
+            rk,
+            k_ok,
+            k,
+            stride_wn,
+            TMA,
+            SWAP_AB,
+        )
+        if SWAP_AB:
+            acc_g += tl.dot(wg, tl.trans(a))
+            acc_u += tl.dot(wu, tl.trans(a))
         else:
-            w_mask = col_ok[None, :] & k_ok[:, None]
-            wg = tl.load(w_base + cols[None, :] * stride_wn + rk[:, None], mask=w_mask, other=0.0)
-            wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + rk[:, None], mask=w_mask, other=0.0)
-        acc_g += tl.dot(a, wg)
-        acc_u += tl.dot(a, wu)
+            acc_g += tl.dot(a, wg)
+            acc_u += tl.dot(a, wu)
+    if SWAP_AB:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     if FP8:
         if not QUANT_ON_LOAD:
             if A_PER_ROW:
@@ -401,6 +446,7 @@ def _down_kernel(
     W_PER_ROW: tl.constexpr,
     QUANT_ON_LOAD: tl.constexpr,
     TMA: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -420,7 +466,10 @@ def _down_kernel(
             h_scale = _row_scales(h_ptr, pair, row_ok, stride_hm, inter, BLOCK_M, ROW_SCALE_CHUNK)[:, None]
         else:
             h_scale = tl.load(hs_ptr)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, inter, BLOCK_K):
         rk = k + tl.arange(0, BLOCK_K)
         k_ok = rk < inter
@@ -431,15 +480,14 @@ def _down_kernel(
         )
         if QUANT_ON_LOAD:
             a = _quantize_tile(a, h_scale, w_ptr.dtype.element_ty)
-        if TMA:  # w_desc: the stacked weights as [experts · hidden, inter], [BLOCK_N, BLOCK_K] boxes
-            w = tl.trans(w_desc.load([(expert * hidden + pid_n * BLOCK_N).to(tl.int32), k]))
+        first_row = (expert * hidden + pid_n * BLOCK_N).to(tl.int32)
+        w = _weight_tile(w_desc, w_base, first_row, cols, col_ok, rk, k_ok, k, stride_wn, TMA, SWAP_AB)
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(a))
         else:
-            w = tl.load(
-                w_base + cols[None, :] * stride_wn + rk[:, None],
-                mask=col_ok[None, :] & k_ok[:, None],
-                other=0.0,
-            )
-        acc += tl.dot(a, w)
+            acc += tl.dot(a, w)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if FP8:
         if QUANT_ON_LOAD:
             acc = acc * h_scale
@@ -567,6 +615,8 @@ def fused_moe_triton(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         FP8=fp8,
+        TMA=cfg.tma,
+        SWAP_AB=cfg.swap_ab,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -596,7 +646,6 @@ def fused_moe_triton(
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load,
         QUANT_H=quant_h,
         ACT_DTYPE=_TL_DTYPES[x.dtype],
-        TMA=cfg.tma,
         **common,
         **pdl_launch(x.device),
     )
@@ -628,7 +677,6 @@ def fused_moe_triton(
         A_PER_ROW=h_per_row,
         W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
-        TMA=cfg.tma,
         **common,
         **pdl_launch(x.device),
     )

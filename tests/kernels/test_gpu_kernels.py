@@ -181,6 +181,10 @@ def test_fused_moe_real_shapes(tokens, fp8):
         select_config(tokens, "fp8" if fp8 else "bf16"), tma=True
     )  # weight tiles by TMA
     assert (fused_moe_triton(*args, config=tma).float() - out).norm() / out.norm() < 1e-3
+    if select_config(tokens, "bf16").block_m <= 32:  # weights as the MMA's rows (a wgmma at few tokens)
+        for tma_on in (False, True):
+            swap = dataclasses.replace(tma, tma=tma_on, swap_ab=True)
+            assert (fused_moe_triton(*args, config=swap).float() - out).norm() / out.norm() < 1e-3
     if fp8 and select_config(tokens, "fp8").block_m <= 32:  # activations quantized inside the GEMMs
         for on_load in (False, True):
             cfg = dataclasses.replace(select_config(tokens, "fp8"), quant_on_load=on_load)

@@ -140,8 +140,9 @@ def test_fused_moe_bf16_and_fp32(tokens, experts, top_k, case):
         args = (x.to(dtype), w, ids, w13.to(dtype), w2.to(dtype), None, None, None, None, shared.to(dtype))
         out = fused_moe_triton(*args, config=CFG)
         torch.testing.assert_close(out.float(), hy3.fused_moe(*args).float(), atol=tol, rtol=tol)
-        tma = fused_moe_triton(*args, config=dataclasses.replace(CFG, tma=True))  # weight tiles by TMA
-        torch.testing.assert_close(tma.float(), hy3.fused_moe(*args).float(), atol=tol, rtol=tol)
+        for options in ({"tma": True}, {"swap_ab": True}, {"swap_ab": True, "tma": True}):
+            other = fused_moe_triton(*args, config=dataclasses.replace(CFG, **options))
+            torch.testing.assert_close(other.float(), hy3.fused_moe(*args).float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("static", [True, False])
@@ -168,10 +169,15 @@ def test_fused_moe_fp8(static, per_channel):
     torch.testing.assert_close(tma, out, atol=0, rtol=0)
     wide = fused_moe_triton(*args, config=dataclasses.replace(CFG, block_m=64))  # mostly padding rows
     assert (wide.float() - ref.float()).norm() / ref.float().norm() < 2e-2
+    for tma in (False, True):  # weights as the MMA's rows: the same FP8 products, summed in another order
+        swapped = fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=True, tma=tma))
+        torch.testing.assert_close(swapped, out, atol=2e-2, rtol=2e-2)
+        assert (swapped.float() - ref.float()).norm() / ref.float().norm() < 2e-2
 
 
+@pytest.mark.parametrize("swap_ab", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_fused_moe_tma_zero_fills_k_blocks_past_the_last_column(fp8):
+def test_fused_moe_tma_zero_fills_k_blocks_past_the_last_column(fp8, swap_ab):
     """K blocks (64) past hidden = 96 and inter = 32: the copies' zero fill matches the masked loads."""
     tokens, experts, top_k = 5, 4, 2
     x = torch.randn(tokens, 96).to(torch.bfloat16)
@@ -184,7 +190,7 @@ def test_fused_moe_tma_zero_fills_k_blocks_past_the_last_column(fp8):
         w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
     ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
     args = (x, torch.rand(tokens, top_k), ids, w13, w2, *scales, None, None, None)
-    cfg = dataclasses.replace(CFG, block_k=64)
+    cfg = dataclasses.replace(CFG, block_k=64, swap_ab=swap_ab)
     pointers = fused_moe_triton(*args, config=cfg)
     torch.testing.assert_close(fused_moe_triton(*args, config=dataclasses.replace(cfg, tma=True)), pointers)
 
