@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -207,7 +208,8 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
     blocks (more programs balance the few active experts over the SMs), for FP8 wider K blocks (half the
     bytes per K) and the activation quantization inside the GEMMs or as its own kernels; and the weights
     as the MMA's rows (`swap_ab`: a wgmma with 16 token columns, FP8 weights read from shared memory
-    without widening). Every size: weight tiles by pointer loads or by TMA bulk copies. (Five stages,
+    without widening); at one token, one pair per M block (`pair_blocks`, no alignment launch; the
+    shipped config, timed beside, is the control). Every size: weight tiles by pointer loads or by TMA bulk copies. (Five stages,
     tried in session 5, and 64-row FP8 blocks at decode sizes, session 7, never won.)"""
     if t <= 128:
         k_blocks = (128, 256) if fp8 else (64, 128)
@@ -221,12 +223,16 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
             )
         ]
         swapped = [
-            MoeConfig(16, bn, bk, 1, 4, stages, False, tma, swap_ab=True)
+            MoeConfig(16, bn, bk, 1, 4, stages, on_load, tma, swap_ab=True)
             for bn in (64, 128)
             for bk in k_blocks
             for stages in (3, 4)
-            for tma in (False, True)
+            for on_load, tma in (
+                ((False, False), (False, True), (True, True)) if fp8 else ((False, False), (False, True))
+            )
         ]
+        if t == 1:  # one token's experts are distinct: a block per pair, no alignment launch
+            return [dataclasses.replace(cfg, pair_blocks=True) for cfg in rows + swapped]
         return rows + swapped
     block_ms = (32, 64) if t <= 1024 else (64, 128)
     return [

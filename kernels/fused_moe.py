@@ -4,7 +4,9 @@
 
 1. `moe_align` (one Triton program, or device-side torch ops above 1024 pairs; no host sync): the
    (token, slot) pairs sorted by expert and padded per expert to a multiple of BLOCK_M (`sorted_ids`,
-   pad value = T·k), the expert of every M block, and the padded total.
+   pad value = T·k), the expert of every M block, and the padded total. With the config's
+   `pair_blocks` there is no alignment: M block i holds pair i alone (its expert read from the top-k
+   ids) — one launch fewer, and no weight read twice when the pairs' experts are distinct (one token).
 2. gate-up GEMM: each program takes one M block of one expert and BLOCK_N columns of both the gate
    and the up halves, reads its activation rows *through* `sorted_ids` (no gather copy), and writes
    silu(gate) · up for its (token, slot) rows — the intermediate is written once, half-size.
@@ -63,6 +65,7 @@ class MoeConfig:
     quant_on_load: bool = False  # FP8: quantize activation rows inside the GEMMs (no quantization kernels)
     tma: bool = False  # weight tiles by TMA bulk copies (block_n must tile each expert's rows)
     swap_ab: bool = False  # weights as the MMA's rows (acc^T = W · a^T): a wgmma with block_m token columns
+    pair_blocks: bool = False  # one (token, slot) pair per M block, no alignment launch (for one token)
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
@@ -262,6 +265,18 @@ def _quantize_tile(a, scale, dtype: tl.constexpr):
 
 
 @triton.jit
+def _block_rows(pid_m, sorted_ptr, expert_ptr, pairs, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
+    """The (token, slot) pair of each row of M block pid_m (pad rows hold `pairs`) and the block's expert:
+    from the alignment (sorted ids, expert of each block) or — PAIR_BLOCKS — pair pid_m alone in row 0,
+    its expert read from the flat top-k ids (expert_ptr)."""
+    if PAIR_BLOCKS:
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, pairs)
+    else:
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return pair, tl.load(expert_ptr + pid_m).to(tl.int64)
+
+
+@triton.jit
 def _weight_tile(
     w_desc, w_base, first_row, cols, col_ok, rk, k_ok, k, stride_wn, TMA: tl.constexpr, SWAP_AB: tl.constexpr
 ):
@@ -329,18 +344,18 @@ def _gate_up_kernel(
     ACT_DTYPE: tl.constexpr,
     TMA: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     num_n_blocks = tl.cdiv(inter, BLOCK_N)
     pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(padded_ptr):
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
+    if not PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: pair blocks never load the padded total)
+        if pid_m * BLOCK_M >= tl.load(padded_ptr):
+            return
+    pair, expert = _block_rows(pid_m, sorted_ptr, expert_ptr, pairs, BLOCK_M, PAIR_BLOCKS)
     row_ok = pair < pairs
     token = pair // top_k
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     w_base = w_ptr + expert * stride_we
@@ -447,17 +462,17 @@ def _down_kernel(
     QUANT_ON_LOAD: tl.constexpr,
     TMA: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     num_n_blocks = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(padded_ptr):
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
+    if not PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: pair blocks never load the padded total)
+        if pid_m * BLOCK_M >= tl.load(padded_ptr):
+            return
+    pair, expert = _block_rows(pid_m, sorted_ptr, expert_ptr, pairs, BLOCK_M, PAIR_BLOCKS)
     row_ok = pair < pairs
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     w_base = w_ptr + expert * stride_we
@@ -598,7 +613,11 @@ def fused_moe_triton(
     cfg = config or select_config(num_tokens, config_kind(fp8, a13_scale is not None))
     if cfg.quant_on_load and cfg.block_m > 32:  # the row-absmax pass holds BLOCK_M × 1024 values
         raise ValueError(f"quant_on_load needs block_m <= 32 (got {cfg.block_m})")
-    sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, cfg.block_m)
+    if cfg.pair_blocks:  # block i: pair i alone, its expert from the top-k ids (no alignment launch)
+        expert_ids = topk_ids.reshape(-1).to(torch.int32)
+        sorted_ids = padded = expert_ids  # unread
+    else:
+        sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, cfg.block_m)
     num_m_blocks = expert_ids.shape[0]
     dummy = x.new_empty(1, dtype=torch.float32)
     a, a_scale, a_per_row = (x, dummy, False)
@@ -617,6 +636,7 @@ def fused_moe_triton(
         FP8=fp8,
         TMA=cfg.tma,
         SWAP_AB=cfg.swap_ab,
+        PAIR_BLOCKS=cfg.pair_blocks,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

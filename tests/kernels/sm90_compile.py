@@ -101,21 +101,23 @@ def moe_variants() -> list[Variant]:
         fp8 = weights == "fp8"
         w, block_k = f"*{KV_DTYPES[weights]}", 256 if fp8 else 128
         scales = {"xs_ptr": "*fp32", "ws_ptr": "*fp32", "hs_ptr": "*fp32"}
-        for tma, block_m, swap in (
-            (False, 16, False),
-            (True, 16, False),
-            (True, 64, False),
-            (False, 16, True),
-            (True, 16, True),
+        for tma, block_m, swap, pair_blocks in (
+            (False, 16, False, False),
+            (True, 16, False, False),
+            (True, 64, False, False),
+            (False, 16, True, False),
+            (True, 16, True, True),
         ):
             common = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, FP8=fp8, A_PER_ROW=fp8)
-            common |= dict(W_PER_ROW=fp8, QUANT_ON_LOAD=False, TMA=tma, SWAP_AB=swap, PDL=True)
+            common |= dict(
+                W_PER_ROW=fp8, QUANT_ON_LOAD=False, TMA=tma, SWAP_AB=swap, PAIR_BLOCKS=pair_blocks, PDL=True
+            )
             if not tma:
                 common["w_desc"] = None
             descs = _descriptors(("w_desc",), KV_DTYPES[weights], (64, block_k), tma)
             variants.append(
                 Variant(
-                    f"fused_moe gate-up {weights} tma={tma} block_m={block_m} swap_ab={swap}",
+                    f"fused_moe gate-up {weights} tma={tma} block_m={block_m} swap_ab={swap} pair_blocks={pair_blocks}",
                     fused_moe._gate_up_kernel,
                     {"x_ptr": w, "w_ptr": w, "out_ptr": "*bf16", **scales},
                     dict(common, QUANT_H=False, ACT_DTYPE=tl.bfloat16),
@@ -124,7 +126,7 @@ def moe_variants() -> list[Variant]:
             )
             variants.append(
                 Variant(
-                    f"fused_moe down {weights} tma={tma} block_m={block_m} swap_ab={swap}",
+                    f"fused_moe down {weights} tma={tma} block_m={block_m} swap_ab={swap} pair_blocks={pair_blocks}",
                     fused_moe._down_kernel,
                     {"h_ptr": w, "w_ptr": w, "out_ptr": "*fp32", "topk_w_ptr": "*fp32", **scales},
                     common,

@@ -184,7 +184,13 @@ def test_fused_moe_real_shapes(tokens, fp8):
     if select_config(tokens, "bf16").block_m <= 32:  # weights as the MMA's rows (a wgmma at few tokens)
         for tma_on in (False, True):
             swap = dataclasses.replace(tma, tma=tma_on, swap_ab=True)
-            assert (fused_moe_triton(*args, config=swap).float() - out).norm() / out.norm() < 1e-3
+            swapped = fused_moe_triton(*args, config=swap).float()
+            assert (swapped - out).norm() / out.norm() < 1e-3
+            pair_blocks = fused_moe_triton(*args, config=dataclasses.replace(swap, pair_blocks=True)).float()
+            if tokens == 1:  # each aligned block holds one pair: the same tiles
+                assert torch.equal(pair_blocks, swapped)
+            else:
+                assert (pair_blocks - out).norm() / out.norm() < 1e-3
     if fp8 and select_config(tokens, "fp8").block_m <= 32:  # activations quantized inside the GEMMs
         for on_load in (False, True):
             cfg = dataclasses.replace(select_config(tokens, "fp8"), quant_on_load=on_load)

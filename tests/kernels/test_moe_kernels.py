@@ -140,7 +140,14 @@ def test_fused_moe_bf16_and_fp32(tokens, experts, top_k, case):
         args = (x.to(dtype), w, ids, w13.to(dtype), w2.to(dtype), None, None, None, None, shared.to(dtype))
         out = fused_moe_triton(*args, config=CFG)
         torch.testing.assert_close(out.float(), hy3.fused_moe(*args).float(), atol=tol, rtol=tol)
-        for options in ({"tma": True}, {"swap_ab": True}, {"swap_ab": True, "tma": True}):
+        options_tried = (
+            {"tma": True},
+            {"swap_ab": True},
+            {"swap_ab": True, "tma": True},
+            {"pair_blocks": True},  # one pair per block: experts shared by pairs are read once per pair
+            {"pair_blocks": True, "swap_ab": True},
+        )
+        for options in options_tried:
             other = fused_moe_triton(*args, config=dataclasses.replace(CFG, **options))
             torch.testing.assert_close(other.float(), hy3.fused_moe(*args).float(), atol=tol, rtol=tol)
 
@@ -173,6 +180,27 @@ def test_fused_moe_fp8(static, per_channel):
         swapped = fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=True, tma=tma))
         torch.testing.assert_close(swapped, out, atol=2e-2, rtol=2e-2)
         assert (swapped.float() - ref.float()).norm() / ref.float().norm() < 2e-2
+
+
+@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_moe_pair_blocks_equal_the_aligned_blocks_for_one_token(fp8, swap_ab):
+    """One token: each aligned block holds one pair in row 0, so a block per pair computes the same tiles."""
+    experts, top_k = 8, 4
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    w13, w2 = _weights(experts, 64, 32)
+    scales = (None, None)
+    if fp8:
+        scales = (w13.abs().amax(-1) / 448, w2.abs().amax(-1) / 448)
+        w13, w2 = (w13 / scales[0][..., None]).to(FP8_DTYPE), (w2 / scales[1][..., None]).to(FP8_DTYPE)
+    else:
+        w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+    ids = torch.randperm(experts)[None, :top_k].int()
+    args = (x, torch.rand(1, top_k), ids, w13, w2, *scales, None, None, torch.randn(1, 64).to(torch.bfloat16))
+    aligned = fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=swap_ab))
+    pair_blocks = fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=swap_ab, pair_blocks=True))
+    torch.testing.assert_close(pair_blocks, aligned, atol=0, rtol=0)
+    assert (aligned.float() - hy3.fused_moe(*args).float()).norm() / aligned.float().norm() < 2e-2
 
 
 @pytest.mark.parametrize("swap_ab", [False, True])
