@@ -208,9 +208,8 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
     blocks (more programs balance the few active experts over the SMs), for FP8 wider K blocks (half the
     bytes per K) and the activation quantization inside the GEMMs or as its own kernels; and the weights
     as the MMA's rows (`swap_ab`: a wgmma with 16 token columns, FP8 weights read from shared memory
-    without widening); at one token, one pair per M block (`pair_blocks`, no alignment launch) with the
-    combine inside the down GEMM or not (`fused_combine`; the shipped config, timed beside, is the
-    control). Every size: weight tiles by pointer loads or by TMA bulk copies. (Five stages,
+    without widening); at one token, one pair per M block (`pair_blocks`, no alignment launch; the
+    shipped config, timed beside, is the control). Every size: weight tiles by pointer loads or by TMA bulk copies. (Five stages,
     tried in session 5, and 64-row FP8 blocks at decode sizes, session 7, never won.)"""
     if t <= 128:
         k_blocks = (128, 256) if fp8 else (64, 128)
@@ -233,11 +232,7 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
             )
         ]
         if t == 1:  # one token's experts are distinct: a block per pair, no alignment launch
-            return [dataclasses.replace(cfg, pair_blocks=True, fused_combine=True) for cfg in rows] + [
-                dataclasses.replace(cfg, pair_blocks=True, fused_combine=fused)
-                for cfg in swapped
-                for fused in (False, True)
-            ]
+            return [dataclasses.replace(cfg, pair_blocks=True) for cfg in rows + swapped]
         return rows + swapped
     block_ms = (32, 64) if t <= 1024 else (64, 128)
     return [

@@ -11,17 +11,13 @@
    and the up halves, reads its activation rows *through* `sorted_ids` (no gather copy), and writes
    silu(gate) · up for its (token, slot) rows — the intermediate is written once, half-size.
 3. down GEMM over the intermediate rows, scaled by each pair's routing weight in the epilogue.
-4. combine: each token's k rows summed in fp32 plus the shared expert's output, written once — by its
-   own launch, or (the config's `fused_combine`, with pair blocks) inside the down GEMM: the last of a
-   token's k programs to finish a column block (an arrival counter per token and column block) adds
-   the k rows in slot order, as the combine kernel does.
+4. combine: each token's k rows summed in fp32 plus the shared expert's output, written once.
 
 FP8: weights e4m3 with per-channel ([E, rows]) or per-tensor ([E, 1]) scales; activations e4m3 with a
 static per-tensor scale or dynamic per-token scales; fp8 × fp8 tensor-core products, scales applied in
 the epilogues. The activations are quantized either by one row-wise kernel before each GEMM, or — the
 config's `quant_on_load`, for few tokens — inside the GEMM as its rows are loaded (a dynamic scale is
-the row's absmax / 448, found by a first pass over the row — with pair blocks, over the block's one row
-in a single trip of wide loads): bit-identical, two launches fewer. With
+the row's absmax / 448, found by a first pass over the row): bit-identical, two launches fewer. With
 a static scale for the down GEMM's input, the gate-up epilogue writes the intermediate as e4m3 itself
 (half the bytes, no quantization launch; the same values as the row-wise kernel).
 
@@ -49,7 +45,6 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from hy3c.kernels.arrival_counters import arrival_counters
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.quant import quant_fp8, quant_fp8_per_token
 from hy3c.kernels.registry import Provider, register_provider
@@ -71,9 +66,6 @@ class MoeConfig:
     tma: bool = False  # weight tiles by TMA bulk copies (block_n must tile each expert's rows)
     swap_ab: bool = False  # weights as the MMA's rows (acc^T = W · a^T): a wgmma with block_m token columns
     pair_blocks: bool = False  # one (token, slot) pair per M block, no alignment launch (for one token)
-    fused_combine: bool = (
-        False  # pair blocks: the down GEMM's last program per token and column block combines
-    )
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
@@ -249,7 +241,6 @@ def moe_align_triton(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[
 
 
 ROW_SCALE_CHUNK = tl.constexpr(1024)  # columns per trip of the row-absmax pass of `quant_on_load`
-ONE_ROW_CHUNK = tl.constexpr(4096)  # the same for a pair block's single row: one trip at Hy3's widths
 
 
 @triton.jit
@@ -265,17 +256,6 @@ def _row_scales(ptr, rows, row_ok, stride, width, BLOCK_M: tl.constexpr, CHUNK: 
         )
         amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
     return tl.maximum(amax / 448.0, 1e-12)
-
-
-@triton.jit
-def _one_row_scale(ptr, row, stride, width, CHUNK: tl.constexpr):
-    """`_row_scales` of one row (a pair block's only one), as a scalar."""
-    amax = tl.zeros([CHUNK], tl.float32)
-    for k in range(0, width, CHUNK):
-        rk = k + tl.arange(0, CHUNK)
-        a = tl.load(ptr + row.to(tl.int64) * stride + rk, mask=rk < width, other=0.0)
-        amax = tl.maximum(amax, tl.abs(a.to(tl.float32)))
-    return tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
 
 
 @triton.jit
@@ -380,9 +360,7 @@ def _gate_up_kernel(
     col_ok = cols < inter
     w_base = w_ptr + expert * stride_we
     if QUANT_ON_LOAD:
-        if A_PER_ROW and PAIR_BLOCKS:
-            a_scale = _one_row_scale(x_ptr, pid_m // top_k, stride_xm, hidden, ONE_ROW_CHUNK)
-        elif A_PER_ROW:
+        if A_PER_ROW:
             a_scale = _row_scales(x_ptr, token, row_ok, stride_xm, hidden, BLOCK_M, ROW_SCALE_CHUNK)[:, None]
         else:
             a_scale = tl.load(xs_ptr)
@@ -465,9 +443,6 @@ def _down_kernel(
     hs_ptr,
     ws_ptr,
     topk_w_ptr,
-    final_ptr,
-    shared_ptr,
-    counter_ptr,
     pairs,
     hidden,
     inter,
@@ -477,8 +452,6 @@ def _down_kernel(
     stride_wn,
     stride_om,
     stride_wse,
-    stride_fm,
-    stride_sm,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -490,9 +463,6 @@ def _down_kernel(
     TMA: tl.constexpr,
     SWAP_AB: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
-    TOP_K: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -507,9 +477,7 @@ def _down_kernel(
     col_ok = cols < hidden
     w_base = w_ptr + expert * stride_we
     if QUANT_ON_LOAD:
-        if A_PER_ROW and PAIR_BLOCKS:
-            h_scale = _one_row_scale(h_ptr, pid_m, stride_hm, inter, ONE_ROW_CHUNK)
-        elif A_PER_ROW:
+        if A_PER_ROW:
             h_scale = _row_scales(h_ptr, pair, row_ok, stride_hm, inter, BLOCK_M, ROW_SCALE_CHUNK)[:, None]
         else:
             h_scale = tl.load(hs_ptr)
@@ -554,25 +522,6 @@ def _down_kernel(
         y,
         mask=row_ok[:, None] & col_ok[None, :],
     )
-    if FUSED_COMBINE:  # pair blocks: the last of the token's k programs for these columns combines them
-        token = pid_m // TOP_K
-        counter = counter_ptr + token * num_n_blocks + pid_n
-        tl.debug_barrier()  # every thread's stores precede the release below
-        if tl.atomic_add(counter, 1, sem="acq_rel") == TOP_K - 1:
-            _combine_columns(
-                out_ptr,
-                shared_ptr,
-                final_ptr,
-                token,
-                cols,
-                col_ok,
-                stride_om,
-                stride_sm,
-                stride_fm,
-                TOP_K,
-                HAS_SHARED,
-            )
-            tl.atomic_xchg(counter, 0)  # zero again for the next launch (and CUDA-graph replay)
 
 
 @triton.jit
@@ -592,47 +541,17 @@ def _combine_kernel(
     wait_for_inputs(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    _combine_columns(
-        y_ptr,
-        shared_ptr,
-        out_ptr,
-        token,
-        cols,
-        cols < hidden,
-        stride_ym,
-        stride_sm,
-        stride_om,
-        TOP_K,
-        HAS_SHARED,
-    )
-
-
-@triton.jit
-def _combine_columns(
-    y_ptr,
-    shared_ptr,
-    out_ptr,
-    token,
-    cols,
-    ok,
-    stride_ym,
-    stride_sm,
-    stride_om,
-    TOP_K: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-):
-    """out[token, cols] = the token's k rows of y summed in slot order (fp32), rounded to the output
-    dtype, plus the shared expert's row (HAS_SHARED). Loads from L2 (`.cg`): the rows
-    may have just been written by other programs of the same launch."""
-    acc = tl.zeros(cols.shape, tl.float32)
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(TOP_K):
-        row = (token * TOP_K + j).to(tl.int64)
-        acc += tl.load(y_ptr + row * stride_ym + cols, mask=ok, other=0.0, cache_modifier=".cg")
+        acc += tl.load(y_ptr + (token * TOP_K + j).to(tl.int64) * stride_ym + cols, mask=ok, other=0.0)
     out_dtype = out_ptr.dtype.element_ty
     result = acc.to(out_dtype)
     if HAS_SHARED:
-        shared = tl.load(shared_ptr + token.to(tl.int64) * stride_sm + cols, mask=ok, other=0.0)
-        result = (result.to(tl.float32) + shared.to(tl.float32)).to(out_dtype)
+        result = (
+            result.to(tl.float32)
+            + tl.load(shared_ptr + token.to(tl.int64) * stride_sm + cols, mask=ok, other=0.0).to(tl.float32)
+        ).to(out_dtype)
     tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, result, mask=ok)
 
 
@@ -694,8 +613,6 @@ def fused_moe_triton(
     cfg = config or select_config(num_tokens, config_kind(fp8, a13_scale is not None))
     if cfg.quant_on_load and cfg.block_m > 32:  # the row-absmax pass holds BLOCK_M × 1024 values
         raise ValueError(f"quant_on_load needs block_m <= 32 (got {cfg.block_m})")
-    if cfg.fused_combine and not cfg.pair_blocks:
-        raise ValueError("fused_combine needs pair_blocks (a token's k pairs in k programs per column block)")
     if cfg.pair_blocks:  # block i: pair i alone, its expert from the top-k ids (no alignment launch)
         expert_ids = topk_ids.reshape(-1).to(torch.int32)
         sorted_ids = padded = expert_ids  # unread
@@ -757,10 +674,7 @@ def fused_moe_triton(
         h, h_scale, h_per_row = _quantize_activations(hidden_act, None, cfg.quant_on_load)
     per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
     w2_s = w2_scale if w2_scale is not None else dummy
-    down_n_blocks = triton.cdiv(hidden, cfg.block_n)
-    shared_rows = shared if shared is not None else x
-    counters = arrival_counters(x.device, num_tokens * down_n_blocks) if cfg.fused_combine else dummy
-    _down_kernel[(num_m_blocks * down_n_blocks,)](
+    _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
         h,
         w2,
         w2_desc,
@@ -771,9 +685,6 @@ def fused_moe_triton(
         h_scale,
         w2_s,
         topk_weights.reshape(-1).float(),
-        out,
-        shared_rows,
-        counters,
         pairs,
         hidden,
         inter,
@@ -783,27 +694,20 @@ def fused_moe_triton(
         w2.stride(1),
         per_pair.stride(0),
         w2_s.stride(0) if w2_scale is not None else 0,
-        out.stride(0),
-        shared_rows.stride(0),
         A_PER_ROW=h_per_row,
         W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
-        FUSED_COMBINE=cfg.fused_combine,
-        TOP_K=top_k,
-        HAS_SHARED=shared is not None,
         **common,
         **pdl_launch(x.device),
     )
-    if cfg.fused_combine:
-        return out
     block = 1024
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         per_pair,
-        shared_rows,
+        shared if shared is not None else x,
         out,
         hidden,
         per_pair.stride(0),
-        shared_rows.stride(0),
+        shared.stride(0) if shared is not None else 0,
         out.stride(0),
         TOP_K=top_k,
         BLOCK=block,

@@ -110,12 +110,7 @@ def moe_variants() -> list[Variant]:
         ):
             common = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, FP8=fp8, A_PER_ROW=fp8)
             common |= dict(
-                W_PER_ROW=fp8,
-                QUANT_ON_LOAD=fp8 and pair_blocks,
-                TMA=tma,
-                SWAP_AB=swap,
-                PAIR_BLOCKS=pair_blocks,
-                PDL=True,
+                W_PER_ROW=fp8, QUANT_ON_LOAD=False, TMA=tma, SWAP_AB=swap, PAIR_BLOCKS=pair_blocks, PDL=True
             )
             if not tma:
                 common["w_desc"] = None
@@ -133,9 +128,8 @@ def moe_variants() -> list[Variant]:
                 Variant(
                     f"fused_moe down {weights} tma={tma} block_m={block_m} swap_ab={swap} pair_blocks={pair_blocks}",
                     fused_moe._down_kernel,
-                    {"h_ptr": w, "w_ptr": w, "out_ptr": "*fp32", "topk_w_ptr": "*fp32", **scales}
-                    | {"final_ptr": "*bf16", "shared_ptr": "*bf16"},
-                    dict(common, FUSED_COMBINE=pair_blocks, TOP_K=8, HAS_SHARED=True),
+                    {"h_ptr": w, "w_ptr": w, "out_ptr": "*fp32", "topk_w_ptr": "*fp32", **scales},
+                    common,
                     descs,
                 )
             )
