@@ -367,7 +367,9 @@ def sweep_decode(lengths: list[int]) -> None:
         floor = sum(lengths) * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
         single_floor = single[0] * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
         shapes = ((128, 4), (256, 4), (256, 8)) if dtype == FP8_DTYPE else ((64, 4), (128, 4), (128, 8))
-        occupancy = [(2, 1), (4, 1), (8, 1)] + [(8, 8), (8, 16), (8, 32)] * (dtype == FP8_DTYPE)
+        occupancy = [(1, 1), (2, 1), (3, 1), (4, 1), (8, 1)] + [(8, 8), (8, 16), (8, 32)] * (
+            dtype == FP8_DTYPE
+        )
         for (block_n, warps), stages, (ctas, min_tiles) in itertools.product(shapes, (2, 3), occupancy):
             cfg = LaunchConfig(
                 block_n=block_n,
