@@ -66,6 +66,7 @@ class MoeConfig:
     tma: bool = False  # weight tiles by TMA bulk copies (block_n must tile each expert's rows)
     swap_ab: bool = False  # weights as the MMA's rows (acc^T = W · a^T): a wgmma with block_m token columns
     pair_blocks: bool = False  # one (token, slot) pair per M block, no alignment launch (for one token)
+    combine_block: int = 1024  # columns per program of the combine (more programs for few tokens)
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
@@ -700,8 +701,7 @@ def fused_moe_triton(
         **common,
         **pdl_launch(x.device),
     )
-    block = 1024
-    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, cfg.combine_block))](
         per_pair,
         shared if shared is not None else x,
         out,
@@ -710,7 +710,7 @@ def fused_moe_triton(
         shared.stride(0) if shared is not None else 0,
         out.stride(0),
         TOP_K=top_k,
-        BLOCK=block,
+        BLOCK=cfg.combine_block,
         HAS_SHARED=shared is not None,
         num_warps=4,
         **pdl_launch(x.device),

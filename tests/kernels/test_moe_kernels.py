@@ -146,6 +146,7 @@ def test_fused_moe_bf16_and_fp32(tokens, experts, top_k, case):
             {"swap_ab": True, "tma": True},
             {"pair_blocks": True},  # one pair per block: experts shared by pairs are read once per pair
             {"pair_blocks": True, "swap_ab": True},
+            {"combine_block": 32},  # two combine programs per token (hidden 64)
         )
         for options in options_tried:
             other = fused_moe_triton(*args, config=dataclasses.replace(CFG, **options))
