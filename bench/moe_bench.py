@@ -245,46 +245,26 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
     ]
 
 
-def down_tile_configs(cfg: MoeConfig, fp8: bool) -> list[MoeConfig]:
-    """cfg with the down GEMM's own column block, K block and stages (the gate-up GEMM's kept)."""
-    return [
-        dataclasses.replace(cfg, down_block_n=bn, down_block_k=bk, down_stages=stages)
-        for bn in (64, 128, 256)
-        for bk in ((128, 256) if fp8 else (64, 128))
-        for stages in (3, 4)
-    ]
-
-
 def sweep_bucket(x, ids, wt, variants: dict[str, tuple]) -> dict[str, MoeConfig]:
     """Best config of each variant (kind → weights, weight scales, activation scales) at this token
-    count: replayed from CUDA graphs at decode sizes (as a decode step runs them), plain launches above.
-    At decode sizes a second pass tries the down GEMM's own tiles on the first pass's best."""
+    count: replayed from CUDA graphs at decode sizes (as a decode step runs them), plain launches above."""
     t = x.shape[0]
     timer = graph_ms if t <= 128 else bench
     chosen = {}
     for kind, weights in variants.items():
+        best: tuple[float, MoeConfig] | None = None
         tried: dict[str, float | None] = {}
-
-        def best_of(configs, weights=weights, tried=tried) -> tuple[float, MoeConfig] | None:
-            best = None
-            for cfg in configs:
-                try:
-                    ms = timer(lambda c=cfg: fused_moe_triton(x, wt, ids, *weights, None, config=c))
-                except Exception:  # shared memory overflow for large tiles
-                    continue
-                tried[str(cfg)] = ms
-                if ms is not None and (best is None or ms < best[0]):
-                    best = (ms, cfg)
-            return best
-
-        best = best_of(sweep_configs(t, kind != "bf16"))
+        for cfg in sweep_configs(t, kind != "bf16"):
+            try:
+                ms = timer(lambda c=cfg, w=weights: fused_moe_triton(x, wt, ids, *w, None, config=c))
+            except Exception:  # shared memory overflow for large tiles
+                continue
+            tried[str(cfg)] = ms
+            if ms is not None and (best is None or ms < best[0]):
+                best = (ms, cfg)
         if best is None:  # nothing could be timed (every capture failed): keep the shipped config
             print(f"sweep {kind} T={t}: no config could be timed")
             continue
-        if t <= 128:
-            second = best_of(down_tile_configs(best[1], kind != "bf16"))
-            if second is not None and second[0] < best[0]:
-                best = second
         default = select_config(t, kind)
         default_ms = timer(lambda c=default, w=weights: fused_moe_triton(x, wt, ids, *w, None, config=c))
         shipped = f"{default_ms:.4f} ms" if default_ms is not None else "not capturable"

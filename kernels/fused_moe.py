@@ -67,18 +67,6 @@ class MoeConfig:
     swap_ab: bool = False  # weights as the MMA's rows (acc^T = W · a^T): a wgmma with block_m token columns
     pair_blocks: bool = False  # one (token, slot) pair per M block, no alignment launch (for one token)
     combine_block: int = 1024  # columns per program of the combine (more programs for few tokens)
-    down_block_n: int = 0  # the down GEMM's own column block, K block and stages (0: the gate-up's)
-    down_block_k: int = 0
-    down_stages: int = 0
-
-    @property
-    def down_tile(self) -> tuple[int, int, int]:
-        """(block_n, block_k, num_stages) of the down GEMM."""
-        return (
-            self.down_block_n or self.block_n,
-            self.down_block_k or self.block_k,
-            self.down_stages or self.num_stages,
-        )
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
@@ -583,23 +571,21 @@ def _quantize_activations(
 
 
 def _weight_descriptors(w13: Tensor, w2: Tensor, cfg: MoeConfig) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors of the stacked expert weights, [E · 2I, H] and [E · H, I], with each GEMM's
-    [block_n, block_k] boxes. A GEMM's block_n must divide each expert's rows (a box never reaches the
-    next expert's); a K block past the last column is zero-filled by the copy, as the masked activations
-    are."""
+    """TMA descriptors of the stacked expert weights, [E · 2I, H] and [E · H, I], with [block_n, block_k]
+    boxes. block_n must divide each expert's rows (a box never reaches the next expert's); a K block past
+    the last column is zero-filled by the copy, as the masked activations are."""
     experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
-    down_n, down_k, _ = cfg.down_tile
-    if inter % cfg.block_n or hidden % down_n:
+    if inter % cfg.block_n or hidden % cfg.block_n:
         raise ValueError(
-            f"TMA weight tiles need block_n ({cfg.block_n}, down {down_n}) to divide the expert widths "
-            f"({inter}, {hidden})"
+            f"TMA weight tiles need block_n ({cfg.block_n}) to divide the expert widths ({inter}, {hidden})"
         )
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("TMA weight tiles need contiguous stacked expert weights")
+    box = [cfg.block_n, cfg.block_k]
     return (
-        TensorDescriptor(w13, [experts * two_inter, hidden], [hidden, 1], [cfg.block_n, cfg.block_k]),
-        TensorDescriptor(w2, [experts * hidden, inter], [inter, 1], [down_n, down_k]),
+        TensorDescriptor(w13, [experts * two_inter, hidden], [hidden, 1], box),
+        TensorDescriptor(w2, [experts * hidden, inter], [inter, 1], box),
     )
 
 
@@ -645,12 +631,15 @@ def fused_moe_triton(
     w13_desc, w2_desc = _weight_descriptors(w13, w2, cfg) if cfg.tma else (None, None)
     common = dict(
         BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         FP8=fp8,
         TMA=cfg.tma,
         SWAP_AB=cfg.swap_ab,
         PAIR_BLOCKS=cfg.pair_blocks,
         num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     _gate_up_kernel[(num_m_blocks * triton.cdiv(inter, cfg.block_n),)](
         a,
@@ -678,9 +667,6 @@ def fused_moe_triton(
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load,
         QUANT_H=quant_h,
         ACT_DTYPE=_TL_DTYPES[x.dtype],
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_stages=cfg.num_stages,
         **common,
         **pdl_launch(x.device),
     )
@@ -689,8 +675,7 @@ def fused_moe_triton(
         h, h_scale, h_per_row = _quantize_activations(hidden_act, None, cfg.quant_on_load)
     per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
     w2_s = w2_scale if w2_scale is not None else dummy
-    down_n, down_k, down_stages = cfg.down_tile
-    _down_kernel[(num_m_blocks * triton.cdiv(hidden, down_n),)](
+    _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
         h,
         w2,
         w2_desc,
@@ -713,9 +698,6 @@ def fused_moe_triton(
         A_PER_ROW=h_per_row,
         W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
-        BLOCK_N=down_n,
-        BLOCK_K=down_k,
-        num_stages=down_stages,
         **common,
         **pdl_launch(x.device),
     )

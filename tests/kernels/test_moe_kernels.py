@@ -147,8 +147,6 @@ def test_fused_moe_bf16_and_fp32(tokens, experts, top_k, case):
             {"pair_blocks": True},  # one pair per block: experts shared by pairs are read once per pair
             {"pair_blocks": True, "swap_ab": True},
             {"combine_block": 32},  # two combine programs per token (hidden 64)
-            {"down_block_n": 64, "down_block_k": 16, "down_stages": 3},  # the down GEMM's own tiles
-            {"down_block_n": 64, "down_block_k": 16, "tma": True, "swap_ab": True},
         )
         for options in options_tried:
             other = fused_moe_triton(*args, config=dataclasses.replace(CFG, **options))
@@ -179,10 +177,6 @@ def test_fused_moe_fp8(static, per_channel):
     torch.testing.assert_close(tma, out, atol=0, rtol=0)
     wide = fused_moe_triton(*args, config=dataclasses.replace(CFG, block_m=64))  # mostly padding rows
     assert (wide.float() - ref.float()).norm() / ref.float().norm() < 2e-2
-    down_tiles = dataclasses.replace(CFG, down_block_n=64, down_block_k=16, tma=True)  # the down GEMM's own
-    assert (
-        fused_moe_triton(*args, config=down_tiles).float() - ref.float()
-    ).norm() / ref.float().norm() < 2e-2
     for tma in (False, True):  # weights as the MMA's rows: the same FP8 products, summed in another order
         swapped = fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=True, tma=tma))
         torch.testing.assert_close(swapped, out, atol=2e-2, rtol=2e-2)
