@@ -48,6 +48,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.quant import quant_fp8, quant_fp8_per_token
 from hy3c.kernels.registry import Provider, register_provider
+from hy3c.ops.fused import check_moe_input_quant
 from hy3c.ops.quant import FP8_DTYPE
 
 CONFIG_FILE = Path(__file__).parent / "configs" / "fused_moe_h200.json"
@@ -600,8 +601,11 @@ def fused_moe_triton(
     a13_scale: Tensor | None,
     a2_scale: Tensor | None,
     shared: Tensor | None,
+    x_q: Tensor | None = None,
+    x_q_scale: Tensor | None = None,
     config: MoeConfig | None = None,
 ) -> Tensor:
+    check_moe_input_quant(x, w13, a13_scale, x_q, x_q_scale)
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape
@@ -622,7 +626,9 @@ def fused_moe_triton(
     num_m_blocks = expert_ids.shape[0]
     dummy = x.new_empty(1, dtype=torch.float32)
     a, a_scale, a_per_row = (x, dummy, False)
-    if fp8:
+    if x_q is not None:  # already quantized per token (the norm's FP8 rows)
+        a, a_scale, a_per_row = x_q, x_q_scale.reshape(-1), True
+    elif fp8:
         a, a_scale, a_per_row = _quantize_activations(x, a13_scale, cfg.quant_on_load)
     quant_h = fp8 and a2_scale is not None  # static: the gate-up epilogue quantizes the intermediate
     hidden_act = x.new_empty((pairs, inter), dtype=FP8_DTYPE if quant_h else x.dtype)
@@ -664,7 +670,7 @@ def fused_moe_triton(
         w13_s.stride(0) if w13_scale is not None else 0,
         A_PER_ROW=a_per_row,
         W_PER_ROW=w13_scale is not None and w13_scale.shape[-1] > 1,
-        QUANT_ON_LOAD=fp8 and cfg.quant_on_load,
+        QUANT_ON_LOAD=fp8 and cfg.quant_on_load and x_q is None,
         QUANT_H=quant_h,
         ACT_DTYPE=_TL_DTYPES[x.dtype],
         **common,
@@ -730,14 +736,29 @@ def fused_moe(
     a13_scale: Tensor | None,
     a2_scale: Tensor | None,
     shared: Tensor | None,
+    x_q: Tensor | None = None,
+    x_q_scale: Tensor | None = None,
 ) -> Tensor:
     return fused_moe_triton(
-        x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared
+        x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared, x_q, x_q_scale
     )
 
 
 @fused_moe.register_fake
-def _(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared):
+def _(
+    x,
+    topk_weights,
+    topk_ids,
+    w13,
+    w2,
+    w13_scale,
+    w2_scale,
+    a13_scale,
+    a2_scale,
+    shared,
+    x_q=None,
+    x_q_scale=None,
+):
     return torch.empty_like(x)
 
 

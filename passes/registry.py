@@ -20,6 +20,7 @@ def _load_builtin_passes() -> None:
         fuse_act_quant,
         fuse_add_rms_norm,
         fuse_moe,
+        fuse_moe_input_quant,
         fuse_norm_quant,
         fuse_qknorm_rope_kv,
         lower,

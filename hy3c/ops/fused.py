@@ -230,14 +230,51 @@ def fused_moe(
     a13_scale: Tensor | None,
     a2_scale: Tensor | None,
     shared: Tensor | None,
+    x_q: Tensor | None = None,
+    x_q_scale: Tensor | None = None,
 ) -> Tensor:
-    """Routed experts combined, plus the shared expert's output (added in the model dtype)."""
+    """Routed experts combined, plus the shared expert's output (added in the model dtype). With FP8
+    experts and per-token activation scales, x may also come already quantized (x_q e4m3 [T, H] and
+    x_q_scale [T, 1], exactly what the experts would make of x — e.g. the norm's FP8 rows)."""
+    check_moe_input_quant(x, w13, a13_scale, x_q, x_q_scale)
+    rows_q = None if x_q is None else (x_q, x_q_scale)
     routed = moe_experts_reference(
-        x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale
+        x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, rows_q
     )
     return routed if shared is None else routed + shared
 
 
+def check_moe_input_quant(
+    x: Tensor, w13: Tensor, a13_scale: Tensor | None, x_q: Tensor | None, x_q_scale: Tensor | None
+) -> None:
+    """fused_moe's pre-quantized input: both parts or neither, FP8 experts with per-token scales only,
+    shapes [T, H] and [T, 1]."""
+    if x_q is None and x_q_scale is None:
+        return
+    if x_q is None or x_q_scale is None:
+        raise ValueError("fused_moe: x_q and x_q_scale come together")
+    if w13.dtype != FP8_DTYPE or a13_scale is not None:
+        raise ValueError("fused_moe: a pre-quantized x_q needs FP8 experts with per-token activation scales")
+    if x_q.dtype != FP8_DTYPE or x_q.shape != x.shape or tuple(x_q_scale.shape) != (x.shape[0], 1):
+        raise ValueError(
+            f"fused_moe: x_q must be e4m3 {tuple(x.shape)} and x_q_scale [{x.shape[0]}, 1], "
+            f"got {x_q.dtype} {tuple(x_q.shape)} and {tuple(x_q_scale.shape)}"
+        )
+
+
 @fused_moe.register_fake
-def _(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared):
+def _(
+    x,
+    topk_weights,
+    topk_ids,
+    w13,
+    w2,
+    w13_scale,
+    w2_scale,
+    a13_scale,
+    a2_scale,
+    shared,
+    x_q=None,
+    x_q_scale=None,
+):
     return torch.empty_like(x)

@@ -83,9 +83,19 @@ def _(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
     return x.new_empty((rows, x.shape[-1] // 2), dtype=FP8_DTYPE), x.new_empty((rows, 1), dtype=torch.float32)
 
 
-def _expert_linear(x: Tensor, w: Tensor, w_scale: Tensor | None, a_scale: Tensor | None) -> Tensor:
+def _expert_linear(
+    x: Tensor,
+    w: Tensor,
+    w_scale: Tensor | None,
+    a_scale: Tensor | None,
+    x_q: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """x · wᵀ; FP8 weights: x quantized with the static a_scale or per token — or given already
+    quantized per token as x_q = (e4m3 rows, their scales)."""
     if w.dtype != FP8_DTYPE:
         return F.linear(x, w)
+    if x_q is not None:
+        return scaled_mm_reference(x_q[0], w, x_q[1], w_scale, x.dtype)
     if a_scale is None:
         a_scale = per_token_scale(x)
     return scaled_mm_reference(quantize_fp8(x, a_scale), w, a_scale, w_scale, x.dtype)
@@ -101,11 +111,17 @@ def moe_experts_reference(
     w2_scale: Tensor | None,
     a13_scale: Tensor | None,
     a2_scale: Tensor | None,
+    x_q: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
+    """The routed experts' weighted sum. x_q: x already quantized per token (FP8 rows [T, H], scales
+    [T, 1]) — what the dynamic scheme would make of it — for the gate-up GEMMs to read."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
-        gate_up = _expert_linear(x[tokens], w13[e], None if w13_scale is None else w13_scale[e], a13_scale)
+        rows_q = None if x_q is None else (x_q[0][tokens], x_q[1][tokens])
+        gate_up = _expert_linear(
+            x[tokens], w13[e], None if w13_scale is None else w13_scale[e], a13_scale, rows_q
+        )
         hidden = silu_and_mul_reference(gate_up)
         y = _expert_linear(hidden, w2[e], None if w2_scale is None else w2_scale[e], a2_scale)
         out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots, None])

@@ -353,6 +353,40 @@ def test_fuse_norm_quant_static_scales(traced):
         assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_fuse_moe_input_quant_hands_the_norms_fp8_rows_to_the_experts(traced, static):
+    """After quantize (per-token FP8), fuse_moe, fuse_add_rms_norm and fuse_norm_quant: each fused_moe
+    (one per MoE layer) takes the post-attention norm's e4m3 rows and scales as its quantized input —
+    no op added or removed, the same numbers. With static activation scales the norm's rows are
+    quantized with the shared expert's calibrated scale, not per token: no site."""
+    gm, _ = traced
+    cfg = preset_config("tiny")
+    ctx = make_ctx(cfg, overrides=["quant.weights=fp8", "quant.activations=dynamic"])
+    _run(gm, ctx, "quantize", "fuse_moe", "fuse_add_rms_norm")
+    if static:
+        _static_activation_scales(gm)
+    _run(gm, ctx, "fuse_norm_quant")
+    _random_weights(gm)
+    before = copy.deepcopy(gm)
+    (result,) = _run(gm, ctx, "fuse_moe_input_quant")
+    hy3 = torch.ops.hy3
+    moes = [n for n in gm.graph.nodes if n.target is hy3.fused_moe.default]
+    assert len(moes) == cfg.layer_types.count("sparse") == 2
+    if static:
+        assert result.matches == 0 and all(len(n.args) == 10 for n in moes)
+        return
+    assert result.matches == 2 and sorted(s.layer for s in result.sites) == [1, 2]
+    assert result.ops_delta == {}
+    for moe in moes:
+        x_q, x_q_scale = moe.args[10:]
+        norm = moe.args[0].args[0]
+        assert norm.target is hy3.add_rms_norm_quant.default and norm.args[4] is None
+        assert (x_q.args, x_q_scale.args) == ((norm, 2), (norm, 3))
+    gm.graph.lint()
+    for out, ref in zip(_step(gm, cfg, torch.float32), _step(before, cfg, torch.float32)):
+        assert torch.equal(out, ref)
+
+
 def _static_activation_scales(gm: torch.fx.GraphModule) -> None:
     """Turn every per-token FP8 quantization into the static form an FP8 checkpoint's calibrated
     activation scales give: `quant_fp8(x, input_scale)`, the scale also going to the GEMM."""

@@ -208,6 +208,10 @@ def test_fused_moe_real_shapes(tokens, fp8):
             cfg = dataclasses.replace(select_config(tokens, "fp8"), quant_on_load=on_load)
             other = fused_moe_triton(*args, config=cfg).float()
             assert (other - out).norm() / out.norm() < 1e-3
+    if fp8:  # x handed over already quantized per token (the norm's FP8 rows): the same output
+        x_scale = per_token_scale(x)
+        handed = fused_moe_triton(*args, quantize_fp8(x, x_scale), x_scale).float()
+        assert torch.equal(handed, out)
     if fp8:  # static activation scales: the gate-up epilogue writes the intermediate as e4m3
         static = (x.float().abs().max().reshape(1) / 448, torch.tensor([0.03], device="cuda"))
         args = (x, w, ids, w13, w2, *scales, *static, shared)

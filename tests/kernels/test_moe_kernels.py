@@ -224,6 +224,83 @@ def test_fused_moe_tma_zero_fills_k_blocks_past_the_last_column(fp8, swap_ab):
     torch.testing.assert_close(fused_moe_triton(*args, config=dataclasses.replace(cfg, tma=True)), pointers)
 
 
+def test_fused_moe_takes_its_input_already_quantized_per_token():
+    """FP8 experts, per-token scales: x handed over as the norm's e4m3 rows and scales gives the same
+    output as x quantized inside (Triton and the reference), and the reference reads the given rows."""
+    from hy3c.ops.quant import per_token_scale, quantize_fp8
+
+    tokens, experts, top_k = 9, 8, 2
+    x = torch.randn(tokens, 64).to(torch.bfloat16)
+    w13, w2 = _weights(experts, 64, 32)
+    s13, s2 = w13.abs().amax(-1) / 448, w2.abs().amax(-1) / 448
+    q13, q2 = (w13 / s13[..., None]).to(FP8_DTYPE), (w2 / s2[..., None]).to(FP8_DTYPE)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
+    args = (
+        x,
+        torch.rand(tokens, top_k),
+        ids,
+        q13,
+        q2,
+        s13,
+        s2,
+        None,
+        None,
+        torch.randn(tokens, 64).bfloat16(),
+    )
+    x_scale = per_token_scale(x)
+    x_q = quantize_fp8(x, x_scale)
+    for config in (CFG, dataclasses.replace(CFG, quant_on_load=True)):
+        inside = fused_moe_triton(*args, config=config)
+        handed = fused_moe_triton(*args, x_q, x_q_scale=x_scale, config=config)
+        torch.testing.assert_close(handed, inside, atol=0, rtol=0)
+    torch.testing.assert_close(hy3.fused_moe(*args, x_q, x_scale), hy3.fused_moe(*args), atol=0, rtol=0)
+    other = hy3.fused_moe(*args, quantize_fp8(-x, x_scale), x_scale)  # the given rows are the ones read
+    assert (other.float() - hy3.fused_moe(*args).float()).abs().max() > 0.1
+    # opcheck's schema test has no CPU FP8 arithmetic: the inputs are checked unmutated byte for byte
+    tensors = [a for a in (*args, x_q, x_scale) if isinstance(a, torch.Tensor)]
+    before = [a.view(torch.uint8).clone() for a in tensors]
+    for op in (hy3.fused_moe.default, torch.ops.hy3_triton.fused_moe.default):
+        op(*args, x_q, x_scale)
+        assert all(torch.equal(b, a.view(torch.uint8)) for b, a in zip(before, tensors))
+        torch.library.opcheck(
+            op,
+            (*args, x_q, x_scale),
+            test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"),
+        )
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("half", "come together"),
+        ("bf16 experts", "needs FP8 experts with per-token"),
+        ("static scales", "needs FP8 experts with per-token"),
+        ("shape", "must be e4m3"),
+    ],
+)
+def test_fused_moe_refuses_a_mismatched_quantized_input(case, message):
+    tokens, experts = 3, 4
+    x = torch.randn(tokens, 64).to(torch.bfloat16)
+    w13, w2 = _weights(experts, 64, 32)
+    s13, s2 = w13.abs().amax(-1) / 448, w2.abs().amax(-1) / 448
+    weights = ((w13 / s13[..., None]).to(FP8_DTYPE), (w2 / s2[..., None]).to(FP8_DTYPE), s13, s2)
+    a13 = None
+    x_q, x_scale = x.to(FP8_DTYPE), torch.ones(tokens, 1)
+    if case == "half":
+        x_scale = None
+    if case == "bf16 experts":
+        weights = (w13.bfloat16(), w2.bfloat16(), None, None)
+    if case == "static scales":
+        a13 = torch.tensor([0.01])
+    if case == "shape":
+        x_scale = torch.ones(tokens)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
+    args = (x, torch.rand(tokens, 2), ids, *weights, a13, None, None, x_q, x_scale)
+    for op in (fused_moe_triton, hy3.fused_moe):
+        with pytest.raises(ValueError, match=message):
+            op(*args)
+
+
 def test_fused_moe_tma_needs_blocks_that_tile_the_experts():
     x, w = torch.randn(3, 64), torch.rand(3, 2)
     w13, w2 = _weights(4, 64, 48)
