@@ -208,9 +208,11 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
     blocks (more programs balance the few active experts over the SMs), for FP8 wider K blocks (half the
     bytes per K) and the activation quantization inside the GEMMs or as its own kernels; and the weights
     as the MMA's rows (`swap_ab`: a wgmma with 16 token columns, FP8 weights read from shared memory
-    without widening); at one token, one pair per M block (`pair_blocks`, no alignment launch; the
-    shipped config, timed beside, is the control). Every size: weight tiles by pointer loads or by TMA bulk copies. (Five stages,
-    tried in session 5, and 64-row FP8 blocks at decode sizes, session 7, never won.)"""
+    without widening); at one token, every config with one pair per M block (`pair_blocks`, no
+    alignment launch) and the combine in 256-column programs — measured against aligned blocks in MoE
+    runs 14 and 17 (BENCHMARKS.md), not re-timed here. Every size: weight tiles by pointer loads or by
+    TMA bulk copies. (Five stages, tried in session 5, and 64-row FP8 blocks at decode sizes, session 7,
+    never won.)"""
     if t <= 128:
         k_blocks = (128, 256) if fp8 else (64, 128)
         rows = [

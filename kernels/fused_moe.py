@@ -8,8 +8,9 @@
    `pair_blocks` there is no alignment: M block i holds pair i alone (its expert read from the top-k
    ids) — one launch fewer, and no weight read twice when the pairs' experts are distinct (one token).
 2. gate-up GEMM: each program takes one M block of one expert and BLOCK_N columns of both the gate
-   and the up halves, reads its activation rows *through* `sorted_ids` (no gather copy), and writes
-   silu(gate) · up for its (token, slot) rows — the intermediate is written once, half-size.
+   and the up halves, reads its activation rows *through* `sorted_ids` (with pair blocks, its pair's
+   token row; no gather copy), and writes silu(gate) · up for its (token, slot) rows — the
+   intermediate is written once, half-size.
 3. down GEMM over the intermediate rows, scaled by each pair's routing weight in the epilogue.
 4. combine: each token's k rows summed in fp32 plus the shared expert's output, written once.
 
@@ -34,6 +35,7 @@ Launch configs per token-count bucket come from `configs/fused_moe_h200.json` (w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import cache
@@ -68,6 +70,10 @@ class MoeConfig:
     swap_ab: bool = False  # weights as the MMA's rows (acc^T = W · a^T): a wgmma with block_m token columns
     pair_blocks: bool = False  # one (token, slot) pair per M block, no alignment launch (for one token)
     combine_block: int = 1024  # columns per program of the combine (more programs for few tokens)
+
+    def __post_init__(self) -> None:
+        if self.combine_block & (self.combine_block - 1):
+            raise ValueError(f"combine_block must be a power of two, got {self.combine_block}")
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
@@ -284,7 +290,8 @@ def _weight_tile(
 ):
     """One tile of an expert's weight rows as the MMA takes it: [BLOCK_N, BLOCK_K] when the weights are
     its rows (SWAP_AB), else [BLOCK_K, BLOCK_N]. A TMA box of the stacked weights (w_desc, from
-    first_row) or pointer loads from w_base (the expert's first row), masked at the edges."""
+    first_row) or pointer loads from w_base (the first row of the expert's gate, up or down weights),
+    masked at the edges."""
     if TMA:
         tile = w_desc.load([first_row, k])
         if not SWAP_AB:
@@ -590,6 +597,15 @@ def _weight_descriptors(w13: Tensor, w2: Tensor, cfg: MoeConfig) -> tuple[Tensor
     )
 
 
+def _fit_to_widths(cfg: MoeConfig, w13: Tensor) -> MoeConfig:
+    """A tuned config (chosen for Hy3's widths) for these experts: TMA weight tiles only where block_n
+    divides both expert widths (small test models take the same config with pointer loads)."""
+    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    if cfg.tma and (inter % cfg.block_n or hidden % cfg.block_n):
+        return dataclasses.replace(cfg, tma=False)
+    return cfg
+
+
 def fused_moe_triton(
     x: Tensor,
     topk_weights: Tensor,
@@ -615,7 +631,7 @@ def fused_moe_triton(
     if num_tokens == 0:
         return out
     fp8 = w13.dtype == FP8_DTYPE
-    cfg = config or select_config(num_tokens, config_kind(fp8, a13_scale is not None))
+    cfg = config or _fit_to_widths(select_config(num_tokens, config_kind(fp8, a13_scale is not None)), w13)
     if cfg.quant_on_load and cfg.block_m > 32:  # the row-absmax pass holds BLOCK_M × 1024 values
         raise ValueError(f"quant_on_load needs block_m <= 32 (got {cfg.block_m})")
     if cfg.pair_blocks:  # block i: pair i alone, its expert from the top-k ids (no alignment launch)

@@ -133,7 +133,33 @@ def moe_variants() -> list[Variant]:
                     descs,
                 )
             )
-    return variants
+    return variants + static_one_token_variants()
+
+
+def static_one_token_variants() -> list[Variant]:
+    """The shipped one-token FP8 config with static activation scales: weights as the MMA's rows, pair
+    blocks, TMA tiles of 128 × 256, x quantized inside the gate-up GEMM, the intermediate written as e4m3."""
+    fp8 = KV_DTYPES["fp8"]
+    scales = {"xs_ptr": "*fp32", "ws_ptr": "*fp32", "hs_ptr": "*fp32"}
+    common = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, GROUP_M=1, FP8=True, A_PER_ROW=False, W_PER_ROW=True)
+    common |= dict(TMA=True, SWAP_AB=True, PAIR_BLOCKS=True, PDL=True)
+    descs = _descriptors(("w_desc",), fp8, (128, 256), True)
+    return [
+        Variant(
+            "fused_moe gate-up fp8 static one-token",
+            fused_moe._gate_up_kernel,
+            {"x_ptr": "*bf16", "w_ptr": f"*{fp8}", "out_ptr": f"*{fp8}", **scales},
+            dict(common, QUANT_ON_LOAD=True, QUANT_H=True, ACT_DTYPE=tl.bfloat16),
+            descs,
+        ),
+        Variant(
+            "fused_moe down fp8 static one-token",
+            fused_moe._down_kernel,
+            {"h_ptr": f"*{fp8}", "w_ptr": f"*{fp8}", "out_ptr": "*fp32", "topk_w_ptr": "*fp32", **scales},
+            dict(common, QUANT_ON_LOAD=False),
+            descs,
+        ),
+    ]
 
 
 def router_variants() -> list[Variant]:

@@ -194,15 +194,18 @@ def test_fused_moe_real_shapes(tokens, fp8):
     assert (fused_moe_triton(*args, config=tma).float() - out).norm() / out.norm() < 1e-3
     kind = "fp8" if fp8 else "bf16"
     if select_config(tokens, kind).block_m <= 32:  # decode sizes: the one-token config's options here too
-        pair_blocks = dataclasses.replace(select_config(1, kind), swap_ab=True, pair_blocks=True)
-        aligned = dataclasses.replace(pair_blocks, pair_blocks=False)  # weights as the MMA's rows
-        swapped = fused_moe_triton(*args, config=aligned).float()
-        one_pair_each = fused_moe_triton(*args, config=pair_blocks).float()
-        assert (swapped - ref).norm() / ref.norm() < 1e-2
+        cfg_pair = dataclasses.replace(select_config(1, kind), swap_ab=True, pair_blocks=True)
+        cfg_swap = dataclasses.replace(cfg_pair, pair_blocks=False)  # weights as the MMA's rows, aligned
+        cfg_plain = dataclasses.replace(cfg_swap, swap_ab=False)  # the token rows as the MMA's rows
+        out_swap = fused_moe_triton(*args, config=cfg_swap).float()
+        out_pair = fused_moe_triton(*args, config=cfg_pair).float()
+        out_plain = fused_moe_triton(*args, config=cfg_plain).float()
+        for other in (out_swap, out_plain):
+            assert (other - ref).norm() / ref.norm() < 1e-2
         if tokens == 1:  # each aligned block holds one pair: the same tiles
-            assert torch.equal(one_pair_each, swapped)
+            assert torch.equal(out_pair, out_swap)
         else:
-            assert (one_pair_each - ref).norm() / ref.norm() < 1e-2
+            assert (out_pair - ref).norm() / ref.norm() < 1e-2
     if fp8 and select_config(tokens, "fp8").block_m <= 32:  # activations quantized inside the GEMMs
         for on_load in (False, True):
             cfg = dataclasses.replace(select_config(tokens, "fp8"), quant_on_load=on_load)

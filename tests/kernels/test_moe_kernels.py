@@ -4,6 +4,7 @@ on CPU at small shapes (the router accuracy test at the real N=192, K=4096)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -177,10 +178,31 @@ def test_fused_moe_fp8(static, per_channel):
     torch.testing.assert_close(tma, out, atol=0, rtol=0)
     wide = fused_moe_triton(*args, config=dataclasses.replace(CFG, block_m=64))  # mostly padding rows
     assert (wide.float() - ref.float()).norm() / ref.float().norm() < 2e-2
-    for tma in (False, True):  # weights as the MMA's rows: the same FP8 products, summed in another order
-        swapped = fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=True, tma=tma))
-        torch.testing.assert_close(swapped, out, atol=2e-2, rtol=2e-2)
-        assert (swapped.float() - ref.float()).norm() / ref.float().norm() < 2e-2
+    for tma, on_load in itertools.product((False, True), (False, True)):  # weights as the MMA's rows
+        cfg = dataclasses.replace(CFG, swap_ab=True, tma=tma, quant_on_load=on_load)
+        torch.testing.assert_close(fused_moe_triton(*args, config=cfg), out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fp8", ["bf16", "dynamic", "static"])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_fused_moe_tuned_configs_run_on_small_experts(tokens, fp8):
+    """The H200 configs picked by token count (TMA tiles of 64–128 rows) on experts 32 / 64 wide: the
+    TMA option is dropped where block_n does not divide the widths, and the output is the reference's."""
+    experts, top_k = 8, 2
+    x = torch.randn(tokens, 64).to(torch.bfloat16)
+    w13, w2 = _weights(experts, 64, 32)
+    scales, act = (None, None), (None, None)
+    if fp8 == "bf16":
+        w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+    else:
+        scales = (w13.abs().amax(-1) / 448, w2.abs().amax(-1) / 448)
+        w13, w2 = (w13 / scales[0][..., None]).to(FP8_DTYPE), (w2 / scales[1][..., None]).to(FP8_DTYPE)
+    if fp8 == "static":
+        act = (torch.tensor([x.float().abs().max() / 448]), torch.tensor([0.05 / 448 * 8]))
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
+    args = (x, torch.rand(tokens, top_k), ids, w13, w2, *scales, *act, None)
+    out, ref = fused_moe_triton(*args).float(), hy3.fused_moe(*args).float()
+    assert (out - ref).norm() / ref.norm() < 2e-2
 
 
 @pytest.mark.parametrize("swap_ab", [False, True])
@@ -198,6 +220,16 @@ def test_fused_moe_pair_blocks_equal_the_aligned_blocks_for_one_token(fp8, swap_
         w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
     ids = torch.randperm(experts)[None, :top_k].int()
     args = (x, torch.rand(1, top_k), ids, w13, w2, *scales, None, None, torch.randn(1, 64).to(torch.bfloat16))
+    for other_ids in (ids.long(), ids.t().contiguous().t()):  # int64 and non-contiguous ids: the same
+        other = fused_moe_triton(
+            *args[:2],
+            other_ids,
+            *args[3:],
+            config=dataclasses.replace(CFG, swap_ab=swap_ab, pair_blocks=True),
+        )
+        torch.testing.assert_close(
+            other, fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=swap_ab))
+        )
     aligned = fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=swap_ab))
     pair_blocks = fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=swap_ab, pair_blocks=True))
     torch.testing.assert_close(pair_blocks, aligned, atol=0, rtol=0)
