@@ -37,6 +37,7 @@ from hy3c.kernels.fused_moe import (
     moe_align_triton,
     select_config,
 )
+from hy3c.kernels.quant import quant_fp8_per_token
 from hy3c.kernels.router import router_gemm_dual_bf16
 from hy3c.ops.quant import FP8_DTYPE, split_router_weight
 
@@ -367,6 +368,7 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
             f"{t_ours / t_fp8s:.2f}× vs hy3c bf16",
         )
         if t <= 128:  # decode sizes: replayed from a CUDA graph, as a decode step runs them
+            x_rows = quant_fp8_per_token(x)  # the norm's per-token FP8 rows of x (x_q, x_q_scale)
             graph = {
                 "grouped_mm peer": graph_ms(lambda x=x, ids=ids, wt=wt: grouped_mm_moe(x, ids, wt, w13, w2)),
                 "hy3c bf16": graph_ms(
@@ -380,6 +382,12 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
                         x, wt, ids, q13, q2, s13, s2, a13, a2, None
                     )
                 ),
+                # as the model runs it (pass fuse_moe_input_quant): x comes quantized by the norm
+                "hy3c FP8, x from the norm": graph_ms(
+                    lambda x=x, ids=ids, wt=wt, xq=x_rows: fused_moe_triton(
+                        x, wt, ids, q13, q2, s13, s2, None, None, None, *xq
+                    )
+                ),
             }
             RESULTS[f"moe_T{t}"]["cuda_graph_ms"] = graph
             for name, ms in graph.items():
@@ -387,7 +395,9 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
                     row(f"FusedMoE T={t}, CUDA graph: {name}", float("nan"), "not capturable")
                     continue
                 share = wbytes / (2 if "FP8" in name else 1) / (ms * 1e-3) / BW * 100
-                row(f"FusedMoE T={t}, CUDA graph: {name}", ms, f"{share:.0f}% BW")
+                bf16_ms = graph["hy3c bf16"]
+                ratio = f"{bf16_ms / ms:.2f}× vs bf16" if "FP8" in name and bf16_ms else ""
+                row(f"FusedMoE T={t}, CUDA graph: {name}", ms, f"{share:.0f}% BW", ratio)
         if sweep:
             variants = {
                 "bf16": (w13, w2, None, None, None, None),
