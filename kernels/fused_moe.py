@@ -1,6 +1,7 @@
 """Triton FusedMoE: routed experts of one MoE layer + the shared expert's output, bf16 or FP8 W8A8.
 
-    out = fused_moe(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared)
+    out = fused_moe(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared,
+                    x_q=None, x_q_scale=None)
 
 1. `moe_align` (one Triton program, or device-side torch ops above 1024 pairs; no host sync): the
    (token, slot) pairs sorted by expert and padded per expert to a multiple of BLOCK_M (`sorted_ids`,
@@ -16,7 +17,8 @@
 
 FP8: weights e4m3 with per-channel ([E, rows]) or per-tensor ([E, 1]) scales; activations e4m3 with a
 static per-tensor scale or dynamic per-token scales; fp8 × fp8 tensor-core products, scales applied in
-the epilogues. The activations are quantized either by one row-wise kernel before each GEMM, or — the
+the epilogues. With per-token scales x may come already quantized (x_q, x_q_scale: the norm's FP8 rows,
+pass `fuse_moe_input_quant`), and the gate-up GEMM reads those. The activations are quantized either by one row-wise kernel before each GEMM, or — the
 config's `quant_on_load`, for few tokens — inside the GEMM as its rows are loaded (a dynamic scale is
 the row's absmax / 448, found by a first pass over the row): bit-identical, two launches fewer. With
 a static scale for the down GEMM's input, the gate-up epilogue writes the intermediate as e4m3 itself
@@ -230,7 +232,7 @@ def moe_align_triton(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[
     padded = torch.empty(1, dtype=torch.int32, device=device)
     tile = next(t for t in ALIGN_TILES if t >= pairs)
     _moe_align_kernel[(1,)](
-        topk_ids.reshape(-1).to(torch.int32),
+        topk_ids.to(torch.int32).contiguous().view(-1),  # the kernels index the ids densely
         sorted_ids,
         expert_ids,
         padded,
@@ -635,7 +637,7 @@ def fused_moe_triton(
     if cfg.quant_on_load and cfg.block_m > 32:  # the row-absmax pass holds BLOCK_M × 1024 values
         raise ValueError(f"quant_on_load needs block_m <= 32 (got {cfg.block_m})")
     if cfg.pair_blocks:  # block i: pair i alone, its expert from the top-k ids (no alignment launch)
-        expert_ids = topk_ids.reshape(-1).to(torch.int32)
+        expert_ids = topk_ids.to(torch.int32).contiguous().view(-1)
         sorted_ids = padded = expert_ids  # unread
     else:
         sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, cfg.block_m)
@@ -707,7 +709,7 @@ def fused_moe_triton(
         padded,
         h_scale,
         w2_s,
-        topk_weights.reshape(-1).float(),
+        topk_weights.float().contiguous().view(-1),
         pairs,
         hidden,
         inter,

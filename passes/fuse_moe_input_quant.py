@@ -4,7 +4,9 @@ With FP8 experts and per-token activation scales, `fused_moe` quantizes its inpu
 launch over [T, H] before the gate-up GEMM). In Hy3 that input is the post-attention RMSNorm's
 output, which `fuse_norm_quant` already quantizes per token — the same rows, the same scheme — for the
 shared expert's gate-up GEMM. The experts take those rows (x_q, x_q_scale) instead: one launch and one
-read of [T, H] fewer per MoE layer, the same numbers. Sites: every `hy3.fused_moe` with FP8 experts,
+read of [T, H] fewer per MoE layer, the same numbers (the norm and the experts quantize with the same
+expressions on each provider: Triton's kernels on CUDA, the torch references on the CPU). It must run
+after `fuse_norm_quant` (before it, nothing matches). Sites: every `hy3.fused_moe` with FP8 experts,
 per-token activation scales and an input that is the normed output of a per-token
 `hy3.add_rms_norm_quant` (one per MoE layer, with the `h20-w8a8c8` recipe's dynamic form; none with
 static scales, whose calibrated scale for the experts differs from the shared expert's).
@@ -26,6 +28,7 @@ import operator
 import torch
 from torch import fx
 
+from hy3c.ops.quant import FP8_DTYPE
 from hy3c.passes.base import CompileCtx, Pass, PassConfig, Site, Stage
 from hy3c.passes.graph_utils import layer_of
 from hy3c.passes.registry import register_pass
@@ -48,9 +51,9 @@ def _per_token_rows_of(value: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 
 def _fp8_experts_with_token_scales(moe: fx.Node) -> bool:
-    """FP8 experts carry weight scales (bf16 ones none); per-token activations have no static scale."""
-    w13_scale, a13_scale = moe.args[5], moe.args[7]
-    return w13_scale is not None and a13_scale is None
+    """e4m3 expert weights, and no static activation scale (per-token activations)."""
+    w13, a13_scale = moe.args[3], moe.args[7]
+    return getattr(w13.meta.get("val"), "dtype", None) == FP8_DTYPE and a13_scale is None
 
 
 @register_pass
@@ -62,7 +65,7 @@ class FuseMoeInputQuant(Pass):
         sites = []
         order = {node: i for i, node in enumerate(gm.graph.nodes)}  # the pass moves no node
         for moe in [n for n in gm.graph.nodes if n.target is hy3.fused_moe.default]:
-            if len(moe.args) > 10 or not _fp8_experts_with_token_scales(moe):
+            if len(moe.args) > 10 or moe.kwargs or not _fp8_experts_with_token_scales(moe):
                 continue
             rows = _per_token_rows_of(moe.args[0])
             if rows is None or max(order[r] for r in rows) > order[moe]:

@@ -44,7 +44,7 @@ from hy3c.safetensors_io import atomic_output_dir, check_output_dir
 
 log = logging.getLogger("hy3c.compile")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: hy3.fused_moe takes the norm's FP8 rows (x_q, x_q_scale)
 PROGRAM_FILE = "program/step.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 

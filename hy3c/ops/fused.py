@@ -234,8 +234,10 @@ def fused_moe(
     x_q_scale: Tensor | None = None,
 ) -> Tensor:
     """Routed experts combined, plus the shared expert's output (added in the model dtype). With FP8
-    experts and per-token activation scales, x may also come already quantized (x_q e4m3 [T, H] and
-    x_q_scale [T, 1], exactly what the experts would make of x — e.g. the norm's FP8 rows)."""
+    experts and per-token activation scales, x may also come already quantized per token (x_q e4m3
+    [T, H] and x_q_scale [T, 1], e.g. the norm's FP8 rows): bit-identical to quantizing inside when
+    both come from the same provider's kernels (the Triton ones share their expressions; the torch
+    references theirs)."""
     check_moe_input_quant(x, w13, a13_scale, x_q, x_q_scale)
     rows_q = None if x_q is None else (x_q, x_q_scale)
     routed = moe_experts_reference(
@@ -255,10 +257,17 @@ def check_moe_input_quant(
         raise ValueError("fused_moe: x_q and x_q_scale come together")
     if w13.dtype != FP8_DTYPE or a13_scale is not None:
         raise ValueError("fused_moe: a pre-quantized x_q needs FP8 experts with per-token activation scales")
-    if x_q.dtype != FP8_DTYPE or x_q.shape != x.shape or tuple(x_q_scale.shape) != (x.shape[0], 1):
+    if (
+        x_q.dtype != FP8_DTYPE
+        or x_q.shape != x.shape
+        or x_q.stride(-1) != 1
+        or x_q_scale.dtype != torch.float32
+        or tuple(x_q_scale.shape) != (x.shape[0], 1)
+    ):
         raise ValueError(
-            f"fused_moe: x_q must be e4m3 {tuple(x.shape)} and x_q_scale [{x.shape[0]}, 1], "
-            f"got {x_q.dtype} {tuple(x_q.shape)} and {tuple(x_q_scale.shape)}"
+            f"fused_moe: x_q must be e4m3 {tuple(x.shape)} with unit column stride and x_q_scale fp32 "
+            f"[{x.shape[0]}, 1], got {x_q.dtype} {tuple(x_q.shape)} stride {x_q.stride()} and "
+            f"{x_q_scale.dtype} {tuple(x_q_scale.shape)}"
         )
 
 

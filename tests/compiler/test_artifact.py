@@ -13,7 +13,7 @@ import torch
 import hy3c.artifact as artifact
 from hy3c.artifact import ArtifactError
 from hy3c.cli import main
-from hy3c.compiler.driver import CompileError, compile_artifact
+from hy3c.compiler.driver import FORMAT_VERSION, CompileError, compile_artifact
 from hy3c.generate import generate_tokens
 from hy3c.inspect_artifact import inspect_command
 from hy3c.loader import load_model
@@ -46,7 +46,7 @@ def test_artifact_layout_and_manifest(cpu_art):
     ):
         assert (cpu_art / name).is_file(), name
     manifest = json.loads((cpu_art / "manifest.json").read_text())
-    assert manifest["format_version"] == 1 and manifest["versions"]["torch"] == torch.__version__
+    assert manifest["format_version"] == FORMAT_VERSION and manifest["versions"]["torch"] == torch.__version__
     assert manifest["recipe"]["name"] == "cpu-reference" and manifest["kv_cache"]["dtype"] == "float32"
     assert set(manifest["cache_key"]["parts"]["passes"]) == {
         "quantize",

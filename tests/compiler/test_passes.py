@@ -353,38 +353,69 @@ def test_fuse_norm_quant_static_scales(traced):
         assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_fuse_moe_input_quant_hands_the_norms_fp8_rows_to_the_experts(traced, static):
-    """After quantize (per-token FP8), fuse_moe, fuse_add_rms_norm and fuse_norm_quant: each fused_moe
-    (one per MoE layer) takes the post-attention norm's e4m3 rows and scales as its quantized input —
-    no op added or removed, the same numbers. With static activation scales the norm's rows are
-    quantized with the shared expert's calibrated scale, not per token: no site."""
+def _fuse_moe_input_quant_graph(traced, static_norm=False):
+    """The tiny graph after quantize (per-token FP8), fuse_moe, fuse_add_rms_norm and fuse_norm_quant,
+    random weights bound; with static_norm, every norm quantized with a calibrated scale instead."""
     gm, _ = traced
     cfg = preset_config("tiny")
     ctx = make_ctx(cfg, overrides=["quant.weights=fp8", "quant.activations=dynamic"])
     _run(gm, ctx, "quantize", "fuse_moe", "fuse_add_rms_norm")
-    if static:
+    if static_norm:
         _static_activation_scales(gm)
     _run(gm, ctx, "fuse_norm_quant")
     _random_weights(gm)
+    moes = [n for n in gm.graph.nodes if n.target is torch.ops.hy3.fused_moe.default]
+    assert len(moes) == cfg.layer_types.count("sparse") == 2
+    return gm, cfg, ctx, moes
+
+
+def test_fuse_moe_input_quant_hands_the_norms_fp8_rows_to_the_experts(traced):
+    """Each fused_moe (one per MoE layer) takes the post-attention norm's e4m3 rows and scales as its
+    quantized input — no op added or removed, the same numbers."""
+    gm, cfg, ctx, moes = _fuse_moe_input_quant_graph(traced)
     before = copy.deepcopy(gm)
     (result,) = _run(gm, ctx, "fuse_moe_input_quant")
-    hy3 = torch.ops.hy3
-    moes = [n for n in gm.graph.nodes if n.target is hy3.fused_moe.default]
-    assert len(moes) == cfg.layer_types.count("sparse") == 2
-    if static:
-        assert result.matches == 0 and all(len(n.args) == 10 for n in moes)
-        return
     assert result.matches == 2 and sorted(s.layer for s in result.sites) == [1, 2]
     assert result.ops_delta == {}
     for moe in moes:
         x_q, x_q_scale = moe.args[10:]
         norm = moe.args[0].args[0]
-        assert norm.target is hy3.add_rms_norm_quant.default and norm.args[4] is None
+        assert norm.target is torch.ops.hy3.add_rms_norm_quant.default and norm.args[4] is None
         assert (x_q.args, x_q_scale.args) == ((norm, 2), (norm, 3))
     gm.graph.lint()
     for out, ref in zip(_step(gm, cfg, torch.float32), _step(before, cfg, torch.float32)):
         assert torch.equal(out, ref)
+    (again,) = _run(gm, ctx, "fuse_moe_input_quant")
+    assert again.matches == 0
+
+
+@pytest.mark.parametrize("case", ["static norm", "static expert scales", "bf16 experts"])
+def test_fuse_moe_input_quant_leaves_other_quantizations_alone(traced, case):
+    """No site where the norm's rows are not what the experts would make of x: a norm quantized with a
+    calibrated (static) scale — its scale output kept alive here, so only that check can refuse it —,
+    experts with a static activation scale, or bf16 experts."""
+    import operator
+
+    from hy3c.passes.graph_utils import add_attr, fake_mode_of
+
+    gm, _, ctx, moes = _fuse_moe_input_quant_graph(traced, static_norm=case == "static norm")
+    fake, graph = fake_mode_of(gm), gm.graph
+    for i, moe in enumerate(moes):
+        norm = moe.args[0].args[0]
+        if case == "static norm":
+            assert norm.args[4] is not None
+            if not any(u.args[1] == 3 for u in norm.users):
+                with graph.inserting_after(norm):
+                    graph.call_function(operator.getitem, (norm, 3))
+        if case == "static expert scales":
+            scale = add_attr(gm, f"experts_input_scale_{i}", torch.tensor([0.05]), fake)
+            moe.args = (*moe.args[:7], scale, *moe.args[8:])
+        if case == "bf16 experts":
+            w13 = moe.args[3].meta["val"]
+            bf16 = add_attr(gm, f"bf16_w13_{i}", torch.zeros(w13.shape, dtype=torch.bfloat16), fake)
+            moe.args = (*moe.args[:3], bf16, *moe.args[4:])
+    (result,) = _run(gm, ctx, "fuse_moe_input_quant")
+    assert result.matches == 0 and all(len(m.args) == 10 for m in moes)
 
 
 def _static_activation_scales(gm: torch.fx.GraphModule) -> None:

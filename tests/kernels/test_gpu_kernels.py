@@ -211,10 +211,17 @@ def test_fused_moe_real_shapes(tokens, fp8):
             cfg = dataclasses.replace(select_config(tokens, "fp8"), quant_on_load=on_load)
             other = fused_moe_triton(*args, config=cfg).float()
             assert (other - out).norm() / out.norm() < 1e-3
-    if fp8:  # x handed over already quantized per token (the norm's FP8 rows): the same output
-        x_scale = per_token_scale(x)
-        handed = fused_moe_triton(*args, quantize_fp8(x, x_scale), x_scale).float()
-        assert torch.equal(handed, out)
+    if fp8:  # x handed over as the norm's FP8 rows (the Triton norm's quantization): the same output
+        normed, _, x_q, x_scale = torch.ops.hy3_triton.add_rms_norm_quant(
+            x, torch.zeros_like(x), torch.ones(hidden, device="cuda", dtype=x.dtype), 1e-5, None
+        )
+        mine = (normed, *args[1:])
+        for cfg in (
+            select_config(tokens, "fp8"),
+            dataclasses.replace(select_config(1, "fp8"), quant_on_load=True),
+        ):
+            inside = fused_moe_triton(*mine, config=cfg)
+            assert torch.equal(fused_moe_triton(*mine, x_q, x_scale, config=cfg), inside)
     if fp8:  # static activation scales: the gate-up epilogue writes the intermediate as e4m3
         static = (x.float().abs().max().reshape(1) / 448, torch.tensor([0.03], device="cuda"))
         args = (x, w, ids, w13, w2, *scales, *static, shared)

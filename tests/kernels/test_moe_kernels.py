@@ -220,17 +220,15 @@ def test_fused_moe_pair_blocks_equal_the_aligned_blocks_for_one_token(fp8, swap_
         w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
     ids = torch.randperm(experts)[None, :top_k].int()
     args = (x, torch.rand(1, top_k), ids, w13, w2, *scales, None, None, torch.randn(1, 64).to(torch.bfloat16))
-    for other_ids in (ids.long(), ids.t().contiguous().t()):  # int64 and non-contiguous ids: the same
-        other = fused_moe_triton(
-            *args[:2],
-            other_ids,
-            *args[3:],
-            config=dataclasses.replace(CFG, swap_ab=swap_ab, pair_blocks=True),
-        )
-        torch.testing.assert_close(
-            other, fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=swap_ab))
-        )
+    strided = torch.stack([ids, ids], -1)[..., 0]  # the same ids with stride (2k, 2)
+    strided_w = torch.stack([args[1], args[1]], -1)[..., 0]  # and the same weights
+    assert not strided.is_contiguous() and not strided_w.is_contiguous()
     aligned = fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=swap_ab))
+    cases = itertools.product(((ids.long(), args[1]), (strided, strided_w)), (False, True))
+    for (other_ids, other_w), pair in cases:  # int64 and strided ids and weights, either blocking: the same
+        cfg = dataclasses.replace(CFG, swap_ab=swap_ab, pair_blocks=pair)
+        other = fused_moe_triton(args[0], other_w, other_ids, *args[3:], config=cfg)
+        torch.testing.assert_close(other, aligned, atol=0, rtol=0)
     pair_blocks = fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=swap_ab, pair_blocks=True))
     torch.testing.assert_close(pair_blocks, aligned, atol=0, rtol=0)
     assert (aligned.float() - hy3.fused_moe(*args).float()).norm() / aligned.float().norm() < 2e-2
@@ -286,8 +284,11 @@ def test_fused_moe_takes_its_input_already_quantized_per_token():
         handed = fused_moe_triton(*args, x_q, x_q_scale=x_scale, config=config)
         torch.testing.assert_close(handed, inside, atol=0, rtol=0)
     torch.testing.assert_close(hy3.fused_moe(*args, x_q, x_scale), hy3.fused_moe(*args), atol=0, rtol=0)
-    other = hy3.fused_moe(*args, quantize_fp8(-x, x_scale), x_scale)  # the given rows are the ones read
+    negated = quantize_fp8(-x, x_scale)  # the given rows are the ones read, by both
+    other = hy3.fused_moe(*args, negated, x_scale)
     assert (other.float() - hy3.fused_moe(*args).float()).abs().max() > 0.1
+    other_triton = fused_moe_triton(*args, negated, x_scale, config=CFG)
+    assert (other_triton.float() - other.float()).norm() / other.float().norm() < 2e-2
     # opcheck's schema test has no CPU FP8 arithmetic: the inputs are checked unmutated byte for byte
     tensors = [a for a in (*args, x_q, x_scale) if isinstance(a, torch.Tensor)]
     before = [a.view(torch.uint8).clone() for a in tensors]
