@@ -117,6 +117,15 @@ def _weights(experts, hidden, inter, dtype=torch.float32):
     ).to(dtype)
 
 
+def _expert_weights(experts, hidden, inter, fp8):
+    """(w13, w2, (w13_scale, w2_scale)): bf16 weights, or e4m3 ones with per-channel scales."""
+    w13, w2 = _weights(experts, hidden, inter)
+    if not fp8:
+        return w13.to(torch.bfloat16), w2.to(torch.bfloat16), (None, None)
+    scales = (w13.abs().amax(-1) / 448, w2.abs().amax(-1) / 448)
+    return (w13 / scales[0][..., None]).to(FP8_DTYPE), (w2 / scales[1][..., None]).to(FP8_DTYPE), scales
+
+
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "case"),
     [
@@ -190,13 +199,8 @@ def test_fused_moe_tuned_configs_run_on_small_experts(tokens, fp8):
     TMA option is dropped where block_n does not divide the widths, and the output is the reference's."""
     experts, top_k = 8, 2
     x = torch.randn(tokens, 64).to(torch.bfloat16)
-    w13, w2 = _weights(experts, 64, 32)
-    scales, act = (None, None), (None, None)
-    if fp8 == "bf16":
-        w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
-    else:
-        scales = (w13.abs().amax(-1) / 448, w2.abs().amax(-1) / 448)
-        w13, w2 = (w13 / scales[0][..., None]).to(FP8_DTYPE), (w2 / scales[1][..., None]).to(FP8_DTYPE)
+    w13, w2, scales = _expert_weights(experts, 64, 32, fp8 != "bf16")
+    act = (None, None)
     if fp8 == "static":
         act = (torch.tensor([x.float().abs().max() / 448]), torch.tensor([0.05 / 448 * 8]))
     ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
@@ -211,13 +215,7 @@ def test_fused_moe_pair_blocks_equal_the_aligned_blocks_for_one_token(fp8, swap_
     """One token: each aligned block holds one pair in row 0, so a block per pair computes the same tiles."""
     experts, top_k = 8, 4
     x = torch.randn(1, 64).to(torch.bfloat16)
-    w13, w2 = _weights(experts, 64, 32)
-    scales = (None, None)
-    if fp8:
-        scales = (w13.abs().amax(-1) / 448, w2.abs().amax(-1) / 448)
-        w13, w2 = (w13 / scales[0][..., None]).to(FP8_DTYPE), (w2 / scales[1][..., None]).to(FP8_DTYPE)
-    else:
-        w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+    w13, w2, scales = _expert_weights(experts, 64, 32, fp8)
     ids = torch.randperm(experts)[None, :top_k].int()
     args = (x, torch.rand(1, top_k), ids, w13, w2, *scales, None, None, torch.randn(1, 64).to(torch.bfloat16))
     strided = torch.stack([ids, ids], -1)[..., 0]  # the same ids with stride (2k, 2)
@@ -240,13 +238,7 @@ def test_fused_moe_tma_zero_fills_k_blocks_past_the_last_column(fp8, swap_ab):
     """K blocks (64) past hidden = 96 and inter = 32: the copies' zero fill matches the masked loads."""
     tokens, experts, top_k = 5, 4, 2
     x = torch.randn(tokens, 96).to(torch.bfloat16)
-    w13, w2 = _weights(experts, 96, 32)
-    scales = (None, None)
-    if fp8:
-        scales = (w13.abs().amax(-1) / 448, w2.abs().amax(-1) / 448)
-        w13, w2 = (w13 / scales[0][..., None]).to(FP8_DTYPE), (w2 / scales[1][..., None]).to(FP8_DTYPE)
-    else:
-        w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+    w13, w2, scales = _expert_weights(experts, 96, 32, fp8)
     ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
     args = (x, torch.rand(tokens, top_k), ids, w13, w2, *scales, None, None, None)
     cfg = dataclasses.replace(CFG, block_k=64, swap_ab=swap_ab)
@@ -261,9 +253,7 @@ def test_fused_moe_takes_its_input_already_quantized_per_token():
 
     tokens, experts, top_k = 9, 8, 2
     x = torch.randn(tokens, 64).to(torch.bfloat16)
-    w13, w2 = _weights(experts, 64, 32)
-    s13, s2 = w13.abs().amax(-1) / 448, w2.abs().amax(-1) / 448
-    q13, q2 = (w13 / s13[..., None]).to(FP8_DTYPE), (w2 / s2[..., None]).to(FP8_DTYPE)
+    q13, q2, (s13, s2) = _expert_weights(experts, 64, 32, fp8=True)
     ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
     args = (
         x,
