@@ -1,7 +1,7 @@
 """Triton FusedMoE: routed experts of one MoE layer + the shared expert's output, bf16 or FP8 W8A8.
 
-    out = fused_moe(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared,
-                    x_q=None, x_q_scale=None)
+    out = fused_moe(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale,
+                    shared, x_q=None, x_q_scale=None)
 
 1. `moe_align` (one Triton program, or device-side torch ops above 1024 pairs; no host sync): the
    (token, slot) pairs sorted by expert and padded per expert to a multiple of BLOCK_M (`sorted_ids`,
@@ -17,12 +17,13 @@
 
 FP8: weights e4m3 with per-channel ([E, rows]) or per-tensor ([E, 1]) scales; activations e4m3 with a
 static per-tensor scale or dynamic per-token scales; fp8 × fp8 tensor-core products, scales applied in
-the epilogues. With per-token scales x may come already quantized (x_q, x_q_scale: the norm's FP8 rows,
-pass `fuse_moe_input_quant`), and the gate-up GEMM reads those. The activations are quantized either by one row-wise kernel before each GEMM, or — the
+the epilogues. The activations are quantized either by one row-wise kernel before each GEMM, or — the
 config's `quant_on_load`, for few tokens — inside the GEMM as its rows are loaded (a dynamic scale is
 the row's absmax / 448, found by a first pass over the row): bit-identical, two launches fewer. With
-a static scale for the down GEMM's input, the gate-up epilogue writes the intermediate as e4m3 itself
-(half the bytes, no quantization launch; the same values as the row-wise kernel).
+per-token scales x may also come already quantized (x_q, x_q_scale: the norm's FP8 rows, pass
+`fuse_moe_input_quant`), and the gate-up GEMM reads those. With a static scale for the down GEMM's
+input, the gate-up epilogue writes the intermediate as e4m3 itself (half the bytes, no quantization
+launch; the same values as the row-wise kernel).
 
 Weight tiles are pointer loads or — the config's `tma` — TMA bulk copies from a tensor descriptor over
 the stacked weights ([E · 2I, H] and [E · H, I]; block_n must tile each expert's rows, a K block past the
