@@ -82,18 +82,20 @@ class LaunchConfig:
 DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=2)
 # FP8 KV widens K/V in registers between load and MMA, so a batch's loads hide latency through
 # occupancy: up to 8 CTAs per SM, with ranges of at least 16 tiles (4K keys) while 2 CTAs per SM stay
-# busy. A single request or a few keep DECODE_CONFIG: measured faster there (BENCHMARKS.md, attention
-# runs 6 and 7, end to end runs 10 and 11).
+# busy (BENCHMARKS.md, attention runs 6 and 7, end to end runs 10 and 11). A single request or a few
+# take 3 CTAs per SM with 2 stages: 0.107 ms for one 128K request in attention runs 18 and 19, against
+# 0.114-0.219 ms with DECODE_CONFIG (on the batch of 32 it equals the batch config: 1.203-1.207 ms).
 FP8_BATCH_DECODE_CONFIG = LaunchConfig(
     block_n=128, num_warps=4, num_stages=2, ctas_per_sm=8, min_tiles_per_cta=16, min_ctas_per_sm=2
 )
 FP8_BATCH_MIN_REQUESTS = 8
+FP8_DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=3)
 
 
 def decode_config(kv_dtype: torch.dtype, num_requests: int) -> LaunchConfig:
     """The dynamic decode launch config for a KV dtype and batch size (both known on the host)."""
-    if kv_dtype == FP8_DTYPE and num_requests >= FP8_BATCH_MIN_REQUESTS:
-        return FP8_BATCH_DECODE_CONFIG
+    if kv_dtype == FP8_DTYPE:
+        return FP8_BATCH_DECODE_CONFIG if num_requests >= FP8_BATCH_MIN_REQUESTS else FP8_DECODE_CONFIG
     return DECODE_CONFIG
 
 

@@ -16,6 +16,7 @@ from hy3c.kernels.paged_attention import (
     DECODE_CONFIG,
     FP8_BATCH_DECODE_CONFIG,
     FP8_BATCH_MIN_REQUESTS,
+    FP8_DECODE_CONFIG,
     LaunchConfig,
     decode_attention_dynamic,
     decode_attention_static,
@@ -148,7 +149,7 @@ def test_decode_refuses_prefill_options(option):
 
 def test_decode_config_by_kv_dtype_and_batch():
     assert decode_config(torch.bfloat16, 64) == DECODE_CONFIG
-    assert decode_config(FP8_DTYPE, FP8_BATCH_MIN_REQUESTS - 1) == DECODE_CONFIG
+    assert decode_config(FP8_DTYPE, FP8_BATCH_MIN_REQUESTS - 1) == FP8_DECODE_CONFIG
     assert decode_config(FP8_DTYPE, FP8_BATCH_MIN_REQUESTS) == FP8_BATCH_DECODE_CONFIG
 
 
