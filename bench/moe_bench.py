@@ -11,7 +11,6 @@
   per-expert loop, and the FP8 variant vs an FP8 path on `torch._scaled_grouped_mm` (the same
   per-token activation and per-channel weight scales); % of copy bandwidth on the active experts'
   weight bytes and % of bf16 peak.
-* options: the one-token configs with the down GEMM's L2 prefetch and the block-absmax scales, on/off.
 * --sweep: tries launch configs per token bucket (CUDA-graph replays at T ≤ 128) and writes the best
   to $OUT/fused_moe_h200.json (the shipped configs for buckets not in --tokens); with the router part,
   also sweeps the dual-BF16 kernel's tiles and K splits per M.
@@ -415,63 +414,10 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
             json.dump(shipped, f, indent=1)
 
 
-def one_token_options(rounds: int = 2) -> None:
-    """The shipped one-token configs with the down GEMM's L2 prefetch before its wait (`prefetch_k`
-    columns of its weight rows) and — FP8 with dynamic scales — the intermediate's scales from the
-    gate-up's block absmaxes (`h_absmax_in_gate_up`), each CUDA-graph replayed, `rounds` times
-    interleaved; outputs must equal the shipped config's bit for bit."""
-    d = "cuda"
-    w13 = torch.randn(E, 2 * INTER, H, device=d, dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(E, H, INTER, device=d, dtype=torch.bfloat16) * 0.02
-    s13, s2 = w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448
-    q13 = (w13.float() / s13[..., None]).to(FP8_DTYPE)
-    q2 = (w2.float() / s2[..., None]).to(FP8_DTYPE)
-    x = torch.randn(1, H, device=d, dtype=torch.bfloat16)
-    ids = torch.randperm(E, device=d)[None, :K_TOP].int()
-    wt = torch.rand(1, K_TOP, device=d)
-    a13, a2 = static_activation_scales(x, ids, w13)
-    variants = {  # label → (config kind, the fused_moe arguments after the top-k ids)
-        "bf16": ("bf16", (w13, w2, None, None, None, None, None)),
-        "FP8": ("fp8", (q13, q2, s13, s2, None, None, None)),
-        "FP8, x from the norm": ("fp8", (q13, q2, s13, s2, None, None, None, *quant_fp8_per_token(x))),
-        "FP8 static": ("fp8_static", (q13, q2, s13, s2, a13, a2, None)),
-    }
-    prefetches = (0, 256, 768, 1536)
-    times: dict[tuple[str, bool, int], list[float]] = {}
-    for _ in range(rounds):
-        for label, (kind, rest) in variants.items():
-            base = select_config(1, kind)
-            want = fused_moe_triton(x, wt, ids, *rest, config=base)
-            for absmax in (False, True) if kind == "fp8" else (False,):
-                for prefetch in prefetches:
-                    cfg = dataclasses.replace(base, h_absmax_in_gate_up=absmax, prefetch_k=prefetch)
-                    got = fused_moe_triton(x, wt, ids, *rest, config=cfg)
-                    if not torch.equal(got, want):
-                        raise AssertionError(f"{label} {cfg}: output differs from the shipped config's")
-                    ms = graph_ms(lambda c=cfg, r=rest: fused_moe_triton(x, wt, ids, *r, config=c))
-                    times.setdefault((label, absmax, prefetch), []).append(ms)
-    bf16_best = min(min(v) for (label, _, _), v in times.items() if label == "bf16")
-    print("| T=1 variant | " + " | ".join(f"prefetch_k {p}" for p in prefetches) + " |")
-    print("|---|" + "---|" * len(prefetches))
-    for label, (kind, _) in variants.items():
-        for absmax in (False, True) if kind == "fp8" else (False,):
-            cells = []
-            for prefetch in prefetches:
-                runs = times[(label, absmax, prefetch)]
-                cells.append(
-                    " / ".join(f"{ms * 1e3:.1f}" for ms in runs) + f" ({bf16_best / min(runs):.3f}×)"
-                )
-            name = label + (", scales from block absmaxes" if absmax else "")
-            print(f"| {name} (µs per round; vs best bf16) | " + " | ".join(cells) + " |")
-    RESULTS["one_token_options"] = {f"{k[0]} absmax={k[1]} prefetch_k={k[2]}": v for k, v in times.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument(
-        "--parts", default="router,align,moe", help="comma list of router, align, moe, options (T=1 options)"
-    )
+    parser.add_argument("--parts", default="router,align,moe", help="comma list of router, align, moe")
     parser.add_argument("--tokens", default="1,16,128,1024,8192", help="moe: comma list of token counts")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -482,8 +428,6 @@ def main() -> None:
         align_bench()
     if "moe" in parts:
         moe_bench(args.sweep, tuple(int(t) for t in args.tokens.split(",")))
-    if "options" in parts:
-        one_token_options()
     RESULTS["env"] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

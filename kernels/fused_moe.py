@@ -23,15 +23,7 @@ the row's absmax / 448, found by a first pass over the row): bit-identical, two 
 per-token scales x may also come already quantized (x_q, x_q_scale: the norm's FP8 rows, pass
 `fuse_moe_input_quant`), and the gate-up GEMM reads those. With a static scale for the down GEMM's
 input, the gate-up epilogue writes the intermediate as e4m3 itself (half the bytes, no quantization
-launch; the same values as the row-wise kernel). With dynamic scales and the config's
-`h_absmax_in_gate_up`, the gate-up epilogue writes each intermediate row's absmax per column block
-beside the bf16 rows, and the down GEMM quantizes those rows as it loads them, its per-row scale the
-max of the row's block absmaxes — the quantization launch between the GEMMs gone, bit-identical.
-
-With PDL and pair blocks, the config's `prefetch_k` has each down-GEMM program issue bulk L2 prefetches
-of its weight rows' first prefetch_k columns *before* waiting for the gate-up: programs placed on SMs
-the gate-up leaves free start their weight stream during it (the weights are constant and the experts
-come from the top-k ids, written before the gate-up started).
+launch; the same values as the row-wise kernel).
 
 Weight tiles are pointer loads or — the config's `tma` — TMA bulk copies from a tensor descriptor over
 the stacked weights ([E · 2I, H] and [E · H, I]; block_n must tile each expert's rows, a K block past the
@@ -81,15 +73,10 @@ class MoeConfig:
     swap_ab: bool = False  # weights as the MMA's rows (acc^T = W · a^T): a wgmma with block_m token columns
     pair_blocks: bool = False  # one (token, slot) pair per M block, no alignment launch (for one token)
     combine_block: int = 1024  # columns per program of the combine (more programs for few tokens)
-    h_absmax_in_gate_up: bool = False  # FP8 dynamic: the down GEMM quantizes the intermediate on load,
-    # each row's scale from absmaxes the gate-up epilogue wrote per column block (no launch between GEMMs)
-    prefetch_k: int = 0  # down GEMM: columns of its weight rows prefetched into L2 before the gate-up ends
 
     def __post_init__(self) -> None:
         if self.combine_block & (self.combine_block - 1):
             raise ValueError(f"combine_block must be a power of two, got {self.combine_block}")
-        if self.prefetch_k < 0 or self.prefetch_k % 16:
-            raise ValueError(f"prefetch_k must be a non-negative multiple of 16, got {self.prefetch_k}")
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
@@ -283,33 +270,6 @@ def _row_scales(ptr, rows, row_ok, stride, width, BLOCK_M: tl.constexpr, CHUNK: 
 
 
 @triton.jit
-def _row_scales_from_blocks(
-    absmax_ptr, rows, row_ok, num_blocks, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr
-):
-    """The same per-row scales from the absmax of each column block of the rows ([rows, num_blocks])."""
-    blocks = tl.arange(0, BLOCKS)
-    amax = tl.load(
-        absmax_ptr + rows[:, None].to(tl.int64) * num_blocks + blocks[None, :],
-        mask=row_ok[:, None] & (blocks[None, :] < num_blocks),
-        other=0.0,
-    )
-    return tl.maximum(tl.max(amax, axis=1) / 448.0, 1e-12)
-
-
-@triton.jit
-def _prefetch_to_l2(row_ptrs, row_bytes: tl.constexpr):
-    """One bulk L2 prefetch of `row_bytes` from each pointer (16-byte aligned; sm_90)."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
-        "=r,l,r",
-        [row_ptrs, tl.full(row_ptrs.shape, row_bytes, tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _quantize_tile(a, scale, dtype: tl.constexpr):
     """An activation tile to FP8 as the quantization kernels do: a / scale, clamped to ±448, cast."""
     return tl.clamp(a.to(tl.float32) / scale, -448.0, 448.0).to(dtype)
@@ -374,7 +334,6 @@ def _gate_up_kernel(
     xs_ptr,
     ws_ptr,
     hs_ptr,
-    absmax_ptr,
     pairs,
     top_k,
     inter,
@@ -394,7 +353,6 @@ def _gate_up_kernel(
     W_PER_ROW: tl.constexpr,
     QUANT_ON_LOAD: tl.constexpr,
     QUANT_H: tl.constexpr,
-    H_ABSMAX: tl.constexpr,
     ACT_DTYPE: tl.constexpr,
     TMA: tl.constexpr,
     SWAP_AB: tl.constexpr,
@@ -478,9 +436,6 @@ def _gate_up_kernel(
     h = (act * up).to(ACT_DTYPE)
     if QUANT_H:  # a static FP8 scale for the down GEMM's input: the intermediate is written as e4m3
         h = _quantize_tile(h, tl.load(hs_ptr), out_ptr.dtype.element_ty)
-    if H_ABSMAX:  # each row's absmax over this column block, for the down GEMM's per-row scale
-        block_max = tl.max(tl.where(col_ok[None, :], tl.abs(h.to(tl.float32)), 0.0), axis=1)
-        tl.store(absmax_ptr + pair.to(tl.int64) * num_n_blocks + pid_n, block_max, mask=row_ok)
     tl.store(
         out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :],
         h,
@@ -517,20 +472,14 @@ def _down_kernel(
     A_PER_ROW: tl.constexpr,
     W_PER_ROW: tl.constexpr,
     QUANT_ON_LOAD: tl.constexpr,
-    SCALE_BLOCKS: tl.constexpr,
-    PREFETCH_BYTES: tl.constexpr,
     TMA: tl.constexpr,
     SWAP_AB: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     num_n_blocks = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
-    if PREFETCH_BYTES > 0:  # pair blocks: the expert comes from the top-k ids, written before the gate-up
-        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), hidden - 1)
-        w_rows = w_ptr + tl.load(expert_ptr + pid_m).to(tl.int64) * stride_we + rows * stride_wn
-        _prefetch_to_l2(w_rows, PREFETCH_BYTES)
-    wait_for_inputs(PDL)
     if not PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: pair blocks never load the padded total)
         if pid_m * BLOCK_M >= tl.load(padded_ptr):
             return
@@ -540,12 +489,7 @@ def _down_kernel(
     col_ok = cols < hidden
     w_base = w_ptr + expert * stride_we
     if QUANT_ON_LOAD:
-        if SCALE_BLOCKS > 0:  # from the gate-up epilogue's absmax per column block
-            h_scale = _row_scales_from_blocks(
-                hs_ptr, pair, row_ok, tl.cdiv(inter, BLOCK_N), BLOCK_M, SCALE_BLOCKS
-            )
-            h_scale = h_scale[:, None]
-        elif A_PER_ROW:
+        if A_PER_ROW:
             h_scale = _row_scales(h_ptr, pair, row_ok, stride_hm, inter, BLOCK_M, ROW_SCALE_CHUNK)[:, None]
         else:
             h_scale = tl.load(hs_ptr)
@@ -665,16 +609,6 @@ def _fit_to_widths(cfg: MoeConfig, w13: Tensor) -> MoeConfig:
     return cfg
 
 
-def _prefetch_bytes(cfg: MoeConfig, w2: Tensor, device: torch.device) -> int:
-    """Bytes of each down-weight row the down GEMM prefetches into L2 before its wait: only with PDL (the
-    CTAs start while the gate-up runs) and pair blocks (their experts known before the wait), and where
-    every row starts 16-byte aligned, as the bulk prefetch needs."""
-    row_bytes = w2.shape[2] * w2.element_size()
-    if not (cfg.prefetch_k and cfg.pair_blocks and pdl_launch(device)["PDL"]) or row_bytes % 16:
-        return 0
-    return min(cfg.prefetch_k, w2.shape[2]) * w2.element_size() // 16 * 16
-
-
 def fused_moe_triton(
     x: Tensor,
     topk_weights: Tensor,
@@ -718,12 +652,6 @@ def fused_moe_triton(
     quant_h = fp8 and a2_scale is not None  # static: the gate-up epilogue quantizes the intermediate
     hidden_act = x.new_empty((pairs, inter), dtype=FP8_DTYPE if quant_h else x.dtype)
     h_scale_static = a2_scale.float().reshape(1) if quant_h else dummy
-    h_blocks = triton.cdiv(inter, cfg.block_n)
-    h_absmax = (
-        x.new_empty((pairs, h_blocks), dtype=torch.float32)
-        if fp8 and not quant_h and cfg.h_absmax_in_gate_up
-        else None
-    )
     w13_s = w13_scale if w13_scale is not None else dummy
     w13_desc, w2_desc = _weight_descriptors(w13, w2, cfg) if cfg.tma else (None, None)
     common = dict(
@@ -749,7 +677,6 @@ def fused_moe_triton(
         a_scale,
         w13_s,
         h_scale_static,
-        h_absmax if h_absmax is not None else dummy,
         pairs,
         top_k,
         inter,
@@ -764,15 +691,12 @@ def fused_moe_triton(
         W_PER_ROW=w13_scale is not None and w13_scale.shape[-1] > 1,
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and x_q is None,
         QUANT_H=quant_h,
-        H_ABSMAX=h_absmax is not None,
         ACT_DTYPE=_TL_DTYPES[x.dtype],
         **common,
         **pdl_launch(x.device),
     )
     h, h_scale, h_per_row = (hidden_act, h_scale_static, False)
-    if h_absmax is not None:  # quantized as the down GEMM loads it, scales from the per-block absmaxes
-        h, h_scale, h_per_row = hidden_act, h_absmax, True
-    elif fp8 and not quant_h:
+    if fp8 and not quant_h:
         h, h_scale, h_per_row = _quantize_activations(hidden_act, None, cfg.quant_on_load)
     per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
     w2_s = w2_scale if w2_scale is not None else dummy
@@ -798,9 +722,7 @@ def fused_moe_triton(
         w2_s.stride(0) if w2_scale is not None else 0,
         A_PER_ROW=h_per_row,
         W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
-        QUANT_ON_LOAD=fp8 and (cfg.quant_on_load or h_absmax is not None) and not quant_h,
-        SCALE_BLOCKS=triton.next_power_of_2(h_blocks) if h_absmax is not None else 0,
-        PREFETCH_BYTES=_prefetch_bytes(cfg, w2, x.device),
+        QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
         **common,
         **pdl_launch(x.device),
     )

@@ -9,8 +9,7 @@ writes are visible. CUDA-graph capture keeps the attribute as a programmatic edg
 
 Rules for a kernel that takes part (a `PDL: tl.constexpr` parameter, launched with `**pdl_launch(...)`):
   * it calls `wait_for_inputs(PDL)` before its first global load *or store* (a buffer it writes may
-    still be read by the predecessor) — except loads of constant data (weights) and of data written
-    before its predecessor started (the predecessor itself waited for that);
+    still be read by the predecessor);
   * `wait_for_inputs` then lets the kernel's own successor launch early. The successor's CTAs can only
     take resources left over once all of this kernel's CTAs are resident, so an early trigger never
     takes SMs from the kernel itself.

@@ -120,7 +120,7 @@ def moe_variants() -> list[Variant]:
                     f"fused_moe gate-up {weights} tma={tma} block_m={block_m} swap_ab={swap} pair_blocks={pair_blocks}",
                     fused_moe._gate_up_kernel,
                     {"x_ptr": w, "w_ptr": w, "out_ptr": "*bf16", **scales},
-                    dict(common, QUANT_H=False, H_ABSMAX=False, ACT_DTYPE=tl.bfloat16),
+                    dict(common, QUANT_H=False, ACT_DTYPE=tl.bfloat16),
                     descs,
                 )
             )
@@ -129,11 +129,11 @@ def moe_variants() -> list[Variant]:
                     f"fused_moe down {weights} tma={tma} block_m={block_m} swap_ab={swap} pair_blocks={pair_blocks}",
                     fused_moe._down_kernel,
                     {"h_ptr": w, "w_ptr": w, "out_ptr": "*fp32", "topk_w_ptr": "*fp32", **scales},
-                    dict(common, SCALE_BLOCKS=0, PREFETCH_BYTES=0),
+                    common,
                     descs,
                 )
             )
-    return variants + static_one_token_variants() + dynamic_one_token_variants()
+    return variants + static_one_token_variants()
 
 
 def static_one_token_variants() -> list[Variant]:
@@ -149,41 +149,14 @@ def static_one_token_variants() -> list[Variant]:
             "fused_moe gate-up fp8 static one-token",
             fused_moe._gate_up_kernel,
             {"x_ptr": "*bf16", "w_ptr": f"*{fp8}", "out_ptr": f"*{fp8}", **scales},
-            dict(common, QUANT_ON_LOAD=True, QUANT_H=True, H_ABSMAX=False, ACT_DTYPE=tl.bfloat16),
+            dict(common, QUANT_ON_LOAD=True, QUANT_H=True, ACT_DTYPE=tl.bfloat16),
             descs,
         ),
         Variant(
             "fused_moe down fp8 static one-token",
             fused_moe._down_kernel,
             {"h_ptr": f"*{fp8}", "w_ptr": f"*{fp8}", "out_ptr": "*fp32", "topk_w_ptr": "*fp32", **scales},
-            dict(common, QUANT_ON_LOAD=False, SCALE_BLOCKS=0, PREFETCH_BYTES=0),
-            descs,
-        ),
-    ]
-
-
-def dynamic_one_token_variants() -> list[Variant]:
-    """The one-token FP8 config with dynamic scales: the gate-up writes each row's absmax per column
-    block, the down GEMM quantizes the bf16 intermediate on load and prefetches its weight rows into L2
-    before its wait (the inline `cp.async.bulk.prefetch.L2`)."""
-    fp8 = KV_DTYPES["fp8"]
-    scales = {"xs_ptr": "*fp32", "ws_ptr": "*fp32", "hs_ptr": "*fp32", "absmax_ptr": "*fp32"}
-    common = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, GROUP_M=1, FP8=True, A_PER_ROW=True, W_PER_ROW=True)
-    common |= dict(TMA=True, SWAP_AB=True, PAIR_BLOCKS=True, PDL=True)
-    descs = _descriptors(("w_desc",), fp8, (128, 256), True)
-    return [
-        Variant(
-            "fused_moe gate-up fp8 dynamic one-token, block absmaxes",
-            fused_moe._gate_up_kernel,
-            {"x_ptr": f"*{fp8}", "w_ptr": f"*{fp8}", "out_ptr": "*bf16", **scales},
-            dict(common, QUANT_ON_LOAD=False, QUANT_H=False, H_ABSMAX=True, ACT_DTYPE=tl.bfloat16),
-            descs,
-        ),
-        Variant(
-            "fused_moe down fp8 dynamic one-token, scales from block absmaxes, L2 prefetch",
-            fused_moe._down_kernel,
-            {"h_ptr": "*bf16", "w_ptr": f"*{fp8}", "out_ptr": "*fp32", "topk_w_ptr": "*fp32", **scales},
-            dict(common, QUANT_ON_LOAD=True, SCALE_BLOCKS=16, PREFETCH_BYTES=1536),
+            dict(common, QUANT_ON_LOAD=False),
             descs,
         ),
     ]

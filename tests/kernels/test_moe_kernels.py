@@ -190,31 +190,6 @@ def test_fused_moe_fp8(static, per_channel):
     for tma, on_load in itertools.product((False, True), (False, True)):  # weights as the MMA's rows
         cfg = dataclasses.replace(CFG, swap_ab=True, tma=tma, quant_on_load=on_load)
         torch.testing.assert_close(fused_moe_triton(*args, config=cfg), out, atol=0, rtol=0)
-    for swap_ab, on_load in itertools.product((False, True), (False, True)):  # scales from block absmaxes
-        cfg = dataclasses.replace(CFG, swap_ab=swap_ab, quant_on_load=on_load, h_absmax_in_gate_up=True)
-        torch.testing.assert_close(fused_moe_triton(*args, config=cfg), out, atol=0, rtol=0)
-
-
-def test_fused_moe_h_absmax_blocks_set_each_rows_scale():
-    """Dynamic scales from the gate-up's block absmaxes, with one gate row scaled up so that the largest
-    intermediate values sit in the last, partial column block: the row-wise quantization's output."""
-    tokens, experts, top_k = 3, 4, 2
-    x = torch.randn(tokens, 64).to(torch.bfloat16)
-    w13, w2, scales = _expert_weights(experts, 64, 48, fp8=True)  # 48 columns: a partial last block of 32
-    w13[:, 40] = (100 * w13[:, 40].float()).clamp(-448, 448).to(FP8_DTYPE)  # gate column 40, last block
-    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
-    args = (x, torch.rand(tokens, top_k), ids, w13, w2, *scales, None, None, None)
-    out = fused_moe_triton(*args, config=CFG)
-    for pair_blocks in (False, True):
-        cfg = dataclasses.replace(CFG, h_absmax_in_gate_up=True, pair_blocks=pair_blocks)
-        torch.testing.assert_close(fused_moe_triton(*args, config=cfg), out, atol=0, rtol=0)
-    ref = hy3.fused_moe(*args).float()
-    assert (out.float() - ref).norm() / ref.norm() < 2e-2
-
-
-def test_moe_config_refuses_a_prefetch_that_is_not_whole_16_byte_units():
-    with pytest.raises(ValueError, match="prefetch_k"):
-        MoeConfig(16, 32, 32, prefetch_k=24)
 
 
 @pytest.mark.parametrize("fp8", ["bf16", "dynamic", "static"])
