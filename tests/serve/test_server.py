@@ -7,7 +7,6 @@ import json
 import time
 
 import httpx
-import openai
 import pytest
 import torch
 
@@ -18,6 +17,9 @@ from hy3c.recipe import load_recipe
 from hy3c.serve.demo import BackgroundServer, free_port
 from hy3c.serve.server import ServeOptions
 from hy3c.tokenizer import Hy3Tokenizer
+
+# the test command installs the client; the GPU machine (which runs `-m gpu tests/`) has none
+openai = pytest.importorskip("openai", reason="the official openai client drives these tests")
 
 
 @pytest.fixture(scope="module")
