@@ -33,7 +33,6 @@ from hy3c.kernels.paged_attention import (
     LaunchConfig,
     decode_attention_dynamic,
     decode_attention_static,
-    decode_config,
     prefill_attention,
     prefill_config,
 )
@@ -171,20 +170,6 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
             three = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=3)
             t_three = bench(lambda kv=kv, c=three: decode_attention_dynamic(q, *kv, plan, config=c))
             row(f"decode {label} {name} KV: dynamic, 3 CTAs/SM, 2 stages", t_three, floor, t_dyn, "shipped")
-            shipped = decode_config(dtype, len(lengths))  # K/V widened by moving bits instead of cvt
-            bits = dataclasses.replace(shipped, fp8_bit_widen=True)
-            same = torch.equal(
-                decode_attention_dynamic(q, *kv, plan, config=bits),
-                decode_attention_dynamic(q, *kv, plan, config=shipped),
-            )
-            t_bits = bench(lambda kv=kv, c=bits: decode_attention_dynamic(q, *kv, plan, config=c))
-            row(
-                f"decode {label} {name} KV: dynamic, K/V widened by bit operations (output equal: {same})",
-                t_bits,
-                floor,
-                t_dyn,
-                "shipped",
-            )
         if sdpa_ms is not None:
             row(f"decode {label} {name} KV: dynamic vs SDPA loop", t_dyn, floor, sdpa_ms, "SDPA loop (bf16)")
         del cache, kv
@@ -249,18 +234,6 @@ def prefill_bench(tokens: int) -> None:
                 "SDPA",
             )
             RESULTS[f"prefill_{tokens}_tflops"]["fp8_widened_qk"] = flops / t_widened / 1e9
-            bits = dataclasses.replace(prefill_config(cache.shape[3], dtype), fp8_bit_widen=True)
-            same = torch.equal(prefill_attention(q, *kv, config=bits), fp8_qk)
-            t_bits = bench(lambda kv=kv, c=bits: prefill_attention(q, *kv, config=c))
-            row(
-                f"prefill {tokens} causal: hy3c Triton paged, fp8 KV, V widened by bit operations "
-                f"(output equal: {same})",
-                t_bits,
-                None,
-                ours,
-                "default",
-            )
-            RESULTS[f"prefill_{tokens}_tflops"]["fp8_bit_widen"] = flops / t_bits / 1e9
         kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
         default = prefill_config(cache.shape[3], dtype)  # FP8 KV rescales lazily: time the other choice
         other = dataclasses.replace(default, lazy_rescale=not default.lazy_rescale)

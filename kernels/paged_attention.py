@@ -76,7 +76,6 @@ class LaunchConfig:
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
     lazy_rescale: bool = False  # prefill: rescale acc only when a row's max grows by more than 2^8
     tma: bool = False  # prefill: K/V blocks by TMA bulk copies (block_n divides the page)
-    fp8_bit_widen: bool = False  # FP8 KV: e4m3 → f16 by bit operations (value · 2^-8), not cvt
 
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
@@ -137,44 +136,10 @@ def _find_request(starts_ptr, t, num_requests, iters):
 
 
 @triton.jit
-def _e4m3_bits_to_f16(x, FP8_ASM: tl.constexpr):
-    """e4m3 → f16 holding value · 2^-8, by moving the bits: f16 has one more exponent bit with bias 15
-    against e4m3's 7, so sign | (exponent, mantissa) >> 1 within each 16-bit half is exact (subnormals
-    included); the 2^8 goes into the softmax / output scales. On the GPU: two byte permutes, then a
-    mask, a shift and one lop3 per pair of values (where cvt converts one pair per instruction)."""
-    if FP8_ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 z, t0, t1, u0, u1; mov.b32 z, 0; "
-            "prmt.b32 t0, $2, z, 0x1404; prmt.b32 t1, $2, z, 0x3424; "
-            "and.b32 u0, t0, 0x7F007F00; and.b32 u1, t1, 0x7F007F00; "
-            "shr.b32 u0, u0, 1; shr.b32 u1, u1, 1; "
-            "lop3.b32 $0, u0, t0, 0x80008000, 0xF8; lop3.b32 $1, u1, t1, 0x80008000, 0xF8; }",
-            "=r,=r,r",
-            [x.to(tl.int8, bitcast=True)],
-            dtype=tl.float16,
-            is_pure=False,
-            pack=4,
-        )
-    b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-    return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _widen_k(k, dtype, FP8_BITS: tl.constexpr, FP8_ASM: tl.constexpr):
-    """K tile → the MMA dtype (FP8_BITS: f16 at 2^-8 scale)."""
-    if FP8_BITS:
-        return _e4m3_bits_to_f16(k, FP8_ASM)
-    return k.to(dtype)
-
-
-@triton.jit
-def _widen_v(v, dtype, FP8_BITS: tl.constexpr, FP8_ASM: tl.constexpr):
-    """V tile → the MMA dtype (FP8_BITS: f16 at 2^-8 scale). For FP8 on the GPU the e4m3 → f16
-    conversion is an opaque (impure) inline instruction: otherwise Triton hoists it past the layout
-    change into the MMA operand and reads the transposed 8-bit tile from shared memory one byte per
-    instruction."""
-    if FP8_BITS:
-        return _e4m3_bits_to_f16(v, FP8_ASM)
+def _widen_v(v, dtype, FP8_ASM: tl.constexpr):
+    """V tile → the MMA dtype. For FP8 on the GPU the e4m3 → f16 conversion is an opaque (impure) inline
+    instruction: otherwise Triton hoists it past the layout change into the MMA operand and reads the
+    transposed 8-bit tile from shared memory one byte per instruction."""
     if FP8_ASM:
         return tl.inline_asm_elementwise(
             "cvt.rn.f16x2.e4m3x2 $0, $1;",
@@ -217,7 +182,6 @@ def _attend_block(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASK: tl.constexpr,
-    FP8_BITS: tl.constexpr,
     FP8_ASM: tl.constexpr,
     FP8_QK: tl.constexpr,
     TMA: tl.constexpr,
@@ -261,7 +225,7 @@ def _attend_block(
     if FP8_QK:  # e4m3 q × e4m3 K: K goes to the MMA as loaded; q's per-row scales applied after
         s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
     else:
-        s = tl.dot(q, tl.trans(_widen_k(k, q.dtype, FP8_BITS, FP8_ASM)))  # e4m3 → f16 is native
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))  # e4m3 → f16 is native
     if MASK == 1:
         s = tl.where(valid[None, :], s, float("-inf"))
     if MASK == 2:
@@ -281,7 +245,7 @@ def _attend_block(
         l_i = l_i * alpha
     p = tl.exp2(s * qk_scale - m_new[:, None])
     mma_dtype: tl.constexpr = tl.float16 if FP8_QK else q.dtype
-    acc = tl.dot(p.to(mma_dtype), _widen_v(v, mma_dtype, FP8_BITS, FP8_ASM), acc)
+    acc = tl.dot(p.to(mma_dtype), _widen_v(v, mma_dtype, FP8_ASM), acc)
     l_i = l_i + tl.sum(p, axis=1)
     return m_new, l_i, acc
 
@@ -309,7 +273,6 @@ def _attend_range(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TAIL_MASK: tl.constexpr,
-    FP8_BITS: tl.constexpr,
     FP8_ASM: tl.constexpr,
     FP8_QK: tl.constexpr,
     TMA: tl.constexpr,
@@ -339,7 +302,6 @@ def _attend_range(
             HEAD_DIM,
             BLOCK_N,
             0,
-            FP8_BITS,
             FP8_ASM,
             FP8_QK,
             TMA,
@@ -367,7 +329,6 @@ def _attend_range(
             HEAD_DIM,
             BLOCK_N,
             TAIL_MASK,
-            FP8_BITS,
             FP8_ASM,
             FP8_QK,
             TMA,
@@ -398,18 +359,13 @@ def _store_partial(
 
 
 @triton.jit
-def _kv_scales(scales_ptr, FP8: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr):
-    """The layer's K and V dequantization scales (1.0 for a bf16 cache), × 2^8 for an operand widened
-    by bit operations (`_e4m3_bits_to_f16`)."""
+def _kv_scales(scales_ptr, FP8: tl.constexpr):
+    """The layer's K and V dequantization scales (1.0 for a bf16 cache)."""
     k_scale = 1.0
     v_scale = 1.0
     if FP8:
         k_scale = tl.load(scales_ptr)
         v_scale = tl.load(scales_ptr + 1)
-    if BITS_K:
-        k_scale = k_scale * 256.0
-    if BITS_V:
-        v_scale = v_scale * 256.0
     return k_scale, v_scale
 
 
@@ -445,7 +401,6 @@ def _decode_dynamic_kernel(
     BLOCK_N: tl.constexpr,
     MIN_TILES: tl.constexpr,
     FP8: tl.constexpr,
-    FP8_BITS: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PDL: tl.constexpr,
@@ -459,7 +414,7 @@ def _decode_dynamic_kernel(
     t_end = tl.minimum(t + quota, total)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
-    k_scale, v_scale = _kv_scales(scales_ptr, FP8, FP8_BITS, FP8_BITS)
+    k_scale, v_scale = _kv_scales(scales_ptr, FP8)
     qk_scale = sm_scale * k_scale * _LOG2E
     while t < t_end:
         r = _find_request(plan_ptr, t, num_requests, search_iters)
@@ -500,7 +455,6 @@ def _decode_dynamic_kernel(
             HEAD_DIM,
             BLOCK_N,
             1,
-            FP8_BITS,
             FP8_ASM,
             False,
             False,
@@ -628,7 +582,6 @@ def _decode_static_kernel(
     SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
-    FP8_BITS: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PDL: tl.constexpr,
@@ -643,7 +596,7 @@ def _decode_static_kernel(
     per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
     key_begin = split * per_split
     key_end = tl.minimum(key_begin + per_split, length)
-    k_scale, v_scale = _kv_scales(scales_ptr, FP8, FP8_BITS, FP8_BITS)
+    k_scale, v_scale = _kv_scales(scales_ptr, FP8)
     q = tl.load(
         q_ptr + r * stride_qt + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
         mask=(g < GROUP)[:, None],
@@ -676,7 +629,6 @@ def _decode_static_kernel(
         HEAD_DIM,
         BLOCK_N,
         1,
-        FP8_BITS,
         FP8_ASM,
         False,
         False,
@@ -725,7 +677,6 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
-    FP8_BITS: tl.constexpr,
     FP8_ASM: tl.constexpr,
     FP8_QK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -760,7 +711,7 @@ def _prefill_kernel(
         other=0.0,
     )
     position = length - q_len + token  # absolute position of each query row (padding rows: past the end)
-    k_scale, v_scale = _kv_scales(scales_ptr, FP8, FP8_BITS and not FP8_QK, FP8_BITS)
+    k_scale, v_scale = _kv_scales(scales_ptr, FP8)
     qk_scale = sm_scale * k_scale * _LOG2E
     q_scale = tl.full([ROWS], 1.0, tl.float32)
     if FP8_QK:
@@ -801,7 +752,6 @@ def _prefill_kernel(
         HEAD_DIM,
         BLOCK_N,
         2,
-        FP8_BITS,
         FP8_ASM,
         FP8_QK,
         TMA,
@@ -825,16 +775,11 @@ def _cache_strides(kv_cache: Tensor) -> tuple[int, ...]:
     return kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4)
 
 
-def _cache_flags(kv_cache: Tensor, config: LaunchConfig) -> dict[str, int | bool]:
-    """Compile-time facts of the cache: FP8 or not, the page size, whether the FP8 conversions may use
-    inline PTX (on the GPU; the interpreter on CPU cannot run it), and how FP8 K/V are widened."""
+def _cache_flags(kv_cache: Tensor) -> dict[str, int | bool]:
+    """Compile-time facts of the cache: FP8 or not, the page size, and whether the FP8 V conversion may use
+    inline PTX (on the GPU; the interpreter on CPU cannot run it)."""
     fp8 = kv_cache.dtype == FP8_DTYPE
-    return dict(
-        FP8=fp8,
-        FP8_BITS=fp8 and config.fp8_bit_widen,
-        FP8_ASM=fp8 and kv_cache.is_cuda,
-        PAGE_SIZE=kv_cache.shape[3],
-    )
+    return dict(FP8=fp8, FP8_ASM=fp8 and kv_cache.is_cuda, PAGE_SIZE=kv_cache.shape[3])
 
 
 def num_decode_ctas(
@@ -911,7 +856,7 @@ def decode_attention_dynamic(
         KV_TILE=KV_TILE,
         BLOCK_N=config.block_n,
         MIN_TILES=config.min_tiles_per_cta,
-        **_cache_flags(kv_cache, config),
+        **_cache_flags(kv_cache),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **common,
@@ -981,7 +926,7 @@ def decode_attention_static(
         part_lse.stride(0),
         SPLITS=splits,
         BLOCK_N=config.block_n,
-        **_cache_flags(kv_cache, config),
+        **_cache_flags(kv_cache),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **common,
@@ -1052,7 +997,7 @@ def prefill_attention(
         Q_BLOCK=q_block,
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
-        **_cache_flags(kv_cache, config),
+        **_cache_flags(kv_cache),
         FP8_QK=config.fp8_qk and kv_cache.dtype == FP8_DTYPE,
         TMA=config.tma,
         LAZY=config.lazy_rescale,

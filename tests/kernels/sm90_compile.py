@@ -65,7 +65,7 @@ def attention_variants() -> list[Variant]:
     variants = []
     for kv in ("bf16", "fp8"):
         cache = {"cache_ptr": f"*{KV_DTYPES[kv]}", "scales_ptr": "*fp32"}
-        fp8 = dict(FP8=kv == "fp8", FP8_BITS=False, FP8_ASM=kv == "fp8", PAGE_SIZE=64, PDL=True)
+        fp8 = dict(FP8=kv == "fp8", FP8_ASM=kv == "fp8", PAGE_SIZE=64, PDL=True)
         for lazy in (False, True):
             for tma in (False, True):
                 for fp8_qk in (False, True) if kv == "fp8" else (False,):
@@ -82,28 +82,16 @@ def attention_variants() -> list[Variant]:
                         )
                     )
         decode = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1, BLOCK_N=128)
-        for bits in (False, True) if kv == "fp8" else (False,):  # FP8 K/V widened by bit operations
-            variants.append(
-                Variant(
-                    f"decode {kv} fp8_bit_widen={bits}",
-                    paged_attention._decode_dynamic_kernel,
-                    {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache},
-                    dict(decode, **fp8) | dict(FP8_BITS=bits),
-                    {},
-                    ("sm_scale",),
-                )
+        variants.append(
+            Variant(
+                f"decode {kv}",
+                paged_attention._decode_dynamic_kernel,
+                {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache},
+                dict(**decode, **fp8),
+                {},
+                ("sm_scale",),
             )
-    variants.append(
-        Variant(
-            "prefill fp8 tma=True fp8_qk=True lazy=True fp8_bit_widen=True",
-            paged_attention._prefill_kernel,
-            {"q_ptr": "*bf16", "out_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "scales_ptr": "*fp32"},
-            dict(GROUP=8, Q_BLOCK=16, HEAD_DIM=128, BLOCK_N=64, FP8_QK=True, TMA=True, LAZY=True)
-            | dict(FP8=True, FP8_BITS=True, FP8_ASM=True, PAGE_SIZE=64, PDL=True),
-            _descriptors(("k_desc", "v_desc"), "fp8e4nv", (64, 128), True),
-            ("sm_scale",),
         )
-    )
     return variants
 
 

@@ -440,35 +440,3 @@ def test_fa2_style_static_splits_follow_the_grid_not_the_lengths():
     assert n in shortening and efficiency(n) >= 0.85 * max(efficiency(s) for s in shortening)
     assert all(efficiency(s) < 0.85 * max(efficiency(t) for t in shortening) for s in shortening if s < n)
     assert splits(8, 132, 1024, keep=1.0) >= n
-
-
-def test_fp8_bit_widening_equals_the_conversion():
-    """FP8 K/V widened by moving bits (f16 at 2^-8 scale, the 2^8 folded into the scales) give the very
-    outputs of the conversion: every scaling is by a power of two. Decode (dynamic, static) and prefill
-    (K widened, or only V beside the FP8 QK product); the e4m3 values include subnormals and ±448."""
-    lengths, new = [1, 17, 300, 5, 70], [1, 5, 40, 1, 9]
-    q, cache, scales, table, seq_lens, qsl = _case(lengths, new, 16, 8, 2, cache_dtype=FP8_DTYPE)
-    extremes = torch.tensor([448.0, -448.0, 2.0**-9, -(2.0**-9), 2.0**-7, 0.0]).to(FP8_DTYPE)
-    cache[1, :, table[2, 0], :6, 0, 0] = extremes  # layer 1's K and V, the first keys of request 2
-    plan = _plan(seq_lens, qsl, 4)
-    decode_q = q[qsl[1:] - 1]
-    decode_qsl = torch.arange(len(lengths) + 1, dtype=torch.int32)
-    decode_plan = _plan(seq_lens, decode_qsl, 4)
-    bits = dataclasses.replace(DECODE_CONFIG, fp8_bit_widen=True)
-    kv = (cache, scales, 1, table, seq_lens)
-    for a, b in (
-        (
-            decode_attention_dynamic(decode_q, *kv, 0.2, decode_plan, config=DECODE_CONFIG),
-            decode_attention_dynamic(decode_q, *kv, 0.2, decode_plan, config=bits),
-        ),
-        (
-            decode_attention_static(decode_q, *kv, 0.2, splits=3),
-            decode_attention_static(decode_q, *kv, 0.2, splits=3, config=bits),
-        ),
-    ):
-        assert torch.equal(a, b)
-    for fp8_qk in (False, True):
-        config = LaunchConfig(block_n=16, num_warps=4, num_stages=1, fp8_qk=fp8_qk)
-        a = prefill_attention(q, *kv, qsl, 0.2, plan, config=config)
-        b = prefill_attention(q, *kv, qsl, 0.2, plan, config=dataclasses.replace(config, fp8_bit_widen=True))
-        assert torch.equal(a, b)
