@@ -9,6 +9,8 @@
    FlashAttention-2-style heuristic picks from the grid), bf16 and FP8 KV, vs a loop of torch SDPA over contiguous
    bf16 KV; % of copy bandwidth on the KV bytes read. Then a single 128K request.
 3. Causal prefill attention at 8K and 32K tokens vs torch SDPA (flash).
+
+    python bench/attention_bench.py --spread      # the single 128K request's run-to-run spread only
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import os
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 import hy3c.kernels
 import hy3c.ops  # noqa: F401
@@ -398,6 +400,52 @@ def sweep_decode(lengths: list[int]) -> None:
         del kv, one
 
 
+def decode_spread(length: int, repeats: int = 6) -> None:
+    """The single-request decode rows' run-to-run spread: `repeats` timings of one `length` request in
+    each setting — L2 flushed before every run (`do_bench`, as the table's rows) or CUDA-graph replays
+    back to back; PDL on or off; pages in random order (as the rows) or in order — for bf16 and FP8 KV,
+    beside SDPA on contiguous KV; min / median / max ms and % of copy bandwidth at the median."""
+    d = "cuda"
+    seq_lens = torch.tensor([length], dtype=torch.int32, device=d)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=d)
+    q = torch.randn(1, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
+    plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
+    timers = {"L2 flushed": bench, "graph replays": lambda fn: do_bench_cudagraph(fn, rep=40)}
+    print("| case | min | median | max | % BW (median) |")
+    print("|---|---|---|---|---|")
+
+    def show(name: str, times: list[float], kv_bytes: int) -> None:
+        times = sorted(times)
+        med = times[len(times) // 2]
+        print(
+            f"| {name} | {times[0]:.4f} | {med:.4f} | {times[-1]:.4f} | {kv_bytes / BW * 1e3 / med * 100:.0f}% |"
+        )
+        RESULTS[f"spread {name}"] = {"ms": times}
+
+    sdpa_bytes = length * KV_HEADS * HEAD_DIM * 2 * 2
+    show(
+        f"SDPA, contiguous bf16 KV, {length} keys",
+        [sdpa_loop_ms([length]) for _ in range(repeats)],
+        sdpa_bytes,
+    )
+    for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
+        cache, table, scales = _paged_cache([length], dtype, kv_scale)
+        kv_bytes = length * KV_HEADS * HEAD_DIM * 2 * cache.element_size()
+        in_order = torch.arange(table.shape[1], dtype=torch.int32, device=d)[None]
+        for pages, page_table in (("random pages", table), ("pages in order", in_order)):
+            kv = (cache, scales, 0, page_table, seq_lens, HEAD_DIM**-0.5, plan)
+            for (timer_name, timer), pdl in itertools.product(timers.items(), (True, False)):
+                with pdl_env(pdl):
+                    times = [timer(lambda kv=kv: decode_attention_dynamic(q, *kv)) for _ in range(repeats)]
+                name = f"{dtype_name(dtype)} {pages}, {timer_name}, PDL {'on' if pdl else 'off'}"
+                show(name, times, kv_bytes)
+        del cache
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "fp8"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller shapes (smoke test)")
@@ -410,8 +458,12 @@ def main() -> None:
         choices=("all", "tma"),
         help="only the prefill sweep (all variants, or the TMA ones) and the prefill rows",
     )
+    parser.add_argument("--spread", action="store_true", help="only the single-request decode spread")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.spread:
+        decode_spread(131072)
+        return
     if args.sweep_prefill:
         sweep_prefill(tma_only=args.sweep_prefill == "tma")
         for tokens in (8192, 32768):
