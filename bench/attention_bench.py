@@ -35,7 +35,6 @@ from hy3c.kernels.paged_attention import (
     LaunchConfig,
     decode_attention_dynamic,
     decode_attention_static,
-    decode_config,
     prefill_attention,
     prefill_config,
 )
@@ -169,15 +168,6 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
         row(f"decode {label} {name} KV: dynamic split-KV", t_dyn, floor, t_static, "static (16)")
         row(f"decode {label} {name} KV: dynamic vs FA2-style static", t_dyn, floor, t_heuristic, "FA2-style")
         row(f"decode {label} {name} KV: dynamic, launched without PDL", t_no_pdl, floor, t_dyn, "with PDL")
-        late = dataclasses.replace(decode_config(dtype, len(lengths)), early_trigger=False)
-        t_late = bench(lambda kv=kv, c=late: decode_attention_dynamic(q, *kv, plan, config=c))
-        row(
-            f"decode {label} {name} KV: dynamic, combine launched as CTAs finish",
-            t_late,
-            floor,
-            t_dyn,
-            "shipped",
-        )
         if dtype == FP8_DTYPE:  # attention run 18's best of its grid for FP8, batch and single request alike
             three = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=3)
             t_three = bench(lambda kv=kv, c=three: decode_attention_dynamic(q, *kv, plan, config=c))
@@ -444,18 +434,10 @@ def decode_spread(length: int, repeats: int = 6) -> None:
         in_order = torch.arange(table.shape[1], dtype=torch.int32, device=d)[None]
         for pages, page_table in (("random pages", table), ("pages in order", in_order)):
             kv = (cache, scales, 0, page_table, seq_lens, HEAD_DIM**-0.5, plan)
-            shipped = decode_config(dtype, 1)
-            late = dataclasses.replace(shipped, early_trigger=False)
-            for (timer_name, timer), (pdl, cfg) in itertools.product(
-                timers.items(), ((True, shipped), (True, late), (False, shipped))
-            ):
+            for (timer_name, timer), pdl in itertools.product(timers.items(), (True, False)):
                 with pdl_env(pdl):
-                    times = [
-                        timer(lambda kv=kv, c=cfg: decode_attention_dynamic(q, *kv, config=c))
-                        for _ in range(repeats)
-                    ]
-                trigger = ", combine launched as CTAs finish" if pdl and not cfg.early_trigger else ""
-                name = f"{dtype_name(dtype)} {pages}, {timer_name}, PDL {'on' if pdl else 'off'}{trigger}"
+                    times = [timer(lambda kv=kv: decode_attention_dynamic(q, *kv)) for _ in range(repeats)]
+                name = f"{dtype_name(dtype)} {pages}, {timer_name}, PDL {'on' if pdl else 'off'}"
                 show(name, times, kv_bytes)
         del cache
 

@@ -51,7 +51,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hy3c.kernels.attention_plan import KV_TILE, PREFILL_ROWS, prefill_q_block
-from hy3c.kernels.pdl import pdl_launch, wait_for_inputs, wait_for_inputs_only
+from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -76,7 +76,6 @@ class LaunchConfig:
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
     lazy_rescale: bool = False  # prefill: rescale acc only when a row's max grows by more than 2^8
     tma: bool = False  # prefill: K/V blocks by TMA bulk copies (block_n divides the page)
-    early_trigger: bool = True  # dynamic decode, PDL: the combine launches once every CTA has started
 
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
@@ -404,13 +403,9 @@ def _decode_dynamic_kernel(
     FP8: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if EARLY_TRIGGER:
-        wait_for_inputs(PDL)
-    else:
-        wait_for_inputs_only(PDL)
+    wait_for_inputs(PDL)
     head = tl.program_id(0)  # heads vary fastest: the CTAs with work spread over the SMs
     cta = tl.program_id(1)
     quota = _tiles_per_cta(plan_ptr, num_requests, num_ctas, min_ctas, MIN_TILES)
@@ -861,7 +856,6 @@ def decode_attention_dynamic(
         KV_TILE=KV_TILE,
         BLOCK_N=config.block_n,
         MIN_TILES=config.min_tiles_per_cta,
-        EARLY_TRIGGER=config.early_trigger,
         **_cache_flags(kv_cache),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -40,14 +40,6 @@ def wait_for_inputs(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def wait_for_inputs_only(PDL: tl.constexpr):
-    """Block until the previous kernel has finished; the next one launches as this kernel's CTAs exit
-    (its CTAs do not sit waiting beside this kernel's)."""
-    if PDL:
-        gdc_wait()
-
-
 @cache
 def _hopper_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)

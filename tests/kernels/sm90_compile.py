@@ -82,17 +82,16 @@ def attention_variants() -> list[Variant]:
                         )
                     )
         decode = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1, BLOCK_N=128)
-        for early in (True, False):
-            variants.append(
-                Variant(
-                    f"decode {kv} early_trigger={early}",
-                    paged_attention._decode_dynamic_kernel,
-                    {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache},
-                    dict(**decode, **fp8, EARLY_TRIGGER=early),
-                    {},
-                    ("sm_scale",),
-                )
+        variants.append(
+            Variant(
+                f"decode {kv}",
+                paged_attention._decode_dynamic_kernel,
+                {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache},
+                dict(**decode, **fp8),
+                {},
+                ("sm_scale",),
             )
+        )
     return variants
 
 
