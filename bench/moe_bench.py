@@ -11,7 +11,6 @@
   per-expert loop, and the FP8 variant vs an FP8 path on `torch._scaled_grouped_mm` (the same
   per-token activation and per-channel weight scales); % of copy bandwidth on the active experts'
   weight bytes and % of bf16 peak.
-* tiles: the one-token configs with 4 or 8 warps and other K blocks / stages (the sweep keeps 4 warps).
 * --sweep: tries launch configs per token bucket (CUDA-graph replays at T ≤ 128) and writes the best
   to $OUT/fused_moe_h200.json (the shipped configs for buckets not in --tokens); with the router part,
   also sweeps the dual-BF16 kernel's tiles and K splits per M.
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import os
 
@@ -416,59 +414,10 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
             json.dump(shipped, f, indent=1)
 
 
-def one_token_tiles() -> None:
-    """The shipped one-token configs (bf16; FP8 with x from the norm, as the dynamic recipe runs it; FP8
-    static) with 4 or 8 warps, their K block or half of it, and 2–6 stages — the sweep keeps 4 warps.
-    CUDA-graph replays, µs, the shipped config timed first and last (the spread); outputs checked
-    against the shipped config's (a K block changes the summation order: relative difference < 1e-2)."""
-    d = "cuda"
-    w13 = torch.randn(E, 2 * INTER, H, device=d, dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(E, H, INTER, device=d, dtype=torch.bfloat16) * 0.02
-    s13, s2 = w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448
-    q13 = (w13.float() / s13[..., None]).to(FP8_DTYPE)
-    q2 = (w2.float() / s2[..., None]).to(FP8_DTYPE)
-    x = torch.randn(1, H, device=d, dtype=torch.bfloat16)
-    ids = torch.randperm(E, device=d)[None, :K_TOP].int()
-    wt = torch.rand(1, K_TOP, device=d)
-    a13, a2 = static_activation_scales(x, ids, w13)
-    variants = {  # label → (config kind, the fused_moe arguments after the top-k ids)
-        "bf16": ("bf16", (w13, w2, None, None, None, None, None)),
-        "FP8, x from the norm": ("fp8", (q13, q2, s13, s2, None, None, None, *quant_fp8_per_token(x))),
-        "FP8 static": ("fp8_static", (q13, q2, s13, s2, a13, a2, None)),
-    }
-    print("| T=1 variant | warps | K block | stages | µs | vs shipped |")
-    print("|---|---|---|---|---|---|")
-    for label, (kind, rest) in variants.items():
-        base = select_config(1, kind)
-        want = fused_moe_triton(x, wt, ids, *rest, config=base)
-        first = graph_ms(lambda r=rest, c=base: fused_moe_triton(x, wt, ids, *r, config=c))
-        tiles = [(base.block_k // 2, 4), (base.block_k // 2, 6)] + [(base.block_k, n) for n in (2, 3, 4)]
-        for warps, (block_k, stages) in itertools.product((4, 8), tiles):
-            cfg = dataclasses.replace(base, num_warps=warps, block_k=block_k, num_stages=stages)
-            try:
-                got = fused_moe_triton(x, wt, ids, *rest, config=cfg)
-            except Exception as exc:  # shared memory overflow
-                print(f"| {label} | {warps} | {block_k} | {stages} | {type(exc).__name__} | |")
-                continue
-            diff = ((got.float() - want.float()).norm() / want.float().norm()).item()
-            if diff > 1e-2:
-                raise AssertionError(f"{label} {cfg}: relative difference {diff:.1e} to the shipped config")
-            ms = graph_ms(lambda c=cfg, r=rest: fused_moe_triton(x, wt, ids, *r, config=c))
-            RESULTS.setdefault("one_token_tiles", {})[f"{label} {warps} {block_k} {stages}"] = ms
-            print(f"| {label} | {warps} | {block_k} | {stages} | {ms * 1e3:.1f} | {first / ms:.3f}× |")
-        last = graph_ms(lambda r=rest, c=base: fused_moe_triton(x, wt, ids, *r, config=c))
-        print(
-            f"| {label}: shipped, first / last | {base.num_warps} | {base.block_k} | {base.num_stages} | "
-            f"{first * 1e3:.1f} / {last * 1e3:.1f} | |"
-        )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument(
-        "--parts", default="router,align,moe", help="comma list of router, align, moe, tiles (T=1)"
-    )
+    parser.add_argument("--parts", default="router,align,moe", help="comma list of router, align, moe")
     parser.add_argument("--tokens", default="1,16,128,1024,8192", help="moe: comma list of token counts")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -479,8 +428,6 @@ def main() -> None:
         align_bench()
     if "moe" in parts:
         moe_bench(args.sweep, tuple(int(t) for t in args.tokens.split(",")))
-    if "tiles" in parts:
-        one_token_tiles()
     RESULTS["env"] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
