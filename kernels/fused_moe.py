@@ -609,6 +609,11 @@ def _fit_to_widths(cfg: MoeConfig, w13: Tensor) -> MoeConfig:
     return cfg
 
 
+def _unit_column_stride(t: Tensor | None) -> Tensor | None:
+    """t itself when its columns are adjacent (graph outputs are), else a row-major copy."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def fused_moe_triton(
     x: Tensor,
     topk_weights: Tensor,
@@ -625,12 +630,13 @@ def fused_moe_triton(
     config: MoeConfig | None = None,
 ) -> Tensor:
     check_moe_input_quant(x, w13, a13_scale, x_q, x_q_scale)
+    x, shared = (_unit_column_stride(t) for t in (x, shared))  # the kernels step rows by stride only
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     pairs = num_tokens * top_k
-    out = torch.empty_like(x)
+    out = x.new_empty((num_tokens, hidden))
     if num_tokens == 0:
         return out
     fp8 = w13.dtype == FP8_DTYPE

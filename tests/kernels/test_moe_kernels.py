@@ -232,6 +232,22 @@ def test_fused_moe_pair_blocks_equal_the_aligned_blocks_for_one_token(fp8, swap_
     assert (aligned.float() - hy3.fused_moe(*args).float()).norm() / aligned.float().norm() < 2e-2
 
 
+def test_fused_moe_reads_column_strided_x_and_shared_rows():
+    """x and the shared expert's output as transposed views (column stride ≠ 1): the same output."""
+    tokens, experts, top_k = 5, 8, 2
+    x = torch.randn(tokens, 64).to(torch.bfloat16)
+    shared = torch.randn(tokens, 64).to(torch.bfloat16)
+    w13, w2, scales = _expert_weights(experts, 64, 32, fp8=False)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
+    w = torch.rand(tokens, top_k)
+    x_t, shared_t = x.t().contiguous().t(), shared.t().contiguous().t()
+    assert x_t.stride(-1) != 1 and shared_t.stride(-1) != 1
+    want = fused_moe_triton(x, w, ids, w13, w2, *scales, None, None, shared, config=CFG)
+    got = fused_moe_triton(x_t, w, ids, w13, w2, *scales, None, None, shared_t, config=CFG)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("swap_ab", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_fused_moe_tma_zero_fills_k_blocks_past_the_last_column(fp8, swap_ab):
