@@ -221,30 +221,6 @@ def prefill_bench(tokens: int) -> None:
         )
         row(f"prefill {tokens} causal: hy3c Triton paged, {name} KV", ours, None, sdpa, "SDPA")
         RESULTS[f"prefill_{tokens}_tflops"][name] = flops / ours / 1e9
-        default_out = prefill_attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
-        for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3)):  # 128-key blocks of two 64-key TMA slices
-            cfg = dataclasses.replace(
-                prefill_config(PAGE, dtype), block_n=128, key_slices=2, num_warps=warps, num_stages=stages
-            )
-            kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
-            try:
-                got = prefill_attention(q, *kv, config=cfg)
-            except Exception as exc:  # out of shared memory
-                print(
-                    f"prefill {tokens} {name} two slices {warps} warps {stages} stages: {type(exc).__name__}"
-                )
-                continue
-            err = ((got.float() - default_out.float()).norm() / default_out.float().norm()).item()
-            t_slices = bench(lambda kv=kv, c=cfg: prefill_attention(q, *kv, config=c))
-            row(
-                f"prefill {tokens} causal: hy3c Triton paged, {name} KV, 128-key blocks of two page slices, "
-                f"{warps} warps, {stages} stages (rel. diff {err:.1e})",
-                t_slices,
-                None,
-                sdpa,
-                "SDPA",
-            )
-            RESULTS[f"prefill_{tokens}_tflops"][f"{name}_slices_{warps}w_{stages}s"] = flops / t_slices / 1e9
         if dtype == FP8_DTYPE:  # the default quantizes q per row (QKᵀ as an e4m3 MMA); K widened instead
             cfg = dataclasses.replace(prefill_config(cache.shape[3], dtype), fp8_qk=False, lazy_rescale=False)
             kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)

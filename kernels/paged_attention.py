@@ -75,12 +75,7 @@ class LaunchConfig:
     fp8_qk: bool = False  # prefill over FP8 KV: q quantized per row, QKᵀ as an e4m3 MMA
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
     lazy_rescale: bool = False  # prefill: rescale acc only when a row's max grows by more than 2^8
-    tma: bool = False  # prefill: K/V blocks by TMA bulk copies (block_n / key_slices divides the page)
-    key_slices: int = 1  # prefill TMA: a key block as 1 or 2 page slices, one softmax update per block
-
-    def __post_init__(self) -> None:
-        if self.key_slices not in (1, 2) or (self.key_slices == 2 and not self.tma):
-            raise ValueError(f"key_slices must be 1, or 2 with tma (got {self.key_slices}, tma={self.tma})")
+    tma: bool = False  # prefill: K/V blocks by TMA bulk copies (block_n divides the page)
 
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
@@ -166,68 +161,6 @@ def _quantize_rows_e4m3(q):
 
 
 @triton.jit
-def _key_slice(
-    cache_k,
-    cache_v,
-    page_row_ptr,
-    key_start,
-    key_limit,
-    head,
-    stride_page,
-    stride_off,
-    stride_head,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    KEYS: tl.constexpr,
-    MASK: tl.constexpr,
-    TMA: tl.constexpr,
-):
-    """K and V of keys [key_start, key_start + KEYS), their positions and which are < key_limit — by one
-    TMA box inside a page (TMA: the slice starts at a multiple of KEYS, KEYS divides the page; a slice
-    wholly past key_limit reads the request's first page, its V rows zeroed like any row past the end)
-    or per-row pointers (masked past key_limit)."""
-    n = key_start + tl.arange(0, KEYS)
-    d = tl.arange(0, HEAD_DIM)
-    valid = n < key_limit
-    if TMA:
-        page = tl.load(page_row_ptr + key_start // PAGE_SIZE, mask=key_start < key_limit, other=0)
-        row = page * PAGE_SIZE + key_start % PAGE_SIZE
-        k = cache_k.load([row, head * HEAD_DIM])
-        v = cache_v.load([row, head * HEAD_DIM])
-        if MASK != 0:
-            v = tl.where(valid[:, None], v, tl.zeros_like(v))
-    else:
-        if MASK == 0:
-            page = tl.load(page_row_ptr + n // PAGE_SIZE)
-        else:
-            page = tl.load(page_row_ptr + n // PAGE_SIZE, mask=valid, other=0)
-        offs = page.to(tl.int64) * stride_page + (n % PAGE_SIZE) * stride_off + head * stride_head
-        k_ptrs = cache_k + offs[:, None] + d[None, :]
-        v_ptrs = cache_v + offs[:, None] + d[None, :]
-        if MASK == 0:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
-    return k, v, n, valid
-
-
-@triton.jit
-def _scores(q, q_scale, k, n, valid, row_limit, MASK: tl.constexpr, FP8_QK: tl.constexpr):
-    """q · kᵀ for one slice of keys, masked as MASK says (see `_attend_block`)."""
-    if FP8_QK:  # e4m3 q × e4m3 K: K goes to the MMA as loaded; q's per-row scales applied after
-        s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
-    else:
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))  # e4m3 → f16 is native
-    if MASK == 1:
-        s = tl.where(valid[None, :], s, float("-inf"))
-    if MASK == 2:
-        s = tl.where(valid[None, :] & (n[None, :] <= row_limit[:, None]), s, float("-inf"))
-    return s
-
-
-@triton.jit
 def _attend_block(
     q,
     q_scale,
@@ -258,53 +191,46 @@ def _attend_block(
     base 2, the scale folded into the exponent). MASK: 0 = every key valid and visible (no masking at
     all), 1 = keys past key_limit masked, 2 = also causal (key n visible to a row iff n <= row_limit).
     Every row must see at least one key in its first block (true for all callers), so m is finite.
-    TMA (0, 1 or 2): the number of TMA boxes per block — cache_k / cache_v are then tensor descriptors
-    over [pages · PAGE_SIZE, kv_heads · HEAD_DIM] whose [BLOCK_N / TMA, HEAD_DIM] boxes lie inside one
-    page each (no per-row pointers); with 2, the block's two page slices share one softmax update (a
-    128-key block over 64-token pages); a tail block's rows past key_limit come from the page's unused
-    (zeroed or stale) slots, their V rows are zeroed and their scores masked.
+    TMA: cache_k / cache_v are tensor descriptors over [pages · PAGE_SIZE, kv_heads · HEAD_DIM] and the
+    block lies inside one page (BLOCK_N divides PAGE_SIZE): one bulk copy per operand, no per-row
+    pointers; a tail block's rows past key_limit come from the page's unused (zeroed or stale) slots,
+    their V rows are zeroed and their scores masked.
     LAZY: the running max m (and with it acc and l) moves only when some row's block max exceeds it by
     more than 2^LAZY_RESCALE_LOG2 — otherwise the block's probabilities are taken against the old m
     (each ≤ 2^8, exact once acc is divided by l), which skips the rescale of acc in most blocks."""
-    SLICES: tl.constexpr = 2 if TMA == 2 else 1
-    KEYS: tl.constexpr = BLOCK_N // SLICES
-    k, v, n, valid = _key_slice(
-        cache_k,
-        cache_v,
-        page_row_ptr,
-        key_start,
-        key_limit,
-        head,
-        stride_page,
-        stride_off,
-        stride_head,
-        PAGE_SIZE,
-        HEAD_DIM,
-        KEYS,
-        MASK,
-        TMA,
-    )
-    s = _scores(q, q_scale, k, n, valid, row_limit, MASK, FP8_QK)
+    n = key_start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    if MASK != 0:
+        valid = n < key_limit
+    if TMA:
+        row = tl.load(page_row_ptr + key_start // PAGE_SIZE) * PAGE_SIZE + key_start % PAGE_SIZE
+        k = cache_k.load([row, head * HEAD_DIM])
+        v = cache_v.load([row, head * HEAD_DIM])
+        if MASK != 0:
+            v = tl.where(valid[:, None], v, tl.zeros_like(v))
+    else:
+        if MASK == 0:
+            page = tl.load(page_row_ptr + n // PAGE_SIZE)
+        else:
+            page = tl.load(page_row_ptr + n // PAGE_SIZE, mask=valid, other=0)
+        offs = page.to(tl.int64) * stride_page + (n % PAGE_SIZE) * stride_off + head * stride_head
+        k_ptrs = cache_k + offs[:, None] + d[None, :]
+        v_ptrs = cache_v + offs[:, None] + d[None, :]
+        if MASK == 0:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
+    if FP8_QK:  # e4m3 q × e4m3 K: K goes to the MMA as loaded; q's per-row scales applied after
+        s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))  # e4m3 → f16 is native
+    if MASK == 1:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    if MASK == 2:
+        s = tl.where(valid[None, :] & (n[None, :] <= row_limit[:, None]), s, float("-inf"))
     m_block = tl.max(s, axis=1) * qk_scale
-    if SLICES == 2:
-        k2, v2, n2, valid2 = _key_slice(
-            cache_k,
-            cache_v,
-            page_row_ptr,
-            key_start + KEYS,
-            key_limit,
-            head,
-            stride_page,
-            stride_off,
-            stride_head,
-            PAGE_SIZE,
-            HEAD_DIM,
-            KEYS,
-            MASK,
-            TMA,
-        )
-        s2 = _scores(q, q_scale, k2, n2, valid2, row_limit, MASK, FP8_QK)
-        m_block = tl.maximum(m_block, tl.max(s2, axis=1) * qk_scale)
     if LAZY:
         m_new = m_i
         if tl.max(m_block - m_i, axis=0) > LAZY_RESCALE_LOG2:
@@ -317,14 +243,10 @@ def _attend_block(
         alpha = tl.exp2(m_i - m_new)
         acc = acc * alpha[:, None]
         l_i = l_i * alpha
-    mma_dtype: tl.constexpr = tl.float16 if FP8_QK else q.dtype
     p = tl.exp2(s * qk_scale - m_new[:, None])
+    mma_dtype: tl.constexpr = tl.float16 if FP8_QK else q.dtype
     acc = tl.dot(p.to(mma_dtype), _widen_v(v, mma_dtype, FP8_ASM), acc)
     l_i = l_i + tl.sum(p, axis=1)
-    if SLICES == 2:
-        p2 = tl.exp2(s2 * qk_scale - m_new[:, None])
-        acc = tl.dot(p2.to(mma_dtype), _widen_v(v2, mma_dtype, FP8_ASM), acc)
-        l_i = l_i + tl.sum(p2, axis=1)
     return m_new, l_i, acc
 
 
@@ -1050,8 +972,7 @@ def prefill_attention(
     q_block = prefill_q_block(group, config.q_rows)
     out = torch.empty_like(q)
     max_tiles = triton.cdiv(q.shape[0], q_block) + num_requests
-    tma_box = config.block_n // config.key_slices
-    k_desc, v_desc = _page_descriptors(kv_cache[layer], tma_box) if config.tma else (None, None)
+    k_desc, v_desc = _page_descriptors(kv_cache[layer], config.block_n) if config.tma else (None, None)
     _prefill_kernel[(max_tiles, num_kv_heads)](
         q,
         out,
@@ -1078,7 +999,7 @@ def prefill_attention(
         BLOCK_N=config.block_n,
         **_cache_flags(kv_cache),
         FP8_QK=config.fp8_qk and kv_cache.dtype == FP8_DTYPE,
-        TMA=config.key_slices if config.tma else 0,
+        TMA=config.tma,
         LAZY=config.lazy_rescale,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -1089,7 +1010,7 @@ def prefill_attention(
 
 def _page_descriptors(layer_cache: Tensor, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA descriptors of one layer's K and V as [pages · page_size, kv_heads · head_dim] with
-    [block_n, head_dim] boxes: a prefill key slice (starting at a multiple of block_n) is one bulk copy
+    [block_n, head_dim] boxes: a prefill key block (starting at a multiple of block_n) is one bulk copy
     when block_n divides the page size."""
     _, pages, page_size, kv_heads, head_dim = layer_cache.shape
     if not layer_cache.is_contiguous():

@@ -81,17 +81,6 @@ def attention_variants() -> list[Variant]:
                             ("sm_scale",),
                         )
                     )
-        variants.append(  # 128-key blocks as two 64-key TMA page slices (LaunchConfig.key_slices=2)
-            Variant(
-                f"prefill {kv} 128-key blocks of two TMA page slices",
-                paged_attention._prefill_kernel,
-                {"q_ptr": "*bf16", "out_ptr": "*bf16", **cache},
-                dict(GROUP=8, Q_BLOCK=16, HEAD_DIM=128, BLOCK_N=128, FP8_QK=kv == "fp8", TMA=2)
-                | dict(LAZY=kv == "fp8", **fp8),
-                _descriptors(("k_desc", "v_desc"), KV_DTYPES[kv], (64, 128), True),
-                ("sm_scale",),
-            )
-        )
         decode = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1, BLOCK_N=128)
         variants.append(
             Variant(

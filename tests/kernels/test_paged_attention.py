@@ -234,38 +234,6 @@ def test_prefill_by_tma_copies_matches_reference(lengths, new, page, heads, bloc
     )
 
 
-@pytest.mark.parametrize(
-    ("lengths", "new", "page", "block_n"),
-    [
-        ([9, 40, 3], [9, 13, 1], 16, 32),  # a block spans two pages; request 0's second slice is empty
-        ([70, 20], [1, 20], 16, 16),  # two slices inside one page
-        ([17, 130], [17, 130], 64, 128),  # Hy3's page and block; the last slice past the table row
-    ],
-)
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
-def test_prefill_key_blocks_of_two_page_slices_match_reference(lengths, new, page, block_n, cache_dtype):
-    """key_slices=2: each key block is two TMA page slices under one softmax update (unused slots NaN,
-    slices wholly past a sequence included); FP8 KV as by default (FP8 QK product, lazy rescaling)."""
-    q, cache, scales, table, seq_lens, qsl = _case(
-        lengths, new, page, 8, 2, cache_dtype=cache_dtype, unused=float("nan")
-    )
-    fp8 = cache_dtype == FP8_DTYPE
-    config = LaunchConfig(block_n=block_n, num_warps=4, num_stages=2, tma=True, key_slices=2)
-    config = dataclasses.replace(config, fp8_qk=fp8, lazy_rescale=fp8)
-    plan = _plan(seq_lens, qsl, 4)
-    out = prefill_attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2, plan, config=config)
-    q_seen = _e4m3_rows(q) if fp8 else q
-    ref = _reference(q_seen, cache, scales, table, seq_lens, qsl).float()
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-
-
-def test_key_slices_need_tma_copies():
-    with pytest.raises(ValueError, match="key_slices"):
-        LaunchConfig(block_n=128, key_slices=2)
-    with pytest.raises(ValueError, match="key_slices"):
-        LaunchConfig(block_n=128, tma=True, key_slices=4)
-
-
 @pytest.mark.parametrize("tma", [False, True])
 def test_prefill_with_an_fp8_qk_product_matches_reference(tma):
     """Prefill over an FP8 cache with q quantized per row and QKᵀ as an e4m3 MMA: close to the reference
