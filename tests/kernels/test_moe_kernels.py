@@ -246,6 +246,11 @@ def test_fused_moe_reads_column_strided_x_and_shared_rows():
     got = fused_moe_triton(x_t, w, ids, w13, w2, *scales, None, None, shared_t, config=CFG)
     assert got.is_contiguous()
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.library.opcheck(  # the fake output is row-major too
+        torch.ops.hy3_triton.fused_moe.default,
+        (x_t, w, ids, w13, w2, *scales, None, None, shared_t),
+        test_utils=("test_faketensor",),
+    )
 
 
 @pytest.mark.parametrize("swap_ab", [False, True])
