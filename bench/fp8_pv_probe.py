@@ -83,6 +83,7 @@ def _probe_block(
     FP8_PV: tl.constexpr,
     SWAP: tl.constexpr,
     TMA: tl.constexpr,
+    VT_LAYOUT: tl.constexpr,
 ):
     """One block of BLOCK_N keys: e4m3 QKᵀ, online softmax in base 2, PV from the transposed V pages."""
     n = tl.multiple_of(key, BLOCK_N) + tl.arange(0, BLOCK_N)
@@ -90,8 +91,12 @@ def _probe_block(
     valid = n < key_end
     if TMA:  # one page slice (BLOCK_N divides the page) per operand, bulk-copied into shared memory
         page = tl.load(page_row_ptr + key // PAGE_SIZE)
-        k = k_ptr.load([page * PAGE_SIZE + key % PAGE_SIZE, head * HEAD_DIM])
-        vt = vt_ptr.load([(page * stride_vpage + head * stride_vhead) // PAGE_SIZE, key % PAGE_SIZE])
+        row = page * PAGE_SIZE + key % PAGE_SIZE
+        k = k_ptr.load([row, head * HEAD_DIM])
+        if VT_LAYOUT:
+            vt = vt_ptr.load([(page * stride_vpage + head * stride_vhead) // PAGE_SIZE, key % PAGE_SIZE])
+        else:  # the shipped V pages, transposed in the kernel
+            vt = tl.trans(vt_ptr.load([row, head * HEAD_DIM]))
         if MASK:  # rows past the end come from the page's unused slots
             vt = tl.where(valid[None, :], vt, tl.zeros_like(vt))
     else:
@@ -100,13 +105,17 @@ def _probe_block(
         else:
             page = tl.load(page_row_ptr + n // PAGE_SIZE).to(tl.int64)
         k_rows = page * stride_kpage + (n % PAGE_SIZE) * stride_koff + head * stride_khead
-        vt_cols = page * stride_vpage + head * stride_vhead + n % PAGE_SIZE
+        if VT_LAYOUT:
+            vt_ptrs = vt_ptr + (page * stride_vpage + head * stride_vhead + n % PAGE_SIZE)[None, :]
+            vt_ptrs += d[:, None] * PAGE_SIZE
+        else:  # the shipped V pages (K's layout), transposed in the kernel
+            vt_ptrs = tl.trans(vt_ptr + k_rows[:, None] + d[None, :])
         if MASK:
             k = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            vt = tl.load(vt_ptr + vt_cols[None, :] + d[:, None] * PAGE_SIZE, mask=valid[None, :], other=0.0)
+            vt = tl.load(vt_ptrs, mask=valid[None, :], other=0.0)
         else:
             k = tl.load(k_ptr + k_rows[:, None] + d[None, :])
-            vt = tl.load(vt_ptr + vt_cols[None, :] + d[:, None] * PAGE_SIZE)
+            vt = tl.load(vt_ptrs)
     if SWAP:  # keys and head dims as the MMA's rows (Sᵀ = K·qᵀ, Oᵀ = Vᵀ·Pᵀ): e4m3 wgmma m64n16k32
         s = tl.trans(tl.dot(k, tl.trans(q8))) * q_scale[:, None]
     else:  # 16 query rows: no wgmma; Triton widens e4m3 operands to f16 for mma.sync
@@ -164,6 +173,7 @@ def _probe_decode_kernel(
     FP8_PV: tl.constexpr,
     SWAP: tl.constexpr,
     TMA: tl.constexpr,
+    VT_LAYOUT: tl.constexpr,
 ):
     """The shipped dynamic schedule (equal tile ranges per CTA, partials for the combine kernel)."""
     head = tl.program_id(0)
@@ -198,13 +208,13 @@ def _probe_decode_kernel(
             m_i, l_i, acc = _probe_block(
                 q8, q_scale, m_i, l_i, acc, k_ptr, vt_ptr, page_row, key, key_end, head,
                 stride_kpage, stride_koff, stride_khead, stride_vpage, stride_vhead, qk_scale,
-                PAGE_SIZE, HEAD_DIM, BLOCK_N, False, FP8_PV, SWAP, TMA,
+                PAGE_SIZE, HEAD_DIM, BLOCK_N, False, FP8_PV, SWAP, TMA, VT_LAYOUT,
             )  # fmt: skip
         for key in range(full_end, key_end, BLOCK_N):
             m_i, l_i, acc = _probe_block(
                 q8, q_scale, m_i, l_i, acc, k_ptr, vt_ptr, page_row, key, key_end, head,
                 stride_kpage, stride_koff, stride_khead, stride_vpage, stride_vhead, qk_scale,
-                PAGE_SIZE, HEAD_DIM, BLOCK_N, True, FP8_PV, SWAP, TMA,
+                PAGE_SIZE, HEAD_DIM, BLOCK_N, True, FP8_PV, SWAP, TMA, VT_LAYOUT,
             )  # fmt: skip
         _store_partial(
             part_o_ptr + (cta + r) * stride_po_slot + head * stride_po_head,
@@ -239,8 +249,9 @@ def probe_decode(
     fp8_pv: bool,
     swap: bool = True,
 ) -> torch.Tensor:
-    """(config.tma: K and Vᵀ page slices by TMA; block_n must divide the page.)"""
-    """Decode over K pages and transposed V pages with the probe kernel, merged by the shipped combine."""
+    """Decode with the probe kernel over the K pages and `vt` (V pages stored transposed) — or, vt None,
+    the shipped V pages transposed in the kernel — merged by the shipped combine. config.tma: page
+    slices by TMA (block_n must divide the page)."""
     num_requests, heads, head_dim = q.shape
     kv_heads = kv_cache.shape[4]
     group = heads // kv_heads
@@ -252,20 +263,24 @@ def probe_decode(
     part_lse = torch.empty((slots, kv_heads, group_pad), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     k = kv_cache[layer, 0]
-    k_arg, vt_arg = k, vt
+    vt_layout = vt is not None
+    v = vt if vt_layout else kv_cache[layer, 1]
+    k_arg, v_arg = k, v
     if config.tma:
         pages, page = k.shape[0], k.shape[1]
-        k_arg = TensorDescriptor(
-            k, [pages * page, kv_heads * head_dim], [kv_heads * head_dim, 1], [config.block_n, head_dim]
-        )
-        vt_arg = TensorDescriptor(
-            vt, [pages * kv_heads * head_dim, page], [page, 1], [head_dim, config.block_n]
-        )
+        rows_box = ([pages * page, kv_heads * head_dim], [kv_heads * head_dim, 1], [config.block_n, head_dim])
+        k_arg = TensorDescriptor(k, *rows_box)
+        if vt_layout:
+            v_arg = TensorDescriptor(
+                v, [pages * kv_heads * head_dim, page], [page, 1], [head_dim, config.block_n]
+            )
+        else:
+            v_arg = TensorDescriptor(v, *rows_box)
     common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim)
     _probe_decode_kernel[(kv_heads, num_ctas)](
         q,
         k_arg,
-        vt_arg,
+        v_arg,
         kv_scales[layer],
         page_table,
         seq_lens,
@@ -282,8 +297,8 @@ def probe_decode(
         k.stride(0),
         k.stride(1),
         k.stride(2),
-        vt.stride(0),
-        vt.stride(1),
+        v.stride(0),
+        v.stride(1),
         page_table.stride(0),
         part_o.stride(0),
         part_o.stride(1),
@@ -295,6 +310,7 @@ def probe_decode(
         FP8_PV=fp8_pv,
         SWAP=swap,
         TMA=config.tma,
+        VT_LAYOUT=vt_layout,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **common,
@@ -363,10 +379,11 @@ def cpu_check() -> None:
     vt = transposed_v(cache, 0)
     pointers = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
     tma = LaunchConfig(block_n=16, num_warps=4, num_stages=1, tma=True)
-    for config, fp8_pv, swap in itertools.product((pointers, tma), (False, True), (False, True)):
-        out = probe_decode(q, cache, vt, scales, 0, table, seq_lens, 0.2, plan, config, fp8_pv, swap)
+    cases = itertools.product((pointers, tma), (False, True), (False, True), (vt, None))
+    for config, fp8_pv, swap, v in cases:
+        out = probe_decode(q, cache, v, scales, 0, table, seq_lens, 0.2, plan, config, fp8_pv, swap)
         err = rel_err(out, ref)
-        what = f"TMA {config.tma}, FP8 PV {fp8_pv}, swap {swap}"
+        what = f"TMA {config.tma}, FP8 PV {fp8_pv}, swap {swap}, V pages transposed {v is not None}"
         print(f"cpu check, {what}: relative error {err:.2e}")
         if err > 5e-2:
             raise SystemExit(f"probe kernel disagrees with the reference ({what}: {err:.2e})")
@@ -395,20 +412,24 @@ def gpu_table() -> None:
             vt = transposed_v(cache, 0)
             rows = [("shipped FP8", timed[dtype], rel_err(decode_attention_dynamic(q, *kv), ref))]
             shipped_cfg = decode_config(FP8_DTYPE, len(case_lengths))
-            variants = [  # (block_n, TMA, e4m3 PV, swapped operands, CTAs/SM, stages)
-                *[(128, False, True, True, c, n) for c, n in ((2, 2), (3, 2), (8, 2), (2, 3))],
-                *[(64, True, True, True, c, n) for c, n in ((2, 3), (4, 3), (6, 2), (8, 2))],
-                (128, False, False, True, 3, 2),  # Vᵀ widened: what the e4m3 PV product alone brings
-                (128, False, True, False, 3, 2),  # 16 query rows as the MMA's rows: no wgmma
+            variants = [  # (block_n, TMA, e4m3 PV, swapped operands, V pages transposed, CTAs/SM, stages)
+                *[(64, True, True, True, True, c, n) for c, n in ((2, 3), (4, 3), (6, 2), (8, 2))],
+                *[(64, True, True, True, False, c, n) for c, n in ((4, 3), (8, 2))],
+                *[(128, False, True, True, True, c, n) for c, n in ((2, 2), (3, 2), (8, 2))],
+                (128, False, True, True, False, 3, 2),  # the shipped V layout, transposed in the kernel
+                (128, False, False, True, True, 3, 2),  # Vᵀ widened: what the e4m3 PV product alone brings
+                (128, False, True, False, True, 3, 2),  # 16 query rows as the MMA's rows: no wgmma
             ]
-            for block_n, tma, fp8_pv, swap, ctas, stages in variants:
+            for block_n, tma, fp8_pv, swap, transposed, ctas, stages in variants:
                 cfg = LaunchConfig(block_n=block_n, num_warps=4, num_stages=stages, ctas_per_sm=ctas, tma=tma)
                 if ctas == shipped_cfg.ctas_per_sm:  # the batch config's minimum range per CTA too
                     cfg = dataclasses.replace(shipped_cfg, block_n=block_n, num_stages=stages, tma=tma)
-                args = (q, cache, vt, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan, cfg, fp8_pv, swap)
+                v = vt if transposed else None
+                args = (q, cache, v, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan, cfg, fp8_pv, swap)
                 name = (
                     f"probe, {block_n}-key blocks{' by TMA' if tma else ''}, "
                     f"{'e4m3 PV' if fp8_pv else 'Vᵀ widened'}{'' if swap else ', q rows as MMA rows'}, "
+                    f"V {'pages transposed' if transposed else 'transposed in the kernel'}, "
                     f"{ctas} CTAs/SM, {stages} stages"
                 )
                 try:
