@@ -14,9 +14,12 @@ PV product needs V with the keys contiguous (the MMA's K dimension): V pages sto
 [pages, kv_heads, head_dim, page_size]. This probe builds such a copy of V beside the shipped cache and
 runs a decode kernel over it — q quantized per row, P scaled by 448 into e4m3 — with the shipped
 dynamic schedule and combine kernel; K and Vᵀ by pointer loads (128-key blocks) or TMA page slices
-(64-key blocks), against the shipped FP8 and bf16 decode in the same run. If a probe row reaches the
-goal, the layout change (kv_store, reference, prefill, decode) is worth making; the probe kernel itself
-is not used by the engine.
+(64-key blocks); and, for comparison, the shipped V pages transposed inside the kernel (no layout
+change; the PTX shows the transposition as byte-wide shared-memory stores: 96 `st.shared.b8` per TMA
+loop body against 32 for P alone). All against the shipped FP8 and bf16 decode in the same run. If a
+row over transposed pages reaches the goal and the in-kernel transposition does not, the layout change
+(kv_store, reference, prefill, decode) is worth making; the probe kernel itself is not used by the
+engine.
 """
 
 from __future__ import annotations
