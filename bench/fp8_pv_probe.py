@@ -89,7 +89,8 @@ def _probe_block(
     VT_LAYOUT: tl.constexpr,
 ):
     """One block of BLOCK_N keys: e4m3 QKᵀ, online softmax in base 2, PV from the transposed V pages."""
-    n = tl.multiple_of(key, BLOCK_N) + tl.arange(0, BLOCK_N)
+    key = tl.multiple_of(key, BLOCK_N)
+    n = key + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     valid = n < key_end
     if TMA:  # one page slice (BLOCK_N divides the page) per operand, bulk-copied into shared memory
@@ -108,9 +109,19 @@ def _probe_block(
         else:
             page = tl.load(page_row_ptr + n // PAGE_SIZE).to(tl.int64)
         k_rows = page * stride_kpage + (n % PAGE_SIZE) * stride_koff + head * stride_khead
-        if VT_LAYOUT:
-            vt_ptrs = vt_ptr + (page * stride_vpage + head * stride_vhead + n % PAGE_SIZE)[None, :]
-            vt_ptrs += d[:, None] * PAGE_SIZE
+        if VT_LAYOUT:  # per page run of keys (contiguous in a transposed page), so the loads vectorize
+            RUNS: tl.constexpr = BLOCK_N // PAGE_SIZE if BLOCK_N > PAGE_SIZE else 1
+            RUN: tl.constexpr = BLOCK_N // RUNS
+            run = tl.arange(0, RUNS)
+            run_ok = key + run * RUN < key_end
+            run_page = tl.load(page_row_ptr + key // PAGE_SIZE + run, mask=run_ok, other=0).to(tl.int64)
+            run_base = run_page * stride_vpage + head * stride_vhead + key % PAGE_SIZE
+            offs = (
+                run_base[None, :, None]
+                + (d * PAGE_SIZE)[:, None, None]
+                + tl.max_contiguous(tl.arange(0, RUN), RUN)[None, None, :]
+            )
+            vt_ptrs = vt_ptr + tl.reshape(offs, (HEAD_DIM, BLOCK_N))
         else:  # the shipped V pages (K's layout), transposed in the kernel
             vt_ptrs = tl.trans(vt_ptr + k_rows[:, None] + d[None, :])
         if MASK:
