@@ -6,9 +6,10 @@ e4m3 MMAs pay, before the KV layout changes for it?
 
 What the sm_90 PTX shows (compiled on the CPU): with 16 query rows as the MMA's rows, Triton never emits
 an e4m3 MMA — it widens e4m3 operands to f16 for `mma.sync` (280 `cvt` per loop body even with q
-quantized), which is why decode's FP8 QK product never paid. The shipped FP8 decode thus spends the
-instructions of bf16 decode (same loads, conversions on top) on half the bytes: 78% of copy bandwidth
-on the mixed batch where bf16 reaches 103–105%. With the keys, then the head dims, as the MMA's rows
+quantized), which is why decode's FP8 QK product never paid. Per loop body the shipped FP8 decode
+issues bf16 decode's 128 f16 `mma.sync` plus 256 conversions and a shared-memory round trip for V
+(32 more `st.shared.v4`), for half the bytes (64 `cp.async` against 128): 78% of copy bandwidth on
+the mixed batch where bf16 reaches 103–105%. With the keys, then the head dims, as the MMA's rows
 (Sᵀ = K · qᵀ, Oᵀ = Vᵀ · Pᵀ) both products are e4m3 wgmma m64n16k32 with no conversion at all — but the
 PV product needs V with the keys contiguous (the MMA's K dimension): V pages stored transposed,
 [pages, kv_heads, head_dim, page_size]. This probe builds such a copy of V beside the shipped cache and
