@@ -41,14 +41,13 @@ import hy3c.kernels
 import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
 from hy3c.kernels.paged_attention import (
-    COMBINE_SLOTS,
     LaunchConfig,
-    _decode_combine_kernel,
     _find_request,
     _quantize_rows_e4m3,
     _search_iters,
     _store_partial,
     _tiles_per_cta,
+    combine_partials,
     decode_attention_dynamic,
     decode_config,
     num_decode_ctas,
@@ -330,26 +329,7 @@ def probe_decode(
         num_stages=config.num_stages,
         **common,
     )
-    _decode_combine_kernel[(num_requests, heads)](
-        out,
-        plan,
-        part_o,
-        part_lse,
-        num_requests,
-        num_ctas,
-        min_ctas,
-        out.stride(0),
-        out.stride(1),
-        part_o.stride(0),
-        part_o.stride(1),
-        part_lse.stride(0),
-        STATIC_SPLITS=0,
-        MIN_TILES=config.min_tiles_per_cta,
-        COMBINE_SLOTS=COMBINE_SLOTS,
-        PDL=False,
-        **common,
-    )
-    return out
+    return combine_partials(out, plan, part_o, part_lse, num_ctas, min_ctas, config.min_tiles_per_cta)
 
 
 def paged_case(

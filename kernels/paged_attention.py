@@ -805,6 +805,45 @@ def _refuse_prefill_options(config: LaunchConfig) -> None:
         )
 
 
+def combine_partials(
+    out: Tensor,
+    plan: Tensor,
+    part_o: Tensor,
+    part_lse: Tensor,
+    num_ctas: int = 1,
+    min_ctas: int = 1,
+    min_tiles: int = 1,
+    static_splits: int = 0,
+) -> Tensor:
+    """Merge the split-KV partials (part_o [slots, kv_heads, group, head_dim], part_lse [slots, kv_heads,
+    group_pad]) into out [requests, heads, head_dim]: the dynamic schedule's slots (from the plan, the
+    grid and min_tiles) or `static_splits` slots per request (plan unread)."""
+    num_requests, heads, head_dim = out.shape
+    group = part_o.shape[2]
+    _decode_combine_kernel[(num_requests, heads)](
+        out,
+        plan,
+        part_o,
+        part_lse,
+        num_requests,
+        num_ctas,
+        min_ctas,
+        out.stride(0),
+        out.stride(1),
+        part_o.stride(0),
+        part_o.stride(1),
+        part_lse.stride(0),
+        GROUP=group,
+        GROUP_PAD=part_lse.shape[2],
+        HEAD_DIM=head_dim,
+        STATIC_SPLITS=static_splits,
+        MIN_TILES=min_tiles,
+        COMBINE_SLOTS=COMBINE_SLOTS,
+        **pdl_launch(out.device),
+    )
+    return out
+
+
 def decode_attention_dynamic(
     q: Tensor,
     kv_cache: Tensor,
@@ -862,26 +901,7 @@ def decode_attention_dynamic(
         **common,
         **pdl_launch(q.device),
     )
-    _decode_combine_kernel[(num_requests, num_kv_heads * group)](
-        out,
-        plan,
-        part_o,
-        part_lse,
-        num_requests,
-        num_ctas,
-        min_ctas,
-        out.stride(0),
-        out.stride(1),
-        part_o.stride(0),
-        part_o.stride(1),
-        part_lse.stride(0),
-        STATIC_SPLITS=0,
-        MIN_TILES=config.min_tiles_per_cta,
-        COMBINE_SLOTS=COMBINE_SLOTS,
-        **common,
-        **pdl_launch(q.device),
-    )
-    return out
+    return combine_partials(out, plan, part_o, part_lse, num_ctas, min_ctas, config.min_tiles_per_cta)
 
 
 def decode_attention_static(
@@ -932,26 +952,7 @@ def decode_attention_static(
         **common,
         **pdl_launch(q.device),
     )
-    _decode_combine_kernel[(num_requests, num_kv_heads * group)](
-        out,
-        seq_lens,
-        part_o,
-        part_lse,
-        num_requests,
-        1,
-        1,
-        out.stride(0),
-        out.stride(1),
-        part_o.stride(0),
-        part_o.stride(1),
-        part_lse.stride(0),
-        STATIC_SPLITS=splits,
-        MIN_TILES=1,
-        COMBINE_SLOTS=COMBINE_SLOTS,
-        **common,
-        **pdl_launch(q.device),
-    )
-    return out
+    return combine_partials(out, seq_lens, part_o, part_lse, static_splits=splits)
 
 
 def prefill_attention(
