@@ -112,15 +112,24 @@ def qknorm_bench(tokens: int) -> None:
     )
 
 
-def _paged_cache(lengths: list[int], dtype: torch.dtype, kv_scale: float):
-    d = "cuda"
-    pages_per = [-(-n // PAGE) for n in lengths]
+def paged_cache(
+    lengths: list[int],
+    dtype: torch.dtype,
+    kv_scale: float,
+    device: str = "cuda",
+    kv_heads: int = KV_HEADS,
+    head_dim: int = HEAD_DIM,
+    page: int = PAGE,
+):
+    """A one-layer paged cache of random K/V (pages shuffled), its per-tensor scales and page table."""
+    d = device
+    pages_per = [-(-n // page) for n in lengths]
     total = sum(pages_per)
-    cache = torch.empty(1, 2, total, PAGE, KV_HEADS, HEAD_DIM, dtype=dtype, device=d)
+    cache = torch.empty(1, 2, total, page, kv_heads, head_dim, dtype=dtype, device=d)
     chunk = 1 << 14
     for start in range(0, total, chunk):  # random K/V, filled in chunks to bound temporaries
         n = min(chunk, total - start)
-        values = torch.randn(1, 2, n, PAGE, KV_HEADS, HEAD_DIM, device=d) / kv_scale
+        values = torch.randn(1, 2, n, page, kv_heads, head_dim, device=d) / kv_scale
         cache[:, :, start : start + n] = values.clamp(-448, 448).to(dtype)  # e4m3 has no inf: no NaNs
     order = torch.randperm(total, device=d).int()
     table = torch.zeros(len(lengths), max(pages_per), dtype=torch.int32, device=d)
@@ -142,7 +151,7 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
     scale = HEAD_DIM**-0.5
     tokens = sum(lengths)
     for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
-        cache, table, scales = _paged_cache(lengths, dtype, kv_scale)
+        cache, table, scales = paged_cache(lengths, dtype, kv_scale)
         kv_bytes = tokens * KV_HEADS * HEAD_DIM * 2 * cache.element_size()
         floor = kv_bytes / BW * 1e3
         dyn = decode_attention_dynamic(q, cache, scales, 0, table, seq_lens, scale, plan)
@@ -213,7 +222,7 @@ def prefill_bench(tokens: int) -> None:
     row(f"prefill {tokens} causal: SDPA (flash, contiguous)", sdpa)
     RESULTS[f"prefill_{tokens}_tflops"] = {"sdpa": flops / sdpa / 1e9}
     for dtype, kv_scale, name in ((torch.bfloat16, 1.0, "bf16"), (FP8_DTYPE, 0.01, "fp8")):
-        cache, table, scales = _paged_cache([tokens], dtype, kv_scale)
+        cache, table, scales = paged_cache([tokens], dtype, kv_scale)
         ours = bench(
             lambda c=cache, t=table, s=scales: prefill_attention(
                 q, c, s, 0, t, seq_lens, qsl, HEAD_DIM**-0.5, plan
@@ -266,7 +275,7 @@ def sweep_prefill(tma_only: bool = False) -> None:
     qsl = torch.tensor([0, 8192], dtype=torch.int32, device=d)
     flops = 4 * HEADS * 8192 * 8192 * HEAD_DIM / 2
     for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
-        cache, table, scales = _paged_cache([8192], dtype, kv_scale)
+        cache, table, scales = paged_cache([8192], dtype, kv_scale)
         fp8_qk_options = ((True,) if tma_only else (False, True)) if dtype == FP8_DTYPE else (False,)
         for rows in (128, 256):
             plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8, rows))
@@ -370,7 +379,7 @@ def sweep_decode(lengths: list[int]) -> None:
         plan_mod.prefill_q_block(8),
     )
     for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
-        cache, table, scales = _paged_cache(lengths, dtype, kv_scale)
+        cache, table, scales = paged_cache(lengths, dtype, kv_scale)
         floor = sum(lengths) * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
         single_floor = single[0] * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / BW * 1e3
         shapes = ((128, 4), (256, 4), (256, 8)) if dtype == FP8_DTYPE else ((64, 4), (128, 4), (128, 8))
@@ -433,7 +442,7 @@ def decode_spread(length: int, repeats: int = 6) -> None:
         ]
         show(f"SDPA, contiguous bf16 KV, {timer_name}", times, sdpa_bytes)
     for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
-        cache, table, scales = _paged_cache([length], dtype, kv_scale)
+        cache, table, scales = paged_cache([length], dtype, kv_scale)
         kv_bytes = length * KV_HEADS * HEAD_DIM * 2 * cache.element_size()
         in_order = torch.arange(table.shape[1], dtype=torch.int32, device=d)[None]
         for pages, page_table in (("random pages", table), ("pages in order", in_order)):

@@ -2,7 +2,7 @@
 e4m3 MMAs pay, before the KV layout changes for it?
 
     python bench/fp8_pv_probe.py               # H200: a table of CUDA-graph replays, errors vs reference
-    TRITON_INTERPRET=1 python -m bench.fp8_pv_probe --cpu-check  # the probe vs the reference (CPU)
+    TRITON_INTERPRET=1 python bench/fp8_pv_probe.py --cpu-check  # the probe vs the reference (CPU)
 
 What the sm_90 PTX shows (compiled on the CPU): with 16 query rows as the MMA's rows, Triton never emits
 an e4m3 MMA — it widens e4m3 operands to f16 for `mma.sync` (280 `cvt` per loop body even with q
@@ -30,6 +30,8 @@ import dataclasses
 import itertools
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -53,6 +55,10 @@ from hy3c.kernels.paged_attention import (
     num_decode_ctas,
 )
 from hy3c.ops.quant import FP8_DTYPE
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH_DIR), str(BENCH_DIR.parent)]  # run as a file or as -m bench.fp8_pv_probe
+from attention_bench import paged_cache  # noqa: E402
 
 BW = 4.25e12
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 64, 8, 128, 64
@@ -335,22 +341,9 @@ def probe_decode(
 def paged_case(
     lengths, dtype, kv_scale, device, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, page=PAGE
 ):
-    """q, a one-layer paged cache (pages shuffled) of random K/V, scales, page table, lengths, plan."""
-    pages_per = [-(-n // page) for n in lengths]
-    total = sum(pages_per)
-    cache = torch.empty(1, 2, total, page, kv_heads, head_dim, dtype=dtype, device=device)
-    chunk = 1 << 14
-    for start in range(0, total, chunk):
-        n = min(chunk, total - start)
-        values = torch.randn(1, 2, n, page, kv_heads, head_dim, device=device) / kv_scale
-        cache[:, :, start : start + n] = values.clamp(-448, 448).to(dtype)
-    order = torch.randperm(total, device=device).int()
-    table = torch.zeros(len(lengths), max(pages_per), dtype=torch.int32, device=device)
-    cursor = 0
-    for r, p in enumerate(pages_per):
-        table[r, :p] = order[cursor : cursor + p]
-        cursor += p
-    scales = torch.tensor([[kv_scale, kv_scale]], device=device)
+    """q, a one-layer paged cache of random K/V (the attention bench's), scales, page table, lengths,
+    query starts and the attention plan."""
+    cache, table, scales = paged_cache(lengths, dtype, kv_scale, device, kv_heads, head_dim, page)
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     qsl = torch.arange(len(lengths) + 1, dtype=torch.int32, device=device)
     q = torch.randn(len(lengths), heads, head_dim, device=device, dtype=torch.bfloat16)
