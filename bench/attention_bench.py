@@ -36,6 +36,7 @@ from hy3c.kernels.paged_attention import (
     LaunchConfig,
     decode_attention_dynamic,
     decode_attention_static,
+    decode_config,
     prefill_attention,
     prefill_config,
 )
@@ -69,7 +70,17 @@ def row(
     }
 
 
+def prefill_slots(tokens: int, device: str = "cuda") -> torch.Tensor:
+    """A prefill's slots: consecutive within each page, the pages in random order (as the allocator
+    hands them out)."""
+    pages = torch.randperm(tokens // PAGE + 1, device=device)
+    pos = torch.arange(tokens, device=device)
+    return pages[pos // PAGE] * PAGE + pos % PAGE
+
+
 def qknorm_bench(tokens: int) -> None:
+    """The fused op at `tokens` tokens of a prefill (the issue's row), and with every token at a random
+    slot (the rows before attention run 25; the worst case for FP8's transposed V stores)."""
     d = "cuda"
     qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=d, dtype=torch.bfloat16)
     pos = torch.arange(tokens, device=d)
@@ -77,7 +88,8 @@ def qknorm_bench(tokens: int) -> None:
     kw = 1 + 0.1 * torch.randn(HEAD_DIM, device=d, dtype=torch.bfloat16)
     cache = torch.zeros(1, 2, tokens // PAGE + 1, PAGE, KV_HEADS, HEAD_DIM, dtype=FP8_DTYPE, device=d)
     scales = torch.tensor([[0.05, 0.04]], device=d)
-    slots = torch.randperm(tokens + PAGE, device=d)[:tokens]
+    slots = prefill_slots(tokens)
+    random_slots = torch.randperm(tokens + PAGE, device=d)[:tokens]
     args = (qkv, pos, qw, kw, 1e-5, 11158840.0, cache, scales, 0, slots, HEADS, KV_HEADS)
     ref_cache = cache.clone()
     q_ref = qknorm_rope_quant_kvstore_reference(*args[:6], ref_cache, *args[7:])
@@ -90,6 +102,8 @@ def qknorm_bench(tokens: int) -> None:
     compiled_fn(*args)
     inductor = bench(lambda: compiled_fn(*args))
     triton_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*args))
+    random_args = (*args[:9], random_slots, *args[10:])
+    random_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*random_args))
     hadamard_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*args, True))
     floor = (
         (
@@ -103,6 +117,13 @@ def qknorm_bench(tokens: int) -> None:
     row(f"qknorm+rope+fp8+kvstore T={tokens}: eager L1 chain", eager, floor)
     row(f"qknorm+rope+fp8+kvstore T={tokens}: torch.compile chain", inductor, floor, eager, "eager")
     row(f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton", triton_ms, floor, inductor, "torch.compile")
+    row(
+        f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton, every token at a random slot",
+        random_ms,
+        floor,
+        triton_ms,
+        "prefill slots",
+    )
     row(
         f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton + Hadamard",
         hadamard_ms,
@@ -178,10 +199,10 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
         row(f"decode {label} {name} KV: dynamic split-KV", t_dyn, floor, t_static, "static (16)")
         row(f"decode {label} {name} KV: dynamic vs FA2-style static", t_dyn, floor, t_heuristic, "FA2-style")
         row(f"decode {label} {name} KV: dynamic, launched without PDL", t_no_pdl, floor, t_dyn, "with PDL")
-        if dtype == FP8_DTYPE:  # attention run 18's best of its grid for FP8, batch and single request alike
-            three = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=3)
-            t_three = bench(lambda kv=kv, c=three: decode_attention_dynamic(q, *kv, plan, config=c))
-            row(f"decode {label} {name} KV: dynamic, 3 CTAs/SM, 2 stages", t_three, floor, t_dyn, "shipped")
+        if dtype == FP8_DTYPE:  # the same blocks by per-row pointer loads (pages 64 does not divide)
+            pointers = dataclasses.replace(decode_config(dtype, len(lengths)), tma=False)
+            t_ptr = bench(lambda kv=kv, c=pointers: decode_attention_dynamic(q, *kv, plan, config=c))
+            row(f"decode {label} {name} KV: dynamic, pointer loads", t_ptr, floor, t_dyn, "TMA (shipped)")
         if sdpa_ms is not None:
             row(f"decode {label} {name} KV: dynamic vs SDPA loop", t_dyn, floor, sdpa_ms, "SDPA loop (bf16)")
         del cache, kv
@@ -230,22 +251,6 @@ def prefill_bench(tokens: int) -> None:
         )
         row(f"prefill {tokens} causal: hy3c Triton paged, {name} KV", ours, None, sdpa, "SDPA")
         RESULTS[f"prefill_{tokens}_tflops"][name] = flops / ours / 1e9
-        if dtype == FP8_DTYPE:  # the default quantizes q per row (QKᵀ as an e4m3 MMA); K widened instead
-            cfg = dataclasses.replace(prefill_config(cache.shape[3], dtype), fp8_qk=False, lazy_rescale=False)
-            kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
-            fp8_qk = prefill_attention(q, *kv)
-            widened = prefill_attention(q, *kv, config=cfg)
-            err = ((fp8_qk.float() - widened.float()).norm() / widened.float().norm()).item()
-            t_widened = bench(lambda kv=kv, c=cfg: prefill_attention(q, *kv, config=c))
-            row(
-                f"prefill {tokens} causal: hy3c Triton paged, fp8 KV widened to bf16 for QKᵀ, eager rescale "
-                f"(default's rel. diff to it {err:.1e})",
-                t_widened,
-                None,
-                sdpa,
-                "SDPA",
-            )
-            RESULTS[f"prefill_{tokens}_tflops"]["fp8_widened_qk"] = flops / t_widened / 1e9
         kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
         default = prefill_config(cache.shape[3], dtype)  # FP8 KV rescales lazily: time the other choice
         other = dataclasses.replace(default, lazy_rescale=not default.lazy_rescale)
@@ -266,9 +271,8 @@ def prefill_bench(tokens: int) -> None:
 
 def sweep_prefill(tma_only: bool = False) -> None:
     """Prefill launch configs at 8K tokens, bf16 and FP8 KV: query rows per program, key block, warps,
-    stages, key blocks by TMA bulk copies (one per page slice) or per-row pointer loads, and for FP8 KV
-    the FP8 QK product (tma_only: FP8 KV with the FP8 QK product only, the default since run 14);
-    rescaling as the dtype's default (lazy for FP8 KV)."""
+    stages, key blocks by TMA bulk copies (one per page slice) or per-row pointer loads (tma_only: TMA
+    blocks only, the default since run 14); rescaling as the dtype's default (lazy for FP8 KV)."""
     d = "cuda"
     q = torch.randn(8192, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
@@ -276,26 +280,22 @@ def sweep_prefill(tma_only: bool = False) -> None:
     flops = 4 * HEADS * 8192 * 8192 * HEAD_DIM / 2
     for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
         cache, table, scales = paged_cache([8192], dtype, kv_scale)
-        fp8_qk_options = ((True,) if tma_only else (False, True)) if dtype == FP8_DTYPE else (False,)
         for rows in (128, 256):
             plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8, rows))
             for block_n, tma in ((64, True),) if tma_only else ((64, False), (128, False), (64, True)):
                 for warps in (4, 8) if rows <= 128 else (8,):
-                    for stages, fp8_qk in [
-                        (n, qk) for n in ((2, 3, 4) if tma else (2, 3)) for qk in fp8_qk_options
-                    ]:
+                    for stages in (2, 3, 4) if tma else (2, 3):
                         cfg = LaunchConfig(
                             block_n=block_n,
                             num_warps=warps,
                             num_stages=stages,
                             q_rows=rows,
                             tma=tma,
-                            fp8_qk=fp8_qk,
                             lazy_rescale=prefill_config(PAGE, dtype).lazy_rescale,
                         )
                         label = (
                             f"sweep prefill 8192 {dtype} rows={rows} block_n={block_n} warps={warps} "
-                            f"stages={stages} tma={tma} fp8_qk={fp8_qk}"
+                            f"stages={stages} tma={tma}"
                         )
                         try:
                             ms = bench(

@@ -13,25 +13,25 @@ sync, so CUDA graphs capture it):
 `decode_attention_static` is the static split-KV baseline (every request cut into the same number of
 splits), kept for benchmarks.
 
-FP8 K/V are loaded as e4m3 and widened to fp16 (a native conversion on Hopper; the query is cast to
-fp16 once) for the MMA, and their per-tensor scales are applied to the scores (K) and to the output (V).
-V is widened through an opaque PTX conversion (`_widen_v`): left to itself, Triton moves the conversion
-after the layout change into the MMA operand and reads the transposed 8-bit tile from shared memory
-one byte per instruction (this was why FP8 decode ran at bf16 speed). As a `LaunchConfig` option
-(`fp8_qk`), q is quantized per row to e4m3 instead and QKᵀ runs as an e4m3 × e4m3 MMA (a wgmma on
-Hopper), so K reaches the MMA as loaded (only V is widened); prefill does so by default for FP8 KV
-(`prefill_config`; `bench/attention_bench.py` measures it against the widened path). Decode keeps
-the widened path: its tile has only 16 query rows (one KV head's 8, padded), too few for wgmma (64),
-so Triton lowers its dots to `mma.sync` and an e4m3 dot to an fp16 one with converted operands (the
-FP8 QK product measured 1.01×; making the keys the MMA rows, so that both products became wgmma,
-measured 0.67–0.97× — BENCHMARKS.md, attention runs 8–15).
+FP8 K/V go into the MMAs as loaded: q is quantized per row to e4m3 (scale absmax / 448), QKᵀ is an
+e4m3 × e4m3 product, and so is PV, with P scaled into e4m3's range and V read K-major (keys contiguous)
+from its pages, which FP8 caches store transposed ([kv_heads, head_dim, page], `hy3c.ops.attention`):
+Hopper's FP8 wgmma takes its B operand only K-major. No conversion or shared-memory round trip is left
+in the key loop, so FP8 decode streams its half-size KV like bf16 decode (BENCHMARKS.md, attention run
+25: 1.90× bf16 on the mixed batch, where widening K/V to f16 reached 1.49-1.53×). Decode has only 16
+query rows (one KV head's 8, padded) — too few for a wgmma (64 rows), and Triton lowers an e4m3 dot
+with 16 rows to an f16 `mma.sync` with converted operands — so FP8 decode makes the keys, then the
+head dims, the MMA's rows: Sᵀ = K·qᵀ, accᵀ += Vᵀ·Pᵀ (both e4m3 wgmma m64n16k32). The cost is P's
+3-bit mantissa: a relative error of a few 1e-2 on the output, the size of the C8 cache's own
+quantization error (the FA3 / TensorRT-LLM FP8 attention choice).
 
-Prefill K/V blocks are gathered through the page table either with per-row pointer loads or — `LaunchConfig.tma`,
+K/V blocks are gathered through the page table either with per-row pointer loads or — `LaunchConfig.tma`,
 when a block lies inside one page (its size divides the page size) — as one TMA bulk copy per operand
-from a tensor descriptor over the layer's cache viewed as [pages · page size, KV heads · head dim]. A
-tail block's rows past the sequence then come from the page's unused slots: their V rows are zeroed and
-their scores masked. Prefill uses TMA where the page size allows (measured 1.14× the pointer loads at
-8K, BENCHMARKS.md); decode uses pointer loads (TMA blocks of 64 keys measured 0.78–0.96×).
+from tensor descriptors over the layer's pages (`_page_descriptors`). A tail block's keys past the
+sequence then come from the page's unused slots: their V is zeroed and their scores masked. Prefill
+uses TMA where the page size allows (measured 1.14× the pointer loads at 8K, BENCHMARKS.md), FP8
+decode too (64-key page slices); bf16 decode uses 128-key pointer loads (TMA blocks of 64 keys
+measured 0.78-0.96×).
 
 Key blocks that every query row sees whole (all of a decode range but its tail; the keys before a
 prefill block's first query) take an unmasked path; only the tail / diagonal blocks pay for masks.
@@ -53,9 +53,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from hy3c.kernels.attention_plan import KV_TILE, PREFILL_ROWS, prefill_q_block
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import Provider, register_provider
+from hy3c.ops.attention import v_pages_transposed
 from hy3c.ops.quant import FP8_DTYPE
 
 DECODE_SPLITS_STATIC = 16
+E4M3_MAX = 448.0
 COMBINE_SLOTS = 16  # partial results the combine kernel loads per trip
 # integer arguments that change with the batch: Triton would otherwise compile a variant for 1 and for
 # multiples of 16 — compilation (seconds) in the middle of live traffic
@@ -72,40 +74,39 @@ class LaunchConfig:
     ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
     min_tiles_per_cta: int = 1  # dynamic decode only: ranges of at least this many KV tiles, as long as
     min_ctas_per_sm: int = 2  # … the equal share over this many CTAs per SM allows (tiles_per_cta)
-    fp8_qk: bool = False  # prefill over FP8 KV: q quantized per row, QKᵀ as an e4m3 MMA
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
     lazy_rescale: bool = False  # prefill: rescale acc only when a row's max grows by more than 2^8
-    tma: bool = False  # prefill: K/V blocks by TMA bulk copies (block_n divides the page)
+    tma: bool = False  # K/V blocks by TMA bulk copies (block_n divides the page)
 
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
 DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=2)
-# FP8 KV widens K/V in registers between load and MMA, so a batch's loads hide latency through
-# occupancy: up to 8 CTAs per SM, with ranges of at least 16 tiles (4K keys) while 2 CTAs per SM stay
-# busy (BENCHMARKS.md, attention runs 6 and 7, end to end runs 10 and 11). A single request or a few
-# take 3 CTAs per SM with 2 stages: 0.107 ms for one 128K request in attention runs 18 and 19, against
-# 0.114-0.219 ms with DECODE_CONFIG (on the batch of 32 it equals the batch config: 1.203-1.207 ms).
+# FP8 KV: 64-key page slices by TMA, 8 CTAs per SM, 2 stages — the best of attention run 25 for one
+# 128K request and for the batch of 32, where ranges of at least 16 tiles (4K keys) while 2 CTAs per SM
+# stay busy keep short requests from splitting into many partials (attention runs 6 and 7, end to end
+# runs 10 and 11); fewer requests take ranges of any size, so one long request spreads over every CTA.
 FP8_BATCH_DECODE_CONFIG = LaunchConfig(
-    block_n=128, num_warps=4, num_stages=2, ctas_per_sm=8, min_tiles_per_cta=16, min_ctas_per_sm=2
+    block_n=64, num_warps=4, num_stages=2, ctas_per_sm=8, min_tiles_per_cta=16, min_ctas_per_sm=2, tma=True
 )
 FP8_BATCH_MIN_REQUESTS = 8
-FP8_DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=3)
+FP8_DECODE_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, ctas_per_sm=8, tma=True)
 
 
-def decode_config(kv_dtype: torch.dtype, num_requests: int) -> LaunchConfig:
-    """The dynamic decode launch config for a KV dtype and batch size (both known on the host)."""
-    if kv_dtype == FP8_DTYPE:
-        return FP8_BATCH_DECODE_CONFIG if num_requests >= FP8_BATCH_MIN_REQUESTS else FP8_DECODE_CONFIG
-    return DECODE_CONFIG
+def decode_config(kv_dtype: torch.dtype, num_requests: int, page_size: int = 64) -> LaunchConfig:
+    """The dynamic decode launch config for a KV dtype, batch size and page size (known on the host):
+    pointer loads where a block does not tile the page."""
+    if kv_dtype != FP8_DTYPE:
+        return DECODE_CONFIG
+    config = FP8_BATCH_DECODE_CONFIG if num_requests >= FP8_BATCH_MIN_REQUESTS else FP8_DECODE_CONFIG
+    return config if page_size % config.block_n == 0 else replace(config, tma=False)
 
 
 # prefill: 128 query rows (16 tokens × 8 heads at Hy3's GQA; the plan's PREFILL_ROWS), 64-key blocks as
 # TMA bulk copies, 4 warps, 3 stages — the sweep's best at 8K for bf16 (530 TFLOP/s; 464 with per-row
 # pointer loads) and FP8 KV (BENCHMARKS.md, attention runs 8-14). Pages that a 64-key block does not
-# tile (a page size that 64 does not divide) take per-row pointer loads (bf16 335, FP8 321). FP8 KV also
-# quantizes q per row and runs QKᵀ as an e4m3 MMA (418 TFLOP/s at 8K vs 343 with K widened to bf16;
-# relative difference 2.4e-2 from the widened product), and rescales lazily (1.06-1.07× at 8K-32K; bf16
-# prefill and decode of either dtype measured slower with it: attention run 17).
+# tile (a page size that 64 does not divide) take per-row pointer loads (bf16 335, FP8 321). FP8 KV
+# rescales lazily (1.06-1.07× at 8K-32K with the FP8 QK product; bf16 prefill and decode of either
+# dtype measured slower with it: attention run 17).
 PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=3, tma=True)
 PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 
@@ -113,7 +114,7 @@ PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 def prefill_config(page_size: int, kv_dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
     """The prefill launch config for a KV cache's page size and dtype."""
     config = PREFILL_CONFIG if page_size % PREFILL_CONFIG.block_n == 0 else PREFILL_CONFIG_ANY_PAGE
-    return replace(config, fp8_qk=True, lazy_rescale=True) if kv_dtype == FP8_DTYPE else config
+    return replace(config, lazy_rescale=True) if kv_dtype == FP8_DTYPE else config
 
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -136,28 +137,67 @@ def _find_request(starts_ptr, t, num_requests, iters):
 
 
 @triton.jit
-def _widen_v(v, dtype, FP8_ASM: tl.constexpr):
-    """V tile → the MMA dtype. For FP8 on the GPU the e4m3 → f16 conversion is an opaque (impure) inline
-    instruction: otherwise Triton hoists it past the layout change into the MMA operand and reads the
-    transposed 8-bit tile from shared memory one byte per instruction."""
-    if FP8_ASM:
-        return tl.inline_asm_elementwise(
-            "cvt.rn.f16x2.e4m3x2 $0, $1;",
-            "=r,h",
-            [v.to(tl.int8, bitcast=True)],
-            dtype=tl.float16,
-            is_pure=False,
-            pack=2,
-        )
-    return v.to(dtype)
-
-
-@triton.jit
 def _quantize_rows_e4m3(q):
     """q rows to e4m3 with one scale per row (absmax / 448), for the FP8 QK product."""
     qf = q.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(qf), axis=1) / 448.0, 1e-12)
     return tl.clamp(qf / scale[:, None], -448.0, 448.0).to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _load_block(
+    cache_k,
+    cache_v,
+    page_row_ptr,
+    key_start,
+    valid,
+    head,
+    stride_page,
+    stride_off,
+    stride_head,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    TMA: tl.constexpr,
+    V_T: tl.constexpr,
+):
+    """K [BLOCK_N, HEAD_DIM] of keys [key_start, key_start + BLOCK_N) and their V: [BLOCK_N, HEAD_DIM],
+    or V_T (FP8 caches, V pages stored [kv_heads, head_dim, page]) Vᵀ [HEAD_DIM, BLOCK_N]. Keys that are
+    not `valid` (MASK != 0) read as zero V (a TMA page slice brings the page's unused slots)."""
+    n = key_start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    if TMA:  # the block lies inside one page: one bulk copy per operand
+        page = tl.load(page_row_ptr + key_start // PAGE_SIZE)
+        k = cache_k.load([page * PAGE_SIZE + key_start % PAGE_SIZE, head * HEAD_DIM])
+        if V_T:  # rows of the descriptor: (page, kv head, head dim); columns: the page's keys
+            v = cache_v.load([page * (stride_page // PAGE_SIZE) + head * HEAD_DIM, key_start % PAGE_SIZE])
+            if MASK != 0:
+                v = tl.where(valid[None, :], v, tl.zeros_like(v))
+        else:
+            v = cache_v.load([page * PAGE_SIZE + key_start % PAGE_SIZE, head * HEAD_DIM])
+            if MASK != 0:
+                v = tl.where(valid[:, None], v, tl.zeros_like(v))
+    else:
+        if MASK == 0:
+            page = tl.load(page_row_ptr + n // PAGE_SIZE)
+        else:
+            page = tl.load(page_row_ptr + n // PAGE_SIZE, mask=valid, other=0)
+        page_base = page.to(tl.int64) * stride_page
+        rows = (page_base + (n % PAGE_SIZE) * stride_off + head * stride_head)[:, None] + d[None, :]
+        k_ptrs = cache_k + rows
+        if V_T:
+            v_keys = page_base + head * (HEAD_DIM * PAGE_SIZE) + n % PAGE_SIZE
+            v_ptrs = cache_v + v_keys[None, :] + (d * PAGE_SIZE)[:, None]
+        else:
+            v_ptrs = cache_v + rows
+        if MASK == 0:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=valid[None, :] if V_T else valid[:, None], other=0.0)
+    return k, v
 
 
 @triton.jit
@@ -182,8 +222,9 @@ def _attend_block(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASK: tl.constexpr,
-    FP8_ASM: tl.constexpr,
-    FP8_QK: tl.constexpr,
+    FP8: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,
+    P_SCALE: tl.constexpr,
     TMA: tl.constexpr,
     LAZY: tl.constexpr,
 ):
@@ -191,62 +232,63 @@ def _attend_block(
     base 2, the scale folded into the exponent). MASK: 0 = every key valid and visible (no masking at
     all), 1 = keys past key_limit masked, 2 = also causal (key n visible to a row iff n <= row_limit).
     Every row must see at least one key in its first block (true for all callers), so m is finite.
-    TMA: cache_k / cache_v are tensor descriptors over [pages · PAGE_SIZE, kv_heads · HEAD_DIM] and the
-    block lies inside one page (BLOCK_N divides PAGE_SIZE): one bulk copy per operand, no per-row
-    pointers; a tail block's rows past key_limit come from the page's unused (zeroed or stale) slots,
-    their V rows are zeroed and their scores masked.
+    TMA: cache_k / cache_v are tensor descriptors (`_page_descriptors`) and the block lies inside one
+    page (BLOCK_N divides PAGE_SIZE): one bulk copy per operand, no per-row pointers; a tail block's
+    keys past key_limit come from the page's unused (zeroed or stale) slots, their V is zeroed and their
+    scores masked.
+    FP8 (V pages transposed): q is e4m3 with per-row scales q_scale, and both products are e4m3 MMAs —
+    S = q·Kᵀ, then acc += P·V with P scaled by P_SCALE into e4m3 (the caller divides it out) and V
+    K-major straight from its transposed page. KEYS_AS_ROWS (decode's 16 query rows, too few for a
+    wgmma's 64): Sᵀ = K·qᵀ and accᵀ [HEAD_DIM, rows] += Vᵀ·Pᵀ, so the keys, then the head dims, are
+    the MMA's rows.
     LAZY: the running max m (and with it acc and l) moves only when some row's block max exceeds it by
     more than 2^LAZY_RESCALE_LOG2 — otherwise the block's probabilities are taken against the old m
     (each ≤ 2^8, exact once acc is divided by l), which skips the rescale of acc in most blocks."""
+    tl.static_assert(FP8 or not KEYS_AS_ROWS, "keys as the MMA rows: FP8 caches only")
+    tl.static_assert(MASK != 2 or not KEYS_AS_ROWS, "keys as the MMA rows: decode (no causal mask)")
     n = key_start + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, HEAD_DIM)
-    if MASK != 0:
-        valid = n < key_limit
-    if TMA:
-        row = tl.load(page_row_ptr + key_start // PAGE_SIZE) * PAGE_SIZE + key_start % PAGE_SIZE
-        k = cache_k.load([row, head * HEAD_DIM])
-        v = cache_v.load([row, head * HEAD_DIM])
-        if MASK != 0:
-            v = tl.where(valid[:, None], v, tl.zeros_like(v))
+    valid = n < key_limit
+    k, v = _load_block(
+        cache_k, cache_v, page_row_ptr, key_start, valid, head, stride_page, stride_off, stride_head,
+        PAGE_SIZE, HEAD_DIM, BLOCK_N, MASK, TMA, FP8,
+    )  # fmt: skip
+    if KEYS_AS_ROWS:  # scores transposed: [BLOCK_N, rows], reductions over axis 0
+        s = tl.dot(k, tl.trans(q)) * q_scale[None, :]
+        if MASK == 1:
+            s = tl.where(valid[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0) * qk_scale)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * qk_scale - m_new[None, :])
+        acc = tl.dot(v, (p * P_SCALE).to(tl.float8e4nv), acc * alpha[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
     else:
-        if MASK == 0:
-            page = tl.load(page_row_ptr + n // PAGE_SIZE)
+        if FP8:  # e4m3 q × e4m3 K: K goes to the MMA as loaded; q's per-row scales applied after
+            s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
         else:
-            page = tl.load(page_row_ptr + n // PAGE_SIZE, mask=valid, other=0)
-        offs = page.to(tl.int64) * stride_page + (n % PAGE_SIZE) * stride_off + head * stride_head
-        k_ptrs = cache_k + offs[:, None] + d[None, :]
-        v_ptrs = cache_v + offs[:, None] + d[None, :]
-        if MASK == 0:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if MASK == 1:
+            s = tl.where(valid[None, :], s, float("-inf"))
+        if MASK == 2:
+            s = tl.where(valid[None, :] & (n[None, :] <= row_limit[:, None]), s, float("-inf"))
+        m_block = tl.max(s, axis=1) * qk_scale
+        if LAZY:
+            m_new = m_i
+            if tl.max(m_block - m_i, axis=0) > LAZY_RESCALE_LOG2:
+                m_new = tl.maximum(m_i, m_block)
+                alpha = tl.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
         else:
-            k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
-    if FP8_QK:  # e4m3 q × e4m3 K: K goes to the MMA as loaded; q's per-row scales applied after
-        s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
-    else:
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))  # e4m3 → f16 is native
-    if MASK == 1:
-        s = tl.where(valid[None, :], s, float("-inf"))
-    if MASK == 2:
-        s = tl.where(valid[None, :] & (n[None, :] <= row_limit[:, None]), s, float("-inf"))
-    m_block = tl.max(s, axis=1) * qk_scale
-    if LAZY:
-        m_new = m_i
-        if tl.max(m_block - m_i, axis=0) > LAZY_RESCALE_LOG2:
             m_new = tl.maximum(m_i, m_block)
             alpha = tl.exp2(m_i - m_new)
             acc = acc * alpha[:, None]
             l_i = l_i * alpha
-    else:
-        m_new = tl.maximum(m_i, m_block)
-        alpha = tl.exp2(m_i - m_new)
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha
-    p = tl.exp2(s * qk_scale - m_new[:, None])
-    mma_dtype: tl.constexpr = tl.float16 if FP8_QK else q.dtype
-    acc = tl.dot(p.to(mma_dtype), _widen_v(v, mma_dtype, FP8_ASM), acc)
-    l_i = l_i + tl.sum(p, axis=1)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        if FP8:
+            acc = tl.dot((p * P_SCALE).to(tl.float8e4nv), tl.trans(v), acc)
+        else:
+            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+        l_i = l_i + tl.sum(p, axis=1)
     return m_new, l_i, acc
 
 
@@ -273,8 +315,9 @@ def _attend_range(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TAIL_MASK: tl.constexpr,
-    FP8_ASM: tl.constexpr,
-    FP8_QK: tl.constexpr,
+    FP8: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,
+    P_SCALE: tl.constexpr,
     TMA: tl.constexpr,
     LAZY: tl.constexpr,
 ):
@@ -282,58 +325,16 @@ def _attend_range(
     rest with TAIL_MASK (1: keys past key_end; 2: also causal against row_limit)."""
     for key in range(key_begin, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
-            q,
-            q_scale,
-            m_i,
-            l_i,
-            acc,
-            cache_k,
-            cache_v,
-            page_row_ptr,
-            key,
-            key_end,
-            row_limit,
-            head,
-            stride_page,
-            stride_off,
-            stride_head,
-            qk_scale,
-            PAGE_SIZE,
-            HEAD_DIM,
-            BLOCK_N,
-            0,
-            FP8_ASM,
-            FP8_QK,
-            TMA,
-            LAZY,
-        )
+            q, q_scale, m_i, l_i, acc, cache_k, cache_v, page_row_ptr, key, key_end, row_limit, head,
+            stride_page, stride_off, stride_head, qk_scale, PAGE_SIZE, HEAD_DIM, BLOCK_N, 0, FP8,
+            KEYS_AS_ROWS, P_SCALE, TMA, LAZY,
+        )  # fmt: skip
     for key in range(full_end, key_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
-            q,
-            q_scale,
-            m_i,
-            l_i,
-            acc,
-            cache_k,
-            cache_v,
-            page_row_ptr,
-            key,
-            key_end,
-            row_limit,
-            head,
-            stride_page,
-            stride_off,
-            stride_head,
-            qk_scale,
-            PAGE_SIZE,
-            HEAD_DIM,
-            BLOCK_N,
-            TAIL_MASK,
-            FP8_ASM,
-            FP8_QK,
-            TMA,
-            LAZY,
-        )
+            q, q_scale, m_i, l_i, acc, cache_k, cache_v, page_row_ptr, key, key_end, row_limit, head,
+            stride_page, stride_off, stride_head, qk_scale, PAGE_SIZE, HEAD_DIM, BLOCK_N, TAIL_MASK, FP8,
+            KEYS_AS_ROWS, P_SCALE, TMA, LAZY,
+        )  # fmt: skip
     return m_i, l_i, acc
 
 
@@ -359,20 +360,80 @@ def _store_partial(
 
 
 @triton.jit
-def _kv_scales(scales_ptr, FP8: tl.constexpr):
-    """The layer's K and V dequantization scales (1.0 for a bf16 cache)."""
+def _kv_scales(scales_ptr, FP8: tl.constexpr, P_SCALE: tl.constexpr):
+    """The layer's K dequantization scale and the factor acc needs for V: its dequantization scale over
+    the e4m3 P's scale (both 1.0 for a bf16 cache)."""
     k_scale = 1.0
     v_scale = 1.0
     if FP8:
         k_scale = tl.load(scales_ptr)
-        v_scale = tl.load(scales_ptr + 1)
+        v_scale = tl.load(scales_ptr + 1) / P_SCALE
     return k_scale, v_scale
+
+
+@triton.jit
+def _decode_keys(
+    q_ptr,
+    r,
+    head,
+    cache_k,
+    cache_v,
+    page_row_ptr,
+    key_begin,
+    key_end,
+    stride_qt,
+    stride_qh,
+    stride_page,
+    stride_off,
+    stride_head,
+    qk_scale,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    P_SCALE: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """Request r's query rows of one KV head (padded to GROUP_PAD) over keys [key_begin, key_end): the
+    unnormalised acc [GROUP_PAD, HEAD_DIM], running max and sum. FP8 KV: q quantized per row, the keys
+    as the MMA's rows (e4m3 wgmma products; acc kept transposed until the end)."""
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + r * stride_qt + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
+        mask=(g < GROUP)[:, None],
+        other=0.0,
+    )
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    full_end = key_begin + tl.maximum(key_end - key_begin, 0) // BLOCK_N * BLOCK_N
+    if FP8:
+        q8, q_scale = _quantize_rows_e4m3(q)
+        acc_t = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
+        m_i, l_i, acc_t = _attend_range(
+            q8, q_scale, m_i, l_i, acc_t, cache_k, cache_v, page_row_ptr, key_begin, full_end, key_end,
+            m_i, head, stride_page, stride_off, stride_head, qk_scale, PAGE_SIZE, HEAD_DIM, BLOCK_N, 1,
+            True, True, P_SCALE, TMA, False,
+        )  # fmt: skip
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        m_i, l_i, acc = _attend_range(
+            q, 1.0, m_i, l_i, acc, cache_k, cache_v, page_row_ptr, key_begin, full_end, key_end, m_i,
+            head, stride_page, stride_off, stride_head, qk_scale, PAGE_SIZE, HEAD_DIM, BLOCK_N, 1, False,
+            False, P_SCALE, TMA, False,
+        )  # fmt: skip
+    return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=BATCH_ARGS)
 def _decode_dynamic_kernel(
     q_ptr,
     cache_ptr,
+    k_desc,
+    v_desc,
     scales_ptr,
     page_table_ptr,
     seq_lens_ptr,
@@ -401,8 +462,9 @@ def _decode_dynamic_kernel(
     BLOCK_N: tl.constexpr,
     MIN_TILES: tl.constexpr,
     FP8: tl.constexpr,
-    FP8_ASM: tl.constexpr,
+    P_SCALE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -412,54 +474,25 @@ def _decode_dynamic_kernel(
     total = tl.load(plan_ptr + num_requests)
     t = cta * quota
     t_end = tl.minimum(t + quota, total)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    k_scale, v_scale = _kv_scales(scales_ptr, FP8)
+    k_scale, v_scale = _kv_scales(scales_ptr, FP8, P_SCALE)
     qk_scale = sm_scale * k_scale * _LOG2E
+    if TMA:  # K and V through their tensor descriptors, or the layer's K and V bases
+        cache_k = k_desc
+        cache_v = v_desc
+    else:
+        cache_k = cache_ptr
+        cache_v = cache_ptr + stride_ckv
     while t < t_end:
         r = _find_request(plan_ptr, t, num_requests, search_iters)
         first_tile = tl.load(plan_ptr + r)
         seg_end = tl.minimum(t_end, tl.load(plan_ptr + r + 1))
-        length = tl.load(seq_lens_ptr + r)
-        q = tl.load(
-            q_ptr + r * stride_qt + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
-            mask=(g < GROUP)[:, None],
-            other=0.0,
-        )
-        if FP8:
-            q = q.to(tl.float16)
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         key_begin = (t - first_tile) * KV_TILE
-        key_end = tl.minimum((seg_end - first_tile) * KV_TILE, length)
-        m_i, l_i, acc = _attend_range(
-            q,
-            1.0,
-            m_i,
-            l_i,
-            acc,
-            cache_ptr,
-            cache_ptr + stride_ckv,
-            page_table_ptr + r * stride_pt,
-            key_begin,
-            key_begin + (key_end - key_begin) // BLOCK_N * BLOCK_N,
-            key_end,
-            m_i,
-            head,
-            stride_cpage,
-            stride_coff,
-            stride_chead,
-            qk_scale,
-            PAGE_SIZE,
-            HEAD_DIM,
-            BLOCK_N,
-            1,
-            FP8_ASM,
-            False,
-            False,
-            False,
-        )
+        key_end = tl.minimum((seg_end - first_tile) * KV_TILE, tl.load(seq_lens_ptr + r))
+        acc, m_i, l_i = _decode_keys(
+            q_ptr, r, head, cache_k, cache_v, page_table_ptr + r * stride_pt, key_begin, key_end,
+            stride_qt, stride_qh, stride_cpage, stride_coff, stride_chead, qk_scale, GROUP, GROUP_PAD,
+            HEAD_DIM, PAGE_SIZE, BLOCK_N, FP8, P_SCALE, TMA,
+        )  # fmt: skip
         _store_partial(
             part_o_ptr + (cta + r) * stride_po_slot + head * stride_po_head,
             part_lse_ptr + (cta + r) * stride_pl_slot + head * GROUP_PAD,
@@ -560,6 +593,8 @@ def _decode_combine_kernel(
 def _decode_static_kernel(
     q_ptr,
     cache_ptr,
+    k_desc,
+    v_desc,
     scales_ptr,
     page_table_ptr,
     seq_lens_ptr,
@@ -582,58 +617,31 @@ def _decode_static_kernel(
     SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
-    FP8_ASM: tl.constexpr,
+    P_SCALE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     r = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
     length = tl.load(seq_lens_ptr + r)
     per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
     key_begin = split * per_split
     key_end = tl.minimum(key_begin + per_split, length)
-    k_scale, v_scale = _kv_scales(scales_ptr, FP8)
-    q = tl.load(
-        q_ptr + r * stride_qt + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
-        mask=(g < GROUP)[:, None],
-        other=0.0,
-    )
-    if FP8:
-        q = q.to(tl.float16)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    m_i, l_i, acc = _attend_range(
-        q,
-        1.0,
-        m_i,
-        l_i,
-        acc,
-        cache_ptr,
-        cache_ptr + stride_ckv,
-        page_table_ptr + r * stride_pt,
-        key_begin,
-        key_begin + tl.maximum(key_end - key_begin, 0) // BLOCK_N * BLOCK_N,
-        key_end,
-        m_i,
-        head,
-        stride_cpage,
-        stride_coff,
-        stride_chead,
-        sm_scale * k_scale * _LOG2E,
-        PAGE_SIZE,
-        HEAD_DIM,
-        BLOCK_N,
-        1,
-        FP8_ASM,
-        False,
-        False,
-        False,
-    )
+    k_scale, v_scale = _kv_scales(scales_ptr, FP8, P_SCALE)
+    if TMA:
+        cache_k = k_desc
+        cache_v = v_desc
+    else:
+        cache_k = cache_ptr
+        cache_v = cache_ptr + stride_ckv
+    acc, m_i, l_i = _decode_keys(
+        q_ptr, r, head, cache_k, cache_v, page_table_ptr + r * stride_pt, key_begin, key_end, stride_qt,
+        stride_qh, stride_cpage, stride_coff, stride_chead, sm_scale * k_scale * _LOG2E, GROUP, GROUP_PAD,
+        HEAD_DIM, PAGE_SIZE, BLOCK_N, FP8, P_SCALE, TMA,
+    )  # fmt: skip
     slot = r * SPLITS + split
     _store_partial(
         part_o_ptr + slot * stride_po_slot + head * stride_po_head,
@@ -677,8 +685,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
-    FP8_ASM: tl.constexpr,
-    FP8_QK: tl.constexpr,
+    P_SCALE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TMA: tl.constexpr,
     LAZY: tl.constexpr,
@@ -711,13 +718,11 @@ def _prefill_kernel(
         other=0.0,
     )
     position = length - q_len + token  # absolute position of each query row (padding rows: past the end)
-    k_scale, v_scale = _kv_scales(scales_ptr, FP8)
+    k_scale, v_scale = _kv_scales(scales_ptr, FP8, P_SCALE)
     qk_scale = sm_scale * k_scale * _LOG2E
     q_scale = tl.full([ROWS], 1.0, tl.float32)
-    if FP8_QK:
+    if FP8:
         q, q_scale = _quantize_rows_e4m3(q)
-    elif FP8:
-        q = q.to(tl.float16)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
@@ -752,8 +757,9 @@ def _prefill_kernel(
         HEAD_DIM,
         BLOCK_N,
         2,
-        FP8_ASM,
-        FP8_QK,
+        FP8,
+        False,
+        P_SCALE,
         TMA,
         LAZY,
     )
@@ -775,11 +781,12 @@ def _cache_strides(kv_cache: Tensor) -> tuple[int, ...]:
     return kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4)
 
 
-def _cache_flags(kv_cache: Tensor) -> dict[str, int | bool]:
-    """Compile-time facts of the cache: FP8 or not, the page size, and whether the FP8 V conversion may use
-    inline PTX (on the GPU; the interpreter on CPU cannot run it)."""
-    fp8 = kv_cache.dtype == FP8_DTYPE
-    return dict(FP8=fp8, FP8_ASM=fp8 and kv_cache.is_cuda, PAGE_SIZE=kv_cache.shape[3])
+def _cache_flags(kv_cache: Tensor, lazy: bool = False) -> dict[str, int | bool | float]:
+    """Compile-time facts of the cache: FP8 (V pages transposed, e4m3 products) or not, the page size,
+    and the scale that puts P into e4m3's range (P ≤ 1, or ≤ 2^8 under lazy rescaling, lands on 448)."""
+    fp8 = v_pages_transposed(kv_cache)
+    p_scale = E4M3_MAX / 2**LAZY_RESCALE_LOG2.value if lazy else E4M3_MAX
+    return dict(FP8=fp8, P_SCALE=p_scale, PAGE_SIZE=kv_cache.shape[3])
 
 
 def num_decode_ctas(
@@ -799,10 +806,12 @@ def _group(q: Tensor, kv_cache: Tensor) -> tuple[int, int, int]:
 
 
 def _refuse_prefill_options(config: LaunchConfig) -> None:
-    if config.tma or config.fp8_qk or config.lazy_rescale:
-        raise ValueError(
-            "LaunchConfig.tma, fp8_qk and lazy_rescale are prefill options (decode measured slower with them)"
-        )
+    if config.lazy_rescale:
+        raise ValueError("LaunchConfig.lazy_rescale is a prefill option (decode measured slower with it)")
+
+
+def _descriptors_or_none(kv_cache: Tensor, layer: int, config: LaunchConfig) -> tuple:
+    return _page_descriptors(kv_cache, layer, config.block_n) if config.tma else (None, None)
 
 
 def combine_partials(
@@ -861,7 +870,7 @@ def decode_attention_dynamic(
     the grid (num_ctas per KV head, of which at least min_ctas get work) from it and the device."""
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
-    config = config or decode_config(kv_cache.dtype, num_requests)
+    config = config or decode_config(kv_cache.dtype, num_requests, kv_cache.shape[3])
     _refuse_prefill_options(config)
     num_ctas = num_ctas or num_decode_ctas(q.device, num_kv_heads, config.ctas_per_sm)
     min_ctas = min(min_ctas or num_decode_ctas(q.device, num_kv_heads, config.min_ctas_per_sm), num_ctas)
@@ -874,6 +883,7 @@ def decode_attention_dynamic(
     _decode_dynamic_kernel[(num_kv_heads, num_ctas)](
         q,
         kv_cache[layer],
+        *_descriptors_or_none(kv_cache, layer, config),
         kv_scales[layer],
         page_table,
         seq_lens,
@@ -896,6 +906,7 @@ def decode_attention_dynamic(
         BLOCK_N=config.block_n,
         MIN_TILES=config.min_tiles_per_cta,
         **_cache_flags(kv_cache),
+        TMA=config.tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **common,
@@ -913,12 +924,14 @@ def decode_attention_static(
     seq_lens: Tensor,
     sm_scale: float,
     splits: int = DECODE_SPLITS_STATIC,
-    config: LaunchConfig = DECODE_CONFIG,
+    config: LaunchConfig | None = None,
 ) -> Tensor:
-    """Baseline: every request split into `splits` equal KV ranges, whatever its length."""
-    _refuse_prefill_options(config)
+    """Baseline: every request split into `splits` equal KV ranges, whatever its length; the key blocks
+    as dynamic decode loads them (`decode_config`) unless config says otherwise."""
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
+    config = config or decode_config(kv_cache.dtype, num_requests, kv_cache.shape[3])
+    _refuse_prefill_options(config)
     group_pad = max(16, triton.next_power_of_2(group))
     part_o = torch.empty(
         (num_requests * splits, num_kv_heads, group, head_dim), dtype=torch.float32, device=q.device
@@ -931,6 +944,7 @@ def decode_attention_static(
     _decode_static_kernel[(num_requests, num_kv_heads, splits)](
         q,
         kv_cache[layer],
+        *_descriptors_or_none(kv_cache, layer, config),
         kv_scales[layer],
         page_table,
         seq_lens,
@@ -947,6 +961,7 @@ def decode_attention_static(
         SPLITS=splits,
         BLOCK_N=config.block_n,
         **_cache_flags(kv_cache),
+        TMA=config.tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **common,
@@ -973,13 +988,11 @@ def prefill_attention(
     q_block = prefill_q_block(group, config.q_rows)
     out = torch.empty_like(q)
     max_tiles = triton.cdiv(q.shape[0], q_block) + num_requests
-    k_desc, v_desc = _page_descriptors(kv_cache[layer], config.block_n) if config.tma else (None, None)
     _prefill_kernel[(max_tiles, num_kv_heads)](
         q,
         out,
         kv_cache[layer],
-        k_desc,
-        v_desc,
+        *_descriptors_or_none(kv_cache, layer, config),
         kv_scales[layer],
         page_table,
         seq_lens,
@@ -998,8 +1011,7 @@ def prefill_attention(
         Q_BLOCK=q_block,
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
-        **_cache_flags(kv_cache),
-        FP8_QK=config.fp8_qk and kv_cache.dtype == FP8_DTYPE,
+        **_cache_flags(kv_cache, config.lazy_rescale),
         TMA=config.tma,
         LAZY=config.lazy_rescale,
         num_warps=config.num_warps,
@@ -1009,19 +1021,27 @@ def prefill_attention(
     return out
 
 
-def _page_descriptors(layer_cache: Tensor, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors of one layer's K and V as [pages · page_size, kv_heads · head_dim] with
-    [block_n, head_dim] boxes: a prefill key block (starting at a multiple of block_n) is one bulk copy
-    when block_n divides the page size."""
+def _page_descriptors(
+    kv_cache: Tensor, layer: int, block_n: int
+) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of one layer's K pages as [pages · page_size, kv_heads · head_dim] with
+    [block_n, head_dim] boxes, and of its V pages alike — or, stored transposed (FP8), as
+    [pages · kv_heads · head_dim, page_size] with [head_dim, block_n] boxes: a key block (starting at a
+    multiple of block_n) is one bulk copy per operand when block_n divides the page size."""
+    layer_cache = kv_cache[layer]
     _, pages, page_size, kv_heads, head_dim = layer_cache.shape
     if not layer_cache.is_contiguous():
         raise ValueError("TMA attention needs a contiguous KV cache layer")
     if page_size % block_n:
         raise ValueError(f"TMA attention needs block_n ({block_n}) to divide the page size ({page_size})")
     rows, width = pages * page_size, kv_heads * head_dim
-    return tuple(
-        TensorDescriptor(layer_cache[i], [rows, width], [width, 1], [block_n, head_dim]) for i in (0, 1)
-    )
+    k = TensorDescriptor(layer_cache[0], [rows, width], [width, 1], [block_n, head_dim])
+    if v_pages_transposed(kv_cache):
+        v_rows = pages * kv_heads * head_dim
+        v = TensorDescriptor(layer_cache[1], [v_rows, page_size], [page_size, 1], [head_dim, block_n])
+    else:
+        v = TensorDescriptor(layer_cache[1], [rows, width], [width, 1], [block_n, head_dim])
+    return k, v
 
 
 @torch.library.custom_op("hy3_triton::paged_attention", mutates_args=())

@@ -6,6 +6,10 @@ rotary cos/sin are computed once per token block); a group holds heads of one ki
   * q heads (in groups of up to MAX_Q_GROUP): RMSNorm with q_norm, RoPE, written to q_out;
   * the kv heads' K: RMSNorm with k_norm, RoPE, quantized with kv_scales[layer, 0], stored at the slot;
   * the kv heads' V: quantized with kv_scales[layer, 1], stored at the slot.
+An FP8 cache stores V pages transposed ([kv_heads, head_dim, page], `hy3c.ops.attention`): there a
+key's values lie a page apart, so V gets programs of its own past the token blocks, V_TOKENS tokens
+each, that store [head_dim, tokens] tiles with the tokens along the threads of a warp — consecutive
+slots of a page (every prefill) then coalesce into whole sectors instead of one byte per sector.
 Angles are position × inv_freq with inv_freq computed on the host exactly like the reference (so long
 contexts rotate identically). Rounding follows the reference: normalized value rounded to the model
 dtype, times the weight, rounded again, rotated in fp32, rounded once more.
@@ -20,10 +24,13 @@ from torch import Tensor
 
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import Provider, register_provider
+from hy3c.ops.attention import v_pages_transposed
 from hy3c.ops.quant import FP8_DTYPE
 from hy3c.ops.rope import hadamard_matrix
 
 MAX_Q_GROUP = 8
+V_TOKENS = 64  # tokens per V program (FP8 caches, V pages transposed)
+V_RUN = tl.constexpr(16)  # … stored in runs of this many tokens
 BLOCK_T = 4  # tokens per program, with NUM_WARPS warps (best of the H200 sweep)
 NUM_WARPS = 8
 # From this many tokens on, a program walks all head groups of its tokens, computing the rotary cos/sin
@@ -171,6 +178,56 @@ def _process_group(
         tl.store(kv_dst + HALF, y2.to(cache_dtype), mask=kv_mask)
 
 
+@triton.jit
+def _store_v_transposed(
+    qkv_ptr,
+    cache_ptr,
+    scales_ptr,
+    slot_ptr,
+    first_token,
+    num_tokens,
+    stride_qkv_t,
+    stride_c_kv,
+    stride_c_page,
+    page_size,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    V_TOKENS: tl.constexpr,
+):
+    """V of tokens [first_token, first_token + V_TOKENS), quantized with kv_scales[layer, 1], into V
+    pages stored [kv_heads, head_dim, page]: per KV head a [HEAD_DIM, runs, V_RUN] tile. A run of V_RUN
+    tokens whose slots are consecutive in one page (prefill, away from request and page boundaries) is
+    stored through pointers the compiler knows to be contiguous along the tokens, so a warp's threads
+    run along them and a store instruction fills whole sectors; other runs store token by token."""
+    RUNS: tl.constexpr = V_TOKENS // V_RUN
+    tok = first_token + tl.reshape(tl.arange(0, V_TOKENS), (RUNS, V_RUN))
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1)
+    ok = slot >= 0
+    safe_slot = tl.where(ok, slot, 0).to(tl.int64)
+    at = tl.arange(0, V_RUN)
+    run_first = tl.sum(tl.where(at[None, :] == 0, safe_slot, 0), axis=1)  # [RUNS]
+    one_page = (run_first % page_size) + V_RUN <= page_size
+    run_ok = (
+        tl.min(tl.where(ok & (safe_slot == run_first[:, None] + at[None, :]), 1, 0), axis=1) == 1
+    ) & one_page
+    page_base = cache_ptr + stride_c_kv
+    key = page_base + (safe_slot // page_size) * stride_c_page + safe_slot % page_size  # token by token
+    run_key = page_base + (run_first // page_size) * stride_c_page + run_first % page_size
+    run_keys = run_key[:, None] + at[None, :]  # contiguous along the tokens
+    d = tl.arange(0, HEAD_DIM)[:, None, None]
+    src = qkv_ptr + tok.to(tl.int64)[None, :, :] * stride_qkv_t + d
+    fast = run_ok[None, :, None]
+    slow = ok[None, :, :] & ~fast
+    scale = tl.load(scales_ptr + 1)
+    for h in tl.static_range(NUM_KV_HEADS):
+        v = tl.load(src + (NUM_Q_HEADS + NUM_KV_HEADS + h) * HEAD_DIM, mask=ok[None, :, :], other=0.0)
+        v = tl.clamp(v.to(tl.float32) / scale, -448.0, 448.0).to(cache_ptr.dtype.element_ty)
+        rows = (h * HEAD_DIM + d) * page_size
+        tl.store(run_keys[None, :, :] + rows, v, mask=fast)
+        tl.store(key[None, :, :] + rows, v, mask=slow)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _qknorm_rope_kvstore_kernel(
     qkv_ptr,
@@ -202,13 +259,26 @@ def _qknorm_rope_kvstore_kernel(
     HADAMARD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     GROUPS_PER_PROGRAM: tl.constexpr,
+    V_T: tl.constexpr,
+    V_TOKENS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (token block, j) handles head groups [j·GROUPS_PER_PROGRAM, …): the rotary cos/sin of the
-    block are computed once and shared by all of them."""
+    block are computed once and shared by all of them. V_T (FP8 cache): V is not a group; programs
+    (cdiv(num_tokens, BLOCK_T) + i, 0) store the V of tokens [i·V_TOKENS, …) instead."""
     wait_for_inputs(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
-    num_groups: tl.constexpr = NUM_Q_HEADS // Q_GROUP + 2
+    num_groups: tl.constexpr = NUM_Q_HEADS // Q_GROUP + 1 + (not V_T)
+    token_blocks = tl.cdiv(num_tokens, BLOCK_T)
+    if V_T:  # noqa: SIM102 (a compile-time test: bf16 caches have no V programs)
+        if tl.program_id(0) >= token_blocks:
+            if tl.program_id(1) == 0:
+                _store_v_transposed(
+                    qkv_ptr, cache_ptr, scales_ptr, slot_ptr, (tl.program_id(0) - token_blocks) * V_TOKENS,
+                    num_tokens, stride_qkv_t, stride_c_kv, stride_c_page, page_size, NUM_Q_HEADS,
+                    NUM_KV_HEADS, HEAD_DIM, V_TOKENS,
+                )  # fmt: skip
+            return
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < num_tokens
     d = tl.arange(0, HALF)
@@ -302,10 +372,12 @@ def launch(
         return q
     qkv = qkv.contiguous() if qkv.stride(-1) != 1 else qkv
     group = q_group(num_heads)
-    num_groups = num_heads // group + 2
+    v_transposed = v_pages_transposed(kv_cache)
+    num_groups = num_heads // group + (1 if v_transposed else 2)
     if groups_per_program is None:
         groups_per_program = num_groups if num_tokens >= SHARED_ROPE_MIN_TOKENS else 1
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_groups, groups_per_program))
+    v_programs = triton.cdiv(num_tokens, V_TOKENS) if v_transposed else 0
+    grid = (triton.cdiv(num_tokens, block_t) + v_programs, triton.cdiv(num_groups, groups_per_program))
     layer_cache = kv_cache[layer]  # the layer's base pointer computed on the host, in 64 bits
     strides = (qkv.stride(0), q.stride(0), q.stride(1), *layer_cache.stride()[:4])
     _qknorm_rope_kvstore_kernel[grid](
@@ -332,6 +404,8 @@ def launch(
         HADAMARD=hadamard,
         BLOCK_T=block_t,
         GROUPS_PER_PROGRAM=groups_per_program,
+        V_T=v_transposed,
+        V_TOKENS=V_TOKENS,
         num_warps=num_warps,
         **pdl_launch(qkv.device),
     )

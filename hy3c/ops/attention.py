@@ -4,6 +4,11 @@ KV cache layout (one tensor for all layers, MTP layers included):
     kv_cache  [num_kv_layers, 2 (k, v), num_pages, page_size, num_kv_heads, head_dim]
     kv_scales [num_kv_layers, 2] fp32 — per-tensor dequant scales, used when kv_cache is FP8 (C8)
 A token's slot is `page_id * page_size + offset`; a negative slot means "padding, do not store".
+An FP8 cache stores its V pages transposed: each page's bytes hold [num_kv_heads, head_dim, page_size]
+(`v_pages`), a key's values strided by page_size and the keys of a head dim contiguous — the layout the
+attention kernels' e4m3 PV product reads (Hopper's FP8 MMA takes its B operand only K-major: the keys).
+K pages, and both K and V of a bf16 cache, are [page_size, num_kv_heads, head_dim] as the shape says.
+Every page keeps its size, so page copies (prefix cache tiers) and cache sizing ignore the difference.
 
 Batch metadata for `attention` (B requests, T query tokens in total):
     page_table      [B, max_pages] int32   pages of each request, in order
@@ -28,14 +33,34 @@ def quantize_to_cache_dtype(x: Tensor, scale: Tensor, cache_dtype: torch.dtype) 
     return x.to(cache_dtype)
 
 
+def v_pages_transposed(kv_cache: Tensor) -> bool:
+    """Whether the cache's V pages are stored [num_kv_heads, head_dim, page_size] (FP8 caches)."""
+    return kv_cache.dtype == FP8_DTYPE
+
+
+def v_pages(kv_cache: Tensor, layer: int) -> Tensor:
+    """Layer's V pages as stored: [pages, page_size, kv_heads, head_dim], or for an FP8 cache
+    [pages, kv_heads, head_dim, page_size]."""
+    v = kv_cache[layer, 1]
+    if v_pages_transposed(kv_cache):
+        pages, page_size, kv_heads, head_dim = v.shape
+        return v.view(pages, kv_heads, head_dim, page_size)
+    return v
+
+
 def kv_store_reference(
     k: Tensor, v: Tensor, kv_cache: Tensor, kv_scales: Tensor, layer: int, slot_mapping: Tensor
 ) -> None:
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    for which, src in ((0, k), (1, v)):
-        flat = kv_cache[layer, which].view(-1, *kv_cache.shape[-2:])
-        flat[slots] = quantize_to_cache_dtype(src[valid], kv_scales[layer, which], kv_cache.dtype)
+    k_flat = kv_cache[layer, 0].view(-1, *kv_cache.shape[-2:])
+    k_flat[slots] = quantize_to_cache_dtype(k[valid], kv_scales[layer, 0], kv_cache.dtype)
+    v_values = quantize_to_cache_dtype(v[valid], kv_scales[layer, 1], kv_cache.dtype)
+    if v_pages_transposed(kv_cache):
+        page_size = kv_cache.shape[3]
+        v_pages(kv_cache, layer)[slots // page_size, :, :, slots % page_size] = v_values
+    else:
+        kv_cache[layer, 1].view(-1, *kv_cache.shape[-2:])[slots] = v_values
 
 
 @torch.library.custom_op("hy3::kv_store", mutates_args=("kv_cache",))
@@ -55,9 +80,12 @@ def gather_request_kv(
     kv_cache: Tensor, kv_scales: Tensor, layer: int, pages: Tensor, length: int
 ) -> tuple[Tensor, Tensor]:
     """K and V [length, num_kv_heads, head_dim] of one request, dequantized to fp32."""
+    k = kv_cache[layer, 0, pages.long()]
+    v = v_pages(kv_cache, layer)[pages.long()]
+    if v_pages_transposed(kv_cache):
+        v = v.permute(0, 3, 1, 2)  # [pages, page_size, kv_heads, head_dim] like K
     out = []
-    for which in (0, 1):
-        paged = kv_cache[layer, which, pages.long()]
+    for which, paged in ((0, k), (1, v)):
         flat = paged.reshape(-1, *kv_cache.shape[-2:])[:length].float()
         if kv_cache.dtype == FP8_DTYPE:
             flat = flat * kv_scales[layer, which]

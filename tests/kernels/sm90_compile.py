@@ -18,7 +18,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hy3c.kernels import fused_moe, paged_attention, router
+from hy3c.kernels import fused_moe, paged_attention, qknorm_rope_kvstore, router
 
 TARGET = GPUTarget("cuda", 90, 32)
 KV_DTYPES = {"bf16": "bf16", "fp8": "fp8e4nv"}
@@ -62,34 +62,69 @@ def _descriptors(names: tuple[str, ...], dtype: str, box: tuple[int, int], on: b
 
 
 def attention_variants() -> list[Variant]:
+    """Prefill and decode over bf16 and FP8 KV (V pages transposed: [head_dim, keys] TMA boxes), pointer
+    loads or TMA page slices, eager or lazy rescaling (prefill)."""
     variants = []
     for kv in ("bf16", "fp8"):
         cache = {"cache_ptr": f"*{KV_DTYPES[kv]}", "scales_ptr": "*fp32"}
-        fp8 = dict(FP8=kv == "fp8", FP8_ASM=kv == "fp8", PAGE_SIZE=64, PDL=True)
+        fp8 = dict(FP8=kv == "fp8", P_SCALE=448.0, PAGE_SIZE=64, PDL=True)
         for lazy in (False, True):
             for tma in (False, True):
-                for fp8_qk in (False, True) if kv == "fp8" else (False,):
-                    unused = {} if tma else {"k_desc": None, "v_desc": None}
-                    variants.append(
-                        Variant(
-                            f"prefill {kv} tma={tma} fp8_qk={fp8_qk} lazy={lazy}",
-                            paged_attention._prefill_kernel,
-                            {"q_ptr": "*bf16", "out_ptr": "*bf16", **cache},
-                            dict(GROUP=8, Q_BLOCK=16, HEAD_DIM=128, BLOCK_N=64, FP8_QK=fp8_qk, TMA=tma)
-                            | dict(LAZY=lazy, **fp8, **unused),
-                            _descriptors(("k_desc", "v_desc"), KV_DTYPES[kv], (64, 128), tma),
-                            ("sm_scale",),
-                        )
+                unused = {} if tma else {"k_desc": None, "v_desc": None}
+                variants.append(
+                    Variant(
+                        f"prefill {kv} tma={tma} lazy={lazy}",
+                        paged_attention._prefill_kernel,
+                        {"q_ptr": "*bf16", "out_ptr": "*bf16", **cache},
+                        dict(
+                            GROUP=8, Q_BLOCK=16, HEAD_DIM=128, BLOCK_N=64, TMA=tma, LAZY=lazy, **fp8, **unused
+                        ),
+                        _kv_descriptors(kv, 64, tma),
+                        ("sm_scale",),
                     )
-        decode = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1, BLOCK_N=128)
+                )
+        for block_n, tma in ((128, False), (64, True)):
+            unused = {} if tma else {"k_desc": None, "v_desc": None}
+            decode = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1, BLOCK_N=block_n)
+            variants.append(
+                Variant(
+                    f"decode {kv} block_n={block_n} tma={tma}",
+                    paged_attention._decode_dynamic_kernel,
+                    {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache},
+                    dict(**decode, TMA=tma, **fp8, **unused),
+                    _kv_descriptors(kv, block_n, tma),
+                    ("sm_scale",),
+                )
+            )
+    return variants
+
+
+def _kv_descriptors(kv: str, block_n: int, tma: bool) -> dict[str, str]:
+    """K boxes [block_n, head_dim]; V boxes alike, or [head_dim, block_n] for FP8's transposed V pages."""
+    if not tma:
+        return {}
+    v_box = (128, block_n) if kv == "fp8" else (block_n, 128)
+    dtype = KV_DTYPES[kv]
+    return _descriptors(("k_desc",), dtype, (block_n, 128), True) | _descriptors(
+        ("v_desc",), dtype, v_box, True
+    )
+
+
+def qknorm_variants() -> list[Variant]:
+    """The fused QK-norm/RoPE/KV store over bf16 and FP8 caches (FP8: V programs, transposed V pages)."""
+    pointers = {"qkv_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "q_out_ptr": "*bf16"}
+    pointers |= {"inv_freq_ptr": "*fp32", "scales_ptr": "*fp32", "had_ptr": "*fp32", "slot_ptr": "*i64"}
+    variants = []
+    for kv in ("bf16", "fp8"):
+        constexprs = dict(NUM_Q_HEADS=64, NUM_KV_HEADS=8, HEAD_DIM=128, Q_GROUP=8, FP8=kv == "fp8", KV_POW2=8)
+        constexprs |= dict(HADAMARD=False, BLOCK_T=4, GROUPS_PER_PROGRAM=9, V_T=kv == "fp8", V_TOKENS=64)
         variants.append(
             Variant(
-                f"decode {kv}",
-                paged_attention._decode_dynamic_kernel,
-                {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache},
-                dict(**decode, **fp8),
-                {},
-                ("sm_scale",),
+                f"qknorm_rope_kvstore {kv}",
+                qknorm_rope_kvstore._qknorm_rope_kvstore_kernel,
+                {**pointers, "cache_ptr": f"*{KV_DTYPES[kv]}", "pos_ptr": "*i64"},
+                dict(constexprs, PDL=True),
+                fp32_scalars=("eps",),
             )
         )
     return variants
@@ -183,7 +218,7 @@ def router_variants() -> list[Variant]:
 
 def main() -> int:
     failures = 0
-    for variant in attention_variants() + moe_variants() + router_variants():
+    for variant in attention_variants() + qknorm_variants() + moe_variants() + router_variants():
         source = ASTSource(
             variant.kernel, variant.signature(), constexprs=variant.constexprs, attrs=variant.attrs()
         )

@@ -18,18 +18,12 @@ from hy3c.kernels.paged_attention import (
     prefill_attention,
     prefill_config,
 )
-from hy3c.ops.quant import FP8_DTYPE, per_token_scale, quantize_fp8
+from hy3c.ops.quant import FP8_DTYPE
+from tests.kernels.attention_checks import assert_attention_close, fp8_reference_and_bound
 
 pytestmark = pytest.mark.gpu
 hy3 = torch.ops.hy3
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 64, 8, 128, 64
-
-
-def _e4m3_rows(q):
-    """q as the FP8 QK product sees it: each head's row quantized to e4m3 (scale absmax / 448), kept in
-    fp32 (a bf16 rounding would add its own error)."""
-    scale = per_token_scale(q)
-    return quantize_fp8(q, scale).float() * scale
 
 
 def _paged(lengths, new, cache_dtype, device="cuda", key_ramp=0.0):
@@ -68,39 +62,33 @@ def _paged(lengths, new, cache_dtype, device="cuda", key_ramp=0.0):
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
 def test_decode_attention_real_shapes(cache_dtype):
     lengths = [1, 63, 64, 65, 1000, 4097, 20000, 333]
-    q, cache, scales, table, seq_lens, qsl = _paged(lengths, [1] * len(lengths), cache_dtype)
-    ref = hy3.attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5).float()
-    plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
-    dyn = decode_attention_dynamic(q, cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan)
-    static = decode_attention_static(q, cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5)
-    torch.testing.assert_close(dyn.float(), ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(static.float(), ref, atol=2e-2, rtol=2e-2)
+    q, cache, scales, table, seq_lens, _ = _paged(lengths, [1] * len(lengths), cache_dtype)
+    for rows in (slice(0, None), slice(4, None)):  # a batch; fewer requests (their own launch config)
+        n = len(lengths[rows])
+        few_qsl = torch.arange(n + 1, dtype=torch.int32, device="cuda")
+        kv = (cache, scales, 0, table[rows], seq_lens[rows], few_qsl, HEAD_DIM**-0.5)
+        plan = hy3.attention_plan(seq_lens[rows], few_qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
+        dyn = decode_attention_dynamic(q[rows], *kv[:5], kv[6], plan)
+        static = decode_attention_static(q[rows], *kv[:5], kv[6])
+        assert_attention_close(dyn, q[rows], *kv)
+        assert_attention_close(static, q[rows], *kv)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
 def test_prefill_attention_real_shapes(cache_dtype):
     lengths, new = [2048, 700, 5], [2048, 300, 1]
     q, cache, scales, table, seq_lens, qsl = _paged(lengths, new, cache_dtype)
-    ref = hy3.attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5).float()
+    kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5)
     plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
-    out = prefill_attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
-    if cache_dtype == FP8_DTYPE:  # the default FP8 QK product
-        ref_seen = hy3.attention(
-            _e4m3_rows(q), cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5
-        ).float()
-        torch.testing.assert_close(out.float(), ref_seen, atol=2e-2, rtol=2e-2)
-    else:
-        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    for stages in (2, 3):  # key blocks by TMA bulk copies (one per 64-key page)
-        cfg = LaunchConfig(block_n=PAGE, num_warps=8, num_stages=stages, tma=True)
-        tma = prefill_attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan, config=cfg)
-        torch.testing.assert_close(tma.float(), ref, atol=2e-2, rtol=2e-2)
+    out = prefill_attention(q, *kv, plan)
+    assert_attention_close(out, q, *kv)
+    for stages in (2, 3):  # key blocks by TMA bulk copies (one per 64-key page), and per-row pointers
+        for tma in (True, False):
+            cfg = LaunchConfig(block_n=PAGE, num_warps=8, num_stages=stages, tma=tma)
+            assert_attention_close(prefill_attention(q, *kv, plan, config=cfg), q, *kv)
     default = prefill_config(PAGE, cache_dtype)  # lazy rescaling for FP8 KV: the other choice agrees
     other = dataclasses.replace(default, lazy_rescale=not default.lazy_rescale)
-    out_other = prefill_attention(
-        q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan, config=other
-    )
-    torch.testing.assert_close(out_other.float(), out.float(), atol=2e-2, rtol=2e-2)
+    assert_attention_close(prefill_attention(q, *kv, plan, config=other), q, *kv)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
@@ -111,23 +99,21 @@ def test_prefill_lazy_rescaling_with_growing_scores_real_shapes(cache_dtype):
     q, cache, scales, table, seq_lens, qsl = _paged([2048, 700], [2048, 300], cache_dtype, key_ramp=0.002)
     q = q * 4
     plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
-    fp8 = cache_dtype == FP8_DTYPE
+    kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5)
     config = dataclasses.replace(prefill_config(PAGE, cache_dtype), lazy_rescale=True)
-    out = prefill_attention(q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan, config=config)
-    q_seen = _e4m3_rows(q) if fp8 else q
-    ref = hy3.attention(q_seen, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5).float()
-    if not fp8:
-        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    out = prefill_attention(q, *kv, plan, config=config)
+    if cache_dtype != FP8_DTYPE:
+        assert_attention_close(out, q, *kv)
         return
-    # FP8: at scores this sharp the FP8 QK product differs from the reference on a few elements (23 of
-    # 19M beyond the bound, max 0.034, in the eager and the lazy kernel alike — measured on the H200),
-    # so elementwise the lazy kernel is held to the eager one, and to the reference in norm
+    # FP8: at scores this sharp the e4m3 QK product (its MMA accumulates with fewer bits than fp32)
+    # moves a few probabilities past P's rounding bound (23 of 19M elements, max 0.034, in the eager and
+    # the lazy kernel alike — measured on the H200 with P in f16), so elementwise the lazy kernel is held
+    # to the eager one within twice the bound, and to the reference in norm
+    ref, bound = fp8_reference_and_bound(q, *kv)
     eager = dataclasses.replace(config, lazy_rescale=False)
-    out_eager = prefill_attention(
-        q, cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan, config=eager
-    ).float()
-    torch.testing.assert_close(out.float(), out_eager, atol=2e-2, rtol=2e-2)
-    assert (out.float() - ref).norm() / ref.norm() < 1e-2
+    out_eager = prefill_attention(q, *kv, plan, config=eager).float()
+    assert ((out.float() - out_eager).abs() <= 2 * bound + 2e-2).all()
+    assert (out.float() - ref).norm() / ref.norm() < 2e-2
 
 
 @pytest.mark.parametrize("hadamard", [False, True])

@@ -24,7 +24,8 @@ from hy3c.kernels.paged_attention import (
     prefill_attention,
     prefill_config,
 )
-from hy3c.ops.quant import FP8_DTYPE, per_token_scale, quantize_fp8
+from hy3c.ops.quant import FP8_DTYPE
+from tests.kernels.attention_checks import assert_attention_close
 
 hy3 = torch.ops.hy3
 
@@ -72,10 +73,8 @@ def _reference(q, cache, scales, table, seq_lens, qsl):
     return hy3.attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2)
 
 
-def _e4m3_rows(q):
-    """q as the FP8 QK product sees it: each head's row quantized to e4m3 with scale absmax / 448."""
-    scale = per_token_scale(q)
-    return quantize_fp8(q, scale).float() * scale  # fp32: a bf16 rounding would add its own error
+def _assert_attention_close(out, q, cache, scales, table, seq_lens, qsl):
+    assert_attention_close(out, q, cache, scales, 1, table, seq_lens, qsl, 0.2)
 
 
 DECODE_CASES = [
@@ -93,13 +92,45 @@ def test_dynamic_and_static_decode_match_reference(lengths, page, heads, cache_d
     q, cache, scales, table, seq_lens, qsl = _case(
         lengths, [1] * len(lengths), page, *heads, cache_dtype=cache_dtype, unused=float("nan")
     )
-    ref = _reference(q, cache, scales, table, seq_lens, qsl).float()
+    kv = (cache, scales, table, seq_lens, qsl)
     plan = _plan(seq_lens, qsl, heads[0] // heads[1])
     for num_ctas in (1, 3, 16):
         out = decode_attention_dynamic(q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=num_ctas)
-        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+        _assert_attention_close(out, q, *kv)
     static = decode_attention_static(q, cache, scales, 1, table, seq_lens, 0.2, splits=4)
-    torch.testing.assert_close(static.float(), ref, atol=2e-2, rtol=2e-2)
+    _assert_attention_close(static, q, *kv)
+
+
+@pytest.mark.parametrize(("page", "block_n"), [(16, 16), (64, 32)])
+def test_fp8_decode_by_tma_page_slices_matches_reference(page, block_n):
+    """FP8 decode's 64-key TMA page slices (here smaller) of K and of the transposed V pages, whose unused
+    slots hold NaN, dynamic and static: tail keys must not reach the output."""
+    lengths = [1, 17, 300, 5, 1100]
+    q, cache, scales, table, seq_lens, qsl = _case(
+        lengths, [1] * 5, page, 8, 2, cache_dtype=FP8_DTYPE, unused=float("nan")
+    )
+    config = dataclasses.replace(FP8_DECODE_CONFIG, block_n=block_n, num_stages=1)
+    assert config.tma
+    plan = _plan(seq_lens, qsl, 4)
+    for num_ctas in (1, 7):
+        out = decode_attention_dynamic(
+            q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=num_ctas, config=config
+        )
+        _assert_attention_close(out, q, cache, scales, table, seq_lens, qsl)
+    static = decode_attention_static(q, cache, scales, 1, table, seq_lens, 0.2, splits=3, config=config)
+    _assert_attention_close(static, q, cache, scales, table, seq_lens, qsl)
+
+
+def test_fp8_bound_fails_a_kernel_that_ignores_the_transposed_v_layout():
+    """The FP8 check can fail: V read as if its pages were not transposed is far outside the bound."""
+    q, cache, scales, table, seq_lens, qsl = _case([300, 40], [1, 1], 16, 8, 2, cache_dtype=FP8_DTYPE)
+    ok = decode_attention_dynamic(q, cache, scales, 1, table, seq_lens, 0.2, _plan(seq_lens, qsl, 4))
+    _assert_attention_close(ok, q, cache, scales, table, seq_lens, qsl)
+    pages, page, kv_heads, dim = cache.shape[2:]
+    wrong = cache.clone()  # V pages rewritten [page, kv_heads, dim]: the old layout read through the new one
+    wrong[:, 1] = cache[:, 1].view(2, pages, kv_heads, dim, page).permute(0, 1, 4, 2, 3)
+    with pytest.raises(AssertionError, match="past the e4m3 P bound"):
+        _assert_attention_close(ok, q, wrong, scales, table, seq_lens, qsl)
 
 
 def _ramp_keys(cache, table, lengths, rate):
@@ -123,34 +154,31 @@ def test_lazy_rescaling_matches_reference(cache_dtype, tma):
     )
     _ramp_keys(cache, table, lengths, 0.05)
     q = q * 4
-    fp8 = cache_dtype == FP8_DTYPE  # prefill over FP8 KV: with the FP8 QK product, as by default
     config = LaunchConfig(block_n=16, num_warps=4, num_stages=1, lazy_rescale=True, tma=tma)
     prefill = prefill_attention(
-        q,
-        *(cache, scales, 1, table, seq_lens, qsl, 0.2, _plan(seq_lens, qsl, 4)),
-        config=dataclasses.replace(config, fp8_qk=fp8),
+        q, *(cache, scales, 1, table, seq_lens, qsl, 0.2, _plan(seq_lens, qsl, 4)), config=config
     )
-    q_seen = _e4m3_rows(q) if fp8 else q
-    ref = _reference(q_seen, cache, scales, table, seq_lens, qsl).float()
-    torch.testing.assert_close(prefill.float(), ref, atol=2e-2, rtol=2e-2)
+    _assert_attention_close(prefill, q, cache, scales, table, seq_lens, qsl)
 
 
-@pytest.mark.parametrize("option", [{"tma": True}, {"fp8_qk": True}, {"lazy_rescale": True}])
-def test_decode_refuses_prefill_options(option):
+def test_decode_refuses_lazy_rescaling():
     q, cache, scales, table, seq_lens, qsl = _case([40], [1], 64, 8, 2, cache_dtype=FP8_DTYPE)
-    config = dataclasses.replace(DECODE_CONFIG, **option)
-    with pytest.raises(ValueError, match="prefill options"):
+    config = dataclasses.replace(DECODE_CONFIG, lazy_rescale=True)
+    with pytest.raises(ValueError, match="prefill option"):
         decode_attention_dynamic(
             q, cache, scales, 1, table, seq_lens, 0.2, _plan(seq_lens, qsl, 4), config=config
         )
-    with pytest.raises(ValueError, match="prefill options"):
+    with pytest.raises(ValueError, match="prefill option"):
         decode_attention_static(q, cache, scales, 1, table, seq_lens, 0.2, config=config)
 
 
-def test_decode_config_by_kv_dtype_and_batch():
+def test_decode_config_by_kv_dtype_batch_and_page_size():
     assert decode_config(torch.bfloat16, 64) == DECODE_CONFIG
     assert decode_config(FP8_DTYPE, FP8_BATCH_MIN_REQUESTS - 1) == FP8_DECODE_CONFIG
     assert decode_config(FP8_DTYPE, FP8_BATCH_MIN_REQUESTS) == FP8_BATCH_DECODE_CONFIG
+    assert FP8_DECODE_CONFIG.tma and decode_config(FP8_DTYPE, 1, page_size=128).tma
+    for page in (16, 96):  # 64-key blocks do not tile these pages: pointer loads
+        assert decode_config(FP8_DTYPE, 1, page) == dataclasses.replace(FP8_DECODE_CONFIG, tma=False)
 
 
 def test_range_per_cta_grows_to_the_minimum_at_most_to_the_share_over_min_ctas():
@@ -166,7 +194,6 @@ def test_dynamic_decode_with_a_minimum_range_per_cta_matches_reference():
     """FP8_BATCH_DECODE_CONFIG's shape of schedule: ranges of at least N tiles, the CTAs past the work idle."""
     lengths = [5 * plan_mod.KV_TILE + 3, 40, 2 * plan_mod.KV_TILE, 1]
     q, cache, scales, table, seq_lens, qsl = _case(lengths, [1] * 4, 64, 8, 2, cache_dtype=FP8_DTYPE)
-    ref = _reference(q, cache, scales, table, seq_lens, qsl).float()
     plan = _plan(seq_lens, qsl, 4)
     for min_tiles in (1, 3, 16):
         config = dataclasses.replace(
@@ -175,7 +202,7 @@ def test_dynamic_decode_with_a_minimum_range_per_cta_matches_reference():
         out = decode_attention_dynamic(
             q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=8, config=config, min_ctas=1
         )
-        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+        _assert_attention_close(out, q, cache, scales, table, seq_lens, qsl)
 
 
 def test_combine_merges_more_partials_than_one_trip_loads():
@@ -205,10 +232,7 @@ def test_prefill_matches_reference(lengths, new, page, heads, cache_dtype):
     out = prefill_attention(
         q, cache, scales, 1, table, seq_lens, qsl, 0.2, _plan(seq_lens, qsl, heads[0] // heads[1])
     )
-    q_seen = _e4m3_rows(q) if cache_dtype == FP8_DTYPE else q  # FP8 KV: QKᵀ as an e4m3 product
-    torch.testing.assert_close(
-        out.float(), _reference(q_seen, cache, scales, table, seq_lens, qsl).float(), atol=2e-2, rtol=2e-2
-    )
+    _assert_attention_close(out, q, cache, scales, table, seq_lens, qsl)
 
 
 @pytest.mark.parametrize(
@@ -229,25 +253,7 @@ def test_prefill_by_tma_copies_matches_reference(lengths, new, page, heads, bloc
     config = LaunchConfig(block_n=block_n, num_warps=4, num_stages=2, tma=True)
     plan = _plan(seq_lens, qsl, heads[0] // heads[1])
     out = prefill_attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2, plan, config=config)
-    torch.testing.assert_close(
-        out.float(), _reference(q, cache, scales, table, seq_lens, qsl).float(), atol=2e-2, rtol=2e-2
-    )
-
-
-@pytest.mark.parametrize("tma", [False, True])
-def test_prefill_with_an_fp8_qk_product_matches_reference(tma):
-    """Prefill over an FP8 cache with q quantized per row and QKᵀ as an e4m3 MMA: close to the reference
-    (q's 3-bit mantissa is the new error) and not the same as the widened path."""
-    q, cache, scales, table, seq_lens, qsl = _case([70, 20], [40, 20], 64, 8, 2, cache_dtype=FP8_DTYPE)
-    ref = _reference(q, cache, scales, table, seq_lens, qsl).float()
-    plan = _plan(seq_lens, qsl, 4)
-    config = LaunchConfig(block_n=32, num_warps=4, num_stages=1, tma=tma, fp8_qk=True)
-    widened_config = dataclasses.replace(config, fp8_qk=False)
-    widened = prefill_attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2, plan, config=widened_config)
-    fp8_qk = prefill_attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2, plan, config=config)
-    assert (fp8_qk.float() - ref).abs().max() < 0.15  # early rows of the causal chunk see few keys
-    assert (fp8_qk.float() - ref).norm() / ref.norm() < 3e-2
-    assert not torch.equal(fp8_qk, widened)
+    _assert_attention_close(out, q, cache, scales, table, seq_lens, qsl)
 
 
 def test_prefill_takes_tma_copies_where_the_page_size_allows():
@@ -255,13 +261,13 @@ def test_prefill_takes_tma_copies_where_the_page_size_allows():
     assert not prefill_config(16).tma and not prefill_config(96).tma
 
 
-def test_prefill_multiplies_fp8_q_and_k_and_rescales_lazily_for_fp8_kv_only():
+def test_prefill_rescales_lazily_for_fp8_kv_only():
     fp8, bf16 = (
         [prefill_config(page, FP8_DTYPE) for page in (16, 64)],
         [prefill_config(64), prefill_config(16)],
     )
-    assert all(c.fp8_qk and c.lazy_rescale for c in fp8)
-    assert not any(c.fp8_qk or c.lazy_rescale for c in bf16)
+    assert all(c.lazy_rescale for c in fp8)
+    assert not any(c.lazy_rescale for c in bf16)
 
 
 def test_prefill_by_tma_copies_needs_blocks_inside_a_page():
@@ -376,6 +382,29 @@ def test_qknorm_rope_kvstore_kernel_matches_reference(cache_dtype, heads, kv_hea
         # e4m3 has 3 mantissa bits: a different FMA contraction may move a value across a rounding tie
         torch.testing.assert_close(cache.float(), ref_cache.float(), atol=0.07, rtol=0.13)
         assert torch.equal(cache[0].float(), torch.full_like(cache[0].float(), 0.5))  # other layer untouched
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
+def test_qknorm_rope_kvstore_kernel_stores_prefill_runs_like_the_reference(cache_dtype):
+    """A mixed batch as the scheduler builds it — a few decode tokens at scattered slots (one padding),
+    then a prefill chunk at consecutive slots from the middle of a page across the next pages: FP8's V
+    programs store the chunk's in-page runs through contiguous pointers, the rest token by token."""
+    from hy3c.kernels.qknorm_rope_kvstore import launch as kvstore
+
+    heads, kv_heads, dim, page, tokens = 8, 2, 32, 32, 150
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
+    pos = torch.arange(tokens)
+    norm = torch.ones(dim, dtype=torch.bfloat16)
+    decode_slots = torch.tensor([5 * page + 7, -1, 0, 9 * page + 31, 2 * page + 1])
+    slots = torch.cat([decode_slots, 3 * page + 19 + torch.arange(tokens - 5)])
+    scales = torch.tensor([[0.05, 0.04]])
+    args = (pos, norm, norm, 1e-5, 1e6)
+    ref_cache = torch.zeros(1, 2, 11, page, kv_heads, dim).to(cache_dtype)
+    hy3.qknorm_rope_quant_kvstore(qkv, *args, ref_cache, scales, 0, slots, heads, kv_heads)
+    cache = torch.zeros_like(ref_cache)
+    kvstore(qkv, *args, cache, scales, 0, slots, heads, kv_heads)
+    assert torch.equal(cache[0, 1].float(), ref_cache[0, 1].float())  # V: quantized the same way
+    torch.testing.assert_close(cache.float(), ref_cache.float(), atol=0.07, rtol=0.13)
 
 
 def test_layer_offset_beyond_int32_reads_and_writes_that_layer():

@@ -9,6 +9,7 @@ from transformers.models.hy_v3 import modeling_hy_v3 as hf
 
 import hy3c.ops  # noqa: F401
 from hy3c.ops import L1_OPS
+from hy3c.ops.attention import gather_request_kv
 from hy3c.ops.quant import FP8_DTYPE
 
 hy3 = torch.ops.hy3
@@ -119,6 +120,35 @@ def test_kv_store_skips_padding_slots_and_writes_only_its_layer():
     torch.testing.assert_close(flat[1, 0], v[2])
     assert flat[0].abs().sum(dim=(-1, -2)).nonzero().flatten().tolist() == [0, 5]
     assert cache[1].abs().sum() == 0
+
+
+def test_fp8_kv_store_writes_v_pages_transposed():
+    """FP8 caches store each V page as [kv_heads, head_dim, page] (K pages, bf16 V pages as the shape
+    says): the key at slot s sits at byte column s % page of its page's (head, dim) rows."""
+    pages, page, kv_heads, dim = 3, 4, 2, 16
+    k, v = torch.randn(5, kv_heads, dim), torch.randn(5, kv_heads, dim)
+    slots = torch.tensor([9, 2, -1, 4, 11])
+    scales = torch.tensor([[0.5, 0.25]])
+    for dtype in (torch.bfloat16, FP8_DTYPE):
+        cache = torch.zeros(1, 2, pages, page, kv_heads, dim, dtype=dtype)
+        hy3.kv_store(k, v, cache, scales, 0, slots)
+        s = scales if dtype == FP8_DTYPE else torch.ones(1, 2)
+        raw_v = cache[0, 1].view(pages, kv_heads, dim, page) if dtype == FP8_DTYPE else None
+        for t, slot in enumerate(slots.tolist()):
+            if slot < 0:
+                continue
+            p, off = divmod(slot, page)
+            torch.testing.assert_close(cache[0, 0, p, off].float() * s[0, 0], k[t], atol=0.2, rtol=0.07)
+            stored_v = raw_v[p, :, :, off] if raw_v is not None else cache[0, 1, p, off]
+            torch.testing.assert_close(stored_v.float() * s[0, 1], v[t], atol=0.1, rtol=0.07)
+        k_back, v_back = gather_request_kv(cache, s, 0, torch.tensor([2, 0]), 7)  # slots 8..11, 0..2
+        order = [slots.tolist().index(x) if x in slots.tolist() else None for x in (8, 9, 10, 11, 0, 1, 2)]
+        for row, t in enumerate(order):
+            if t is not None:
+                torch.testing.assert_close(v_back[row], v[t], atol=0.1, rtol=0.07)
+                torch.testing.assert_close(k_back[row], k[t], atol=0.2, rtol=0.07)
+            else:
+                assert v_back[row].abs().sum() == 0 and k_back[row].abs().sum() == 0
 
 
 def test_rms_norm_and_qk_norm_match_hf():
