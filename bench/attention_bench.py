@@ -12,6 +12,8 @@
 
     python bench/attention_bench.py --spread      # the single 128K request's run-to-run spread only
     python bench/attention_bench.py --prefill     # the prefill rows only
+    python bench/attention_bench.py --qknorm      # the fused QK-norm/RoPE/KV-store rows only
+    python bench/attention_bench.py --decode-configs  # FP8 decode configs under both timers
 """
 
 from __future__ import annotations
@@ -252,7 +254,7 @@ def prefill_bench(tokens: int) -> None:
         row(f"prefill {tokens} causal: hy3c Triton paged, {name} KV", ours, None, sdpa, "SDPA")
         RESULTS[f"prefill_{tokens}_tflops"][name] = flops / ours / 1e9
         kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
-        default = prefill_config(cache.shape[3], dtype)  # FP8 KV rescales lazily: time the other choice
+        default = prefill_config(cache.shape[3])  # eager rescaling: time the lazy choice too
         other = dataclasses.replace(default, lazy_rescale=not default.lazy_rescale)
         what = "lazy" if other.lazy_rescale else "eager"
         ref, alt = prefill_attention(q, *kv), prefill_attention(q, *kv, config=other)
@@ -272,7 +274,7 @@ def prefill_bench(tokens: int) -> None:
 def sweep_prefill(tma_only: bool = False) -> None:
     """Prefill launch configs at 8K tokens, bf16 and FP8 KV: query rows per program, key block, warps,
     stages, key blocks by TMA bulk copies (one per page slice) or per-row pointer loads (tma_only: TMA
-    blocks only, the default since run 14); rescaling as the dtype's default (lazy for FP8 KV)."""
+    blocks only, the default since run 14); eager rescaling (the default)."""
     d = "cuda"
     q = torch.randn(8192, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
@@ -291,7 +293,6 @@ def sweep_prefill(tma_only: bool = False) -> None:
                             num_stages=stages,
                             q_rows=rows,
                             tma=tma,
-                            lazy_rescale=prefill_config(PAGE, dtype).lazy_rescale,
                         )
                         label = (
                             f"sweep prefill 8192 {dtype} rows={rows} block_n={block_n} warps={warps} "
@@ -455,6 +456,54 @@ def decode_spread(length: int, repeats: int = 6) -> None:
         del cache
 
 
+def decode_configs(lengths: list[int], repeats: int = 3) -> None:
+    """FP8 decode launch configs (64-key TMA page slices) on the mixed batch and its longest request,
+    under both timers — L2 flushed before every run (`do_bench`, the table's rows) and CUDA-graph
+    replays (as decode runs) — beside bf16's shipped config; median of `repeats` timings."""
+    d = "cuda"
+    timers = {"L2 flushed": bench, "graph replays": lambda fn: do_bench_cudagraph(fn, rep=40)}
+    fp8_configs = [
+        LaunchConfig(
+            block_n=64, num_warps=4, num_stages=stages, ctas_per_sm=ctas, min_tiles_per_cta=tiles, tma=True
+        )
+        for ctas, stages, tiles in ((8, 2, 16), (8, 2, 1), (6, 2, 1), (4, 3, 1), (3, 2, 1), (2, 3, 1))
+    ]
+    print("| case | config | L2 flushed ms | graph replays ms | % BW (graph) | bf16 / this (graph) |")
+    print("|---|---|---|---|---|---|")
+    for label, case in (("B=32 mixed", lengths), (f"B=1 {lengths[0] // 1024}K", lengths[:1])):
+        seq_lens = torch.tensor(case, dtype=torch.int32, device=d)
+        qsl = torch.arange(len(case) + 1, dtype=torch.int32, device=d)
+        q = torch.randn(len(case), HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
+        plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
+        bf16_graph = None
+        for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
+            cache, table, scales = paged_cache(case, dtype, kv_scale)
+            kv_bytes = sum(case) * KV_HEADS * HEAD_DIM * 2 * cache.element_size()
+            kv = (cache, scales, 0, table, seq_lens, HEAD_DIM**-0.5, plan)
+            shipped = decode_config(dtype, len(case))
+            for cfg in [shipped] if dtype == torch.bfloat16 else fp8_configs:
+                ms = {
+                    name: sorted(
+                        timer(lambda c=cfg, kv=kv, q=q: decode_attention_dynamic(q, *kv, config=c))
+                        for _ in range(repeats)
+                    )[repeats // 2]
+                    for name, timer in timers.items()
+                }
+                bf16_graph = bf16_graph or ms["graph replays"]
+                what = (
+                    f"{dtype_name(dtype)} {cfg.ctas_per_sm} CTAs/SM, {cfg.num_stages} stages, "
+                    f"min {cfg.min_tiles_per_cta} tiles{' (shipped)' if cfg == shipped else ''}"
+                )
+                pct = kv_bytes / BW * 1e3 / ms["graph replays"] * 100
+                print(
+                    f"| {label} | {what} | {ms['L2 flushed']:.4f} | {ms['graph replays']:.4f} | {pct:.0f}% | "
+                    f"{bf16_graph / ms['graph replays']:.2f}× |",
+                    flush=True,
+                )
+                RESULTS[f"configs {label} {what}"] = ms
+            del cache, kv
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return "bf16" if dtype == torch.bfloat16 else "fp8"
 
@@ -473,8 +522,15 @@ def main() -> None:
     )
     parser.add_argument("--spread", action="store_true", help="only the single-request decode spread")
     parser.add_argument("--prefill", action="store_true", help="only the prefill rows")
+    parser.add_argument(
+        "--decode-configs", action="store_true", help="only FP8 decode configs under both timers"
+    )
+    parser.add_argument("--qknorm", action="store_true", help="only the fused QK-norm/RoPE/KV-store rows")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.qknorm:
+        qknorm_bench(16384)
+        return
     if args.spread:
         decode_spread(131072)
         return
@@ -494,6 +550,9 @@ def main() -> None:
     lengths[0] = 131072
     if args.quick:
         lengths = [n // 16 for n in lengths]
+    if args.decode_configs:
+        decode_configs(lengths)
+        return
     if args.sweep:
         sweep_qknorm()
         sweep_decode(lengths)

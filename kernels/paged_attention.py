@@ -36,8 +36,9 @@ measured 0.78-0.96×).
 Key blocks that every query row sees whole (all of a decode range but its tail; the keys before a
 prefill block's first query) take an unmasked path; only the tail / diagonal blocks pay for masks.
 The softmax runs in base 2 with the scale folded into the exponent. With `LaunchConfig.lazy_rescale`
-(FP8-KV prefill by default) the accumulator is rescaled only when some row's max grows by more than
-2^8 (measured 1.06–1.07× there; slower for bf16 prefill and for decode).
+(a prefill option) the accumulator is rescaled only when some row's max grows by more than 2^8
+(1.06–1.07× for FP8 prefill while its P·V was an f16 product; slower for bf16 prefill, for decode and
+for FP8 prefill with the e4m3 P·V).
 """
 
 from __future__ import annotations
@@ -104,17 +105,16 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int, page_size: int = 64)
 # prefill: 128 query rows (16 tokens × 8 heads at Hy3's GQA; the plan's PREFILL_ROWS), 64-key blocks as
 # TMA bulk copies, 4 warps, 3 stages — the sweep's best at 8K for bf16 (530 TFLOP/s; 464 with per-row
 # pointer loads) and FP8 KV (BENCHMARKS.md, attention runs 8-14). Pages that a 64-key block does not
-# tile (a page size that 64 does not divide) take per-row pointer loads (bf16 335, FP8 321). FP8 KV
-# rescales lazily (1.06-1.07× at 8K-32K with the FP8 QK product; bf16 prefill and decode of either
-# dtype measured slower with it: attention run 17).
+# tile (a page size that 64 does not divide) take per-row pointer loads (bf16 335, FP8 321). Lazy
+# rescaling measured slower for bf16 (attention run 17) and, since P·V is an e4m3 product, for FP8 KV
+# too (0.87× at 8K and 32K, attention run 25).
 PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=3, tma=True)
 PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 
 
-def prefill_config(page_size: int, kv_dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
-    """The prefill launch config for a KV cache's page size and dtype."""
-    config = PREFILL_CONFIG if page_size % PREFILL_CONFIG.block_n == 0 else PREFILL_CONFIG_ANY_PAGE
-    return replace(config, lazy_rescale=True) if kv_dtype == FP8_DTYPE else config
+def prefill_config(page_size: int) -> LaunchConfig:
+    """The prefill launch config for a KV cache's page size."""
+    return PREFILL_CONFIG if page_size % PREFILL_CONFIG.block_n == 0 else PREFILL_CONFIG_ANY_PAGE
 
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -982,7 +982,7 @@ def prefill_attention(
     plan: Tensor,
     config: LaunchConfig | None = None,
 ) -> Tensor:
-    config = config or prefill_config(kv_cache.shape[3], kv_cache.dtype)
+    config = config or prefill_config(kv_cache.shape[3])
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
     q_block = prefill_q_block(group, config.q_rows)

@@ -7,9 +7,9 @@ rotary cos/sin are computed once per token block); a group holds heads of one ki
   * the kv heads' K: RMSNorm with k_norm, RoPE, quantized with kv_scales[layer, 0], stored at the slot;
   * the kv heads' V: quantized with kv_scales[layer, 1], stored at the slot.
 An FP8 cache stores V pages transposed ([kv_heads, head_dim, page], `hy3c.ops.attention`): there a
-key's values lie a page apart, so V gets programs of its own past the token blocks, V_TOKENS tokens
-each, that store [head_dim, tokens] tiles with the tokens along the threads of a warp — consecutive
-slots of a page (every prefill) then coalesce into whole sectors instead of one byte per sector.
+key's values lie a page apart, so V gets programs of its own before the token blocks, V_TOKENS tokens
+of one KV head each, that store [head_dim, tokens] tiles with the tokens along the threads of a warp:
+consecutive slots of a page (every prefill) coalesce into whole sectors, not one byte per sector.
 Angles are position × inv_freq with inv_freq computed on the host exactly like the reference (so long
 contexts rotate identically). Rounding follows the reference: normalized value rounded to the model
 dtype, times the weight, rounded again, rotated in fp32, rounded once more.
@@ -185,6 +185,7 @@ def _store_v_transposed(
     scales_ptr,
     slot_ptr,
     first_token,
+    head,
     num_tokens,
     stride_qkv_t,
     stride_c_kv,
@@ -195,11 +196,12 @@ def _store_v_transposed(
     HEAD_DIM: tl.constexpr,
     V_TOKENS: tl.constexpr,
 ):
-    """V of tokens [first_token, first_token + V_TOKENS), quantized with kv_scales[layer, 1], into V
-    pages stored [kv_heads, head_dim, page]: per KV head a [HEAD_DIM, runs, V_RUN] tile. A run of V_RUN
-    tokens whose slots are consecutive in one page (prefill, away from request and page boundaries) is
-    stored through pointers the compiler knows to be contiguous along the tokens, so a warp's threads
-    run along them and a store instruction fills whole sectors; other runs store token by token."""
+    """KV head `head`'s V of tokens [first_token, first_token + V_TOKENS), quantized with
+    kv_scales[layer, 1], into V pages stored [kv_heads, head_dim, page], as a [HEAD_DIM, runs, V_RUN]
+    tile. A run of V_RUN tokens whose slots are consecutive in one page (prefill, away from request and
+    page boundaries) is stored through pointers the compiler knows to be contiguous along the tokens,
+    so a warp's threads run along them and a store instruction fills whole sectors; other runs store
+    token by token."""
     RUNS: tl.constexpr = V_TOKENS // V_RUN
     tok = first_token + tl.reshape(tl.arange(0, V_TOKENS), (RUNS, V_RUN))
     slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1)
@@ -220,12 +222,11 @@ def _store_v_transposed(
     fast = run_ok[None, :, None]
     slow = ok[None, :, :] & ~fast
     scale = tl.load(scales_ptr + 1)
-    for h in tl.static_range(NUM_KV_HEADS):
-        v = tl.load(src + (NUM_Q_HEADS + NUM_KV_HEADS + h) * HEAD_DIM, mask=ok[None, :, :], other=0.0)
-        v = tl.clamp(v.to(tl.float32) / scale, -448.0, 448.0).to(cache_ptr.dtype.element_ty)
-        rows = (h * HEAD_DIM + d) * page_size
-        tl.store(run_keys[None, :, :] + rows, v, mask=fast)
-        tl.store(key[None, :, :] + rows, v, mask=slow)
+    v = tl.load(src + (NUM_Q_HEADS + NUM_KV_HEADS + head) * HEAD_DIM, mask=ok[None, :, :], other=0.0)
+    v = tl.clamp(v.to(tl.float32) / scale, -448.0, 448.0).to(cache_ptr.dtype.element_ty)
+    rows = (head * HEAD_DIM + d) * page_size
+    tl.store(run_keys[None, :, :] + rows, v, mask=fast)
+    tl.store(key[None, :, :] + rows, v, mask=slow)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -264,22 +265,24 @@ def _qknorm_rope_kvstore_kernel(
     PDL: tl.constexpr,
 ):
     """Program (token block, j) handles head groups [j·GROUPS_PER_PROGRAM, …): the rotary cos/sin of the
-    block are computed once and shared by all of them. V_T (FP8 cache): V is not a group; programs
-    (cdiv(num_tokens, BLOCK_T) + i, 0) store the V of tokens [i·V_TOKENS, …) instead."""
+    block are computed once and shared by all of them. V_T (FP8 cache): V is not a group; the grid's
+    first programs (i · NUM_KV_HEADS + h, 0) store KV head h's V of tokens [i·V_TOKENS, …) instead."""
     wait_for_inputs(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     num_groups: tl.constexpr = NUM_Q_HEADS // Q_GROUP + 1 + (not V_T)
-    token_blocks = tl.cdiv(num_tokens, BLOCK_T)
-    if V_T:  # noqa: SIM102 (a compile-time test: bf16 caches have no V programs)
-        if tl.program_id(0) >= token_blocks:
+    block = tl.program_id(0)
+    if V_T:
+        v_programs = tl.cdiv(num_tokens, V_TOKENS) * NUM_KV_HEADS
+        if block < v_programs:  # first in the grid: they start with the first wave, not as its tail
             if tl.program_id(1) == 0:
                 _store_v_transposed(
-                    qkv_ptr, cache_ptr, scales_ptr, slot_ptr, (tl.program_id(0) - token_blocks) * V_TOKENS,
-                    num_tokens, stride_qkv_t, stride_c_kv, stride_c_page, page_size, NUM_Q_HEADS,
-                    NUM_KV_HEADS, HEAD_DIM, V_TOKENS,
+                    qkv_ptr, cache_ptr, scales_ptr, slot_ptr, block // NUM_KV_HEADS * V_TOKENS,
+                    block % NUM_KV_HEADS, num_tokens, stride_qkv_t, stride_c_kv, stride_c_page, page_size,
+                    NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, V_TOKENS,
                 )  # fmt: skip
             return
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        block -= v_programs
+    tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < num_tokens
     d = tl.arange(0, HALF)
     rows = qkv_ptr + tok.to(tl.int64)[:, None, None] * stride_qkv_t
@@ -376,7 +379,7 @@ def launch(
     num_groups = num_heads // group + (1 if v_transposed else 2)
     if groups_per_program is None:
         groups_per_program = num_groups if num_tokens >= SHARED_ROPE_MIN_TOKENS else 1
-    v_programs = triton.cdiv(num_tokens, V_TOKENS) if v_transposed else 0
+    v_programs = triton.cdiv(num_tokens, V_TOKENS) * num_kv_heads if v_transposed else 0
     grid = (triton.cdiv(num_tokens, block_t) + v_programs, triton.cdiv(num_groups, groups_per_program))
     layer_cache = kv_cache[layer]  # the layer's base pointer computed on the host, in 64 bits
     strides = (qkv.stride(0), q.stride(0), q.stride(1), *layer_cache.stride()[:4])

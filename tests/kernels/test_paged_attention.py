@@ -261,13 +261,8 @@ def test_prefill_takes_tma_copies_where_the_page_size_allows():
     assert not prefill_config(16).tma and not prefill_config(96).tma
 
 
-def test_prefill_rescales_lazily_for_fp8_kv_only():
-    fp8, bf16 = (
-        [prefill_config(page, FP8_DTYPE) for page in (16, 64)],
-        [prefill_config(64), prefill_config(16)],
-    )
-    assert all(c.lazy_rescale for c in fp8)
-    assert not any(c.lazy_rescale for c in bf16)
+def test_prefill_rescales_eagerly_by_default():
+    assert not any(prefill_config(page).lazy_rescale for page in (16, 64))
 
 
 def test_prefill_by_tma_copies_needs_blocks_inside_a_page():
