@@ -81,8 +81,9 @@ def prefill_slots(tokens: int, device: str = "cuda") -> torch.Tensor:
 
 
 def qknorm_bench(tokens: int) -> None:
-    """The fused op at `tokens` tokens of a prefill (the issue's row), and with every token at a random
-    slot (the rows before attention run 25; the worst case for FP8's transposed V stores)."""
+    """The fused op at `tokens` tokens of a prefill (the issue's row); the same prefill after 5 decode
+    tokens (a mixed batch: the V stores' runs no longer start at multiples of 16); every token at a
+    random slot (the rows before attention run 25; the worst case for FP8's transposed V stores)."""
     d = "cuda"
     qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=d, dtype=torch.bfloat16)
     pos = torch.arange(tokens, device=d)
@@ -92,6 +93,8 @@ def qknorm_bench(tokens: int) -> None:
     scales = torch.tensor([[0.05, 0.04]], device=d)
     slots = prefill_slots(tokens)
     random_slots = torch.randperm(tokens + PAGE, device=d)[:tokens]
+    spare_page = tokens // PAGE  # unused by a prefill of tokens - 5
+    after_decodes = torch.cat([spare_page * PAGE + torch.arange(5, device=d), prefill_slots(tokens - 5)])
     args = (qkv, pos, qw, kw, 1e-5, 11158840.0, cache, scales, 0, slots, HEADS, KV_HEADS)
     ref_cache = cache.clone()
     q_ref = qknorm_rope_quant_kvstore_reference(*args[:6], ref_cache, *args[7:])
@@ -106,6 +109,8 @@ def qknorm_bench(tokens: int) -> None:
     triton_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*args))
     random_args = (*args[:9], random_slots, *args[10:])
     random_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*random_args))
+    shifted_args = (*args[:9], after_decodes, *args[10:])
+    shifted_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*shifted_args))
     hadamard_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*args, True))
     floor = (
         (
@@ -119,6 +124,13 @@ def qknorm_bench(tokens: int) -> None:
     row(f"qknorm+rope+fp8+kvstore T={tokens}: eager L1 chain", eager, floor)
     row(f"qknorm+rope+fp8+kvstore T={tokens}: torch.compile chain", inductor, floor, eager, "eager")
     row(f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton", triton_ms, floor, inductor, "torch.compile")
+    row(
+        f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton, the prefill after 5 decode tokens",
+        shifted_ms,
+        floor,
+        triton_ms,
+        "prefill slots",
+    )
     row(
         f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton, every token at a random slot",
         random_ms,

@@ -379,19 +379,24 @@ def test_qknorm_rope_kvstore_kernel_matches_reference(cache_dtype, heads, kv_hea
         assert torch.equal(cache[0].float(), torch.full_like(cache[0].float(), 0.5))  # other layer untouched
 
 
+@pytest.mark.parametrize(("decodes", "chunk_offset"), [(5, 19), (16, 0)])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
-def test_qknorm_rope_kvstore_kernel_stores_prefill_runs_like_the_reference(cache_dtype):
-    """A mixed batch as the scheduler builds it — a few decode tokens at scattered slots (one padding),
-    then a prefill chunk at consecutive slots from the middle of a page across the next pages: FP8's V
-    programs store the chunk's in-page runs through contiguous pointers, the rest token by token."""
+def test_qknorm_rope_kvstore_kernel_stores_prefill_runs_like_the_reference(
+    cache_dtype, decodes, chunk_offset
+):
+    """A mixed batch as the scheduler builds it — decode tokens at scattered slots (one padding), then a
+    prefill chunk at consecutive slots from `chunk_offset` in a page across the next pages: FP8's V
+    programs store the chunk's in-page runs through contiguous pointers (16-byte vectors where a run
+    starts at a multiple of 16: the second case), the rest token by token."""
     from hy3c.kernels.qknorm_rope_kvstore import launch as kvstore
 
     heads, kv_heads, dim, page, tokens = 8, 2, 32, 32, 150
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
     pos = torch.arange(tokens)
     norm = torch.ones(dim, dtype=torch.bfloat16)
-    decode_slots = torch.tensor([5 * page + 7, -1, 0, 9 * page + 31, 2 * page + 1])
-    slots = torch.cat([decode_slots, 3 * page + 19 + torch.arange(tokens - 5)])
+    scattered = [5 * page + 7, -1, 0, 9 * page + 31, 2 * page + 1]
+    decode_slots = torch.tensor(scattered + [10 * page + i for i in range(decodes - 5)])
+    slots = torch.cat([decode_slots, 3 * page + chunk_offset + torch.arange(tokens - decodes)])
     scales = torch.tensor([[0.05, 0.04]])
     args = (pos, norm, norm, 1e-5, 1e6)
     ref_cache = torch.zeros(1, 2, 11, page, kv_heads, dim).to(cache_dtype)
