@@ -219,8 +219,9 @@ def _store_v_transposed(
     page_rows = cache_ptr + stride_c_kv + rows[:, None] * page_size
     if run:
         run_base = page_rows + (first // page_size) * stride_c_page
-        if offset % V_TOKENS == 0:
-            tl.store(run_base + tl.multiple_of(offset, V_TOKENS) + t[None, :], v, mask=row_ok[:, None])
+        if offset % V_TOKENS == 0:  # a new value for the hint: `offset` itself must stay unhinted
+            aligned = tl.multiple_of(offset // V_TOKENS * V_TOKENS, V_TOKENS)
+            tl.store(run_base + aligned + t[None, :], v, mask=row_ok[:, None])
         else:
             tl.store(run_base + offset + t[None, :], v, mask=row_ok[:, None])
     else:

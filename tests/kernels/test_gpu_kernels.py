@@ -118,7 +118,10 @@ def test_prefill_lazy_rescaling_with_growing_scores_real_shapes(cache_dtype):
 
 @pytest.mark.parametrize("hadamard", [False, True])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
-def test_qknorm_rope_kvstore_real_shapes(cache_dtype, hadamard):
+@pytest.mark.parametrize("slot_layout", ["random", "prefill", "prefill after decodes"])
+def test_qknorm_rope_kvstore_real_shapes(cache_dtype, hadamard, slot_layout):
+    """Every token at a random slot (a tenth padding); a prefill's slots (consecutive per page: FP8's
+    V runs stored as aligned 16-byte vectors); the same after 5 decode tokens (unaligned runs)."""
     tokens = 4096
     qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     pos = torch.randint(0, 200000, (tokens,), device="cuda")
@@ -129,8 +132,15 @@ def test_qknorm_rope_kvstore_real_shapes(cache_dtype, hadamard):
         for _ in range(2)
     ]
     scales = torch.tensor([[0.1, 0.1], [0.05, 0.04]], device="cuda")
-    slots = torch.randperm(tokens + PAGE, device="cuda")[:tokens]
-    slots[::7] = -1
+    if slot_layout == "random":
+        slots = torch.randperm(tokens + PAGE, device="cuda")[:tokens]
+        slots[::7] = -1
+    else:
+        decodes = 5 if slot_layout == "prefill after decodes" else 0
+        pages = torch.randperm(tokens // PAGE, device="cuda")
+        chunk = torch.arange(tokens - decodes, device="cuda")
+        decode_slots = tokens // PAGE * PAGE + torch.arange(decodes, device="cuda")  # the last page
+        slots = torch.cat([decode_slots, pages[chunk // PAGE] * PAGE + chunk % PAGE])
     args = (pos, qw, kw, 1e-5, 11158840.0)
     q_tri = torch.ops.hy3_triton.qknorm_rope_quant_kvstore(
         qkv, *args, caches[0], scales, 1, slots, HEADS, KV_HEADS, hadamard
