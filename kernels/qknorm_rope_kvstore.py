@@ -8,8 +8,8 @@ rotary cos/sin are computed once per token block); a group holds heads of one ki
   * the kv heads' V: quantized with kv_scales[layer, 1], stored at the slot.
 An FP8 cache stores V pages transposed ([kv_heads, head_dim, page], `hy3c.ops.attention`): there a
 key's values lie a page apart, so V gets programs of its own before the token blocks, V_TOKENS tokens
-each, that store [kv_heads · head_dim, tokens] tiles: consecutive slots of a page (a prefill) become
-runs of consecutive bytes (16-byte vectors where aligned), not one byte per sector.
+of one KV head each, that store [head_dim, tokens] tiles with the tokens along the threads of a warp:
+consecutive slots of a page (every prefill) coalesce into whole sectors, not one byte per sector.
 Angles are position × inv_freq with inv_freq computed on the host exactly like the reference (so long
 contexts rotate identically). Rounding follows the reference: normalized value rounded to the model
 dtype, times the weight, rounded again, rotated in fp32, rounded once more.
@@ -29,7 +29,10 @@ from hy3c.ops.quant import FP8_DTYPE
 from hy3c.ops.rope import hadamard_matrix
 
 MAX_Q_GROUP = 8
-V_TOKENS = 16  # tokens per V program (FP8 caches, V pages transposed): one 16-byte vector per page row
+# tokens per V program (FP8 caches, V pages transposed), one KV head each: the best of attention run 28
+# (16: 0.248 ms at 16K tokens; 32: 0.288; 64: 0.450); all heads per program measured slower (run 29)
+V_TOKENS = 16
+V_RUN = tl.constexpr(16)  # … stored in runs of this many tokens
 BLOCK_T = 4  # tokens per program, with NUM_WARPS warps (best of the H200 sweep)
 NUM_WARPS = 8
 # From this many tokens on, a program walks all head groups of its tokens, computing the rotary cos/sin
@@ -184,6 +187,7 @@ def _store_v_transposed(
     scales_ptr,
     slot_ptr,
     first_token,
+    head,
     num_tokens,
     stride_qkv_t,
     stride_c_kv,
@@ -191,43 +195,42 @@ def _store_v_transposed(
     page_size,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
-    KV_POW2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     V_TOKENS: tl.constexpr,
 ):
-    """The V of tokens [first_token, first_token + V_TOKENS), quantized with kv_scales[layer, 1], into
-    V pages stored [kv_heads, head_dim, page]: a [kv_heads · head_dim, V_TOKENS] tile, one row per
-    (KV head, dim), which is V_TOKENS consecutive bytes of a page row when the tokens' slots are
-    consecutive in one page (a prefill). Such a run is stored through pointers the compiler knows to be
-    contiguous along the tokens — as one 16-byte vector per row when the run starts at a multiple of
-    V_TOKENS — and any other window (request or page boundaries, padding, decode tokens) token by
-    token."""
-    t = tl.arange(0, V_TOKENS)
-    tok = first_token + t
+    """KV head `head`'s V of tokens [first_token, first_token + V_TOKENS), quantized with
+    kv_scales[layer, 1], into V pages stored [kv_heads, head_dim, page], as a [HEAD_DIM, runs, V_RUN]
+    tile. A run of V_RUN tokens whose slots are consecutive in one page (prefill, away from request and
+    page boundaries) is stored through pointers the compiler knows to be contiguous along the tokens,
+    so a warp's threads run along them and a store instruction fills whole sectors; other runs store
+    token by token."""
+    RUNS: tl.constexpr = V_TOKENS // V_RUN
+    tok = first_token + tl.reshape(tl.arange(0, V_TOKENS), (RUNS, V_RUN))
     in_batch = tok < num_tokens
-    rows = tl.arange(0, KV_POW2 * HEAD_DIM)  # (KV head, dim) pairs
-    row_ok = rows < NUM_KV_HEADS * HEAD_DIM
-    # masked by the batch only, not by the slots: the load need not wait for them
-    src = qkv_ptr + tok.to(tl.int64)[None, :] * stride_qkv_t + (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM
-    v = tl.load(src + rows[:, None], mask=row_ok[:, None] & in_batch[None, :], other=0.0)
-    v = tl.clamp(v.to(tl.float32) / tl.load(scales_ptr + 1), -448.0, 448.0).to(cache_ptr.dtype.element_ty)
     slot = tl.load(slot_ptr + tok, mask=in_batch, other=-1)
-    first = tl.load(slot_ptr + first_token)
-    offset = first % page_size
-    run = (tl.min(tl.where(slot == first + t, 1, 0), axis=0) == 1) & (first >= 0)
-    run = run & (offset + V_TOKENS <= page_size)
-    page_rows = cache_ptr + stride_c_kv + rows[:, None] * page_size
-    if run:
-        run_base = page_rows + (first // page_size) * stride_c_page
-        if offset % V_TOKENS == 0:  # a new value for the hint: `offset` itself must stay unhinted
-            aligned = tl.multiple_of(offset // V_TOKENS * V_TOKENS, V_TOKENS)
-            tl.store(run_base + aligned + t[None, :], v, mask=row_ok[:, None])
-        else:
-            tl.store(run_base + offset + t[None, :], v, mask=row_ok[:, None])
-    else:
-        safe_slot = tl.where(slot >= 0, slot, 0).to(tl.int64)
-        key = (safe_slot // page_size) * stride_c_page + safe_slot % page_size
-        tl.store(page_rows + key[None, :], v, mask=row_ok[:, None] & (slot >= 0)[None, :])
+    ok = slot >= 0
+    safe_slot = tl.where(ok, slot, 0).to(tl.int64)
+    at = tl.arange(0, V_RUN)
+    run_first = tl.sum(tl.where(at[None, :] == 0, safe_slot, 0), axis=1)  # [RUNS]
+    one_page = (run_first % page_size) + V_RUN <= page_size
+    run_ok = (
+        tl.min(tl.where(ok & (safe_slot == run_first[:, None] + at[None, :]), 1, 0), axis=1) == 1
+    ) & one_page
+    page_base = cache_ptr + stride_c_kv
+    key = page_base + (safe_slot // page_size) * stride_c_page + safe_slot % page_size  # token by token
+    run_key = page_base + (run_first // page_size) * stride_c_page + run_first % page_size
+    run_keys = run_key[:, None] + at[None, :]  # contiguous along the tokens
+    d = tl.arange(0, HEAD_DIM)[:, None, None]
+    src = qkv_ptr + tok.to(tl.int64)[None, :, :] * stride_qkv_t + d
+    fast = run_ok[None, :, None]
+    slow = ok[None, :, :] & ~fast
+    scale = tl.load(scales_ptr + 1)
+    # masked by the batch only, not by the slots: the load need not wait for them
+    v = tl.load(src + (NUM_Q_HEADS + NUM_KV_HEADS + head) * HEAD_DIM, mask=in_batch[None, :, :], other=0.0)
+    v = tl.clamp(v.to(tl.float32) / scale, -448.0, 448.0).to(cache_ptr.dtype.element_ty)
+    rows = (head * HEAD_DIM + d) * page_size
+    tl.store(run_keys[None, :, :] + rows, v, mask=fast)
+    tl.store(key[None, :, :] + rows, v, mask=slow)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -267,19 +270,19 @@ def _qknorm_rope_kvstore_kernel(
 ):
     """Program (token block, j) handles head groups [j·GROUPS_PER_PROGRAM, …): the rotary cos/sin of the
     block are computed once and shared by all of them. V_T (FP8 cache): V is not a group; the grid's
-    first programs (i, 0) store the V of tokens [i·V_TOKENS, …) instead."""
+    first programs (i · NUM_KV_HEADS + h, 0) store KV head h's V of tokens [i·V_TOKENS, …) instead."""
     wait_for_inputs(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     num_groups: tl.constexpr = NUM_Q_HEADS // Q_GROUP + 1 + (not V_T)
     block = tl.program_id(0)
     if V_T:
-        v_programs = tl.cdiv(num_tokens, V_TOKENS)
+        v_programs = tl.cdiv(num_tokens, V_TOKENS) * NUM_KV_HEADS
         if block < v_programs:  # first in the grid: they start with the first wave, not as its tail
             if tl.program_id(1) == 0:
                 _store_v_transposed(
-                    qkv_ptr, cache_ptr, scales_ptr, slot_ptr, block * V_TOKENS, num_tokens, stride_qkv_t,
-                    stride_c_kv, stride_c_page, page_size, NUM_Q_HEADS, NUM_KV_HEADS, KV_POW2, HEAD_DIM,
-                    V_TOKENS,
+                    qkv_ptr, cache_ptr, scales_ptr, slot_ptr, block // NUM_KV_HEADS * V_TOKENS,
+                    block % NUM_KV_HEADS, num_tokens, stride_qkv_t, stride_c_kv, stride_c_page, page_size,
+                    NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, V_TOKENS,
                 )  # fmt: skip
             return
         block -= v_programs
@@ -380,7 +383,7 @@ def launch(
     num_groups = num_heads // group + (1 if v_transposed else 2)
     if groups_per_program is None:
         groups_per_program = num_groups if num_tokens >= SHARED_ROPE_MIN_TOKENS else 1
-    v_programs = triton.cdiv(num_tokens, V_TOKENS) if v_transposed else 0
+    v_programs = triton.cdiv(num_tokens, V_TOKENS) * num_kv_heads if v_transposed else 0
     grid = (triton.cdiv(num_tokens, block_t) + v_programs, triton.cdiv(num_groups, groups_per_program))
     layer_cache = kv_cache[layer]  # the layer's base pointer computed on the host, in 64 bits
     strides = (qkv.stride(0), q.stride(0), q.stride(1), *layer_cache.stride()[:4])

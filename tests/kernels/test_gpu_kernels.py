@@ -121,7 +121,8 @@ def test_prefill_lazy_rescaling_with_growing_scores_real_shapes(cache_dtype):
 @pytest.mark.parametrize("slot_layout", ["random", "prefill", "prefill after decodes"])
 def test_qknorm_rope_kvstore_real_shapes(cache_dtype, hadamard, slot_layout):
     """Every token at a random slot (a tenth padding); a prefill's slots (consecutive per page: FP8's
-    V runs stored as aligned 16-byte vectors); the same after 5 decode tokens (unaligned runs)."""
+    V programs store runs of them through contiguous pointers, starting at page offsets that are
+    multiples of 16); the same after 5 decode tokens (runs at other offsets)."""
     tokens = 4096
     qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     pos = torch.randint(0, 200000, (tokens,), device="cuda")

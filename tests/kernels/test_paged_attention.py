@@ -386,8 +386,8 @@ def test_qknorm_rope_kvstore_kernel_stores_prefill_runs_like_the_reference(
 ):
     """A mixed batch as the scheduler builds it — decode tokens at scattered slots (one padding), then a
     prefill chunk at consecutive slots from `chunk_offset` in a page across the next pages: FP8's V
-    programs store the chunk's in-page runs through contiguous pointers (16-byte vectors where a run
-    starts at a multiple of 16: the second case), the rest token by token."""
+    programs store the chunk's in-page runs through contiguous pointers (runs starting at page offsets
+    that are multiples of 16 in the second case, at others in the first), the rest token by token."""
     from hy3c.kernels.qknorm_rope_kvstore import launch as kvstore
 
     heads, kv_heads, dim, page, tokens = 8, 2, 32, 32, 150
