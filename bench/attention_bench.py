@@ -111,6 +111,7 @@ def qknorm_bench(tokens: int) -> None:
     random_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*random_args))
     shifted_args = (*args[:9], after_decodes, *args[10:])
     shifted_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*shifted_args))
+    spread_ms = bench(lambda: qknorm_rope_kvstore.launch(*args, spread_v=True))
     hadamard_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*args, True))
     floor = (
         (
@@ -124,6 +125,13 @@ def qknorm_bench(tokens: int) -> None:
     row(f"qknorm+rope+fp8+kvstore T={tokens}: eager L1 chain", eager, floor)
     row(f"qknorm+rope+fp8+kvstore T={tokens}: torch.compile chain", inductor, floor, eager, "eager")
     row(f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton", triton_ms, floor, inductor, "torch.compile")
+    row(
+        f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton, V programs spread among the token blocks",
+        spread_ms,
+        floor,
+        triton_ms,
+        "V programs first",
+    )
     row(
         f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton, the prefill after 5 decode tokens",
         shifted_ms,

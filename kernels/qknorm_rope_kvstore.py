@@ -266,26 +266,39 @@ def _qknorm_rope_kvstore_kernel(
     GROUPS_PER_PROGRAM: tl.constexpr,
     V_T: tl.constexpr,
     V_TOKENS: tl.constexpr,
+    V_SPREAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (token block, j) handles head groups [j·GROUPS_PER_PROGRAM, …): the rotary cos/sin of the
-    block are computed once and shared by all of them. V_T (FP8 cache): V is not a group; the grid's
-    first programs (i · NUM_KV_HEADS + h, 0) store KV head h's V of tokens [i·V_TOKENS, …) instead."""
+    block are computed once and shared by all of them. V_T (FP8 cache): V is not a group; programs
+    (i · NUM_KV_HEADS + h, 0) of their own store KV head h's V of tokens [i·V_TOKENS, …) instead — the
+    grid's first ones, or (V_SPREAD) spread evenly among the token blocks."""
     wait_for_inputs(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     num_groups: tl.constexpr = NUM_Q_HEADS // Q_GROUP + 1 + (not V_T)
     block = tl.program_id(0)
     if V_T:
         v_programs = tl.cdiv(num_tokens, V_TOKENS) * NUM_KV_HEADS
-        if block < v_programs:  # first in the grid: they start with the first wave, not as its tail
+        if V_SPREAD:  # evenly among the token blocks: of programs [0, p], (p + 1)·V // N store V
+            total = v_programs + tl.cdiv(num_tokens, BLOCK_T)
+            v_before = block.to(tl.int64) * v_programs // total
+            v_through = (block.to(tl.int64) + 1) * v_programs // total
+            is_v = v_through > v_before
+            v_index = v_before.to(tl.int32)
+            token_block = block - v_through.to(tl.int32)
+        else:  # first in the grid: they start with the first wave, not as its tail
+            is_v = block < v_programs
+            v_index = block
+            token_block = block - v_programs
+        if is_v:
             if tl.program_id(1) == 0:
                 _store_v_transposed(
-                    qkv_ptr, cache_ptr, scales_ptr, slot_ptr, block // NUM_KV_HEADS * V_TOKENS,
-                    block % NUM_KV_HEADS, num_tokens, stride_qkv_t, stride_c_kv, stride_c_page, page_size,
+                    qkv_ptr, cache_ptr, scales_ptr, slot_ptr, v_index // NUM_KV_HEADS * V_TOKENS,
+                    v_index % NUM_KV_HEADS, num_tokens, stride_qkv_t, stride_c_kv, stride_c_page, page_size,
                     NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, V_TOKENS,
                 )  # fmt: skip
             return
-        block -= v_programs
+        block = token_block
     tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < num_tokens
     d = tl.arange(0, HALF)
@@ -371,7 +384,11 @@ def launch(
     block_t: int = BLOCK_T,
     num_warps: int = NUM_WARPS,
     groups_per_program: int | None = None,
+    spread_v: bool = False,
 ) -> Tensor:
+    """q [tokens, heads, head_dim] (see the op). Tunables: block_t tokens per program with num_warps
+    warps, groups_per_program head groups per program (default by the token count), spread_v: an FP8
+    cache's V programs spread among the token blocks instead of first in the grid."""
     head_dim = _check(qkv, kv_cache, num_heads, num_kv_heads)
     num_tokens = qkv.shape[0]
     q = qkv.new_empty((num_tokens, num_heads, head_dim))
@@ -413,6 +430,7 @@ def launch(
         GROUPS_PER_PROGRAM=groups_per_program,
         V_T=v_transposed,
         V_TOKENS=V_TOKENS,
+        V_SPREAD=spread_v,
         num_warps=num_warps,
         **pdl_launch(qkv.device),
     )

@@ -10,7 +10,7 @@ import torch
 import hy3c.kernels
 import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
-from hy3c.kernels import router
+from hy3c.kernels import qknorm_rope_kvstore, router
 from hy3c.kernels.paged_attention import (
     LaunchConfig,
     decode_attention_dynamic,
@@ -143,13 +143,15 @@ def test_qknorm_rope_kvstore_real_shapes(cache_dtype, hadamard, slot_layout):
         decode_slots = tokens // PAGE * PAGE + torch.arange(decodes, device="cuda")  # the last page
         slots = torch.cat([decode_slots, pages[chunk // PAGE] * PAGE + chunk % PAGE])
     args = (pos, qw, kw, 1e-5, 11158840.0)
-    q_tri = torch.ops.hy3_triton.qknorm_rope_quant_kvstore(
-        qkv, *args, caches[0], scales, 1, slots, HEADS, KV_HEADS, hadamard
-    )
     q_ref = hy3.qknorm_rope_quant_kvstore(qkv, *args, caches[1], scales, 1, slots, HEADS, KV_HEADS, hadamard)
-    torch.testing.assert_close(q_tri.float(), q_ref.float(), atol=2e-2, rtol=1e-2)
-    # e4m3 has 3 mantissa bits: FMA contraction may move a value across a rounding tie, one ulp (12.5%)
-    torch.testing.assert_close(caches[0].float(), caches[1].float(), atol=0.07, rtol=0.13)
+    for spread_v in (False, True):  # an FP8 cache's V programs first in the grid, or spread
+        caches[0].zero_()
+        q_tri = qknorm_rope_kvstore.launch(
+            qkv, *args, caches[0], scales, 1, slots, HEADS, KV_HEADS, hadamard, spread_v=spread_v
+        )
+        torch.testing.assert_close(q_tri.float(), q_ref.float(), atol=2e-2, rtol=1e-2)
+        # e4m3 has 3 mantissa bits: FMA contraction may move a value across a rounding tie, one ulp (12.5%)
+        torch.testing.assert_close(caches[0].float(), caches[1].float(), atol=0.07, rtol=0.13)
 
 
 def test_grouped_moe_real_shapes():

@@ -401,10 +401,15 @@ def test_qknorm_rope_kvstore_kernel_stores_prefill_runs_like_the_reference(
     args = (pos, norm, norm, 1e-5, 1e6)
     ref_cache = torch.zeros(1, 2, 11, page, kv_heads, dim).to(cache_dtype)
     hy3.qknorm_rope_quant_kvstore(qkv, *args, ref_cache, scales, 0, slots, heads, kv_heads)
-    cache = torch.zeros_like(ref_cache)
-    kvstore(qkv, *args, cache, scales, 0, slots, heads, kv_heads)
-    assert torch.equal(cache[0, 1].float(), ref_cache[0, 1].float())  # V: quantized the same way
-    torch.testing.assert_close(cache.float(), ref_cache.float(), atol=0.07, rtol=0.13)
+    for spread_v in (False, True):  # V programs first in the grid, or among the token blocks
+        for per_program in (1, None):  # one head group per program; the default (all of them at 2K+)
+            cache = torch.zeros_like(ref_cache)
+            kvstore(
+                qkv, *args, cache, scales, 0, slots, heads, kv_heads, groups_per_program=per_program,
+                spread_v=spread_v,
+            )  # fmt: skip
+            assert torch.equal(cache[0, 1].float(), ref_cache[0, 1].float())  # V: quantized the same way
+            torch.testing.assert_close(cache.float(), ref_cache.float(), atol=0.07, rtol=0.13)
 
 
 def test_layer_offset_beyond_int32_reads_and_writes_that_layer():
