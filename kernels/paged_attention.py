@@ -361,6 +361,18 @@ def _store_partial(
 
 
 @triton.jit
+def _kv_sources(cache_ptr, k_desc, v_desc, stride_ckv, TMA: tl.constexpr):
+    """The layer's K and V as the key blocks read them: tensor descriptors (TMA) or base pointers."""
+    if TMA:
+        cache_k = k_desc
+        cache_v = v_desc
+    else:
+        cache_k = cache_ptr
+        cache_v = cache_ptr + stride_ckv
+    return cache_k, cache_v
+
+
+@triton.jit
 def _kv_scales(scales_ptr, FP8: tl.constexpr, P_SCALE: tl.constexpr):
     """The layer's K dequantization scale and the factor acc needs for V: its dequantization scale over
     the e4m3 P's scale (both 1.0 for a bf16 cache)."""
@@ -477,12 +489,7 @@ def _decode_dynamic_kernel(
     t_end = tl.minimum(t + quota, total)
     k_scale, v_scale = _kv_scales(scales_ptr, FP8, P_SCALE)
     qk_scale = sm_scale * k_scale * _LOG2E
-    if TMA:  # K and V through their tensor descriptors, or the layer's K and V bases
-        cache_k = k_desc
-        cache_v = v_desc
-    else:
-        cache_k = cache_ptr
-        cache_v = cache_ptr + stride_ckv
+    cache_k, cache_v = _kv_sources(cache_ptr, k_desc, v_desc, stride_ckv, TMA)
     while t < t_end:
         r = _find_request(plan_ptr, t, num_requests, search_iters)
         first_tile = tl.load(plan_ptr + r)
@@ -632,12 +639,7 @@ def _decode_static_kernel(
     key_begin = split * per_split
     key_end = tl.minimum(key_begin + per_split, length)
     k_scale, v_scale = _kv_scales(scales_ptr, FP8, P_SCALE)
-    if TMA:
-        cache_k = k_desc
-        cache_v = v_desc
-    else:
-        cache_k = cache_ptr
-        cache_v = cache_ptr + stride_ckv
+    cache_k, cache_v = _kv_sources(cache_ptr, k_desc, v_desc, stride_ckv, TMA)
     acc, m_i, l_i = _decode_keys(
         q_ptr, r, head, cache_k, cache_v, page_table_ptr + r * stride_pt, key_begin, key_end, stride_qt,
         stride_qh, stride_cpage, stride_coff, stride_chead, sm_scale * k_scale * _LOG2E, GROUP, GROUP_PAD,
@@ -730,12 +732,7 @@ def _prefill_kernel(
     first_position = length - q_len + block * Q_BLOCK
     key_end = tl.minimum(first_position + Q_BLOCK, length)
     full_end = (first_position + 1) // BLOCK_N * BLOCK_N  # keys every row of the block sees
-    if TMA:  # K and V through their tensor descriptors, or the layer's K and V bases
-        cache_k = k_desc
-        cache_v = v_desc
-    else:
-        cache_k = cache_ptr
-        cache_v = cache_ptr + stride_ckv
+    cache_k, cache_v = _kv_sources(cache_ptr, k_desc, v_desc, stride_ckv, TMA)
     m_i, l_i, acc = _attend_range(
         q,
         q_scale,
