@@ -7,9 +7,11 @@ rotary cos/sin are computed once per token block); a group holds heads of one ki
   * the kv heads' K: RMSNorm with k_norm, RoPE, quantized with kv_scales[layer, 0], stored at the slot;
   * the kv heads' V: quantized with kv_scales[layer, 1], stored at the slot.
 An FP8 cache stores V pages transposed ([kv_heads, head_dim, page], `hy3c.ops.attention`): there a
-key's values lie a page apart, so V gets programs of its own before the token blocks, V_TOKENS tokens
-of one KV head each, that store [head_dim, tokens] tiles with the tokens along the threads of a warp:
-consecutive slots of a page (every prefill) coalesce into whole sectors, not one byte per sector.
+key's values lie a page apart, so V gets programs of its own before the token blocks (or, `spread_v`,
+spread among them), V_TOKENS tokens of one KV head each, that store [head_dim, tokens] tiles with the
+tokens along the threads of a warp: consecutive slots of a page (every prefill) coalesce into whole
+sectors, not one byte per sector. This costs FP8 caches 0.07 ms at 16K tokens (0.248 ms against 0.177
+for a bf16 cache; BENCHMARKS.md, attention runs 28 and 29).
 Angles are position × inv_freq with inv_freq computed on the host exactly like the reference (so long
 contexts rotate identically). Rounding follows the reference: normalized value rounded to the model
 dtype, times the weight, rounded again, rotated in fp32, rounded once more.
