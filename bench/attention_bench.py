@@ -13,6 +13,7 @@
     python bench/attention_bench.py --spread      # the single 128K request's run-to-run spread only
     python bench/attention_bench.py --prefill     # the prefill rows only
     python bench/attention_bench.py --qknorm      # the fused QK-norm/RoPE/KV-store rows only
+    python bench/attention_bench.py --sweep-qknorm  # … after its launch shapes
     python bench/attention_bench.py --decode-configs  # FP8 decode configs under both timers
 """
 
@@ -111,7 +112,8 @@ def qknorm_bench(tokens: int) -> None:
     random_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*random_args))
     shifted_args = (*args[:9], after_decodes, *args[10:])
     shifted_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*shifted_args))
-    spread_ms = bench(lambda: qknorm_rope_kvstore.launch(*args, spread_v=True))
+    v32_ms = bench(lambda: qknorm_rope_kvstore.launch(*args, v_tokens=32))
+    v32_shifted_ms = bench(lambda: qknorm_rope_kvstore.launch(*shifted_args, v_tokens=32))
     hadamard_ms = bench(lambda: torch.ops.hy3_triton.qknorm_rope_quant_kvstore(*args, True))
     floor = (
         (
@@ -126,11 +128,11 @@ def qknorm_bench(tokens: int) -> None:
     row(f"qknorm+rope+fp8+kvstore T={tokens}: torch.compile chain", inductor, floor, eager, "eager")
     row(f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton", triton_ms, floor, inductor, "torch.compile")
     row(
-        f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton, V programs spread among the token blocks",
-        spread_ms,
+        f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton, V programs of 32 tokens",
+        v32_ms,
         floor,
         triton_ms,
-        "V programs first",
+        f"{qknorm_rope_kvstore.V_TOKENS} tokens",
     )
     row(
         f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton, the prefill after 5 decode tokens",
@@ -138,6 +140,13 @@ def qknorm_bench(tokens: int) -> None:
         floor,
         triton_ms,
         "prefill slots",
+    )
+    row(
+        f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton, the prefill after 5 decode tokens, V programs of 32 tokens",
+        v32_shifted_ms,
+        floor,
+        shifted_ms,
+        f"{qknorm_rope_kvstore.V_TOKENS} tokens",
     )
     row(
         f"qknorm+rope+fp8+kvstore T={tokens}: hy3c Triton, every token at a random slot",
@@ -332,7 +341,8 @@ def sweep_prefill(tma_only: bool = False) -> None:
 
 
 def sweep_qknorm() -> None:
-    """Fused QK-norm/RoPE/FP8/KV-store launch shapes at 1 … 16K tokens."""
+    """Fused QK-norm/RoPE/FP8/KV-store launch shapes at 1 … 16K tokens of a prefill (slots consecutive
+    per page), then the tokens per FP8 V program at 16K."""
     d = "cuda"
     tokens = 16384
     qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=d, dtype=torch.bfloat16)
@@ -340,7 +350,7 @@ def sweep_qknorm() -> None:
     w = 1 + 0.1 * torch.randn(HEAD_DIM, device=d, dtype=torch.bfloat16)
     cache = torch.zeros(1, 2, tokens // PAGE + 1, PAGE, KV_HEADS, HEAD_DIM, dtype=FP8_DTYPE, device=d)
     scales = torch.tensor([[0.05, 0.04]], device=d)
-    slots = torch.randperm(tokens + PAGE, device=d)[:tokens]
+    slots = prefill_slots(tokens)
     floor = (
         (
             tokens * (HEADS + 2 * KV_HEADS) * HEAD_DIM * 2
@@ -350,38 +360,29 @@ def sweep_qknorm() -> None:
         / BW
         * 1e3
     )
-    groups = HEADS // qknorm_rope_kvstore.q_group(HEADS) + 2
+
+    def time(n: int, **tunables) -> float:
+        args = (qkv[:n], pos[:n], w, w, 1e-5, 11158840.0, cache, scales, 0, slots[:n], HEADS, KV_HEADS)
+        return bench(lambda: qknorm_rope_kvstore.launch(*args, **tunables))
+
+    groups = HEADS // qknorm_rope_kvstore.q_group(HEADS) + 1
     for block_t, warps, per_program in (
         (4, 8, None),
+        (4, 4, None),
+        (8, 8, None),
+        (2, 4, None),
         (4, 8, groups // 2),
-        (4, 4, groups),
-        (8, 4, groups // 2),
         (8, 4, 1),
     ):
         for n in (1, 32, 128, 1024, tokens):
-            ms = bench(
-                lambda b=block_t, wp=warps, g=per_program, n=n: qknorm_rope_kvstore.launch(
-                    qkv[:n],
-                    pos[:n],
-                    w,
-                    w,
-                    1e-5,
-                    11158840.0,
-                    cache,
-                    scales,
-                    0,
-                    slots[:n],
-                    HEADS,
-                    KV_HEADS,
-                    block_t=b,
-                    num_warps=wp,
-                    groups_per_program=g,
-                )
-            )
+            ms = time(n, block_t=block_t, num_warps=warps, groups_per_program=per_program)
             print(
                 f"sweep qknorm T={n} block_t={block_t} warps={warps} groups/program={per_program or 'auto'}: "
                 f"{ms:.4f} ms ({floor * n / tokens / ms * 100:.0f}% BW)"
             )
+    for v_tokens in (16, 32, 64):
+        ms = time(tokens, v_tokens=v_tokens)
+        print(f"sweep qknorm T={tokens} V programs of {v_tokens} tokens: {ms:.4f} ms")
 
 
 def sweep_decode(lengths: list[int]) -> None:
@@ -546,9 +547,12 @@ def main() -> None:
         "--decode-configs", action="store_true", help="only FP8 decode configs under both timers"
     )
     parser.add_argument("--qknorm", action="store_true", help="only the fused QK-norm/RoPE/KV-store rows")
+    parser.add_argument("--sweep-qknorm", action="store_true", help="its launch shapes, then its rows")
     args = parser.parse_args()
     torch.manual_seed(0)
-    if args.qknorm:
+    if args.qknorm or args.sweep_qknorm:
+        if args.sweep_qknorm:
+            sweep_qknorm()
         qknorm_bench(16384)
         return
     if args.spread:

@@ -7,11 +7,9 @@ rotary cos/sin are computed once per token block); a group holds heads of one ki
   * the kv heads' K: RMSNorm with k_norm, RoPE, quantized with kv_scales[layer, 0], stored at the slot;
   * the kv heads' V: quantized with kv_scales[layer, 1], stored at the slot.
 An FP8 cache stores V pages transposed ([kv_heads, head_dim, page], `hy3c.ops.attention`): there a
-key's values lie a page apart, so V gets programs of its own before the token blocks (or, `spread_v`,
-spread among them), V_TOKENS tokens of one KV head each, that store [head_dim, tokens] tiles with the
-tokens along the threads of a warp: consecutive slots of a page (every prefill) coalesce into whole
-sectors, not one byte per sector. This costs FP8 caches 0.07 ms at 16K tokens (0.248 ms against 0.177
-for a bf16 cache; BENCHMARKS.md, attention runs 28 and 29).
+key's values lie a page apart, so V gets programs of its own, spread evenly among the token blocks,
+V_TOKENS tokens of one KV head each, that store [head_dim, tokens] tiles: a prefill's consecutive slots
+as aligned vectors of V_TOKENS bytes (`_store_v_transposed`), other tokens byte by byte.
 Angles are position × inv_freq with inv_freq computed on the host exactly like the reference (so long
 contexts rotate identically). Rounding follows the reference: normalized value rounded to the model
 dtype, times the weight, rounded again, rotated in fp32, rounded once more.
@@ -31,10 +29,11 @@ from hy3c.ops.quant import FP8_DTYPE
 from hy3c.ops.rope import hadamard_matrix
 
 MAX_Q_GROUP = 8
-# tokens per V program (FP8 caches, V pages transposed), one KV head each: the best of attention run 28
-# (16: 0.248 ms at 16K tokens; 32: 0.288; 64: 0.450); all heads per program measured slower (run 29)
+# tokens per V program (FP8 caches, V pages transposed), one KV head each: the best of attention run 32
+# (16: 0.197 ms at 16K tokens; 32: 0.245; 64: 0.377; 16 tokens × 2 KV heads: 0.247); the programs
+# spread among the token blocks, not first in the grid (0.229 against 0.246 before the aligned windows,
+# run 30)
 V_TOKENS = 16
-V_RUN = tl.constexpr(16)  # … stored in runs of this many tokens
 BLOCK_T = 4  # tokens per program, with NUM_WARPS warps (best of the H200 sweep)
 NUM_WARPS = 8
 # From this many tokens on, a program walks all head groups of its tokens, computing the rotary cos/sin
@@ -201,38 +200,54 @@ def _store_v_transposed(
     V_TOKENS: tl.constexpr,
 ):
     """KV head `head`'s V of tokens [first_token, first_token + V_TOKENS), quantized with
-    kv_scales[layer, 1], into V pages stored [kv_heads, head_dim, page], as a [HEAD_DIM, runs, V_RUN]
-    tile. A run of V_RUN tokens whose slots are consecutive in one page (prefill, away from request and
-    page boundaries) is stored through pointers the compiler knows to be contiguous along the tokens,
-    so a warp's threads run along them and a store instruction fills whole sectors; other runs store
-    token by token."""
-    RUNS: tl.constexpr = V_TOKENS // V_RUN
-    tok = first_token + tl.reshape(tl.arange(0, V_TOKENS), (RUNS, V_RUN))
-    in_batch = tok < num_tokens
-    slot = tl.load(slot_ptr + tok, mask=in_batch, other=-1)
-    ok = slot >= 0
-    safe_slot = tl.where(ok, slot, 0).to(tl.int64)
-    at = tl.arange(0, V_RUN)
-    run_first = tl.sum(tl.where(at[None, :] == 0, safe_slot, 0), axis=1)  # [RUNS]
-    one_page = (run_first % page_size) + V_RUN <= page_size
-    run_ok = (
-        tl.min(tl.where(ok & (safe_slot == run_first[:, None] + at[None, :]), 1, 0), axis=1) == 1
-    ) & one_page
-    page_base = cache_ptr + stride_c_kv
-    key = page_base + (safe_slot // page_size) * stride_c_page + safe_slot % page_size  # token by token
-    run_key = page_base + (run_first // page_size) * stride_c_page + run_first % page_size
-    run_keys = run_key[:, None] + at[None, :]  # contiguous along the tokens
-    d = tl.arange(0, HEAD_DIM)[:, None, None]
-    src = qkv_ptr + tok.to(tl.int64)[None, :, :] * stride_qkv_t + d
-    fast = run_ok[None, :, None]
-    slow = ok[None, :, :] & ~fast
-    scale = tl.load(scales_ptr + 1)
-    # masked by the batch only, not by the slots: the load need not wait for them
-    v = tl.load(src + (NUM_Q_HEADS + NUM_KV_HEADS + head) * HEAD_DIM, mask=in_batch[None, :, :], other=0.0)
-    v = tl.clamp(v.to(tl.float32) / scale, -448.0, 448.0).to(cache_ptr.dtype.element_ty)
+    kv_scales[layer, 1], into V pages stored [kv_heads, head_dim, page].
+
+    The stores go by aligned windows of slots: with s the first token's slot and r = s % V_TOKENS, the
+    two windows of tokens [first_token - r + k·V_TOKENS, … + V_TOKENS), k = 0, 1, cover the program's
+    tokens. A window whose tokens sit at the consecutive slots s - r + k·V_TOKENS + j of one page (a
+    prefill's, wherever its run starts) is stored whole, a vector of V_TOKENS bytes per head dim at an
+    address the compiler knows to be aligned — even its tokens outside the program's, which their own
+    program stores too with the same bytes. The program's other tokens store byte by byte."""
+    at = tl.arange(0, V_TOKENS)
+    d = tl.arange(0, HEAD_DIM)[:, None]
+    v_col = (NUM_Q_HEADS + NUM_KV_HEADS + head) * HEAD_DIM + d
     rows = (head * HEAD_DIM + d) * page_size
-    tl.store(run_keys[None, :, :] + rows, v, mask=fast)
-    tl.store(key[None, :, :] + rows, v, mask=slow)
+    page_base = cache_ptr + stride_c_kv
+    scale = tl.load(scales_ptr + 1)
+    first_slot = tl.load(slot_ptr + first_token)
+    shift = tl.where(first_slot >= 0, first_slot % V_TOKENS, 0)
+    whole_0 = False
+    whole_1 = False
+    for w in tl.static_range(2):
+        tok = first_token - shift + w * V_TOKENS + at
+        in_batch = (tok >= 0) & (tok < num_tokens)
+        slot = tl.load(slot_ptr + tok, mask=in_batch, other=-1)
+        # the window's first slot, a multiple of V_TOKENS as the compiler sees: aligned vector stores
+        window_slot = tl.maximum(first_slot, 0) // V_TOKENS * V_TOKENS + w * V_TOKENS
+        whole = tl.min(tl.where(slot == window_slot + at, 1, 0), axis=0) == 1
+        whole = whole & (window_slot % page_size + V_TOKENS <= page_size) & ((w == 0) | (shift > 0))
+        if whole:  # window 1 holds none of the program's tokens if shift = 0
+            src = qkv_ptr + tok.to(tl.int64)[None, :] * stride_qkv_t + v_col
+            v = tl.load(src)
+            v = tl.clamp(v.to(tl.float32) / scale, -448.0, 448.0).to(cache_ptr.dtype.element_ty)
+            page = window_slot // page_size  # (an offset by subtraction keeps the slot's alignment known)
+            key = page_base + page * stride_c_page + (window_slot - page * page_size)
+            tl.store(key + at[None, :] + rows, v)
+        if w == 0:
+            whole_0 = whole
+        else:
+            whole_1 = whole
+    if not (whole_0 & (whole_1 | (shift == 0))):  # some of the program's tokens are left
+        own = first_token + at
+        covered = tl.where(at + shift < V_TOKENS, whole_0, whole_1)
+        own_slot = tl.load(slot_ptr + own, mask=own < num_tokens, other=-1)
+        left = (own_slot >= 0) & ~covered
+        safe_slot = tl.where(left, own_slot, 0).to(tl.int64)
+        own_key = page_base + (safe_slot // page_size) * stride_c_page + safe_slot % page_size
+        own_src = qkv_ptr + own.to(tl.int64)[None, :] * stride_qkv_t + v_col
+        own_v = tl.load(own_src, mask=left[None, :], other=0.0).to(tl.float32)
+        own_v = tl.clamp(own_v / scale, -448.0, 448.0).to(cache_ptr.dtype.element_ty)
+        tl.store(own_key[None, :] + rows, own_v, mask=left[None, :])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -268,30 +283,25 @@ def _qknorm_rope_kvstore_kernel(
     GROUPS_PER_PROGRAM: tl.constexpr,
     V_T: tl.constexpr,
     V_TOKENS: tl.constexpr,
-    V_SPREAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (token block, j) handles head groups [j·GROUPS_PER_PROGRAM, …): the rotary cos/sin of the
     block are computed once and shared by all of them. V_T (FP8 cache): V is not a group; programs
-    (i · NUM_KV_HEADS + h, 0) of their own store KV head h's V of tokens [i·V_TOKENS, …) instead — the
-    grid's first ones, or (V_SPREAD) spread evenly among the token blocks."""
+    (i · NUM_KV_HEADS + h, 0) of their own, spread evenly among the token blocks, store KV head h's V
+    of tokens [i·V_TOKENS, …) instead."""
     wait_for_inputs(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     num_groups: tl.constexpr = NUM_Q_HEADS // Q_GROUP + 1 + (not V_T)
     block = tl.program_id(0)
     if V_T:
         v_programs = tl.cdiv(num_tokens, V_TOKENS) * NUM_KV_HEADS
-        if V_SPREAD:  # evenly among the token blocks: of programs [0, p], (p + 1)·V // N store V
-            total = v_programs + tl.cdiv(num_tokens, BLOCK_T)
-            v_before = block.to(tl.int64) * v_programs // total
-            v_through = (block.to(tl.int64) + 1) * v_programs // total
-            is_v = v_through > v_before
-            v_index = v_before.to(tl.int32)
-            token_block = block - v_through.to(tl.int32)
-        else:  # first in the grid: they start with the first wave, not as its tail
-            is_v = block < v_programs
-            v_index = block
-            token_block = block - v_programs
+        # spread evenly among the token blocks: of programs [0, p], (p + 1)·V // N store V
+        total = v_programs + tl.cdiv(num_tokens, BLOCK_T)
+        v_before = block.to(tl.int64) * v_programs // total
+        v_through = (block.to(tl.int64) + 1) * v_programs // total
+        is_v = v_through > v_before
+        v_index = v_before.to(tl.int32)
+        token_block = block - v_through.to(tl.int32)
         if is_v:
             if tl.program_id(1) == 0:
                 _store_v_transposed(
@@ -386,11 +396,11 @@ def launch(
     block_t: int = BLOCK_T,
     num_warps: int = NUM_WARPS,
     groups_per_program: int | None = None,
-    spread_v: bool = False,
+    v_tokens: int = V_TOKENS,
 ) -> Tensor:
     """q [tokens, heads, head_dim] (see the op). Tunables: block_t tokens per program with num_warps
-    warps, groups_per_program head groups per program (default by the token count), spread_v: an FP8
-    cache's V programs spread among the token blocks instead of first in the grid."""
+    warps, groups_per_program head groups per program (default by the token count), v_tokens tokens per
+    V program (FP8 caches; a power of two)."""
     head_dim = _check(qkv, kv_cache, num_heads, num_kv_heads)
     num_tokens = qkv.shape[0]
     q = qkv.new_empty((num_tokens, num_heads, head_dim))
@@ -402,7 +412,7 @@ def launch(
     num_groups = num_heads // group + (1 if v_transposed else 2)
     if groups_per_program is None:
         groups_per_program = num_groups if num_tokens >= SHARED_ROPE_MIN_TOKENS else 1
-    v_programs = triton.cdiv(num_tokens, V_TOKENS) * num_kv_heads if v_transposed else 0
+    v_programs = triton.cdiv(num_tokens, v_tokens) * num_kv_heads if v_transposed else 0
     grid = (triton.cdiv(num_tokens, block_t) + v_programs, triton.cdiv(num_groups, groups_per_program))
     layer_cache = kv_cache[layer]  # the layer's base pointer computed on the host, in 64 bits
     strides = (qkv.stride(0), q.stride(0), q.stride(1), *layer_cache.stride()[:4])
@@ -431,8 +441,7 @@ def launch(
         BLOCK_T=block_t,
         GROUPS_PER_PROGRAM=groups_per_program,
         V_T=v_transposed,
-        V_TOKENS=V_TOKENS,
-        V_SPREAD=spread_v,
+        V_TOKENS=v_tokens,
         num_warps=num_warps,
         **pdl_launch(qkv.device),
     )

@@ -118,16 +118,15 @@ def qknorm_variants() -> list[Variant]:
     for kv in ("bf16", "fp8"):
         constexprs = dict(NUM_Q_HEADS=64, NUM_KV_HEADS=8, HEAD_DIM=128, Q_GROUP=8, FP8=kv == "fp8", KV_POW2=8)
         constexprs |= dict(HADAMARD=False, BLOCK_T=4, GROUPS_PER_PROGRAM=9, V_T=kv == "fp8", V_TOKENS=16)
-        for spread_v in (False, True) if kv == "fp8" else (False,):
-            variants.append(
-                Variant(
-                    f"qknorm_rope_kvstore {kv} spread_v={spread_v}",
-                    qknorm_rope_kvstore._qknorm_rope_kvstore_kernel,
-                    {**pointers, "cache_ptr": f"*{KV_DTYPES[kv]}", "pos_ptr": "*i64"},
-                    dict(constexprs, V_SPREAD=spread_v, PDL=True),
-                    fp32_scalars=("eps",),
-                )
+        variants.append(
+            Variant(
+                f"qknorm_rope_kvstore {kv}",
+                qknorm_rope_kvstore._qknorm_rope_kvstore_kernel,
+                {**pointers, "cache_ptr": f"*{KV_DTYPES[kv]}", "pos_ptr": "*i64"},
+                dict(constexprs, PDL=True),
+                fp32_scalars=("eps",),
             )
+        )
     return variants
 
 

@@ -121,8 +121,8 @@ def test_prefill_lazy_rescaling_with_growing_scores_real_shapes(cache_dtype):
 @pytest.mark.parametrize("slot_layout", ["random", "prefill", "prefill after decodes"])
 def test_qknorm_rope_kvstore_real_shapes(cache_dtype, hadamard, slot_layout):
     """Every token at a random slot (a tenth padding); a prefill's slots (consecutive per page: FP8's
-    V programs store runs of them through contiguous pointers, starting at page offsets that are
-    multiples of 16); the same after 5 decode tokens (runs at other offsets)."""
+    V programs store aligned windows of them as vectors, each program's tokens starting at page offsets
+    that are multiples of 16); the same after 5 decode tokens (windows straddling two programs)."""
     tokens = 4096
     qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     pos = torch.randint(0, 200000, (tokens,), device="cuda")
@@ -144,10 +144,10 @@ def test_qknorm_rope_kvstore_real_shapes(cache_dtype, hadamard, slot_layout):
         slots = torch.cat([decode_slots, pages[chunk // PAGE] * PAGE + chunk % PAGE])
     args = (pos, qw, kw, 1e-5, 11158840.0)
     q_ref = hy3.qknorm_rope_quant_kvstore(qkv, *args, caches[1], scales, 1, slots, HEADS, KV_HEADS, hadamard)
-    for spread_v in (False, True):  # an FP8 cache's V programs first in the grid, or spread
+    for v_tokens in (16, 32):  # tokens per V program (FP8 caches)
         caches[0].zero_()
         q_tri = qknorm_rope_kvstore.launch(
-            qkv, *args, caches[0], scales, 1, slots, HEADS, KV_HEADS, hadamard, spread_v=spread_v
+            qkv, *args, caches[0], scales, 1, slots, HEADS, KV_HEADS, hadamard, v_tokens=v_tokens
         )
         torch.testing.assert_close(q_tri.float(), q_ref.float(), atol=2e-2, rtol=1e-2)
         # e4m3 has 3 mantissa bits: FMA contraction may move a value across a rounding tie, one ulp (12.5%)

@@ -386,8 +386,9 @@ def test_qknorm_rope_kvstore_kernel_stores_prefill_runs_like_the_reference(
 ):
     """A mixed batch as the scheduler builds it — decode tokens at scattered slots (one padding), then a
     prefill chunk at consecutive slots from `chunk_offset` in a page across the next pages: FP8's V
-    programs store the chunk's in-page runs through contiguous pointers (runs starting at page offsets
-    that are multiples of 16 in the second case, at others in the first), the rest token by token."""
+    programs store the chunk's aligned windows of slots whole (the programs' tokens starting at page
+    offsets that are multiples of 16 in the second case, at others in the first), the rest token by
+    token; V programs of 16 and of 32 tokens (a whole page here)."""
     from hy3c.kernels.qknorm_rope_kvstore import launch as kvstore
 
     heads, kv_heads, dim, page, tokens = 8, 2, 32, 32, 150
@@ -401,15 +402,14 @@ def test_qknorm_rope_kvstore_kernel_stores_prefill_runs_like_the_reference(
     args = (pos, norm, norm, 1e-5, 1e6)
     ref_cache = torch.zeros(1, 2, 11, page, kv_heads, dim).to(cache_dtype)
     hy3.qknorm_rope_quant_kvstore(qkv, *args, ref_cache, scales, 0, slots, heads, kv_heads)
-    for spread_v in (False, True):  # V programs first in the grid, or among the token blocks
-        for per_program in (1, None):  # one head group per program; the default (all of them at 2K+)
-            cache = torch.zeros_like(ref_cache)
-            kvstore(
-                qkv, *args, cache, scales, 0, slots, heads, kv_heads, groups_per_program=per_program,
-                spread_v=spread_v,
-            )  # fmt: skip
-            assert torch.equal(cache[0, 1].float(), ref_cache[0, 1].float())  # V: quantized the same way
-            torch.testing.assert_close(cache.float(), ref_cache.float(), atol=0.07, rtol=0.13)
+    for per_program, v_tokens in ((1, 16), (None, 16), (None, 32)):  # head groups per program: 1 or all
+        cache = torch.zeros_like(ref_cache)
+        kvstore(
+            qkv, *args, cache, scales, 0, slots, heads, kv_heads, groups_per_program=per_program,
+            v_tokens=v_tokens,
+        )  # fmt: skip
+        assert torch.equal(cache[0, 1].float(), ref_cache[0, 1].float())  # V: quantized the same way
+        torch.testing.assert_close(cache.float(), ref_cache.float(), atol=0.07, rtol=0.13)
 
 
 def test_layer_offset_beyond_int32_reads_and_writes_that_layer():
