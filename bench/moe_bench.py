@@ -14,7 +14,6 @@
 * --sweep: tries launch configs per token bucket (CUDA-graph replays at T ≤ 128) and writes the best
   to $OUT/fused_moe_h200.json (the shipped configs for buckets not in --tokens); with the router part,
   also sweeps the dual-BF16 kernel's tiles and K splits per M.
-* --parts combine: at T=1, the combine done by the down GEMM against the combine kernel, interleaved.
 """
 
 from __future__ import annotations
@@ -415,51 +414,10 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
             json.dump(shipped, f, indent=1)
 
 
-def combine_ab(rounds: int = 3) -> None:
-    """T=1 (pair blocks): the combine by the down GEMM's last pair per column block against the combine
-    kernel, replayed from CUDA graphs, the two interleaved over `rounds` rounds, µs."""
-    d = "cuda"
-    w13 = torch.randn(E, 2 * INTER, H, device=d, dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(E, H, INTER, device=d, dtype=torch.bfloat16) * 0.02
-    s13, s2 = w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448
-    q13, q2 = (w13.float() / s13[..., None]).to(FP8_DTYPE), (w2.float() / s2[..., None]).to(FP8_DTYPE)
-    x = torch.randn(1, H, device=d, dtype=torch.bfloat16)
-    ids = torch.randperm(E, device=d)[None, :K_TOP].int()
-    wt = torch.rand(1, K_TOP, device=d)
-    shared = torch.randn(1, H, device=d, dtype=torch.bfloat16)
-    a13, a2 = static_activation_scales(x, ids, w13)
-    x_rows = quant_fp8_per_token(x)
-    variants = {
-        "bf16": ("bf16", (x, wt, ids, w13, w2, None, None, None, None, shared)),
-        "FP8, x from the norm": ("fp8", (x, wt, ids, q13, q2, s13, s2, None, None, shared, *x_rows)),
-        "FP8 static": ("fp8_static", (x, wt, ids, q13, q2, s13, s2, a13, a2, shared)),
-    }
-    times: dict[tuple[str, bool], list[float]] = {}
-    a = torch.randn(8192, 8192, device=d, dtype=torch.bfloat16)
-    for _ in range(200):  # about a second of GEMMs first: clocks up, whatever ran before
-        a @ a
-    for _ in range(rounds):
-        for name, (kind, args) in variants.items():
-            for in_down in (True, False):
-                cfg = dataclasses.replace(select_config(1, kind), combine_in_down=in_down)
-                ms = graph_ms(lambda a=args, c=cfg: fused_moe_triton(*a, config=c))
-                times.setdefault((name, in_down), []).append(ms * 1e3)
-    for name in variants:
-        kernel, fused = times[(name, False)], times[(name, True)]
-        row(
-            f"FusedMoE T=1, CUDA graph: {name}, combine in the down GEMM / combine kernel (µs, by round)",
-            min(fused) / 1e3,
-            " / ".join(f"{f:.1f} vs {k:.1f}" for f, k in zip(fused, kernel, strict=True)),
-            f"{min(kernel) / min(fused):.3f}× (best of each)",
-        )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument(
-        "--parts", default="router,align,moe", help="comma list of router, align, moe, combine (T=1 A/B)"
-    )
+    parser.add_argument("--parts", default="router,align,moe", help="comma list of router, align, moe")
     parser.add_argument("--tokens", default="1,16,128,1024,8192", help="moe: comma list of token counts")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -470,8 +428,6 @@ def main() -> None:
         align_bench()
     if "moe" in parts:
         moe_bench(args.sweep, tuple(int(t) for t in args.tokens.split(",")))
-    if "combine" in parts:
-        combine_ab()
     RESULTS["env"] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

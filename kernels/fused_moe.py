@@ -14,9 +14,9 @@
    intermediate is written once, half-size.
 3. down GEMM over the intermediate rows, scaled by each pair's routing weight in the epilogue.
 4. combine: each token's k rows summed in fp32 plus the shared expert's output, written once — with
-   pair blocks (and the config's `combine_in_down`) by the down GEMM itself: the last of a token's
-   pairs to finish a column block (an arrival counter per token and block, `kernels/arrival.py`) sums
-   the rows in slot order, the same sums as the combine kernel, one launch fewer.
+   pair blocks by the down GEMM itself: the last of a token's pairs to finish a column block (an
+   arrival counter per token and block, `kernels/arrival.py`) sums the rows in slot order, the same
+   sums as the combine kernel, one launch fewer.
 
 FP8: weights e4m3 with per-channel ([E, rows]) or per-tensor ([E, 1]) scales; activations e4m3 with a
 static per-tensor scale or dynamic per-token scales; fp8 × fp8 tensor-core products, scales applied in
@@ -77,7 +77,6 @@ class MoeConfig:
     swap_ab: bool = False  # weights as the MMA's rows (acc^T = W · a^T): a wgmma with block_m token columns
     pair_blocks: bool = False  # one (token, slot) pair per M block, no alignment launch (for one token)
     combine_block: int = 1024  # columns per program of the combine (more programs for few tokens)
-    combine_in_down: bool = True  # pair blocks: the down GEMM's last pair per column block combines
 
     def __post_init__(self) -> None:
         if self.combine_block & (self.combine_block - 1):
@@ -749,8 +748,7 @@ def fused_moe_triton(
     w2_s = w2_scale if w2_scale is not None else dummy
     num_n_blocks = triton.cdiv(hidden, cfg.block_n)
     # pair blocks: the down GEMM's last program of each (token, column block) does the combine
-    combine_in_down = cfg.pair_blocks and cfg.combine_in_down
-    counters = arrival_counters(x.device, num_tokens * num_n_blocks) if combine_in_down else dummy
+    counters = arrival_counters(x.device, num_tokens * num_n_blocks) if cfg.pair_blocks else dummy
     _down_kernel[(num_m_blocks * num_n_blocks,)](
         h,
         w2,
@@ -779,13 +777,13 @@ def fused_moe_triton(
         A_PER_ROW=h_per_row,
         W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
-        COMBINE=combine_in_down,
+        COMBINE=cfg.pair_blocks,
         TOP_K=top_k,
         HAS_SHARED=shared is not None,
         **common,
         **pdl_launch(x.device),
     )
-    if combine_in_down:
+    if cfg.pair_blocks:
         return out
     _combine_kernel[(num_tokens, triton.cdiv(hidden, cfg.combine_block))](
         per_pair,

@@ -232,8 +232,6 @@ def test_fused_moe_pair_blocks_equal_the_aligned_blocks_for_one_token(fp8, swap_
         torch.testing.assert_close(other, aligned, atol=0, rtol=0)
     pair_blocks = fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=swap_ab, pair_blocks=True))
     torch.testing.assert_close(pair_blocks, aligned, atol=0, rtol=0)
-    kernel = dataclasses.replace(CFG, swap_ab=swap_ab, pair_blocks=True, combine_in_down=False)
-    torch.testing.assert_close(fused_moe_triton(*args, config=kernel), aligned, atol=0, rtol=0)
     assert (aligned.float() - hy3.fused_moe(*args).float()).norm() / aligned.float().norm() < 2e-2
     for buffers in arrival.COUNTERS.values():
         assert all(int(buffer.abs().sum()) == 0 for buffer in buffers)
