@@ -13,10 +13,7 @@
    token row; no gather copy), and writes silu(gate) · up for its (token, slot) rows — the
    intermediate is written once, half-size.
 3. down GEMM over the intermediate rows, scaled by each pair's routing weight in the epilogue.
-4. combine: each token's k rows summed in fp32 plus the shared expert's output, written once — with
-   pair blocks by the down GEMM itself: the last of a token's pairs to finish a column block (an
-   arrival counter per token and block, `kernels/arrival.py`) sums the rows in slot order, the same
-   sums as the combine kernel, one launch fewer.
+4. combine: each token's k rows summed in fp32 plus the shared expert's output, written once.
 
 FP8: weights e4m3 with per-channel ([E, rows]) or per-tensor ([E, 1]) scales; activations e4m3 with a
 static per-tensor scale or dynamic per-token scales; fp8 × fp8 tensor-core products, scales applied in
@@ -53,7 +50,6 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from hy3c.kernels.arrival import arrival_counters
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.quant import quant_fp8, quant_fp8_per_token
 from hy3c.kernels.registry import Provider, register_provider
@@ -468,11 +464,6 @@ def _down_kernel(
     stride_wn,
     stride_om,
     stride_wse,
-    shared_ptr,
-    final_ptr,
-    counter_ptr,
-    stride_sm,
-    stride_fm,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -484,15 +475,8 @@ def _down_kernel(
     TMA: tl.constexpr,
     SWAP_AB: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
-    COMBINE: tl.constexpr,
-    TOP_K: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Each expert row's down projection × its top-k weight into out (fp32 rows per pair). COMBINE
-    (pair blocks: program (pair, n) holds one pair): the token's last pair to finish column block n
-    (an arrival counter per token and block) then adds its TOP_K rows in slot order, plus the shared
-    expert, into final — the combine kernel's sums, without its launch."""
     wait_for_inputs(PDL)
     num_n_blocks = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
@@ -550,38 +534,6 @@ def _down_kernel(
         y,
         mask=row_ok[:, None] & col_ok[None, :],
     )
-    if COMBINE:
-        token = pid_m // TOP_K
-        counter = counter_ptr + token * num_n_blocks + pid_n
-        tl.debug_barrier()  # every thread's row stores precede the release below
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived == TOP_K - 1:
-            _combine_columns(
-                out_ptr, shared_ptr, final_ptr, token, cols, col_ok, stride_om, stride_sm, stride_fm,
-                TOP_K, HAS_SHARED,
-            )  # fmt: skip
-            tl.atomic_xchg(counter, 0)  # zero again for the next launch (and CUDA-graph replay)
-
-
-@triton.jit
-def _combine_columns(
-    y_ptr, shared_ptr, out_ptr, token, cols, ok, stride_ym, stride_sm, stride_om, TOP_K: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-):  # fmt: skip
-    """out[token, cols] = the token's TOP_K weighted expert rows summed in slot order (fp32), rounded to
-    the model dtype, + the shared expert's row (rounded again), as the reference adds them."""
-    acc = tl.zeros(cols.shape, tl.float32)
-    for j in tl.static_range(TOP_K):
-        row = y_ptr + (token * TOP_K + j).to(tl.int64) * stride_ym + cols
-        acc += tl.load(row, mask=ok, other=0.0, cache_modifier=".cg")  # L2: other programs' stores
-    out_dtype = out_ptr.dtype.element_ty
-    result = acc.to(out_dtype)
-    if HAS_SHARED:
-        result = (
-            result.to(tl.float32)
-            + tl.load(shared_ptr + token.to(tl.int64) * stride_sm + cols, mask=ok, other=0.0).to(tl.float32)
-        ).to(out_dtype)
-    tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, result, mask=ok)
 
 
 @triton.jit
@@ -601,10 +553,18 @@ def _combine_kernel(
     wait_for_inputs(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    _combine_columns(
-        y_ptr, shared_ptr, out_ptr, token, cols, cols < hidden, stride_ym, stride_sm, stride_om, TOP_K,
-        HAS_SHARED,
-    )  # fmt: skip
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + j).to(tl.int64) * stride_ym + cols, mask=ok, other=0.0)
+    out_dtype = out_ptr.dtype.element_ty
+    result = acc.to(out_dtype)
+    if HAS_SHARED:
+        result = (
+            result.to(tl.float32)
+            + tl.load(shared_ptr + token.to(tl.int64) * stride_sm + cols, mask=ok, other=0.0).to(tl.float32)
+        ).to(out_dtype)
+    tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, result, mask=ok)
 
 
 def _quantize_activations(
@@ -746,10 +706,7 @@ def fused_moe_triton(
         h, h_scale, h_per_row = _quantize_activations(hidden_act, None, cfg.quant_on_load)
     per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
     w2_s = w2_scale if w2_scale is not None else dummy
-    num_n_blocks = triton.cdiv(hidden, cfg.block_n)
-    # pair blocks: the down GEMM's last program of each (token, column block) does the combine
-    counters = arrival_counters(x.device, num_tokens * num_n_blocks) if cfg.pair_blocks else dummy
-    _down_kernel[(num_m_blocks * num_n_blocks,)](
+    _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
         h,
         w2,
         w2_desc,
@@ -769,22 +726,12 @@ def fused_moe_triton(
         w2.stride(1),
         per_pair.stride(0),
         w2_s.stride(0) if w2_scale is not None else 0,
-        shared if shared is not None else x,
-        out,
-        counters,
-        shared.stride(0) if shared is not None else 0,
-        out.stride(0),
         A_PER_ROW=h_per_row,
         W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
-        COMBINE=cfg.pair_blocks,
-        TOP_K=top_k,
-        HAS_SHARED=shared is not None,
         **common,
         **pdl_launch(x.device),
     )
-    if cfg.pair_blocks:
-        return out
     _combine_kernel[(num_tokens, triton.cdiv(hidden, cfg.combine_block))](
         per_pair,
         shared if shared is not None else x,

@@ -130,10 +130,6 @@ def qknorm_variants() -> list[Variant]:
     return variants
 
 
-# the down GEMM's combine (pair blocks): shared expert rows in, the layer's output, arrival counters (i32)
-MOE_COMBINE_POINTERS = {"shared_ptr": "*bf16", "final_ptr": "*bf16"}
-
-
 def moe_variants() -> list[Variant]:
     variants = []
     for weights in ("bf16", "fp8"):
@@ -167,15 +163,8 @@ def moe_variants() -> list[Variant]:
                 Variant(
                     f"fused_moe down {weights} tma={tma} block_m={block_m} swap_ab={swap} pair_blocks={pair_blocks}",
                     fused_moe._down_kernel,
-                    {
-                        "h_ptr": w,
-                        "w_ptr": w,
-                        "out_ptr": "*fp32",
-                        "topk_w_ptr": "*fp32",
-                        **scales,
-                        **MOE_COMBINE_POINTERS,
-                    },
-                    dict(common, COMBINE=pair_blocks, TOP_K=8, HAS_SHARED=True),
+                    {"h_ptr": w, "w_ptr": w, "out_ptr": "*fp32", "topk_w_ptr": "*fp32", **scales},
+                    common,
                     descs,
                 )
             )
@@ -201,15 +190,8 @@ def static_one_token_variants() -> list[Variant]:
         Variant(
             "fused_moe down fp8 static one-token",
             fused_moe._down_kernel,
-            {
-                "h_ptr": f"*{fp8}",
-                "w_ptr": f"*{fp8}",
-                "out_ptr": "*fp32",
-                "topk_w_ptr": "*fp32",
-                **scales,
-                **MOE_COMBINE_POINTERS,
-            },
-            dict(common, QUANT_ON_LOAD=False, COMBINE=True, TOP_K=8, HAS_SHARED=True),
+            {"h_ptr": f"*{fp8}", "w_ptr": f"*{fp8}", "out_ptr": "*fp32", "topk_w_ptr": "*fp32", **scales},
+            dict(common, QUANT_ON_LOAD=False),
             descs,
         ),
     ]

@@ -11,7 +11,7 @@ import torch
 
 import hy3c.kernels
 import hy3c.ops
-from hy3c.kernels import arrival
+from hy3c.kernels import router
 from hy3c.kernels.fused_moe import MoeConfig, fused_moe_triton, moe_align_torch, moe_align_triton
 from hy3c.kernels.router import router_gemm_dual_bf16
 from hy3c.ops.quant import FP8_DTYPE, split_router_weight
@@ -44,7 +44,7 @@ def test_router_gemm_split_k_partials_sum_to_the_product(splits):
     for _ in range(2):  # the second launch reuses the counters the first one left
         out = router_gemm_dual_bf16(x, hi, lo, splits=splits, block_m=16, block_n=16)
         assert (out.double() - x.double() @ w.double().t()).abs().max() <= 1e-4
-    for buffers in arrival.COUNTERS.values():
+    for buffers in router._COUNTERS.values():
         assert all(int(buffer.abs().sum()) == 0 for buffer in buffers)
 
 
@@ -212,10 +212,7 @@ def test_fused_moe_tuned_configs_run_on_small_experts(tokens, fp8):
 @pytest.mark.parametrize("swap_ab", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_fused_moe_pair_blocks_equal_the_aligned_blocks_for_one_token(fp8, swap_ab):
-    """One token: each aligned block holds one pair in row 0, so a block per pair computes the same tiles;
-    the pair blocks' down GEMM also does the combine (the last pair of each column block to arrive adds
-    the rows in slot order, as the combine kernel does: bit-equal), leaving its arrival counters at zero
-    for the next launch (each launch here reuses them)."""
+    """One token: each aligned block holds one pair in row 0, so a block per pair computes the same tiles."""
     experts, top_k = 8, 4
     x = torch.randn(1, 64).to(torch.bfloat16)
     w13, w2, scales = _expert_weights(experts, 64, 32, fp8)
@@ -233,8 +230,6 @@ def test_fused_moe_pair_blocks_equal_the_aligned_blocks_for_one_token(fp8, swap_
     pair_blocks = fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=swap_ab, pair_blocks=True))
     torch.testing.assert_close(pair_blocks, aligned, atol=0, rtol=0)
     assert (aligned.float() - hy3.fused_moe(*args).float()).norm() / aligned.float().norm() < 2e-2
-    for buffers in arrival.COUNTERS.values():
-        assert all(int(buffer.abs().sum()) == 0 for buffer in buffers)
 
 
 def test_fused_moe_reads_column_strided_x_and_shared_rows():
