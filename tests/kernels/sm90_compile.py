@@ -111,22 +111,24 @@ def _kv_descriptors(kv: str, block_n: int, tma: bool) -> dict[str, str]:
 
 
 def qknorm_variants() -> list[Variant]:
-    """The fused QK-norm/RoPE/KV store over bf16 and FP8 caches (FP8: V programs, transposed V pages)."""
+    """The fused QK-norm/RoPE/KV store over bf16 and FP8 caches (FP8: V programs, transposed V pages), one
+    head group per program (below 2K tokens) or all of them."""
     pointers = {"qkv_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "q_out_ptr": "*bf16"}
     pointers |= {"inv_freq_ptr": "*fp32", "scales_ptr": "*fp32", "had_ptr": "*fp32", "slot_ptr": "*i64"}
     variants = []
     for kv in ("bf16", "fp8"):
         constexprs = dict(NUM_Q_HEADS=64, NUM_KV_HEADS=8, HEAD_DIM=128, Q_GROUP=8, FP8=kv == "fp8", KV_POW2=8)
-        constexprs |= dict(HADAMARD=False, BLOCK_T=4, GROUPS_PER_PROGRAM=9, V_T=kv == "fp8", V_TOKENS=16)
-        variants.append(
-            Variant(
-                f"qknorm_rope_kvstore {kv}",
-                qknorm_rope_kvstore._qknorm_rope_kvstore_kernel,
-                {**pointers, "cache_ptr": f"*{KV_DTYPES[kv]}", "pos_ptr": "*i64"},
-                dict(constexprs, PDL=True),
-                fp32_scalars=("eps",),
+        constexprs |= dict(HADAMARD=False, BLOCK_T=4, V_T=kv == "fp8", V_TOKENS=16, PDL=True)
+        for per_program in (1, 9 if kv == "fp8" else 10):
+            variants.append(
+                Variant(
+                    f"qknorm_rope_kvstore {kv} groups/program={per_program}",
+                    qknorm_rope_kvstore._qknorm_rope_kvstore_kernel,
+                    {**pointers, "cache_ptr": f"*{KV_DTYPES[kv]}", "pos_ptr": "*i64"},
+                    dict(constexprs, GROUPS_PER_PROGRAM=per_program),
+                    fp32_scalars=("eps",),
+                )
             )
-        )
     return variants
 
 
