@@ -342,7 +342,7 @@ def sweep_prefill(tma_only: bool = False) -> None:
 
 def sweep_qknorm() -> None:
     """Fused QK-norm/RoPE/FP8/KV-store launch shapes at 1 … 16K tokens of a prefill (slots consecutive
-    per page), then the tokens per FP8 V program at 16K."""
+    per page), then the tokens and KV heads per FP8 V program at 16K."""
     d = "cuda"
     tokens = 16384
     qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=d, dtype=torch.bfloat16)
@@ -380,9 +380,9 @@ def sweep_qknorm() -> None:
                 f"sweep qknorm T={n} block_t={block_t} warps={warps} groups/program={per_program or 'auto'}: "
                 f"{ms:.4f} ms ({floor * n / tokens / ms * 100:.0f}% BW)"
             )
-    for v_tokens in (16, 32, 64):
-        ms = time(tokens, v_tokens=v_tokens)
-        print(f"sweep qknorm T={tokens} V programs of {v_tokens} tokens: {ms:.4f} ms")
+    for v_tokens, v_heads in ((16, 1), (16, 2), (16, 4), (16, 8), (32, 1), (32, 2)):
+        ms = time(tokens, v_tokens=v_tokens, v_heads=v_heads)
+        print(f"sweep qknorm T={tokens} V programs of {v_tokens} tokens × {v_heads} KV heads: {ms:.4f} ms")
 
 
 def sweep_decode(lengths: list[int]) -> None:

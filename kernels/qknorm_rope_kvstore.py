@@ -29,11 +29,12 @@ from hy3c.ops.quant import FP8_DTYPE
 from hy3c.ops.rope import hadamard_matrix
 
 MAX_Q_GROUP = 8
-# tokens per V program (FP8 caches, V pages transposed), one KV head each: the best of attention run 32
-# (16: 0.197 ms at 16K tokens; 32: 0.245; 64: 0.377; 16 tokens × 2 KV heads: 0.247); the programs
-# spread among the token blocks, not first in the grid (0.229 against 0.246 before the aligned windows,
-# run 30)
+# tokens and KV heads per V program (FP8 caches, V pages transposed), the heads stored one after the
+# other: the best of attention run 35 (16 × 2: 0.186 ms at 16K tokens; 16 × 1: 0.195; 16 × 4: 0.199;
+# 16 × 8: 0.237; 32 × 1: 0.241; 32 × 2: 0.230); the programs spread among the token blocks, not first
+# in the grid (0.229 against 0.246 before the aligned windows, run 30)
 V_TOKENS = 16
+V_HEADS = 2
 BLOCK_T = 4  # tokens per program, with NUM_WARPS warps (best of the H200 sweep)
 NUM_WARPS = 8
 # From this many tokens on, a program walks all head groups of its tokens, computing the rotary cos/sin
@@ -198,9 +199,11 @@ def _store_v_transposed(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     V_TOKENS: tl.constexpr,
+    V_HEADS: tl.constexpr,
 ):
-    """KV head `head`'s V of tokens [first_token, first_token + V_TOKENS), quantized with
-    kv_scales[layer, 1], into V pages stored [kv_heads, head_dim, page].
+    """KV heads [head, head + V_HEADS)'s V of tokens [first_token, first_token + V_TOKENS), quantized
+    with kv_scales[layer, 1], into V pages stored [kv_heads, head_dim, page], one head after the other
+    (the slots' checks shared).
 
     The stores go by aligned windows of slots: with s the first token's slot and r = s % V_TOKENS, the
     two windows of tokens [first_token - r + k·V_TOKENS, … + V_TOKENS), k = 0, 1, cover the program's
@@ -228,11 +231,12 @@ def _store_v_transposed(
         whole = whole & (window_slot % page_size + V_TOKENS <= page_size) & ((w == 0) | (shift > 0))
         if whole:  # window 1 holds none of the program's tokens if shift = 0
             src = qkv_ptr + tok.to(tl.int64)[None, :] * stride_qkv_t + v_col
-            v = tl.load(src)
-            v = tl.clamp(v.to(tl.float32) / scale, -448.0, 448.0).to(cache_ptr.dtype.element_ty)
             page = window_slot // page_size  # (an offset by subtraction keeps the slot's alignment known)
-            key = page_base + page * stride_c_page + (window_slot - page * page_size)
-            tl.store(key + at[None, :] + rows, v)
+            key = page_base + page * stride_c_page + (window_slot - page * page_size) + at[None, :] + rows
+            for hh in tl.static_range(V_HEADS):
+                v = tl.load(src + hh * HEAD_DIM)
+                v = tl.clamp(v.to(tl.float32) / scale, -448.0, 448.0).to(cache_ptr.dtype.element_ty)
+                tl.store(key + hh * HEAD_DIM * page_size, v)
         if w == 0:
             whole_0 = whole
         else:
@@ -245,9 +249,10 @@ def _store_v_transposed(
         safe_slot = tl.where(left, own_slot, 0).to(tl.int64)
         own_key = page_base + (safe_slot // page_size) * stride_c_page + safe_slot % page_size
         own_src = qkv_ptr + own.to(tl.int64)[None, :] * stride_qkv_t + v_col
-        own_v = tl.load(own_src, mask=left[None, :], other=0.0).to(tl.float32)
-        own_v = tl.clamp(own_v / scale, -448.0, 448.0).to(cache_ptr.dtype.element_ty)
-        tl.store(own_key[None, :] + rows, own_v, mask=left[None, :])
+        for hh in tl.static_range(V_HEADS):
+            own_v = tl.load(own_src + hh * HEAD_DIM, mask=left[None, :], other=0.0).to(tl.float32)
+            own_v = tl.clamp(own_v / scale, -448.0, 448.0).to(cache_ptr.dtype.element_ty)
+            tl.store(own_key[None, :] + rows + hh * HEAD_DIM * page_size, own_v, mask=left[None, :])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -283,18 +288,20 @@ def _qknorm_rope_kvstore_kernel(
     GROUPS_PER_PROGRAM: tl.constexpr,
     V_T: tl.constexpr,
     V_TOKENS: tl.constexpr,
+    V_HEADS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (token block, j) handles head groups [j·GROUPS_PER_PROGRAM, …): the rotary cos/sin of the
     block are computed once and shared by all of them. V_T (FP8 cache): V is not a group; programs
-    (i · NUM_KV_HEADS + h, 0) of their own, spread evenly among the token blocks, store KV head h's V
-    of tokens [i·V_TOKENS, …) instead."""
+    (i · NUM_KV_HEADS / V_HEADS + g, 0) of their own, spread evenly among the token blocks, store KV
+    heads [g·V_HEADS, …)'s V of tokens [i·V_TOKENS, …) instead."""
     wait_for_inputs(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     num_groups: tl.constexpr = NUM_Q_HEADS // Q_GROUP + 1 + (not V_T)
     block = tl.program_id(0)
     if V_T:
-        v_programs = tl.cdiv(num_tokens, V_TOKENS) * NUM_KV_HEADS
+        head_groups: tl.constexpr = NUM_KV_HEADS // V_HEADS
+        v_programs = tl.cdiv(num_tokens, V_TOKENS) * head_groups
         # spread evenly among the token blocks: of programs [0, p], (p + 1)·V // N store V
         total = v_programs + tl.cdiv(num_tokens, BLOCK_T)
         v_before = block.to(tl.int64) * v_programs // total
@@ -305,9 +312,9 @@ def _qknorm_rope_kvstore_kernel(
         if is_v:
             if tl.program_id(1) == 0:
                 _store_v_transposed(
-                    qkv_ptr, cache_ptr, scales_ptr, slot_ptr, v_index // NUM_KV_HEADS * V_TOKENS,
-                    v_index % NUM_KV_HEADS, num_tokens, stride_qkv_t, stride_c_kv, stride_c_page, page_size,
-                    NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, V_TOKENS,
+                    qkv_ptr, cache_ptr, scales_ptr, slot_ptr, v_index // head_groups * V_TOKENS,
+                    v_index % head_groups * V_HEADS, num_tokens, stride_qkv_t, stride_c_kv, stride_c_page,
+                    page_size, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, V_TOKENS, V_HEADS,
                 )  # fmt: skip
             return
         block = token_block
@@ -397,10 +404,12 @@ def launch(
     num_warps: int = NUM_WARPS,
     groups_per_program: int | None = None,
     v_tokens: int = V_TOKENS,
+    v_heads: int | None = None,
 ) -> Tensor:
     """q [tokens, heads, head_dim] (see the op). Tunables: block_t tokens per program with num_warps
-    warps, groups_per_program head groups per program (default by the token count), v_tokens tokens per
-    V program (FP8 caches; a power of two)."""
+    warps, groups_per_program head groups per program (default by the token count), v_tokens tokens (a
+    power of two) and v_heads KV heads (dividing the KV heads; default V_HEADS where it divides them,
+    else 1) per V program (FP8 caches)."""
     head_dim = _check(qkv, kv_cache, num_heads, num_kv_heads)
     num_tokens = qkv.shape[0]
     q = qkv.new_empty((num_tokens, num_heads, head_dim))
@@ -412,7 +421,10 @@ def launch(
     num_groups = num_heads // group + (1 if v_transposed else 2)
     if groups_per_program is None:
         groups_per_program = num_groups if num_tokens >= SHARED_ROPE_MIN_TOKENS else 1
-    v_programs = triton.cdiv(num_tokens, v_tokens) * num_kv_heads if v_transposed else 0
+    v_heads = v_heads or (V_HEADS if num_kv_heads % V_HEADS == 0 else 1)
+    if v_transposed and num_kv_heads % v_heads:
+        raise ValueError(f"v_heads {v_heads} must divide the KV heads ({num_kv_heads})")
+    v_programs = triton.cdiv(num_tokens, v_tokens) * (num_kv_heads // v_heads) if v_transposed else 0
     grid = (triton.cdiv(num_tokens, block_t) + v_programs, triton.cdiv(num_groups, groups_per_program))
     layer_cache = kv_cache[layer]  # the layer's base pointer computed on the host, in 64 bits
     strides = (qkv.stride(0), q.stride(0), q.stride(1), *layer_cache.stride()[:4])
@@ -442,6 +454,7 @@ def launch(
         GROUPS_PER_PROGRAM=groups_per_program,
         V_T=v_transposed,
         V_TOKENS=v_tokens,
+        V_HEADS=v_heads,
         num_warps=num_warps,
         **pdl_launch(qkv.device),
     )

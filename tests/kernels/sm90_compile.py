@@ -118,7 +118,7 @@ def qknorm_variants() -> list[Variant]:
     variants = []
     for kv in ("bf16", "fp8"):
         constexprs = dict(NUM_Q_HEADS=64, NUM_KV_HEADS=8, HEAD_DIM=128, Q_GROUP=8, FP8=kv == "fp8", KV_POW2=8)
-        constexprs |= dict(HADAMARD=False, BLOCK_T=4, V_T=kv == "fp8", V_TOKENS=16, PDL=True)
+        constexprs |= dict(HADAMARD=False, BLOCK_T=4, V_T=kv == "fp8", V_TOKENS=16, V_HEADS=2, PDL=True)
         for per_program in (1, 9 if kv == "fp8" else 10):
             variants.append(
                 Variant(

@@ -144,10 +144,20 @@ def test_qknorm_rope_kvstore_real_shapes(cache_dtype, hadamard, slot_layout):
         slots = torch.cat([decode_slots, pages[chunk // PAGE] * PAGE + chunk % PAGE])
     args = (pos, qw, kw, 1e-5, 11158840.0)
     q_ref = hy3.qknorm_rope_quant_kvstore(qkv, *args, caches[1], scales, 1, slots, HEADS, KV_HEADS, hadamard)
-    for v_tokens in (16, 32):  # tokens per V program (FP8 caches)
+    for v_tokens, v_heads in ((16, 2), (32, 2), (16, 1)):  # tokens and KV heads per V program (FP8 caches)
         caches[0].zero_()
         q_tri = qknorm_rope_kvstore.launch(
-            qkv, *args, caches[0], scales, 1, slots, HEADS, KV_HEADS, hadamard, v_tokens=v_tokens
+            qkv,
+            *args,
+            caches[0],
+            scales,
+            1,
+            slots,
+            HEADS,
+            KV_HEADS,
+            hadamard,
+            v_tokens=v_tokens,
+            v_heads=v_heads,
         )
         torch.testing.assert_close(q_tri.float(), q_ref.float(), atol=2e-2, rtol=1e-2)
         # e4m3 has 3 mantissa bits: FMA contraction may move a value across a rounding tie, one ulp (12.5%)

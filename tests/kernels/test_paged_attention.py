@@ -340,12 +340,13 @@ def test_plan_op_matches_python_schedule():
 
 @pytest.mark.parametrize("hadamard", [False, True])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
-@pytest.mark.parametrize(("heads", "kv_heads", "tokens"), [(8, 2, 11), (16, 4, 5), (4, 4, 9)])
+@pytest.mark.parametrize(("heads", "kv_heads", "tokens"), [(8, 2, 11), (16, 4, 5), (4, 4, 9), (6, 3, 7)])
 def test_qknorm_rope_kvstore_kernel_matches_reference(cache_dtype, heads, kv_heads, tokens, hadamard):
     """Both program shapes (one head group per program; every group of a token block in one program,
     sharing the rotary angles), with and without the Hadamard rotation, against the reference: q, the K/V
     pages, padding slots left untouched."""
     from hy3c.kernels.qknorm_rope_kvstore import launch as kvstore
+    from hy3c.kernels.qknorm_rope_kvstore import q_group
 
     dim, page = 32, 4
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
@@ -357,7 +358,9 @@ def test_qknorm_rope_kvstore_kernel_matches_reference(cache_dtype, heads, kv_hea
     args = (pos, qw, kw, 1e-5, 11158840.0)
     ref_cache = torch.full((2, 2, tokens // page + 3, page, kv_heads, dim), 0.5).to(cache_dtype)
     q_ref = hy3.qknorm_rope_quant_kvstore(qkv, *args, ref_cache, scales, 1, slots, heads, kv_heads, hadamard)
-    groups = heads // min(heads, 8) + (1 if cache_dtype == FP8_DTYPE else 2)  # FP8: V has programs of its own
+    groups = heads // q_group(heads) + (
+        1 if cache_dtype == FP8_DTYPE else 2
+    )  # FP8: V has programs of its own
     for per_program in (1, 2, groups):  # one group, two, all of them
         cache = torch.full_like(ref_cache, 0.5)
         q = kvstore(
@@ -402,11 +405,12 @@ def test_qknorm_rope_kvstore_kernel_stores_prefill_runs_like_the_reference(
     args = (pos, norm, norm, 1e-5, 1e6)
     ref_cache = torch.zeros(1, 2, 11, page, kv_heads, dim).to(cache_dtype)
     hy3.qknorm_rope_quant_kvstore(qkv, *args, ref_cache, scales, 0, slots, heads, kv_heads)
-    for per_program, v_tokens in ((1, 16), (None, 16), (None, 32)):  # head groups per program: 1 or all
+    # head groups per program (1 or all); V programs of 16 or 32 tokens, of 1 or 2 KV heads
+    for per_program, v_tokens, v_heads in ((1, 16, 2), (None, 16, 2), (None, 32, 2), (None, 16, 1)):
         cache = torch.zeros_like(ref_cache)
         kvstore(
             qkv, *args, cache, scales, 0, slots, heads, kv_heads, groups_per_program=per_program,
-            v_tokens=v_tokens,
+            v_tokens=v_tokens, v_heads=v_heads,
         )  # fmt: skip
         assert torch.equal(cache[0, 1].float(), ref_cache[0, 1].float())  # V: quantized the same way
         torch.testing.assert_close(cache.float(), ref_cache.float(), atol=0.07, rtol=0.13)
