@@ -607,8 +607,8 @@ def _weight_descriptors(w13: Tensor, w2: Tensor, cfg: MoeConfig) -> tuple[Tensor
     down = cfg.down()
     if inter % cfg.block_n or hidden % down.block_n:
         raise ValueError(
-            f"TMA weight tiles need block_n ({cfg.block_n}) to divide the intermediate width ({inter}) and "
-            f"the down GEMM's block_n ({down.block_n}) the hidden width ({hidden})"
+            f"TMA weight tiles need block_n ({cfg.block_n}) and the down GEMM's block_n ({down.block_n}) to "
+            f"divide the expert widths (intermediate {inter}, hidden {hidden})"
         )
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("TMA weight tiles need contiguous stacked expert weights")
