@@ -273,11 +273,10 @@ def sweep_down_tiles(
     for kind, weights in variants.items():
         base = bases[kind]
 
-        def time(c: MoeConfig, w=weights) -> float | None:
-            try:
-                return graph_ms(lambda: fused_moe_triton(x, wt, ids, *w, None, config=c))
-            except Exception:  # shared memory overflow for large tiles, a box TMA cannot copy
-                return None
+        def time(
+            c: MoeConfig, w=weights
+        ) -> float | None:  # None: not launchable (shared memory) or capturable
+            return graph_ms(lambda: fused_moe_triton(x, wt, ids, *w, None, config=c))
 
         base_ms = [time(base)]
         best: tuple[float, MoeConfig] | None = None
@@ -291,7 +290,7 @@ def sweep_down_tiles(
         if best is None or None in base_ms:
             print(f"sweep down tiles {kind} T={t}: nothing could be timed")
             continue
-        won = best[0] < min(base_ms)
+        won = best[0] < 0.98 * min(base_ms)  # beyond replay-to-replay noise
         print(
             f"sweep down tiles {kind} T={t}: best {best[0] * 1e3:.1f} µs with down block {best[1].down_block_n}"
             f" × {best[1].down_block_k}, {best[1].down_stages} stages; the gate-up's tiles "

@@ -598,13 +598,15 @@ def _quantize_activations(
     return q, scale.reshape(-1), True
 
 
-def _weight_descriptors(w13: Tensor, w2: Tensor, cfg: MoeConfig) -> tuple[TensorDescriptor, TensorDescriptor]:
+def _weight_descriptors(
+    w13: Tensor, w2: Tensor, cfg: MoeConfig, down: MoeConfig
+) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA descriptors of the stacked expert weights, [E · 2I, H] and [E · H, I], with [block_n, block_k]
-    boxes of each GEMM's config. block_n must divide the expert's rows (a box never reaches the next
-    expert's); a K block past the last column is zero-filled by the copy, as the masked activations are."""
+    boxes of each GEMM's config (cfg: the gate-up's, down: `cfg.down()`). block_n must divide the expert's
+    rows (a box never reaches the next expert's); a K block past the last column is zero-filled by the
+    copy, as the masked activations are."""
     experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
-    down = cfg.down()
     if inter % cfg.block_n or hidden % down.block_n:
         raise ValueError(
             f"TMA weight tiles need block_n ({cfg.block_n}) and the down GEMM's block_n ({down.block_n}) to "
@@ -625,6 +627,22 @@ def _fit_to_widths(cfg: MoeConfig, w13: Tensor) -> MoeConfig:
     if cfg.tma and (inter % cfg.block_n or hidden % cfg.down().block_n):
         return dataclasses.replace(cfg, tma=False)
     return cfg
+
+
+def _tile_constexprs(cfg: MoeConfig, fp8: bool) -> dict[str, int | bool]:
+    """A GEMM launch's tile constexprs and launch options from its config."""
+    return dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        FP8=fp8,
+        TMA=cfg.tma,
+        SWAP_AB=cfg.swap_ab,
+        PAIR_BLOCKS=cfg.pair_blocks,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
 
 
 def _unit_column_stride(t: Tensor | None) -> Tensor | None:
@@ -677,23 +695,8 @@ def fused_moe_triton(
     hidden_act = x.new_empty((pairs, inter), dtype=FP8_DTYPE if quant_h else x.dtype)
     h_scale_static = a2_scale.float().reshape(1) if quant_h else dummy
     w13_s = w13_scale if w13_scale is not None else dummy
-    w13_desc, w2_desc = _weight_descriptors(w13, w2, cfg) if cfg.tma else (None, None)
-
-    def tiles(c: MoeConfig) -> dict:
-        return dict(
-            BLOCK_M=c.block_m,
-            BLOCK_N=c.block_n,
-            BLOCK_K=c.block_k,
-            GROUP_M=c.group_m,
-            FP8=fp8,
-            TMA=c.tma,
-            SWAP_AB=c.swap_ab,
-            PAIR_BLOCKS=c.pair_blocks,
-            num_warps=c.num_warps,
-            num_stages=c.num_stages,
-        )
-
     down = cfg.down()
+    w13_desc, w2_desc = _weight_descriptors(w13, w2, cfg, down) if cfg.tma else (None, None)
     _gate_up_kernel[(num_m_blocks * triton.cdiv(inter, cfg.block_n),)](
         a,
         w13,
@@ -720,7 +723,7 @@ def fused_moe_triton(
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and x_q is None,
         QUANT_H=quant_h,
         ACT_DTYPE=_TL_DTYPES[x.dtype],
-        **tiles(cfg),
+        **_tile_constexprs(cfg, fp8),
         **pdl_launch(x.device),
     )
     h, h_scale, h_per_row = (hidden_act, h_scale_static, False)
@@ -751,7 +754,7 @@ def fused_moe_triton(
         A_PER_ROW=h_per_row,
         W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
-        **tiles(down),
+        **_tile_constexprs(down, fp8),
         **pdl_launch(x.device),
     )
     _combine_kernel[(num_tokens, triton.cdiv(hidden, cfg.combine_block))](

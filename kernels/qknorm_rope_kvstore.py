@@ -218,11 +218,9 @@ def _store_v_transposed(
     rows = (head * HEAD_DIM + d) * page_size
     page_base = cache_ptr + stride_c_kv
     scale = tl.load(scales_ptr + 1)
-    first_slot = tl.load(slot_ptr + first_token)
+    first_slot = tl.load(slot_ptr + first_token).to(tl.int64)
     shift = tl.where(first_slot >= 0, first_slot % V_TOKENS, 0)
-    whole_0 = False
-    whole_1 = False
-    for w in tl.static_range(2):
+    for w in tl.static_range(2):  # unrolled: whole_0 and whole_1 are set below
         tok = first_token - shift + w * V_TOKENS + at
         in_batch = (tok >= 0) & (tok < num_tokens)
         slot = tl.load(slot_ptr + tok, mask=in_batch, other=-1)
@@ -293,9 +291,9 @@ def _qknorm_rope_kvstore_kernel(
     PDL: tl.constexpr,
 ):
     """Program (token block, j) handles head groups [j·GROUPS_PER_PROGRAM, …): the rotary cos/sin of the
-    block are computed once and shared by all of them. V_T (FP8 cache): V is not a group; programs
-    (i · NUM_KV_HEADS / V_HEADS + g, 0) of their own, spread evenly among the token blocks, store KV
-    heads [g·V_HEADS, …)'s V of tokens [i·V_TOKENS, …) instead."""
+    block are computed once and shared by all of them. V_T (FP8 cache): V is not a group; V programs of
+    their own (column 0 of the grid's rows, spread evenly among the token blocks) store it instead: the
+    v-th, v = i · NUM_KV_HEADS / V_HEADS + g, KV heads [g·V_HEADS, …)'s V of tokens [i·V_TOKENS, …)."""
     wait_for_inputs(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     num_groups: tl.constexpr = NUM_Q_HEADS // Q_GROUP + 1 + (not V_T)
@@ -422,9 +420,12 @@ def launch(
     num_groups = num_heads // group + (1 if v_transposed else 2)
     if groups_per_program is None:
         groups_per_program = num_groups if num_tokens >= SHARED_ROPE_MIN_TOKENS else 1
-    v_heads = v_heads or (V_HEADS if num_kv_heads % V_HEADS == 0 else 1)
-    if v_transposed and num_kv_heads % v_heads:
+    if v_heads is None:
+        v_heads = V_HEADS if num_kv_heads % V_HEADS == 0 else 1
+    if v_heads < 1 or num_kv_heads % v_heads:
         raise ValueError(f"v_heads {v_heads} must divide the KV heads ({num_kv_heads})")
+    if v_tokens < 1 or v_tokens & (v_tokens - 1):
+        raise ValueError(f"v_tokens {v_tokens} must be a power of two")
     v_programs = triton.cdiv(num_tokens, v_tokens) * (num_kv_heads // v_heads) if v_transposed else 0
     grid = (triton.cdiv(num_tokens, block_t) + v_programs, triton.cdiv(num_groups, groups_per_program))
     layer_cache = kv_cache[layer]  # the layer's base pointer computed on the host, in 64 bits

@@ -382,23 +382,25 @@ def test_qknorm_rope_kvstore_kernel_matches_reference(cache_dtype, heads, kv_hea
         assert torch.equal(cache[0].float(), torch.full_like(cache[0].float(), 0.5))  # other layer untouched
 
 
+@pytest.mark.parametrize("page", [32, 24])
 @pytest.mark.parametrize(("decodes", "chunk_offset"), [(5, 19), (16, 0)])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
 def test_qknorm_rope_kvstore_kernel_stores_prefill_runs_like_the_reference(
-    cache_dtype, decodes, chunk_offset
+    cache_dtype, decodes, chunk_offset, page
 ):
     """A mixed batch as the scheduler builds it — decode tokens at scattered slots (one padding), then a
     prefill chunk at consecutive slots from `chunk_offset` in a page across the next pages: FP8's V
     programs store the chunk's aligned windows of slots whole (the programs' tokens starting at page
     offsets that are multiples of 16 in the second case, at others in the first), the rest token by
-    token; V programs of 16 and of 32 tokens (a whole page here)."""
+    token; V programs of 16 and of 32 tokens. Pages of 32 slots hold whole aligned windows; pages of 24
+    also have aligned windows that run into the next page (stored token by token)."""
     from hy3c.kernels.qknorm_rope_kvstore import launch as kvstore
 
-    heads, kv_heads, dim, page, tokens = 8, 2, 32, 32, 150
+    heads, kv_heads, dim, tokens = 8, 2, 32, 150
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
     pos = torch.arange(tokens)
     norm = torch.ones(dim, dtype=torch.bfloat16)
-    scattered = [5 * page + 7, -1, 0, 9 * page + 31, 2 * page + 1]
+    scattered = [5 * page + 7, -1, 0, 9 * page + page - 1, 2 * page + 1]
     decode_slots = torch.tensor(scattered + [10 * page + i for i in range(decodes - 5)])
     slots = torch.cat([decode_slots, 3 * page + chunk_offset + torch.arange(tokens - decodes)])
     scales = torch.tensor([[0.05, 0.04]])
@@ -414,6 +416,24 @@ def test_qknorm_rope_kvstore_kernel_stores_prefill_runs_like_the_reference(
         )  # fmt: skip
         assert torch.equal(cache[0, 1].float(), ref_cache[0, 1].float())  # V: quantized the same way
         torch.testing.assert_close(cache.float(), ref_cache.float(), atol=0.07, rtol=0.13)
+
+
+@pytest.mark.parametrize(
+    ("tunables", "message"),
+    [
+        ({"v_heads": 3}, "v_heads 3 must divide"),
+        ({"v_heads": 0}, "v_heads 0"),
+        ({"v_tokens": 24}, "power of two"),
+    ],
+)
+def test_qknorm_rope_kvstore_refuses_v_program_shapes_it_cannot_run(tunables, message):
+    from hy3c.kernels.qknorm_rope_kvstore import launch as kvstore
+
+    qkv, norm = torch.randn(3, 12 * 32).to(torch.bfloat16), torch.ones(32, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 2, 2, 16, 2, 32).to(FP8_DTYPE)
+    args = (torch.arange(3), norm, norm, 1e-5, 1e6, cache, torch.ones(1, 2), 0, torch.arange(3), 8, 2)
+    with pytest.raises(ValueError, match=message):
+        kvstore(qkv, *args, **tunables)
 
 
 def test_layer_offset_beyond_int32_reads_and_writes_that_layer():
