@@ -302,8 +302,8 @@ def prefill_bench(tokens: int) -> None:
 
 def sweep_prefill(tma_only: bool = False) -> None:
     """Prefill launch configs at 8K tokens, bf16 and FP8 KV: query rows per program, key block, warps,
-    stages, key blocks by TMA bulk copies (one per page slice) or per-row pointer loads (tma_only: TMA
-    blocks only, the default since run 14); eager rescaling (the default)."""
+    stages, a register cap for 8 warps, key blocks by TMA bulk copies (one per page slice) or per-row
+    pointer loads (tma_only: TMA blocks only, the default since run 14); eager rescaling (the default)."""
     d = "cuda"
     q = torch.randn(8192, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)
@@ -314,29 +314,31 @@ def sweep_prefill(tma_only: bool = False) -> None:
         for rows in (128, 256):
             plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8, rows))
             for block_n, tma in ((64, True),) if tma_only else ((64, False), (128, False), (64, True)):
-                for warps in (4, 8) if rows <= 128 else (8,):
-                    for stages in (2, 3, 4) if tma else (2, 3):
-                        cfg = LaunchConfig(
-                            block_n=block_n,
-                            num_warps=warps,
-                            num_stages=stages,
-                            q_rows=rows,
-                            tma=tma,
-                        )
-                        label = (
-                            f"sweep prefill 8192 {dtype} rows={rows} block_n={block_n} warps={warps} "
-                            f"stages={stages} tma={tma}"
-                        )
-                        try:
-                            ms = bench(
-                                lambda c=cfg, p=plan, kv=(cache, scales, 0, table): prefill_attention(
-                                    q, *kv, seq_lens, qsl, HEAD_DIM**-0.5, p, config=c
-                                )
+                # 8 warps over 128 rows also capped at 128 registers: two CTAs per SM (uncapped: 216, one)
+                shapes = ((4, 0), (8, 0), (8, 128)) if rows <= 128 else ((8, 0),)
+                for (warps, max_registers), stages in itertools.product(shapes, (2, 3, 4) if tma else (2, 3)):
+                    cfg = LaunchConfig(
+                        block_n=block_n,
+                        num_warps=warps,
+                        num_stages=stages,
+                        q_rows=rows,
+                        tma=tma,
+                        max_registers=max_registers,
+                    )
+                    label = (
+                        f"sweep prefill 8192 {dtype} rows={rows} block_n={block_n} warps={warps} "
+                        f"max_registers={max_registers or 'auto'} stages={stages} tma={tma}"
+                    )
+                    try:
+                        ms = bench(
+                            lambda c=cfg, p=plan, kv=(cache, scales, 0, table): prefill_attention(
+                                q, *kv, seq_lens, qsl, HEAD_DIM**-0.5, p, config=c
                             )
-                        except Exception as exc:  # e.g. out of shared memory for the larger tiles
-                            print(f"{label}: failed {type(exc).__name__}")
-                            continue
-                        print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)")
+                        )
+                    except Exception as exc:  # e.g. out of shared memory for the larger tiles
+                        print(f"{label}: failed {type(exc).__name__}")
+                        continue
+                    print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)")
         del cache
 
 

@@ -78,6 +78,12 @@ class LaunchConfig:
     q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
     lazy_rescale: bool = False  # prefill: rescale acc only when a row's max grows by more than 2^8
     tma: bool = False  # K/V blocks by TMA bulk copies (block_n divides the page)
+    max_registers: int = 0  # a cap on registers per thread (0: the compiler's choice), for more CTAs per SM
+
+    def launch_options(self) -> dict[str, int]:
+        """num_warps, num_stages and the register cap as Triton launch options."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        return options | ({"maxnreg": self.max_registers} if self.max_registers else {})
 
 
 # best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
@@ -905,8 +911,7 @@ def decode_attention_dynamic(
         MIN_TILES=config.min_tiles_per_cta,
         **_cache_flags(kv_cache),
         TMA=config.tma,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **config.launch_options(),
         **common,
         **pdl_launch(q.device),
     )
@@ -960,8 +965,7 @@ def decode_attention_static(
         BLOCK_N=config.block_n,
         **_cache_flags(kv_cache),
         TMA=config.tma,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **config.launch_options(),
         **common,
         **pdl_launch(q.device),
     )
@@ -1012,8 +1016,7 @@ def prefill_attention(
         **_cache_flags(kv_cache, config.lazy_rescale),
         TMA=config.tma,
         LAZY=config.lazy_rescale,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **config.launch_options(),
         **pdl_launch(q.device),
     )
     return out

@@ -256,6 +256,18 @@ def test_prefill_by_tma_copies_matches_reference(lengths, new, page, heads, bloc
     _assert_attention_close(out, q, cache, scales, table, seq_lens, qsl)
 
 
+def test_launch_config_caps_registers_only_when_asked():
+    """max_registers becomes Triton's maxnreg launch option (more CTAs per SM for 8-warp prefill); a
+    capped prefill computes the same output (the interpreter ignores the cap; sm90_compile builds it)."""
+    assert LaunchConfig().launch_options() == {"num_warps": 4, "num_stages": 3}
+    capped = LaunchConfig(num_warps=8, num_stages=2, max_registers=128, tma=True)
+    assert capped.launch_options() == {"num_warps": 8, "num_stages": 2, "maxnreg": 128}
+    q, cache, scales, table, seq_lens, qsl = _case([70, 20], [1, 20], 64, 8, 8, cache_dtype=torch.bfloat16)
+    plan = _plan(seq_lens, qsl, 1)
+    out = prefill_attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2, plan, config=capped)
+    _assert_attention_close(out, q, cache, scales, table, seq_lens, qsl)
+
+
 def test_prefill_takes_tma_copies_where_the_page_size_allows():
     assert prefill_config(64).tma and prefill_config(128).tma
     assert not prefill_config(16).tma and not prefill_config(96).tma
