@@ -12,6 +12,7 @@
 
     python bench/attention_bench.py --spread      # the single 128K request's run-to-run spread only
     python bench/attention_bench.py --prefill     # the prefill rows only
+    python bench/attention_bench.py --prefill-candidates  # prefill configs and SDPA, interleaved by round
     python bench/attention_bench.py --qknorm      # the fused QK-norm/RoPE/KV-store rows only
     python bench/attention_bench.py --sweep-qknorm  # … after its launch shapes
     python bench/attention_bench.py --decode-configs  # FP8 decode configs under both timers
@@ -283,7 +284,7 @@ def prefill_bench(tokens: int) -> None:
         row(f"prefill {tokens} causal: hy3c Triton paged, {name} KV", ours, None, sdpa, "SDPA")
         RESULTS[f"prefill_{tokens}_tflops"][name] = flops / ours / 1e9
         kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
-        default = prefill_config(cache.shape[3])  # eager rescaling: time the lazy choice too
+        default = prefill_config(cache.shape[3], dtype)  # eager rescaling: time the lazy choice too
         other = dataclasses.replace(default, lazy_rescale=not default.lazy_rescale)
         what = "lazy" if other.lazy_rescale else "eager"
         ref, alt = prefill_attention(q, *kv), prefill_attention(q, *kv, config=other)
@@ -340,6 +341,64 @@ def sweep_prefill(tma_only: bool = False) -> None:
                         continue
                     print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)")
         del cache
+
+
+def prefill_candidates(rounds: int = 3) -> None:
+    """The shipped prefill configs against candidate configs, interleaved with torch SDPA round by round
+    (a long sweep heats the GPU and lowers its clock, so every ratio is taken within one round), at 8K
+    and 32K tokens, bf16 and FP8 KV. Prints each config's ms per round and its ratio to SDPA."""
+    d = "cuda"
+    candidates = {
+        "4 warps, 3 stages": LaunchConfig(block_n=64, num_warps=4, num_stages=3, tma=True),
+        "4 warps, 2 stages": LaunchConfig(block_n=64, num_warps=4, num_stages=2, tma=True),
+        "8 warps ≤128 regs, 2 stages": LaunchConfig(
+            block_n=64, num_warps=8, num_stages=2, tma=True, max_registers=128
+        ),
+        "8 warps ≤128 regs, 3 stages": LaunchConfig(
+            block_n=64, num_warps=8, num_stages=3, tma=True, max_registers=128
+        ),
+    }
+    for tokens in (8192, 32768):
+        q = torch.randn(tokens, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
+        seq_lens = torch.tensor([tokens], dtype=torch.int32, device=d)
+        qsl = torch.tensor([0, tokens], dtype=torch.int32, device=d)
+        plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
+        qq = torch.randn(1, HEADS, tokens, HEAD_DIM, device=d, dtype=torch.bfloat16)
+        kk = torch.randn(1, KV_HEADS, tokens, HEAD_DIM, device=d, dtype=torch.bfloat16)
+        vv = torch.randn_like(kk)
+        flops = 4 * HEADS * tokens * tokens * HEAD_DIM / 2
+        for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
+            cache, table, scales = paged_cache([tokens], dtype, kv_scale)
+            kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
+            shipped = prefill_config(cache.shape[3], dtype)
+            ref = prefill_attention(q, *kv)
+            times: dict[str, list[float]] = {"SDPA": []}
+            for _ in range(rounds):
+                sdpa_inputs = (qq, kk, vv)
+                times["SDPA"].append(
+                    bench(
+                        lambda a=sdpa_inputs: F.scaled_dot_product_attention(
+                            *a, is_causal=True, enable_gqa=True
+                        )
+                    )
+                )
+                for name, cfg in candidates.items():
+                    out = prefill_attention(q, *kv, config=cfg)
+                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                    assert err < 1e-2, f"{name}: relative difference {err:.1e} from the shipped config"
+                    call = (q, *kv)
+                    times.setdefault(name, []).append(
+                        bench(lambda a=call, c=cfg: prefill_attention(*a, config=c))
+                    )
+            for name, ms in times.items():
+                mark = " (shipped)" if candidates.get(name) == shipped else ""
+                ratios = " / ".join(f"{s / m:.3f}" for s, m in zip(times["SDPA"], ms, strict=True))
+                line = " / ".join(f"{m:.3f}" for m in ms)
+                tf = flops / min(ms) / 1e9
+                print(
+                    f"| prefill {tokens} {dtype_name(dtype)} KV: {name}{mark} | {line} | {tf:.0f} | {ratios} |"
+                )
+                RESULTS[f"prefill candidates {tokens} {dtype_name(dtype)} {name}"] = {"ms": ms}
 
 
 def sweep_qknorm() -> None:
@@ -546,6 +605,9 @@ def main() -> None:
     parser.add_argument("--spread", action="store_true", help="only the single-request decode spread")
     parser.add_argument("--prefill", action="store_true", help="only the prefill rows")
     parser.add_argument(
+        "--prefill-candidates", action="store_true", help="prefill configs interleaved with SDPA by round"
+    )
+    parser.add_argument(
         "--decode-configs", action="store_true", help="only FP8 decode configs under both timers"
     )
     parser.add_argument("--qknorm", action="store_true", help="only the fused QK-norm/RoPE/KV-store rows")
@@ -559,6 +621,9 @@ def main() -> None:
         return
     if args.spread:
         decode_spread(131072)
+        return
+    if args.prefill_candidates:
+        prefill_candidates()
         return
     if args.prefill:
         for tokens in (8192, 32768):

@@ -110,18 +110,22 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int, page_size: int = 64)
 
 
 # prefill: 128 query rows (16 tokens × 8 heads at Hy3's GQA; the plan's PREFILL_ROWS), 64-key blocks as
-# TMA bulk copies, 4 warps, 3 stages — the sweep's best at 8K for bf16 (530 TFLOP/s; 464 with per-row
-# pointer loads) and FP8 KV (BENCHMARKS.md, attention runs 8-14). Pages that a 64-key block does not
-# tile (a page size that 64 does not divide) take per-row pointer loads (bf16 335, FP8 321). Lazy
-# rescaling measured slower for bf16 (attention run 17) and, since P·V is an e4m3 product, for FP8 KV
-# too (0.87× at 8K and 32K, attention run 25).
-PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=3, tma=True)
+# TMA bulk copies. bf16 KV: 4 warps, 2 stages — 96 KB of shared memory, so two CTAs per SM (3 stages: one);
+# FP8 KV: 8 warps capped at 128 registers, 2 stages — two CTAs per SM as well (uncapped, 8 warps take 216
+# registers). Timed interleaved with SDPA round by round (BENCHMARKS.md, attention run 38): bf16 0.88× SDPA
+# at 8K (3 stages 0.83×), FP8 0.89× at 8K and 1.04× at 32K (4 warps, 3 stages: 0.80× and 1.07×).
+# Pages that a 64-key block does not tile (a page size that 64 does not divide) take per-row pointer loads
+# (bf16 335, FP8 321 TFLOP/s; attention runs 8-14). Lazy rescaling measured slower for bf16 (attention
+# run 17) and, since P·V is an e4m3 product, for FP8 KV too (0.87× at 8K and 32K, attention run 25).
+PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, tma=True)
+FP8_PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=8, num_stages=2, tma=True, max_registers=128)
 PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 
 
-def prefill_config(page_size: int) -> LaunchConfig:
-    """The prefill launch config for a KV cache's page size."""
-    return PREFILL_CONFIG if page_size % PREFILL_CONFIG.block_n == 0 else PREFILL_CONFIG_ANY_PAGE
+def prefill_config(page_size: int, kv_dtype: torch.dtype) -> LaunchConfig:
+    """The prefill launch config for a KV cache's page size and dtype."""
+    config = FP8_PREFILL_CONFIG if kv_dtype == FP8_DTYPE else PREFILL_CONFIG
+    return config if page_size % config.block_n == 0 else PREFILL_CONFIG_ANY_PAGE
 
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -984,7 +988,7 @@ def prefill_attention(
     plan: Tensor,
     config: LaunchConfig | None = None,
 ) -> Tensor:
-    config = config or prefill_config(kv_cache.shape[3])
+    config = config or prefill_config(kv_cache.shape[3], kv_cache.dtype)
     group, num_kv_heads, head_dim = _group(q, kv_cache)
     num_requests = seq_lens.shape[0]
     q_block = prefill_q_block(group, config.q_rows)

@@ -85,12 +85,10 @@ def attention_variants() -> list[Variant]:
                         ("sm_scale",),
                     )
                 )
-        if kv == "bf16":  # 8 warps capped at 128 registers: two CTAs per SM
-            shipped = next(v for v in variants if v.label == "prefill bf16 tma=True lazy=False")
-            label = "prefill bf16 tma=True lazy=False warps=8 maxnreg=128"
-            variants.append(
-                dataclasses.replace(shipped, label=label, options={"num_warps": 8, "maxnreg": 128})
-            )
+        # 8 warps capped at 128 registers: two CTAs per SM (FP8 KV's shipped prefill)
+        eager = next(v for v in variants if v.label == f"prefill {kv} tma=True lazy=False")
+        label = f"prefill {kv} tma=True lazy=False warps=8 maxnreg=128"
+        variants.append(dataclasses.replace(eager, label=label, options={"num_warps": 8, "maxnreg": 128}))
         for block_n, tma in ((128, False), (64, True)):
             unused = {} if tma else {"k_desc": None, "v_desc": None}
             decode = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1, BLOCK_N=block_n)
