@@ -13,9 +13,7 @@
   weight bytes and % of bf16 peak.
 * --sweep: tries launch configs per token bucket (CUDA-graph replays at T ≤ 128) and writes the best
   to $OUT/fused_moe_h200.json (the shipped configs for buckets not in --tokens); with the router part,
-  also sweeps the dual-BF16 kernel's tiles and K splits per M. At decode sizes the down GEMM's own
-  tiles are then swept on top of each variant's best (`--parts down-tiles`: only that, on the shipped
-  configs).
+  also sweeps the dual-BF16 kernel's tiles and K splits per M.
 """
 
 from __future__ import annotations
@@ -250,82 +248,6 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
     ]
 
 
-def down_tile_configs(base: MoeConfig, fp8: bool) -> list[MoeConfig]:
-    """Decode sizes: the down GEMM's own column block, K block and stages on top of a gate-up config
-    (its K is the 1536-wide intermediate: fewer, larger K steps than the gate-up's 4096)."""
-    k_blocks = (128, 256, 512) if fp8 else (64, 128, 256)
-    return [
-        dataclasses.replace(base, down_block_n=bn, down_block_k=bk, down_stages=stages)
-        for bn in ((64, 128, 256) if base.swap_ab else (32, 64, 128))
-        for bk in k_blocks
-        for stages in (2, 3, 4)
-        if stages * bn * bk * (1 if fp8 else 2) <= 200 * 1024  # the weight tiles' shared memory
-    ]
-
-
-def sweep_down_tiles(
-    x, ids, wt, variants: dict[str, tuple], bases: dict[str, MoeConfig]
-) -> dict[str, MoeConfig]:
-    """For each variant, the down GEMM's tiles swept on top of its gate-up config (`bases`), from CUDA-graph
-    replays; the base itself (the down GEMM on the gate-up's tiles) timed first and last."""
-    t = x.shape[0]
-    chosen = {}
-    for kind, weights in variants.items():
-        base = bases[kind]
-
-        def time(
-            c: MoeConfig, w=weights
-        ) -> float | None:  # None: not launchable (shared memory) or capturable
-            return graph_ms(lambda: fused_moe_triton(x, wt, ids, *w, None, config=c))
-
-        base_ms = [time(base)]
-        best: tuple[float, MoeConfig] | None = None
-        tried = {}
-        for cfg in down_tile_configs(base, kind != "bf16"):
-            ms = time(cfg)
-            tried[f"{cfg.down_block_n}x{cfg.down_block_k}x{cfg.down_stages}"] = ms
-            if ms is not None and (best is None or ms < best[0]):
-                best = (ms, cfg)
-        base_ms.append(time(base))
-        if best is None or None in base_ms:
-            print(f"sweep down tiles {kind} T={t}: nothing could be timed")
-            continue
-        won = best[0] < 0.98 * min(base_ms)  # beyond replay-to-replay noise
-        print(
-            f"sweep down tiles {kind} T={t}: best {best[0] * 1e3:.1f} µs with down block {best[1].down_block_n}"
-            f" × {best[1].down_block_k}, {best[1].down_stages} stages; the gate-up's tiles "
-            f"{base_ms[0] * 1e3:.1f} / {base_ms[1] * 1e3:.1f} µs"
-        )
-        RESULTS.setdefault(f"sweep_down_T{t}", {})[kind] = {
-            "base_ms": base_ms,
-            "best_ms": best[0],
-            "tried": tried,
-        }
-        chosen[kind] = best[1] if won else base
-    return chosen
-
-
-def down_tiles_bench(token_counts: tuple[int, ...]) -> None:
-    """`--parts down-tiles`: the down GEMM's own tiles swept on top of the shipped configs, at decode
-    sizes (no gate-up sweep), every variant as `moe_bench` builds it."""
-    d = "cuda"
-    w13 = torch.randn(E, 2 * INTER, H, device=d, dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(E, H, INTER, device=d, dtype=torch.bfloat16) * 0.02
-    s13, s2 = w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448
-    q13, q2 = (w13.float() / s13[..., None]).to(FP8_DTYPE), (w2.float() / s2[..., None]).to(FP8_DTYPE)
-    for t in token_counts:
-        x = torch.randn(t, H, device=d, dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, device=d)[:K_TOP] for _ in range(t)]).int()
-        wt = torch.rand(t, K_TOP, device=d)
-        a13, a2 = static_activation_scales(x, ids, w13)
-        variants = {
-            "bf16": (w13, w2, None, None, None, None),
-            "fp8": (q13, q2, s13, s2, None, None),
-            "fp8_static": (q13, q2, s13, s2, a13, a2),
-        }
-        sweep_down_tiles(x, ids, wt, variants, {kind: select_config(t, kind) for kind in variants})
-
-
 def sweep_bucket(x, ids, wt, variants: dict[str, tuple]) -> dict[str, MoeConfig]:
     """Best config of each variant (kind → weights, weight scales, activation scales) at this token
     count: replayed from CUDA graphs at decode sizes (as a decode step runs them), plain launches above."""
@@ -482,10 +404,7 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
                 "fp8": (q13, q2, s13, s2, None, None),
                 "fp8_static": (q13, q2, s13, s2, a13, a2),
             }
-            chosen = sweep_bucket(x, ids, wt, variants)
-            if t <= 128:  # then the down GEMM's own tiles on top of each variant's best
-                chosen |= sweep_down_tiles(x, ids, wt, {k: variants[k] for k in chosen}, chosen)
-            for kind, cfg in chosen.items():
+            for kind, cfg in sweep_bucket(x, ids, wt, variants).items():
                 tuned[kind][t] = cfg
     if sweep and os.environ.get("OUT"):  # swept buckets replace theirs; the others keep the shipped configs
         shipped = json.loads(CONFIG_FILE.read_text()) if CONFIG_FILE.is_file() else {}
@@ -498,9 +417,7 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument(
-        "--parts", default="router,align,moe", help="comma list of router, align, moe, down-tiles"
-    )
+    parser.add_argument("--parts", default="router,align,moe", help="comma list of router, align, moe")
     parser.add_argument("--tokens", default="1,16,128,1024,8192", help="moe: comma list of token counts")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -511,8 +428,6 @@ def main() -> None:
         align_bench()
     if "moe" in parts:
         moe_bench(args.sweep, tuple(int(t) for t in args.tokens.split(",")))
-    if "down-tiles" in parts:
-        down_tiles_bench(tuple(int(t) for t in args.tokens.split(",") if int(t) <= 128))
     RESULTS["env"] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -33,8 +33,7 @@ tile is a wgmma (m64nBLOCK_Mk32 for e4m3, reading the weights from shared memory
 16 token rows × block_n weights lower to `mma.sync` with every FP8 weight widened in registers.
 
 Launch configs per token-count bucket come from `configs/fused_moe_h200.json` (written by
-`bench/moe_bench.py --sweep`) or the built-in defaults; a config may give the down GEMM (K = the
-intermediate width) tiles and stages of its own (`down_block_n`, `down_block_k`, `down_stages`).
+`bench/moe_bench.py --sweep`) or the built-in defaults.
 """
 
 from __future__ import annotations
@@ -74,26 +73,10 @@ class MoeConfig:
     swap_ab: bool = False  # weights as the MMA's rows (acc^T = W · a^T): a wgmma with block_m token columns
     pair_blocks: bool = False  # one (token, slot) pair per M block, no alignment launch (for one token)
     combine_block: int = 1024  # columns per program of the combine (more programs for few tokens)
-    # the down GEMM's own column block, K block and stages (0: the gate-up GEMM's)
-    down_block_n: int = 0
-    down_block_k: int = 0
-    down_stages: int = 0
 
     def __post_init__(self) -> None:
         if self.combine_block & (self.combine_block - 1):
             raise ValueError(f"combine_block must be a power of two, got {self.combine_block}")
-
-    def down(self) -> MoeConfig:
-        """The down GEMM's launch config: this one with its own tiles where set."""
-        return dataclasses.replace(
-            self,
-            block_n=self.down_block_n or self.block_n,
-            block_k=self.down_block_k or self.block_k,
-            num_stages=self.down_stages or self.num_stages,
-            down_block_n=0,
-            down_block_k=0,
-            down_stages=0,
-        )
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
@@ -598,51 +581,32 @@ def _quantize_activations(
     return q, scale.reshape(-1), True
 
 
-def _weight_descriptors(
-    w13: Tensor, w2: Tensor, cfg: MoeConfig, down: MoeConfig
-) -> tuple[TensorDescriptor, TensorDescriptor]:
+def _weight_descriptors(w13: Tensor, w2: Tensor, cfg: MoeConfig) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA descriptors of the stacked expert weights, [E · 2I, H] and [E · H, I], with [block_n, block_k]
-    boxes of each GEMM's config (cfg: the gate-up's, down: `cfg.down()`). block_n must divide the expert's
-    rows (a box never reaches the next expert's); a K block past the last column is zero-filled by the
-    copy, as the masked activations are."""
+    boxes. block_n must divide each expert's rows (a box never reaches the next expert's); a K block past
+    the last column is zero-filled by the copy, as the masked activations are."""
     experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
-    if inter % cfg.block_n or hidden % down.block_n:
+    if inter % cfg.block_n or hidden % cfg.block_n:
         raise ValueError(
-            f"TMA weight tiles need block_n ({cfg.block_n}) and the down GEMM's block_n ({down.block_n}) to "
-            f"divide the expert widths (intermediate {inter}, hidden {hidden})"
+            f"TMA weight tiles need block_n ({cfg.block_n}) to divide the expert widths ({inter}, {hidden})"
         )
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("TMA weight tiles need contiguous stacked expert weights")
+    box = [cfg.block_n, cfg.block_k]
     return (
-        TensorDescriptor(w13, [experts * two_inter, hidden], [hidden, 1], [cfg.block_n, cfg.block_k]),
-        TensorDescriptor(w2, [experts * hidden, inter], [inter, 1], [down.block_n, down.block_k]),
+        TensorDescriptor(w13, [experts * two_inter, hidden], [hidden, 1], box),
+        TensorDescriptor(w2, [experts * hidden, inter], [inter, 1], box),
     )
 
 
 def _fit_to_widths(cfg: MoeConfig, w13: Tensor) -> MoeConfig:
-    """A tuned config (chosen for Hy3's widths) for these experts: TMA weight tiles only where each GEMM's
-    block_n divides its expert rows (small test models take the same config with pointer loads)."""
+    """A tuned config (chosen for Hy3's widths) for these experts: TMA weight tiles only where block_n
+    divides both expert widths (small test models take the same config with pointer loads)."""
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
-    if cfg.tma and (inter % cfg.block_n or hidden % cfg.down().block_n):
+    if cfg.tma and (inter % cfg.block_n or hidden % cfg.block_n):
         return dataclasses.replace(cfg, tma=False)
     return cfg
-
-
-def _tile_constexprs(cfg: MoeConfig, fp8: bool) -> dict[str, int | bool]:
-    """A GEMM launch's tile constexprs and launch options from its config."""
-    return dict(
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        FP8=fp8,
-        TMA=cfg.tma,
-        SWAP_AB=cfg.swap_ab,
-        PAIR_BLOCKS=cfg.pair_blocks,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
 
 
 def _unit_column_stride(t: Tensor | None) -> Tensor | None:
@@ -695,8 +659,19 @@ def fused_moe_triton(
     hidden_act = x.new_empty((pairs, inter), dtype=FP8_DTYPE if quant_h else x.dtype)
     h_scale_static = a2_scale.float().reshape(1) if quant_h else dummy
     w13_s = w13_scale if w13_scale is not None else dummy
-    down = cfg.down()
-    w13_desc, w2_desc = _weight_descriptors(w13, w2, cfg, down) if cfg.tma else (None, None)
+    w13_desc, w2_desc = _weight_descriptors(w13, w2, cfg) if cfg.tma else (None, None)
+    common = dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        FP8=fp8,
+        TMA=cfg.tma,
+        SWAP_AB=cfg.swap_ab,
+        PAIR_BLOCKS=cfg.pair_blocks,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     _gate_up_kernel[(num_m_blocks * triton.cdiv(inter, cfg.block_n),)](
         a,
         w13,
@@ -723,7 +698,7 @@ def fused_moe_triton(
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and x_q is None,
         QUANT_H=quant_h,
         ACT_DTYPE=_TL_DTYPES[x.dtype],
-        **_tile_constexprs(cfg, fp8),
+        **common,
         **pdl_launch(x.device),
     )
     h, h_scale, h_per_row = (hidden_act, h_scale_static, False)
@@ -731,7 +706,7 @@ def fused_moe_triton(
         h, h_scale, h_per_row = _quantize_activations(hidden_act, None, cfg.quant_on_load)
     per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
     w2_s = w2_scale if w2_scale is not None else dummy
-    _down_kernel[(num_m_blocks * triton.cdiv(hidden, down.block_n),)](
+    _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
         h,
         w2,
         w2_desc,
@@ -754,7 +729,7 @@ def fused_moe_triton(
         A_PER_ROW=h_per_row,
         W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
-        **_tile_constexprs(down, fp8),
+        **common,
         **pdl_launch(x.device),
     )
     _combine_kernel[(num_tokens, triton.cdiv(hidden, cfg.combine_block))](

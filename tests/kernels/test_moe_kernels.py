@@ -267,55 +267,6 @@ def test_fused_moe_tma_zero_fills_k_blocks_past_the_last_column(fp8, swap_ab):
     torch.testing.assert_close(fused_moe_triton(*args, config=dataclasses.replace(cfg, tma=True)), pointers)
 
 
-@pytest.mark.parametrize(("tma", "swap_ab", "pair_blocks"), [(False, False, False), (True, True, True)])
-@pytest.mark.parametrize("fp8", [False, True])
-def test_fused_moe_down_gemm_takes_its_own_tiles(fp8, tma, swap_ab, pair_blocks, monkeypatch):
-    """The down GEMM's column block and stages of its own: launched with them (its grid, BLOCK_N,
-    num_stages), the same sums (its K loop unchanged), so the same output bit for bit; its own K block
-    too: the reference's output within tolerance."""
-    launches = []
-
-    class RecordedLaunches:
-        def __getitem__(self, grid):
-            launch = _down_kernel[grid]
-
-            def run(*args, **kwargs):
-                launches.append((grid, kwargs["BLOCK_N"], kwargs["BLOCK_K"], kwargs["num_stages"]))
-                return launch(*args, **kwargs)
-
-            return run
-
-    _down_kernel = hy3c.kernels.fused_moe._down_kernel
-    monkeypatch.setattr(hy3c.kernels.fused_moe, "_down_kernel", RecordedLaunches())
-    tokens, experts, top_k = 1 if pair_blocks else 6, 8, 2
-    x = torch.randn(tokens, 128).to(torch.bfloat16)
-    w13, w2, scales = _expert_weights(experts, 128, 64, fp8)
-    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
-    args = (x, torch.rand(tokens, top_k), ids, w13, w2, *scales, None, None, torch.randn(tokens, 128))
-    cfg = dataclasses.replace(CFG, tma=tma, swap_ab=swap_ab, pair_blocks=pair_blocks)
-    same = fused_moe_triton(*args, config=cfg)
-    own = dataclasses.replace(cfg, down_block_n=64, down_stages=3)
-    torch.testing.assert_close(fused_moe_triton(*args, config=own), same, atol=0, rtol=0)
-    assert launches[0][1:] == (cfg.block_n, cfg.block_k, cfg.num_stages)  # the gate-up's tiles, then its own
-    assert launches[1][1:] == (64, cfg.block_k, 3)
-    m_blocks = launches[0][0][0] // (128 // cfg.block_n)  # the grid: M blocks × column blocks of hidden 128
-    assert launches[1][0] == (m_blocks * 128 // 64,)
-    wider_k = fused_moe_triton(*args, config=dataclasses.replace(own, down_block_k=64)).float()
-    ref = hy3.fused_moe(*args).float()
-    assert (wider_k - ref).norm() / ref.norm() < (2e-2 if fp8 else 1e-2)
-
-
-def test_fused_moe_tma_needs_the_down_block_to_tile_the_hidden_rows():
-    """A down GEMM block of 64 rows over hidden 96: an explicit config is refused, naming the down GEMM's
-    block; a tuned one (chosen for Hy3's widths) falls back to pointer loads."""
-    w13, w2, _ = _expert_weights(4, 96, 32, fp8=False)
-    x, ids = torch.randn(2, 96).to(torch.bfloat16), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    cfg = dataclasses.replace(CFG, tma=True, down_block_n=64)
-    with pytest.raises(ValueError, match="down GEMM's block_n"):
-        fused_moe_triton(x, torch.rand(2, 2), ids, w13, w2, None, None, None, None, None, config=cfg)
-    assert not hy3c.kernels.fused_moe._fit_to_widths(cfg, w13).tma
-
-
 def test_fused_moe_takes_its_input_already_quantized_per_token():
     """FP8 experts, per-token scales: x handed over as the norm's e4m3 rows and scales gives the same
     output as x quantized inside (Triton and the reference), and the reference reads the given rows."""
