@@ -347,8 +347,7 @@ def sweep_prefill(tma_only: bool = False) -> None:
 def prefill_candidates(rounds: int = 4) -> None:
     """The shipped prefill configs against candidate configs, interleaved with torch SDPA round by round
     after 2 s of SDPA (a long sweep heats the GPU and lowers its clock, so every ratio is taken within one
-    round), at 8K
-    and 32K tokens, bf16 and FP8 KV. Prints each config's ms per round and its ratio to SDPA."""
+    round), at 8K and 32K tokens, bf16 and FP8 KV. Prints each config's ms per round and its ratio to SDPA."""
     d = "cuda"
     candidates = {
         "4 warps, 3 stages": LaunchConfig(block_n=64, num_warps=4, num_stages=3, tma=True),
