@@ -14,8 +14,6 @@
 * --sweep: tries launch configs per token bucket (CUDA-graph replays at T ≤ 128) and writes the best
   to $OUT/fused_moe_h200.json (the shipped configs for buckets not in --tokens); with the router part,
   also sweeps the dual-BF16 kernel's tiles and K splits per M.
-* --parts one-kernel (with --tokens 1): the one-token configs with both GEMMs in one persistent launch
-  against their two launches, interleaved by round.
 """
 
 from __future__ import annotations
@@ -416,74 +414,10 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
             json.dump(shipped, f, indent=1)
 
 
-def one_kernel_bench(token_counts: tuple[int, ...], rounds: int = 3) -> None:
-    """`--parts one-kernel`: the shipped pair-block configs (one token) with both GEMMs in one persistent
-    launch (`MoeConfig.one_kernel`) against their two launches, interleaved round by round (CUDA-graph
-    replays, µs), for bf16, FP8 (x quantized inside, and x from the norm) and FP8 with static scales;
-    outputs checked bit-equal first."""
-    d = "cuda"
-    w13 = torch.randn(E, 2 * INTER, H, device=d, dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(E, H, INTER, device=d, dtype=torch.bfloat16) * 0.02
-    s13, s2 = w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448
-    q13, q2 = (w13.float() / s13[..., None]).to(FP8_DTYPE), (w2.float() / s2[..., None]).to(FP8_DTYPE)
-    for t in token_counts:
-        x = torch.randn(t, H, device=d, dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, device=d)[:K_TOP] for _ in range(t)]).int()
-        wt = torch.rand(t, K_TOP, device=d)
-        shared = torch.randn(t, H, device=d, dtype=torch.bfloat16)
-        a13, a2 = static_activation_scales(x, ids, w13)
-        x_rows = quant_fp8_per_token(x)
-        variants = {  # name → (config kind, fused_moe_triton arguments after x, wt, ids)
-            "bf16": ("bf16", (w13, w2, None, None, None, None, shared)),
-            "FP8": ("fp8", (q13, q2, s13, s2, None, None, shared)),
-            "FP8, x from the norm": ("fp8", (q13, q2, s13, s2, None, None, shared, *x_rows)),
-            "FP8 static": ("fp8_static", (q13, q2, s13, s2, a13, a2, shared)),
-        }
-        times: dict[tuple[str, bool], list[float]] = {}
-        for name, (kind, rest) in variants.items():
-            shipped = select_config(t, kind)
-            if not shipped.pair_blocks:
-                print(f"T={t} {name}: the shipped config has no pair blocks; skipped")
-                continue
-            one = dataclasses.replace(shipped, one_kernel=True)
-            a, b = (fused_moe_triton(x, wt, ids, *rest, config=c) for c in (shipped, one))
-            assert torch.equal(a, b), f"T={t} {name}: one kernel differs from the two launches"
-        for _ in range(rounds):
-            for name, (kind, rest) in variants.items():
-                shipped = select_config(t, kind)
-                if not shipped.pair_blocks:
-                    continue
-                for together in (False, True):
-                    cfg = dataclasses.replace(shipped, one_kernel=together)
-                    ms = graph_ms(
-                        lambda c=cfg, r=rest, x=x, wt=wt, ids=ids: fused_moe_triton(x, wt, ids, *r, config=c)
-                    )
-                    times.setdefault((name, together), []).append(ms * 1e3)
-        print(
-            f"| T={t} | two launches, µs by round | one kernel, µs by round | one / two | vs bf16 (two / one) |"
-        )
-        print("|---|---|---|---|---|")
-        for name in variants:
-            if (name, False) not in times:
-                continue
-            two, one = times[(name, False)], times[(name, True)]
-            vs_bf16 = ""
-            if name != "bf16" and ("bf16", False) in times:
-                vs_bf16 = f"{min(times[('bf16', False)]) / min(two):.2f}× / {min(times[('bf16', True)]) / min(one):.2f}×"
-            print(
-                f"| {name} | {' / '.join(f'{v:.1f}' for v in two)} | {' / '.join(f'{v:.1f}' for v in one)} | "
-                f"{min(one) / min(two):.3f} | {vs_bf16} |",
-                flush=True,
-            )
-            RESULTS.setdefault(f"one_kernel_T{t}", {})[name] = {"two_launches_us": two, "one_kernel_us": one}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument(
-        "--parts", default="router,align,moe", help="comma list of router, align, moe, one-kernel"
-    )
+    parser.add_argument("--parts", default="router,align,moe", help="comma list of router, align, moe")
     parser.add_argument("--tokens", default="1,16,128,1024,8192", help="moe: comma list of token counts")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -494,8 +428,6 @@ def main() -> None:
         align_bench()
     if "moe" in parts:
         moe_bench(args.sweep, tuple(int(t) for t in args.tokens.split(",")))
-    if "one-kernel" in parts:
-        one_kernel_bench(tuple(int(t) for t in args.tokens.split(",")))
     RESULTS["env"] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -50,7 +50,6 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from hy3c.kernels.arrival_counters import arrival_counters
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.quant import quant_fp8, quant_fp8_per_token
 from hy3c.kernels.registry import Provider, register_provider
@@ -74,13 +73,10 @@ class MoeConfig:
     swap_ab: bool = False  # weights as the MMA's rows (acc^T = W · a^T): a wgmma with block_m token columns
     pair_blocks: bool = False  # one (token, slot) pair per M block, no alignment launch (for one token)
     combine_block: int = 1024  # columns per program of the combine (more programs for few tokens)
-    one_kernel: bool = False  # pair blocks only: both GEMMs in one persistent launch (_gate_up_down_kernel)
 
     def __post_init__(self) -> None:
         if self.combine_block & (self.combine_block - 1):
             raise ValueError(f"combine_block must be a power of two, got {self.combine_block}")
-        if self.one_kernel and not self.pair_blocks:
-            raise ValueError("one_kernel needs pair_blocks (its tiles are (pair, column block) tiles)")
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
@@ -326,16 +322,15 @@ def _program_block(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
-def _gate_up_tile(
-    pid_m,
-    pid_n,
+@triton.jit(do_not_specialize=["pairs", "num_m_blocks"])
+def _gate_up_kernel(
     x_ptr,
     w_ptr,
     w_desc,
     out_ptr,
     sorted_ptr,
     expert_ptr,
+    padded_ptr,
     xs_ptr,
     ws_ptr,
     hs_ptr,
@@ -343,6 +338,7 @@ def _gate_up_tile(
     top_k,
     inter,
     hidden,
+    num_m_blocks,
     stride_xm,
     stride_we,
     stride_wn,
@@ -351,6 +347,7 @@ def _gate_up_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     FP8: tl.constexpr,
     A_PER_ROW: tl.constexpr,
     W_PER_ROW: tl.constexpr,
@@ -360,8 +357,14 @@ def _gate_up_tile(
     TMA: tl.constexpr,
     SWAP_AB: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """M block pid_m × columns block pid_n of the gate-up GEMM: silu(gate) · up of its rows, written."""
+    wait_for_inputs(PDL)
+    num_n_blocks = tl.cdiv(inter, BLOCK_N)
+    pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
+    if not PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: pair blocks never load the padded total)
+        if pid_m * BLOCK_M >= tl.load(padded_ptr):
+            return
     pair, expert = _block_rows(pid_m, sorted_ptr, expert_ptr, pairs, BLOCK_M, PAIR_BLOCKS)
     row_ok = pair < pairs
     token = pair // top_k
@@ -441,23 +444,22 @@ def _gate_up_tile(
 
 
 @triton.jit(do_not_specialize=["pairs", "num_m_blocks"])
-def _gate_up_kernel(
-    x_ptr,
+def _down_kernel(
+    h_ptr,
     w_ptr,
     w_desc,
     out_ptr,
     sorted_ptr,
     expert_ptr,
     padded_ptr,
-    xs_ptr,
-    ws_ptr,
     hs_ptr,
+    ws_ptr,
+    topk_w_ptr,
     pairs,
-    top_k,
-    inter,
     hidden,
+    inter,
     num_m_blocks,
-    stride_xm,
+    stride_hm,
     stride_we,
     stride_wn,
     stride_om,
@@ -470,60 +472,17 @@ def _gate_up_kernel(
     A_PER_ROW: tl.constexpr,
     W_PER_ROW: tl.constexpr,
     QUANT_ON_LOAD: tl.constexpr,
-    QUANT_H: tl.constexpr,
-    ACT_DTYPE: tl.constexpr,
     TMA: tl.constexpr,
     SWAP_AB: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
-    num_n_blocks = tl.cdiv(inter, BLOCK_N)
+    num_n_blocks = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
     if not PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: pair blocks never load the padded total)
         if pid_m * BLOCK_M >= tl.load(padded_ptr):
             return
-    _gate_up_tile(
-        pid_m, pid_n, x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ptr, xs_ptr, ws_ptr, hs_ptr, pairs,
-        top_k, inter, hidden, stride_xm, stride_we, stride_wn, stride_om, stride_wse, BLOCK_M, BLOCK_N,
-        BLOCK_K, FP8, A_PER_ROW, W_PER_ROW, QUANT_ON_LOAD, QUANT_H, ACT_DTYPE, TMA, SWAP_AB, PAIR_BLOCKS,
-    )  # fmt: skip
-
-
-@triton.jit
-def _down_tile(
-    pid_m,
-    pid_n,
-    h_ptr,
-    w_ptr,
-    w_desc,
-    out_ptr,
-    sorted_ptr,
-    expert_ptr,
-    hs_ptr,
-    ws_ptr,
-    topk_w_ptr,
-    pairs,
-    hidden,
-    inter,
-    stride_hm,
-    stride_we,
-    stride_wn,
-    stride_om,
-    stride_wse,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr,
-    A_PER_ROW: tl.constexpr,
-    W_PER_ROW: tl.constexpr,
-    QUANT_ON_LOAD: tl.constexpr,
-    TMA: tl.constexpr,
-    SWAP_AB: tl.constexpr,
-    PAIR_BLOCKS: tl.constexpr,
-):
-    """M block pid_m × column block pid_n of the down GEMM: its rows' expert outputs, each scaled by its
-    pair's routing weight, written in fp32."""
     pair, expert = _block_rows(pid_m, sorted_ptr, expert_ptr, pairs, BLOCK_M, PAIR_BLOCKS)
     row_ok = pair < pairs
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -577,138 +536,11 @@ def _down_tile(
     )
 
 
-@triton.jit(do_not_specialize=["pairs", "num_m_blocks"])
-def _down_kernel(
-    h_ptr,
-    w_ptr,
-    w_desc,
-    out_ptr,
-    sorted_ptr,
-    expert_ptr,
-    padded_ptr,
-    hs_ptr,
-    ws_ptr,
-    topk_w_ptr,
-    pairs,
-    hidden,
-    inter,
-    num_m_blocks,
-    stride_hm,
-    stride_we,
-    stride_wn,
-    stride_om,
-    stride_wse,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    FP8: tl.constexpr,
-    A_PER_ROW: tl.constexpr,
-    W_PER_ROW: tl.constexpr,
-    QUANT_ON_LOAD: tl.constexpr,
-    TMA: tl.constexpr,
-    SWAP_AB: tl.constexpr,
-    PAIR_BLOCKS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_for_inputs(PDL)
-    num_n_blocks = tl.cdiv(hidden, BLOCK_N)
-    pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
-    if not PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: pair blocks never load the padded total)
-        if pid_m * BLOCK_M >= tl.load(padded_ptr):
-            return
-    _down_tile(
-        pid_m, pid_n, h_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ptr, hs_ptr, ws_ptr, topk_w_ptr, pairs,
-        hidden, inter, stride_hm, stride_we, stride_wn, stride_om, stride_wse, BLOCK_M, BLOCK_N, BLOCK_K,
-        FP8, A_PER_ROW, W_PER_ROW, QUANT_ON_LOAD, TMA, SWAP_AB, PAIR_BLOCKS,
-    )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["pairs"])
-def _gate_up_down_kernel(
-    x_ptr,
-    w13_ptr,
-    w13_desc,
-    h_ptr,
-    expert_ptr,
-    xs_ptr,
-    w13s_ptr,
-    hs_ptr,
-    w2_ptr,
-    w2_desc,
-    y_ptr,
-    w2s_ptr,
-    topk_w_ptr,
-    done_ptr,
-    pairs,
-    top_k,
-    inter,
-    hidden,
-    stride_xm,
-    stride_w13e,
-    stride_w13n,
-    stride_hm,
-    stride_w13se,
-    stride_w2e,
-    stride_w2n,
-    stride_ym,
-    stride_w2se,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr,
-    A_PER_ROW: tl.constexpr,
-    W13_PER_ROW: tl.constexpr,
-    W2_PER_ROW: tl.constexpr,
-    QUANT_ON_LOAD: tl.constexpr,
-    QUANT_H: tl.constexpr,
-    H_ON_LOAD: tl.constexpr,
-    ACT_DTYPE: tl.constexpr,
-    TMA: tl.constexpr,
-    SWAP_AB: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Both GEMMs of pair blocks in one persistent launch (`MoeConfig.one_kernel`): the tiles are the
-    gate-up's (pair, column block) tiles, then the down GEMM's, and program i takes tiles i, i + G, …
-    (G programs). A gate-up tile counts itself done for its pair (done_ptr, release); a down tile first
-    waits until all of its pair's gate-up tiles are (acquire), then runs — so the down GEMM starts pair
-    by pair as the intermediate rows complete, with no kernel boundary and no second ramp. With dynamic
-    scales the down tile quantizes its pair's row as it loads it (H_ON_LOAD: the row's absmax first).
-    Deadlock-free only while every program is resident (G ≤ one CTA per SM) or programs run in order
-    (the interpreter); the combine re-zeroes the counters."""
-    wait_for_inputs(PDL)
-    up_blocks = tl.cdiv(inter, BLOCK_N)
-    down_blocks = tl.cdiv(hidden, BLOCK_N)
-    up_tiles = pairs * up_blocks
-    for tile in range(tl.program_id(0), up_tiles + pairs * down_blocks, tl.num_programs(0)):
-        if tile < up_tiles:
-            pair = tile // up_blocks
-            _gate_up_tile(
-                pair, tile % up_blocks, x_ptr, w13_ptr, w13_desc, h_ptr, expert_ptr, expert_ptr, xs_ptr,
-                w13s_ptr, hs_ptr, pairs, top_k, inter, hidden, stride_xm, stride_w13e, stride_w13n, stride_hm,
-                stride_w13se, BLOCK_M, BLOCK_N, BLOCK_K, FP8, A_PER_ROW, W13_PER_ROW, QUANT_ON_LOAD, QUANT_H,
-                ACT_DTYPE, TMA, SWAP_AB, True,
-            )  # fmt: skip
-            tl.debug_barrier()  # every thread's stores of the tile precede the release below
-            tl.atomic_add(done_ptr + pair, 1, sem="release")
-        else:
-            pair = (tile - up_tiles) // down_blocks
-            while tl.atomic_add(done_ptr + pair, 0, sem="acquire") < up_blocks:
-                pass
-            _down_tile(
-                pair, (tile - up_tiles) % down_blocks, h_ptr, w2_ptr, w2_desc, y_ptr, expert_ptr, expert_ptr,
-                hs_ptr, w2s_ptr, topk_w_ptr, pairs, hidden, inter, stride_hm, stride_w2e, stride_w2n, stride_ym,
-                stride_w2se, BLOCK_M, BLOCK_N, BLOCK_K, FP8, H_ON_LOAD, W2_PER_ROW, H_ON_LOAD, TMA, SWAP_AB,
-                True,
-            )  # fmt: skip
-
-
 @triton.jit
 def _combine_kernel(
     y_ptr,
     shared_ptr,
     out_ptr,
-    done_ptr,
     hidden,
     stride_ym,
     stride_sm,
@@ -716,14 +548,10 @@ def _combine_kernel(
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_SHARED: tl.constexpr,
-    ZERO_DONE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     token = tl.program_id(0)
-    if ZERO_DONE and tl.program_id(1) == 0:  # the one-kernel GEMMs' counters of this token's pairs
-        for j in tl.static_range(TOP_K):
-            tl.store(done_ptr + token * TOP_K + j, 0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
     acc = tl.zeros([BLOCK], tl.float32)
@@ -779,14 +607,6 @@ def _fit_to_widths(cfg: MoeConfig, w13: Tensor) -> MoeConfig:
     if cfg.tma and (inter % cfg.block_n or hidden % cfg.block_n):
         return dataclasses.replace(cfg, tma=False)
     return cfg
-
-
-def _one_kernel_programs(device: torch.device, tiles: int) -> int:
-    """Programs of the one-kernel GEMMs: one per SM on a GPU (all resident, so a down tile's wait always
-    ends), one per tile in the interpreter (programs run one after another, gate-up tiles first)."""
-    if device.type != "cuda":
-        return tiles
-    return min(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _unit_column_stride(t: Tensor | None) -> Tensor | None:
@@ -852,124 +672,70 @@ def fused_moe_triton(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    _gate_up_kernel[(num_m_blocks * triton.cdiv(inter, cfg.block_n),)](
+        a,
+        w13,
+        w13_desc,
+        hidden_act,
+        sorted_ids,
+        expert_ids,
+        padded,
+        a_scale,
+        w13_s,
+        h_scale_static,
+        pairs,
+        top_k,
+        inter,
+        hidden,
+        num_m_blocks,
+        a.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        hidden_act.stride(0),
+        w13_s.stride(0) if w13_scale is not None else 0,
+        A_PER_ROW=a_per_row,
+        W_PER_ROW=w13_scale is not None and w13_scale.shape[-1] > 1,
+        QUANT_ON_LOAD=fp8 and cfg.quant_on_load and x_q is None,
+        QUANT_H=quant_h,
+        ACT_DTYPE=_TL_DTYPES[x.dtype],
+        **common,
+        **pdl_launch(x.device),
+    )
+    h, h_scale, h_per_row = (hidden_act, h_scale_static, False)
+    if fp8 and not quant_h:
+        h, h_scale, h_per_row = _quantize_activations(hidden_act, None, cfg.quant_on_load)
     per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
     w2_s = w2_scale if w2_scale is not None else dummy
-    topk_w = topk_weights.float().contiguous().view(-1)
-    w13_per_row = w13_scale is not None and w13_scale.shape[-1] > 1
-    w2_per_row = w2_scale is not None and w2_scale.shape[-1] > 1
-    done = dummy
-    if cfg.one_kernel:  # both GEMMs in one persistent launch; the combine re-zeroes the counters
-        done = arrival_counters(x.device, pairs, "fused_moe")
-        tiles = pairs * (triton.cdiv(inter, cfg.block_n) + triton.cdiv(hidden, cfg.block_n))
-        _gate_up_down_kernel[(_one_kernel_programs(x.device, tiles),)](
-            a,
-            w13,
-            w13_desc,
-            hidden_act,
-            expert_ids,
-            a_scale,
-            w13_s,
-            h_scale_static,
-            w2,
-            w2_desc,
-            per_pair,
-            w2_s,
-            topk_w,
-            done,
-            pairs,
-            top_k,
-            inter,
-            hidden,
-            a.stride(0),
-            w13.stride(0),
-            w13.stride(1),
-            hidden_act.stride(0),
-            w13_s.stride(0) if w13_scale is not None else 0,
-            w2.stride(0),
-            w2.stride(1),
-            per_pair.stride(0),
-            w2_s.stride(0) if w2_scale is not None else 0,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            FP8=fp8,
-            A_PER_ROW=a_per_row,
-            W13_PER_ROW=w13_per_row,
-            W2_PER_ROW=w2_per_row,
-            QUANT_ON_LOAD=fp8 and cfg.quant_on_load and x_q is None,
-            QUANT_H=quant_h,
-            H_ON_LOAD=fp8 and not quant_h,
-            ACT_DTYPE=_TL_DTYPES[x.dtype],
-            TMA=cfg.tma,
-            SWAP_AB=cfg.swap_ab,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            **pdl_launch(x.device),
-        )
-    else:
-        _gate_up_kernel[(num_m_blocks * triton.cdiv(inter, cfg.block_n),)](
-            a,
-            w13,
-            w13_desc,
-            hidden_act,
-            sorted_ids,
-            expert_ids,
-            padded,
-            a_scale,
-            w13_s,
-            h_scale_static,
-            pairs,
-            top_k,
-            inter,
-            hidden,
-            num_m_blocks,
-            a.stride(0),
-            w13.stride(0),
-            w13.stride(1),
-            hidden_act.stride(0),
-            w13_s.stride(0) if w13_scale is not None else 0,
-            A_PER_ROW=a_per_row,
-            W_PER_ROW=w13_per_row,
-            QUANT_ON_LOAD=fp8 and cfg.quant_on_load and x_q is None,
-            QUANT_H=quant_h,
-            ACT_DTYPE=_TL_DTYPES[x.dtype],
-            **common,
-            **pdl_launch(x.device),
-        )
-        h, h_scale, h_per_row = (hidden_act, h_scale_static, False)
-        if fp8 and not quant_h:
-            h, h_scale, h_per_row = _quantize_activations(hidden_act, None, cfg.quant_on_load)
-        _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
-            h,
-            w2,
-            w2_desc,
-            per_pair,
-            sorted_ids,
-            expert_ids,
-            padded,
-            h_scale,
-            w2_s,
-            topk_w,
-            pairs,
-            hidden,
-            inter,
-            num_m_blocks,
-            h.stride(0),
-            w2.stride(0),
-            w2.stride(1),
-            per_pair.stride(0),
-            w2_s.stride(0) if w2_scale is not None else 0,
-            A_PER_ROW=h_per_row,
-            W_PER_ROW=w2_per_row,
-            QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
-            **common,
-            **pdl_launch(x.device),
-        )
+    _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
+        h,
+        w2,
+        w2_desc,
+        per_pair,
+        sorted_ids,
+        expert_ids,
+        padded,
+        h_scale,
+        w2_s,
+        topk_weights.float().contiguous().view(-1),
+        pairs,
+        hidden,
+        inter,
+        num_m_blocks,
+        h.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        per_pair.stride(0),
+        w2_s.stride(0) if w2_scale is not None else 0,
+        A_PER_ROW=h_per_row,
+        W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
+        QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
+        **common,
+        **pdl_launch(x.device),
+    )
     _combine_kernel[(num_tokens, triton.cdiv(hidden, cfg.combine_block))](
         per_pair,
         shared if shared is not None else x,
         out,
-        done,
         hidden,
         per_pair.stride(0),
         shared.stride(0) if shared is not None else 0,
@@ -977,7 +743,6 @@ def fused_moe_triton(
         TOP_K=top_k,
         BLOCK=cfg.combine_block,
         HAS_SHARED=shared is not None,
-        ZERO_DONE=cfg.one_kernel,
         num_warps=4,
         **pdl_launch(x.device),
     )

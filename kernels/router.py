@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hy3c.kernels.arrival_counters import arrival_counters
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import Provider, register_provider
 from hy3c.ops.quant import split_router_weight
@@ -89,6 +88,28 @@ def _router_gemm_kernel(
             tl.atomic_xchg(counter, 0)  # zero again for the next launch (and CUDA-graph replay)
 
 
+_COUNTERS: dict[str, list[Tensor]] = {}
+
+
+def _arrival_counters(device: torch.device, needed: int) -> Tensor:
+    """Zeroed int32 arrival counters, one per output tile of a split-K launch.
+
+    The kernel leaves every counter it used at zero, so one buffer serves every launch on the device.
+    Buffers live as long as the process (a captured CUDA graph keeps using the one it saw; graphs are
+    captured after warm-up runs, which allocate outside the capture; allocating inside a capture is refused,
+    since the zeroing would only be recorded). One stream at a time: two launches running concurrently on
+    different streams would share the counters.
+    """
+    buffers = _COUNTERS.setdefault(str(device), [])
+    for buffer in buffers:
+        if buffer.numel() >= needed:
+            return buffer
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("router_gemm's arrival counters must be allocated by a warm-up run before capture")
+    buffers.append(torch.zeros(max(triton.next_power_of_2(needed), 256), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 def router_gemm_dual_bf16(
     x: Tensor,
     w_hi: Tensor,
@@ -111,7 +132,7 @@ def router_gemm_dual_bf16(
     out = x.new_empty((m, n), dtype=torch.float32)
     partial = x.new_empty((splits, m, n), dtype=torch.float32) if splits > 1 else out
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
-    counters = arrival_counters(x.device, grid[0] * grid[1], "router_gemm") if splits > 1 else out
+    counters = _arrival_counters(x.device, grid[0] * grid[1]) if splits > 1 else out
     _router_gemm_kernel[grid](
         x,
         w_hi,

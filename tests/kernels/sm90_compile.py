@@ -176,7 +176,7 @@ def moe_variants() -> list[Variant]:
                     descs,
                 )
             )
-    return variants + static_one_token_variants() + one_kernel_variants()
+    return variants + static_one_token_variants()
 
 
 def static_one_token_variants() -> list[Variant]:
@@ -203,51 +203,6 @@ def static_one_token_variants() -> list[Variant]:
             descs,
         ),
     ]
-
-
-def one_kernel_variants() -> list[Variant]:
-    """Both GEMMs in one persistent launch with the shipped one-token tiles: bf16 (128 × 128), FP8 with
-    per-token scales (x given quantized, the intermediate quantized as the down tiles load it) and FP8
-    with static scales (128 × 256)."""
-    variants = []
-    for label in ("bf16", "fp8 dynamic", "fp8 static"):
-        fp8 = label != "bf16"
-        static = label == "fp8 static"
-        w = f"*{KV_DTYPES['fp8' if fp8 else 'bf16']}"
-        block_k = 256 if fp8 else 128
-        variants.append(
-            Variant(
-                f"fused_moe one kernel {label} one-token",
-                fused_moe._gate_up_down_kernel,
-                {
-                    "x_ptr": "*bf16" if static or not fp8 else w,
-                    "w13_ptr": w,
-                    "h_ptr": w if static else "*bf16",
-                    "w2_ptr": w,
-                    "y_ptr": "*fp32",
-                    "topk_w_ptr": "*fp32",
-                    **{name: "*fp32" for name in ("xs_ptr", "w13s_ptr", "hs_ptr", "w2s_ptr")},
-                },
-                dict(
-                    BLOCK_M=16,
-                    BLOCK_N=128,
-                    BLOCK_K=block_k,
-                    FP8=fp8,
-                    A_PER_ROW=fp8 and not static,
-                    W13_PER_ROW=fp8,
-                    W2_PER_ROW=fp8,
-                    QUANT_ON_LOAD=static,
-                    QUANT_H=static,
-                    H_ON_LOAD=fp8 and not static,
-                    ACT_DTYPE=tl.bfloat16,
-                    TMA=True,
-                    SWAP_AB=True,
-                    PDL=True,
-                ),
-                _descriptors(("w13_desc", "w2_desc"), w[1:], (128, block_k), True),
-            )
-        )
-    return variants
 
 
 def router_variants() -> list[Variant]:
