@@ -376,20 +376,6 @@ def _gate_up_kernel(
             a_scale = _row_scales(x_ptr, token, row_ok, stride_xm, hidden, BLOCK_M, ROW_SCALE_CHUNK)[:, None]
         else:
             a_scale = tl.load(xs_ptr)
-    if FP8:  # the epilogue's scales, loaded before the K loop: their latency hides behind the weight stream
-        if not QUANT_ON_LOAD:
-            if A_PER_ROW:
-                a_scale = tl.load(xs_ptr + token, mask=row_ok, other=0.0)[:, None]
-            else:
-                a_scale = tl.load(xs_ptr)
-        if W_PER_ROW:
-            sg = tl.load(ws_ptr + expert * stride_wse + cols, mask=col_ok, other=0.0)[None, :]
-            su = tl.load(ws_ptr + expert * stride_wse + inter + cols, mask=col_ok, other=0.0)[None, :]
-        else:
-            sg = tl.load(ws_ptr + expert * stride_wse)
-            su = sg
-    if QUANT_H:
-        h_scale = tl.load(hs_ptr)
     if SWAP_AB:
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -431,6 +417,17 @@ def _gate_up_kernel(
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
     if FP8:
+        if not QUANT_ON_LOAD:
+            if A_PER_ROW:
+                a_scale = tl.load(xs_ptr + token, mask=row_ok, other=0.0)[:, None]
+            else:
+                a_scale = tl.load(xs_ptr)
+        if W_PER_ROW:
+            sg = tl.load(ws_ptr + expert * stride_wse + cols, mask=col_ok, other=0.0)[None, :]
+            su = tl.load(ws_ptr + expert * stride_wse + inter + cols, mask=col_ok, other=0.0)[None, :]
+        else:
+            sg = tl.load(ws_ptr + expert * stride_wse)
+            su = sg
         acc_g = acc_g * a_scale * sg
         acc_u = acc_u * a_scale * su
     gate = acc_g.to(ACT_DTYPE).to(tl.float32)  # rounded like the reference's gate-up GEMM output
@@ -438,7 +435,7 @@ def _gate_up_kernel(
     act = (gate * tl.sigmoid(gate)).to(ACT_DTYPE).to(tl.float32)
     h = (act * up).to(ACT_DTYPE)
     if QUANT_H:  # a static FP8 scale for the down GEMM's input: the intermediate is written as e4m3
-        h = _quantize_tile(h, h_scale, out_ptr.dtype.element_ty)
+        h = _quantize_tile(h, tl.load(hs_ptr), out_ptr.dtype.element_ty)
     tl.store(
         out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :],
         h,
@@ -496,17 +493,6 @@ def _down_kernel(
             h_scale = _row_scales(h_ptr, pair, row_ok, stride_hm, inter, BLOCK_M, ROW_SCALE_CHUNK)[:, None]
         else:
             h_scale = tl.load(hs_ptr)
-    if FP8:  # the epilogue's scales and routing weights, loaded before the K loop (latency hidden)
-        if not QUANT_ON_LOAD:
-            if A_PER_ROW:
-                h_scale = tl.load(hs_ptr + pair, mask=row_ok, other=0.0)[:, None]
-            else:
-                h_scale = tl.load(hs_ptr)
-        if W_PER_ROW:
-            w_scale = tl.load(ws_ptr + expert * stride_wse + cols, mask=col_ok, other=0.0)[None, :]
-        else:
-            w_scale = tl.load(ws_ptr + expert * stride_wse)
-    routing_w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
@@ -530,10 +516,19 @@ def _down_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)
     if FP8:
-        acc = acc * h_scale * w_scale
+        if QUANT_ON_LOAD:
+            acc = acc * h_scale
+        elif A_PER_ROW:
+            acc = acc * tl.load(hs_ptr + pair, mask=row_ok, other=0.0)[:, None]
+        else:
+            acc = acc * tl.load(hs_ptr)
+        if W_PER_ROW:
+            acc = acc * tl.load(ws_ptr + expert * stride_wse + cols, mask=col_ok, other=0.0)[None, :]
+        else:
+            acc = acc * tl.load(ws_ptr + expert * stride_wse)
     out_dtype = out_ptr.dtype.element_ty
     y = acc.to(out_dtype).to(tl.float32)  # the reference rounds each expert's output to the model dtype
-    y = y * routing_w
+    y = y * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
     tl.store(
         out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :],
         y,
