@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -261,8 +262,11 @@ def sdpa_loop_ms(lengths: list[int]) -> float:
     return ms
 
 
-def prefill_bench(tokens: int) -> None:
-    """Causal prefill of one request over a paged bf16 and an FP8 KV cache vs SDPA on contiguous bf16."""
+def prefill_case(
+    tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Callable, float]:
+    """One causal prefill request of `tokens` new tokens at Hy3's heads: (q, seq_lens, query start
+    locations, its attention plan, a call of torch SDPA on contiguous bf16 q/k/v of the same shape, FLOPs)."""
     d = "cuda"
     q = torch.randn(tokens, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([tokens], dtype=torch.int32, device=d)
@@ -271,8 +275,17 @@ def prefill_bench(tokens: int) -> None:
     qq = torch.randn(1, HEADS, tokens, HEAD_DIM, device=d, dtype=torch.bfloat16)
     kk = torch.randn(1, KV_HEADS, tokens, HEAD_DIM, device=d, dtype=torch.bfloat16)
     vv = torch.randn_like(kk)
-    sdpa = bench(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True))
-    flops = 4 * HEADS * tokens * tokens * HEAD_DIM / 2
+
+    def sdpa_call() -> torch.Tensor:
+        return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
+
+    return q, seq_lens, qsl, plan, sdpa_call, 4 * HEADS * tokens * tokens * HEAD_DIM / 2
+
+
+def prefill_bench(tokens: int) -> None:
+    """Causal prefill of one request over a paged bf16 and an FP8 KV cache vs SDPA on contiguous bf16."""
+    q, seq_lens, qsl, plan, sdpa_call, flops = prefill_case(tokens)
+    sdpa = bench(sdpa_call)
     row(f"prefill {tokens} causal: SDPA (flash, contiguous)", sdpa)
     RESULTS[f"prefill_{tokens}_tflops"] = {"sdpa": flops / sdpa / 1e9}
     for dtype, kv_scale, name in ((torch.bfloat16, 1.0, "bf16"), (FP8_DTYPE, 0.01, "fp8")):
@@ -348,7 +361,6 @@ def prefill_candidates(rounds: int = 4) -> None:
     """The shipped prefill configs against candidate configs, interleaved with torch SDPA round by round
     after 2 s of SDPA (a long sweep heats the GPU and lowers its clock, so every ratio is taken within one
     round), at 8K and 32K tokens, bf16 and FP8 KV. Prints each config's ms per round and its ratio to SDPA."""
-    d = "cuda"
     candidates = {
         "4 warps, 3 stages": LaunchConfig(block_n=64, num_warps=4, num_stages=3, tma=True),
         "4 warps, 2 stages": LaunchConfig(block_n=64, num_warps=4, num_stages=2, tma=True),
@@ -360,14 +372,7 @@ def prefill_candidates(rounds: int = 4) -> None:
         ),
     }
     for tokens in (8192, 32768):
-        q = torch.randn(tokens, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
-        seq_lens = torch.tensor([tokens], dtype=torch.int32, device=d)
-        qsl = torch.tensor([0, tokens], dtype=torch.int32, device=d)
-        plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
-        qq = torch.randn(1, HEADS, tokens, HEAD_DIM, device=d, dtype=torch.bfloat16)
-        kk = torch.randn(1, KV_HEADS, tokens, HEAD_DIM, device=d, dtype=torch.bfloat16)
-        vv = torch.randn_like(kk)
-        flops = 4 * HEADS * tokens * tokens * HEAD_DIM / 2
+        q, seq_lens, qsl, plan, sdpa_call, flops = prefill_case(tokens)
         for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
             cache, table, scales = paged_cache([tokens], dtype, kv_scale)
             kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
@@ -376,17 +381,10 @@ def prefill_candidates(rounds: int = 4) -> None:
             times: dict[str, list[float]] = {"SDPA": []}
             warm_until = time.perf_counter() + 2.0  # the clock settles under load before round 1
             while time.perf_counter() < warm_until:
-                F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
+                sdpa_call()
                 torch.cuda.synchronize()
             for _ in range(rounds):
-                sdpa_inputs = (qq, kk, vv)
-                times["SDPA"].append(
-                    bench(
-                        lambda a=sdpa_inputs: F.scaled_dot_product_attention(
-                            *a, is_causal=True, enable_gqa=True
-                        )
-                    )
-                )
+                times["SDPA"].append(bench(sdpa_call))
                 for name, cfg in candidates.items():
                     out = prefill_attention(q, *kv, config=cfg)
                     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
