@@ -37,15 +37,9 @@ import hy3c.kernels
 import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
 from hy3c.kernels import qknorm_rope_kvstore
-from hy3c.kernels.paged_attention import (
-    DECODE_CONFIG,
-    LaunchConfig,
-    decode_attention_dynamic,
-    decode_attention_static,
-    decode_config,
-    prefill_attention,
-    prefill_config,
-)
+from hy3c.kernels.attention_config import DECODE_CONFIG, LaunchConfig, decode_config, prefill_config
+from hy3c.kernels.attention_decode import decode_attention_dynamic, decode_attention_static
+from hy3c.kernels.attention_prefill import prefill_attention
 from hy3c.kernels.pdl import pdl_env
 from hy3c.ops.fused import qknorm_rope_quant_kvstore_reference
 from hy3c.ops.quant import FP8_DTYPE

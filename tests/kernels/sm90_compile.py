@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hy3c.kernels import fused_moe, paged_attention, qknorm_rope_kvstore, router
+from hy3c.kernels import attention_decode, attention_prefill, fused_moe, qknorm_rope_kvstore, router
 
 TARGET = GPUTarget("cuda", 90, 32)
 KV_DTYPES = {"bf16": "bf16", "fp8": "fp8e4nv"}
@@ -76,7 +76,7 @@ def attention_variants() -> list[Variant]:
                 variants.append(
                     Variant(
                         f"prefill {kv} tma={tma} lazy={lazy}",
-                        paged_attention._prefill_kernel,
+                        attention_prefill._prefill_kernel,
                         {"q_ptr": "*bf16", "out_ptr": "*bf16", **cache},
                         dict(
                             GROUP=8, Q_BLOCK=16, HEAD_DIM=128, BLOCK_N=64, TMA=tma, LAZY=lazy, **fp8, **unused
@@ -95,7 +95,7 @@ def attention_variants() -> list[Variant]:
             variants.append(
                 Variant(
                     f"decode {kv} block_n={block_n} tma={tma}",
-                    paged_attention._decode_dynamic_kernel,
+                    attention_decode._decode_dynamic_kernel,
                     {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache},
                     dict(**decode, TMA=tma, **fp8, **unused),
                     _kv_descriptors(kv, block_n, tma),

@@ -11,13 +11,9 @@ import hy3c.kernels
 import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
 from hy3c.kernels import qknorm_rope_kvstore, router
-from hy3c.kernels.paged_attention import (
-    LaunchConfig,
-    decode_attention_dynamic,
-    decode_attention_static,
-    prefill_attention,
-    prefill_config,
-)
+from hy3c.kernels.attention_config import LaunchConfig, prefill_config
+from hy3c.kernels.attention_decode import decode_attention_dynamic, decode_attention_static
+from hy3c.kernels.attention_prefill import prefill_attention
 from hy3c.ops.quant import FP8_DTYPE
 from tests.kernels.attention_checks import assert_attention_close, fp8_reference_and_bound
 

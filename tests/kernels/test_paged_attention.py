@@ -12,18 +12,17 @@ import torch
 
 import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
-from hy3c.kernels.paged_attention import (
+from hy3c.kernels.attention_config import (
     DECODE_CONFIG,
     FP8_BATCH_DECODE_CONFIG,
     FP8_BATCH_MIN_REQUESTS,
     FP8_DECODE_CONFIG,
     LaunchConfig,
-    decode_attention_dynamic,
-    decode_attention_static,
     decode_config,
-    prefill_attention,
     prefill_config,
 )
+from hy3c.kernels.attention_decode import decode_attention_dynamic, decode_attention_static
+from hy3c.kernels.attention_prefill import prefill_attention
 from hy3c.ops.quant import FP8_DTYPE
 from tests.kernels.attention_checks import assert_attention_close
 

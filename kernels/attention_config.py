@@ -1,0 +1,85 @@
+"""Launch configs of the Triton attention kernels (`attention_decode`, `attention_prefill`): the tunables
+and the choices the H200 sweeps made (bench/attention_bench.py, BENCHMARKS.md), picked per KV dtype,
+batch size and page size on the host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from hy3c.kernels.attention_plan import PREFILL_ROWS
+from hy3c.ops.quant import FP8_DTYPE
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tunables of one attention kernel (chosen by bench/attention_bench.py --sweep on the H200)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    ctas_per_sm: int = 2  # dynamic decode only: CTAs per SM over all KV heads
+    min_tiles_per_cta: int = 1  # dynamic decode only: ranges of at least this many KV tiles, as long as
+    min_ctas_per_sm: int = 2  # … the equal share over this many CTAs per SM allows (tiles_per_cta)
+    q_rows: int = PREFILL_ROWS  # prefill only: query rows per program (the plan must use the same)
+    lazy_rescale: bool = False  # prefill: rescale acc only when a row's max grows by more than 2^8
+    tma: bool = False  # K/V blocks by TMA bulk copies (block_n divides the page)
+    max_registers: int = 0  # a cap on registers per thread (0: the compiler's choice), for more CTAs per SM
+
+    def launch_options(self) -> dict[str, int]:
+        """num_warps, num_stages and the register cap as Triton launch options."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        return options | ({"maxnreg": self.max_registers} if self.max_registers else {})
+
+
+# best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
+DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=2)
+
+
+# FP8 KV: 64-key page slices by TMA, 2 stages. A batch takes 8 CTAs per SM (the best of attention runs
+# 25 and 27 on the batch of 32: 1.85× bf16), with ranges of at least 16 tiles (4K keys) while 2 CTAs per
+# SM stay busy, which keeps short requests from splitting into many partials (attention runs 6 and 7,
+# end to end runs 10 and 11); fewer requests take 3 CTAs per SM and ranges of any size (one 128K request:
+# 0.093 ms from CUDA graphs, 0.100 at 8 CTAs per SM; attention run 27).
+FP8_BATCH_DECODE_CONFIG = LaunchConfig(
+    block_n=64, num_warps=4, num_stages=2, ctas_per_sm=8, min_tiles_per_cta=16, min_ctas_per_sm=2, tma=True
+)
+
+
+FP8_BATCH_MIN_REQUESTS = 8
+
+
+FP8_DECODE_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, ctas_per_sm=3, tma=True)
+
+
+def decode_config(kv_dtype: torch.dtype, num_requests: int, page_size: int = 64) -> LaunchConfig:
+    """The dynamic decode launch config for a KV dtype, batch size and page size (known on the host):
+    pointer loads where a block does not tile the page."""
+    if kv_dtype != FP8_DTYPE:
+        return DECODE_CONFIG
+    config = FP8_BATCH_DECODE_CONFIG if num_requests >= FP8_BATCH_MIN_REQUESTS else FP8_DECODE_CONFIG
+    return config if page_size % config.block_n == 0 else replace(config, tma=False)
+
+
+# prefill: 128 query rows (16 tokens × 8 heads at Hy3's GQA; the plan's PREFILL_ROWS), 64-key blocks as
+# TMA bulk copies. bf16 KV: 4 warps, 2 stages — 96 KB of shared memory, so two CTAs per SM (3 stages: one);
+# FP8 KV: 8 warps capped at 128 registers, 2 stages — two CTAs per SM as well (uncapped, 8 warps take 216
+# registers). Timed interleaved with SDPA round by round (BENCHMARKS.md, attention run 38): bf16 0.88× SDPA
+# at 8K (3 stages 0.83×), FP8 0.89× at 8K and 1.04× at 32K (4 warps, 3 stages: 0.80× and 1.07×).
+# Pages that a 64-key block does not tile (a page size that 64 does not divide) take per-row pointer loads
+# (bf16 335, FP8 321 TFLOP/s; attention runs 8-14). Lazy rescaling measured slower for bf16 (attention
+# run 17) and, since P·V is an e4m3 product, for FP8 KV too (0.87× at 8K and 32K, attention run 25).
+PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, tma=True)
+
+
+FP8_PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=8, num_stages=2, tma=True, max_registers=128)
+
+
+PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
+
+
+def prefill_config(page_size: int, kv_dtype: torch.dtype) -> LaunchConfig:
+    """The prefill launch config for a KV cache's page size and dtype."""
+    config = FP8_PREFILL_CONFIG if kv_dtype == FP8_DTYPE else PREFILL_CONFIG
+    return config if page_size % config.block_n == 0 else PREFILL_CONFIG_ANY_PAGE
