@@ -176,7 +176,8 @@ def test_grouped_moe_real_shapes():
 @pytest.mark.parametrize("tokens", [1, 128, 1024])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_fused_moe_real_shapes(tokens, fp8):
-    from hy3c.kernels.fused_moe import fused_moe_triton, select_config
+    from hy3c.kernels.fused_moe import fused_moe_triton
+    from hy3c.kernels.moe_config import select_config
 
     experts, top_k, hidden, inter = 192, 8, 4096, 1536
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -262,7 +263,7 @@ def test_router_gemm_real_shapes(rows):
 @pytest.mark.parametrize("tokens", [1, 32, 64, 128])
 def test_moe_align_real_shapes(tokens):
     """The one-program Triton alignment equals the torch ops at Hy3's 192 experts, top-8."""
-    from hy3c.kernels.fused_moe import moe_align_torch, moe_align_triton
+    from hy3c.kernels.moe_align import moe_align_torch, moe_align_triton
 
     ids = torch.stack([torch.randperm(192, device="cuda")[:8] for _ in range(tokens)]).int()
     for block_m in (16, 64):

@@ -12,7 +12,9 @@ import torch
 import hy3c.kernels
 import hy3c.ops
 from hy3c.kernels import router
-from hy3c.kernels.fused_moe import MoeConfig, fused_moe_triton, moe_align_torch, moe_align_triton
+from hy3c.kernels.fused_moe import fused_moe_triton
+from hy3c.kernels.moe_align import moe_align_torch, moe_align_triton
+from hy3c.kernels.moe_config import MoeConfig
 from hy3c.kernels.router import router_gemm_dual_bf16
 from hy3c.ops.quant import FP8_DTYPE, split_router_weight
 
@@ -376,16 +378,16 @@ def test_static_fp8_configs_fall_back_to_dynamic_buckets(tmp_path, monkeypatch):
     """fp8_static buckets the file lacks come from the fp8 table, not from its largest own bucket."""
     import json
 
-    from hy3c.kernels import fused_moe
+    from hy3c.kernels import moe_config
 
     small, large = MoeConfig(16, 32, 128, 1, 4, 4), MoeConfig(128, 128, 64, 8, 8, 3)
     table = {"fp8": {"16": large.__dict__, "8192": large.__dict__}, "fp8_static": {"16": small.__dict__}}
     (tmp_path / "moe.json").write_text(json.dumps(table))
-    monkeypatch.setattr(fused_moe, "CONFIG_FILE", tmp_path / "moe.json")
-    fused_moe._tuned.cache_clear()
+    monkeypatch.setattr(moe_config, "CONFIG_FILE", tmp_path / "moe.json")
+    moe_config._tuned.cache_clear()
     try:
-        assert fused_moe.select_config(1, "fp8_static") == small
-        assert fused_moe.select_config(4096, "fp8_static") == large
-        assert fused_moe.select_config(1, "fp8") == large
+        assert moe_config.select_config(1, "fp8_static") == small
+        assert moe_config.select_config(4096, "fp8_static") == large
+        assert moe_config.select_config(1, "fp8") == large
     finally:
-        fused_moe._tuned.cache_clear()
+        moe_config._tuned.cache_clear()
