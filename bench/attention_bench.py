@@ -292,7 +292,7 @@ def prefill_bench(tokens: int) -> None:
         row(f"prefill {tokens} causal: hy3c Triton paged, {name} KV", ours, None, sdpa, "SDPA")
         RESULTS[f"prefill_{tokens}_tflops"][name] = flops / ours / 1e9
         kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
-        default = prefill_config(cache.shape[3], dtype)  # eager rescaling: time the lazy choice too
+        default = prefill_config(dtype, cache.shape[3])  # eager rescaling: time the lazy choice too
         other = dataclasses.replace(default, lazy_rescale=not default.lazy_rescale)
         what = "lazy" if other.lazy_rescale else "eager"
         ref, alt = prefill_attention(q, *kv), prefill_attention(q, *kv, config=other)
@@ -370,7 +370,7 @@ def prefill_candidates(rounds: int = 4) -> None:
         for dtype, kv_scale in ((torch.bfloat16, 1.0), (FP8_DTYPE, 0.01)):
             cache, table, scales = paged_cache([tokens], dtype, kv_scale)
             kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
-            shipped = prefill_config(cache.shape[3], dtype)
+            shipped = prefill_config(dtype, cache.shape[3])
             ref = prefill_attention(q, *kv)
             times: dict[str, list[float]] = {"SDPA": []}
             warm_until = time.perf_counter() + 2.0  # the clock settles under load before round 1

@@ -45,11 +45,7 @@ DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm
 FP8_BATCH_DECODE_CONFIG = LaunchConfig(
     block_n=64, num_warps=4, num_stages=2, ctas_per_sm=8, min_tiles_per_cta=16, min_ctas_per_sm=2, tma=True
 )
-
-
 FP8_BATCH_MIN_REQUESTS = 8
-
-
 FP8_DECODE_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, ctas_per_sm=3, tma=True)
 
 
@@ -65,21 +61,17 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int, page_size: int = 64)
 # prefill: 128 query rows (16 tokens × 8 heads at Hy3's GQA; the plan's PREFILL_ROWS), 64-key blocks as
 # TMA bulk copies. bf16 KV: 4 warps, 2 stages — 96 KB of shared memory, so two CTAs per SM (3 stages: one);
 # FP8 KV: 8 warps capped at 128 registers, 2 stages — two CTAs per SM as well (uncapped, 8 warps take 216
-# registers). Timed interleaved with SDPA round by round (BENCHMARKS.md, attention run 38): bf16 0.88× SDPA
-# at 8K (3 stages 0.83×), FP8 0.89× at 8K and 1.04× at 32K (4 warps, 3 stages: 0.80× and 1.07×).
+# registers). Timed interleaved with SDPA round by round (BENCHMARKS.md, attention runs 38-40): bf16 0.89×
+# SDPA at 8K (median; 3 stages 0.82-0.85×), FP8 0.87-1.03× at 8K and 0.97-1.06× at 32K.
 # Pages that a 64-key block does not tile (a page size that 64 does not divide) take per-row pointer loads
 # (bf16 335, FP8 321 TFLOP/s; attention runs 8-14). Lazy rescaling measured slower for bf16 (attention
 # run 17) and, since P·V is an e4m3 product, for FP8 KV too (0.87× at 8K and 32K, attention run 25).
 PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, tma=True)
-
-
 FP8_PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=8, num_stages=2, tma=True, max_registers=128)
-
-
 PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 
 
-def prefill_config(page_size: int, kv_dtype: torch.dtype) -> LaunchConfig:
-    """The prefill launch config for a KV cache's page size and dtype."""
+def prefill_config(kv_dtype: torch.dtype, page_size: int = 64) -> LaunchConfig:
+    """The prefill launch config for a KV cache's dtype and page size (known on the host)."""
     config = FP8_PREFILL_CONFIG if kv_dtype == FP8_DTYPE else PREFILL_CONFIG
     return config if page_size % config.block_n == 0 else PREFILL_CONFIG_ANY_PAGE

@@ -205,7 +205,7 @@ def _request_slots(plan_ptr, r, num_requests, num_ctas, min_ctas, MIN_TILES: tl.
     return first_slot, last_slot
 
 
-@triton.jit(do_not_specialize=BATCH_ARGS)
+@triton.jit(do_not_specialize=["num_requests"])
 def _decode_combine_kernel(
     out_ptr,
     plan_ptr,

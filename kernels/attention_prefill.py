@@ -150,7 +150,7 @@ def prefill_attention(
     plan: Tensor,
     config: LaunchConfig | None = None,
 ) -> Tensor:
-    config = config or prefill_config(kv_cache.shape[3], kv_cache.dtype)
+    config = config or prefill_config(kv_cache.dtype, kv_cache.shape[3])
     group, num_kv_heads, head_dim = gqa_shape(q, kv_cache)
     num_requests = seq_lens.shape[0]
     q_block = prefill_q_block(group, config.q_rows)

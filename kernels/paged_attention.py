@@ -10,8 +10,8 @@ sync, so CUDA graphs capture it):
   * anything else (prefill chunks over a cached prefix, mixed batches): a causal flash-attention
     kernel over query blocks (`attention_plan` row 1) × KV heads, the query block's tokens × the
     group's heads forming the MMA rows.
-`decode_attention_static` is the static split-KV baseline (every request cut into the same number of
-splits), kept for benchmarks.
+`attention_decode.decode_attention_static` is the static split-KV baseline (every request cut into the
+same number of splits), kept for benchmarks.
 
 FP8 K/V go into the MMAs as loaded: q is quantized per row to e4m3 (scale absmax / 448), QKᵀ is an
 e4m3 × e4m3 product, and so is PV, with P scaled into e4m3's range and V read K-major (keys contiguous)

@@ -82,7 +82,7 @@ def test_prefill_attention_real_shapes(cache_dtype):
         for tma in (True, False):
             cfg = LaunchConfig(block_n=PAGE, num_warps=8, num_stages=stages, tma=tma)
             assert_attention_close(prefill_attention(q, *kv, plan, config=cfg), q, *kv)
-    default = prefill_config(PAGE, cache_dtype)  # eager rescaling: the lazy choice agrees
+    default = prefill_config(cache_dtype, PAGE)  # eager rescaling: the lazy choice agrees
     other = dataclasses.replace(default, lazy_rescale=not default.lazy_rescale)
     assert_attention_close(prefill_attention(q, *kv, plan, config=other), q, *kv)
 
@@ -96,7 +96,7 @@ def test_prefill_lazy_rescaling_with_growing_scores_real_shapes(cache_dtype):
     q = q * 4
     plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
     kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5)
-    config = dataclasses.replace(prefill_config(PAGE, cache_dtype), lazy_rescale=True)
+    config = dataclasses.replace(prefill_config(cache_dtype, PAGE), lazy_rescale=True)
     out = prefill_attention(q, *kv, plan, config=config)
     if cache_dtype != FP8_DTYPE:
         assert_attention_close(out, q, *kv)

@@ -269,13 +269,13 @@ def test_launch_config_caps_registers_only_when_asked():
 
 def test_prefill_takes_tma_copies_where_the_page_size_allows():
     for dtype in (torch.bfloat16, FP8_DTYPE):
-        assert prefill_config(64, dtype).tma and prefill_config(128, dtype).tma
-        assert not prefill_config(16, dtype).tma and not prefill_config(96, dtype).tma
+        assert prefill_config(dtype, 64).tma and prefill_config(dtype, 128).tma
+        assert not prefill_config(dtype, 16).tma and not prefill_config(dtype, 96).tma
 
 
 def test_prefill_rescales_eagerly_by_default():
     assert not any(
-        prefill_config(page, dtype).lazy_rescale for page in (16, 64) for dtype in (torch.bfloat16, FP8_DTYPE)
+        prefill_config(dtype, page).lazy_rescale for page in (16, 64) for dtype in (torch.bfloat16, FP8_DTYPE)
     )
 
 
