@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -355,15 +356,17 @@ def prefill_candidates(rounds: int = 4) -> None:
     """The shipped prefill configs against candidate configs, interleaved with torch SDPA round by round
     after 2 s of SDPA (a long sweep heats the GPU and lowers its clock, so every ratio is taken within one
     round), at 8K and 32K tokens, bf16 and FP8 KV. Prints each config's ms per round and its ratio to SDPA."""
+    # num_stages: Triton splits the pipeline depth between the page-table load and the TMA copies that
+    # depend on it, so 2-4 stages keep the copies one block ahead and 5 two blocks (three buffers)
+    tma = functools.partial(LaunchConfig, tma=True)
     candidates = {
-        "4 warps, 3 stages": LaunchConfig(block_n=64, num_warps=4, num_stages=3, tma=True),
-        "4 warps, 2 stages": LaunchConfig(block_n=64, num_warps=4, num_stages=2, tma=True),
-        "8 warps ≤128 regs, 2 stages": LaunchConfig(
-            block_n=64, num_warps=8, num_stages=2, tma=True, max_registers=128
-        ),
-        "8 warps ≤128 regs, 3 stages": LaunchConfig(
-            block_n=64, num_warps=8, num_stages=3, tma=True, max_registers=128
-        ),
+        "64 keys, 4 warps, 2 stages": tma(block_n=64, num_warps=4, num_stages=2),
+        "64 keys, 4 warps, 5 stages": tma(block_n=64, num_warps=4, num_stages=5),
+        "32 keys, 4 warps, 3 stages": tma(block_n=32, num_warps=4, num_stages=3),
+        "32 keys, 4 warps, 5 stages": tma(block_n=32, num_warps=4, num_stages=5),
+        "32 keys, 4 warps, 7 stages": tma(block_n=32, num_warps=4, num_stages=7),
+        "64 keys, 8 warps ≤128 regs, 2 stages": tma(block_n=64, num_warps=8, num_stages=2, max_registers=128),
+        "64 keys, 8 warps ≤128 regs, 5 stages": tma(block_n=64, num_warps=8, num_stages=5, max_registers=128),
     }
     for tokens in (8192, 32768):
         q, seq_lens, qsl, plan, sdpa_call, flops = prefill_case(tokens)

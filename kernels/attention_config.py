@@ -59,15 +59,19 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int, page_size: int = 64)
 
 
 # prefill: 128 query rows (16 tokens × 8 heads at Hy3's GQA; the plan's PREFILL_ROWS), 64-key blocks as
-# TMA bulk copies. bf16 KV: 4 warps, 2 stages — 96 KB of shared memory, so two CTAs per SM (3 stages: one);
-# FP8 KV: 8 warps capped at 128 registers, 2 stages — two CTAs per SM as well (uncapped, 8 warps take 216
-# registers). Timed interleaved with SDPA round by round (BENCHMARKS.md, attention runs 38-40): bf16 0.89×
-# SDPA at 8K (median; 3 stages 0.82-0.85×), FP8 0.87-1.03× at 8K and 0.97-1.06× at 32K.
+# TMA bulk copies. The copies' coordinates come from a page-table load in the loop, and Triton 3.6 splits
+# num_stages between that load and the copies: 2-4 stages keep two K/V buffers (the copy of block i+1 is
+# issued at the end of block i, so its wait shows in the profile: ncu, attention run 41), 5 stages three.
+# bf16 KV: 4 warps, 2 stages — 96 KB of shared memory, two CTAs per SM (5 stages: 128 KB, one CTA, 0.75×);
+# FP8 KV: 4 warps, 5 stages — three 16 KB buffers in 64 KB, still two CTAs per SM, and 4-8% faster than
+# 8 warps capped at 128 registers with 2 stages (attention run 42). Timed interleaved with SDPA round by
+# round (BENCHMARKS.md, attention runs 38-42): bf16 0.74-0.93× SDPA at 8K, 0.86-0.89× at 32K; FP8
+# 0.91-1.06× at 8K and 1.09-1.15× at 32K (run 42).
 # Pages that a 64-key block does not tile (a page size that 64 does not divide) take per-row pointer loads
 # (bf16 335, FP8 321 TFLOP/s; attention runs 8-14). Lazy rescaling measured slower for bf16 (attention
 # run 17) and, since P·V is an e4m3 product, for FP8 KV too (0.87× at 8K and 32K, attention run 25).
 PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, tma=True)
-FP8_PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=8, num_stages=2, tma=True, max_registers=128)
+FP8_PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=5, tma=True)
 PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 
 

@@ -14,12 +14,15 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hy3c.kernels import attention_decode, attention_prefill, fused_moe, qknorm_rope_kvstore, router
+from hy3c.kernels.attention_config import prefill_config
+from hy3c.ops.quant import FP8_DTYPE
 
 TARGET = GPUTarget("cuda", 90, 32)
 KV_DTYPES = {"bf16": "bf16", "fp8": "fp8e4nv"}
@@ -85,10 +88,11 @@ def attention_variants() -> list[Variant]:
                         ("sm_scale",),
                     )
                 )
-        # 8 warps capped at 128 registers: two CTAs per SM (FP8 KV's shipped prefill)
+        # the shipped prefill config's launch options (warps, stages, register cap) for this KV dtype
         eager = next(v for v in variants if v.label == f"prefill {kv} tma=True lazy=False")
-        label = f"prefill {kv} tma=True lazy=False warps=8 maxnreg=128"
-        variants.append(dataclasses.replace(eager, label=label, options={"num_warps": 8, "maxnreg": 128}))
+        options = prefill_config(torch.bfloat16 if kv == "bf16" else FP8_DTYPE).launch_options()
+        label = f"prefill {kv} tma=True lazy=False shipped {options}"
+        variants.append(dataclasses.replace(eager, label=label, options=options))
         for block_n, tma in ((128, False), (64, True)):
             unused = {} if tma else {"k_desc": None, "v_desc": None}
             decode = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1, BLOCK_N=block_n)
