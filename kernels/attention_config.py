@@ -37,16 +37,18 @@ class LaunchConfig:
 DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=2)
 
 
-# FP8 KV: 64-key page slices by TMA, 2 stages. A batch takes 8 CTAs per SM (the best of attention runs
-# 25 and 27 on the batch of 32: 1.85× bf16), with ranges of at least 16 tiles (4K keys) while 2 CTAs per
-# SM stay busy, which keeps short requests from splitting into many partials (attention runs 6 and 7,
-# end to end runs 10 and 11); fewer requests take 3 CTAs per SM and ranges of any size (one 128K request:
-# 0.093 ms from CUDA graphs, 0.100 at 8 CTAs per SM; attention run 27).
+# FP8 KV: 64-key page slices by TMA, 5 stages — three K/V buffers (53 KB of shared memory): the copies'
+# coordinates come from a page-table load in the loop, and Triton 3.6 gives that load a stage of its own,
+# so 2-4 stages keep two buffers (attention run 44: the batch of 32 1.79× → 2.00× bf16 from CUDA graphs,
+# 92% → 103% of copy bandwidth; one 128K request 0.089 → 0.077 ms). A batch takes 6 CTAs per SM with ranges
+# of at least 16 tiles (4K keys) while 2 CTAs per SM stay busy, which keeps short requests from splitting
+# into many partials (attention runs 6 and 7, end to end runs 10 and 11); fewer requests take 3 CTAs per SM
+# and ranges of any size.
 FP8_BATCH_DECODE_CONFIG = LaunchConfig(
-    block_n=64, num_warps=4, num_stages=2, ctas_per_sm=8, min_tiles_per_cta=16, min_ctas_per_sm=2, tma=True
+    block_n=64, num_warps=4, num_stages=5, ctas_per_sm=6, min_tiles_per_cta=16, min_ctas_per_sm=2, tma=True
 )
 FP8_BATCH_MIN_REQUESTS = 8
-FP8_DECODE_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, ctas_per_sm=3, tma=True)
+FP8_DECODE_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=5, ctas_per_sm=3, tma=True)
 
 
 def decode_config(kv_dtype: torch.dtype, num_requests: int, page_size: int = 64) -> LaunchConfig:

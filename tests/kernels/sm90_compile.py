@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hy3c.kernels import attention_decode, attention_prefill, fused_moe, qknorm_rope_kvstore, router
-from hy3c.kernels.attention_config import prefill_config
+from hy3c.kernels.attention_config import decode_config, prefill_config
 from hy3c.ops.quant import FP8_DTYPE
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -71,6 +71,7 @@ def attention_variants() -> list[Variant]:
     loads or TMA page slices, eager or lazy rescaling (prefill)."""
     variants = []
     for kv in ("bf16", "fp8"):
+        dtype = torch.bfloat16 if kv == "bf16" else FP8_DTYPE
         cache = {"cache_ptr": f"*{KV_DTYPES[kv]}", "scales_ptr": "*fp32"}
         fp8 = dict(FP8=kv == "fp8", P_SCALE=448.0, PAGE_SIZE=64, PDL=True)
         for lazy in (False, True):
@@ -90,7 +91,7 @@ def attention_variants() -> list[Variant]:
                 )
         # the shipped prefill config's launch options (warps, stages, register cap) for this KV dtype
         eager = next(v for v in variants if v.label == f"prefill {kv} tma=True lazy=False")
-        options = prefill_config(torch.bfloat16 if kv == "bf16" else FP8_DTYPE).launch_options()
+        options = prefill_config(dtype).launch_options()
         label = f"prefill {kv} tma=True lazy=False shipped {options}"
         variants.append(dataclasses.replace(eager, label=label, options=options))
         for block_n, tma in ((128, False), (64, True)):
@@ -104,6 +105,7 @@ def attention_variants() -> list[Variant]:
                     dict(**decode, TMA=tma, **fp8, **unused),
                     _kv_descriptors(kv, block_n, tma),
                     ("sm_scale",),
+                    options=decode_config(dtype, 1).launch_options(),  # the shipped warps and stages
                 )
             )
     return variants
