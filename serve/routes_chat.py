@@ -1,0 +1,108 @@
+"""POST /v1/chat/completions: messages through the chat template, `n` choices, chat-style logprobs,
+streaming as server-sent chunks (a role delta first, then content deltas)."""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hy3c.serve.api_context import ApiContext, APIError, sse, stream_event, usage
+from hy3c.serve.engine import StepOutput
+from hy3c.serve.protocol import ChatRequest, error_body
+
+
+def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
+    model_name = ctx.config.model_name
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, http: Request):
+        ctx.check_model(body.model)
+        text = ctx.render_chat(body.messages, body.add_generation_prompt, **body.chat_template_kwargs)
+        prompt_ids = ctx.encode(text, "messages")
+        ctx.check_capacity()
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        requests = ctx.make_requests(
+            prompt_ids, body, body.max_completion_tokens or body.max_tokens, num_logprobs
+        )
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def logprobs_of(out: StepOutput) -> dict | None:
+            if not body.logprobs:
+                return None
+            content = []
+            for token, lp, top in out.logprobs:
+                content.append(
+                    {
+                        **ctx.chat_token(token),
+                        "logprob": lp,
+                        "top_logprobs": [{**ctx.chat_token(t), "logprob": v} for t, v in top],
+                    }
+                )
+            return {"content": content}
+
+        chunk = functools.partial(stream_event, "chat.completion.chunk", rid, created, model_name)
+
+        if body.stream:
+
+            async def stream():
+                finals: dict[int, StepOutput] = {}
+                for i in range(body.n):
+                    role = {"role": "assistant", "content": ""}
+                    yield chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
+                async for i, out in ctx.updates(requests, http, finals):
+                    if out.error:
+                        yield sse(error_body(out.error, "server_error", code=500))
+                        continue
+                    delta = {"content": out.text} if out.text else {}
+                    yield chunk(
+                        [
+                            {
+                                "index": i,
+                                "delta": delta,
+                                "logprobs": logprobs_of(out),
+                                "finish_reason": out.finish_reason,
+                            }
+                        ]
+                    )
+                if body.stream_options and body.stream_options.include_usage:
+                    yield chunk([], usage=usage(finals))
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(
+                stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+
+        texts = ["" for _ in range(body.n)]
+        lps: list[list] = [[] for _ in range(body.n)]
+        finals = {}
+        async for i, out in ctx.run(requests, http):
+            if out.error:
+                raise APIError(500, out.error, kind="server_error")
+            texts[i] += out.text
+            lps[i].extend(out.logprobs)
+            if out.finished:
+                finals[i] = out
+        if len(finals) < body.n:
+            return JSONResponse(error_body("client disconnected", code=499), status_code=499)
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": texts[i]},
+                "logprobs": logprobs_of(StepOutput("", logprobs=lps[i])),
+                "finish_reason": finals[i].finish_reason,
+                "stop_reason": finals[i].stop_reason,
+            }
+            for i in range(body.n)
+        ]
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model_name,
+            "choices": choices,
+            "usage": usage(finals),
+        }
