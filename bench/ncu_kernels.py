@@ -35,11 +35,12 @@ def prefill_calls(tokens: int) -> list[Callable[[], object]]:
     (the shipped config) and torch SDPA on contiguous q/k/v."""
     sys.path.insert(0, str(Path(__file__).parent))
     import attention_bench as ab
+    import torch
 
     from hy3c.kernels.attention_prefill import prefill_attention
 
     q, seq_lens, qsl, plan, sdpa_call, _ = ab.prefill_case(tokens)
-    cache, table, scales = ab.paged_cache([tokens], ab.torch.bfloat16, 1.0)
+    cache, table, scales = ab.paged_cache([tokens], torch.bfloat16, 1.0)
     paged = functools.partial(
         prefill_attention, q, cache, scales, 0, table, seq_lens, qsl, ab.HEAD_DIM**-0.5, plan
     )
