@@ -28,7 +28,6 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     max_waiting: int = 1024
     default_temperature: float = 1.0
-    default_top_p: float = 1.0
 
 
 class APIError(Exception):
@@ -204,8 +203,17 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def stream_event(kind: str, response_id: str, created: int, model: str, choices: list[dict], **extra) -> str:
-    """One streamed chunk of a response (`kind`: text_completion, chat.completion.chunk) as an SSE."""
+def stream_event(
+    object_type: str, response_id: str, created: int, model: str, choices: list[dict], **extra
+) -> str:
+    """One streamed chunk of a response (`object_type`: text_completion, chat.completion.chunk) as an SSE."""
     return sse(
-        {"id": response_id, "object": kind, "created": created, "model": model, "choices": choices, **extra}
+        {
+            "id": response_id,
+            "object": object_type,
+            "created": created,
+            "model": model,
+            "choices": choices,
+            **extra,
+        }
     )

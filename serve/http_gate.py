@@ -29,11 +29,11 @@ class RequestGate:
             and scope["path"] not in OPEN_PATHS
             and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
         ):
-            return await send_error(send, 401, "invalid API key", "authentication_error")
+            return await _send_error(send, 401, "invalid API key", "authentication_error")
         too_big = f"request body exceeds {self.limit} bytes"
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            return await send_error(send, 413, too_big)
+            return await _send_error(send, 413, too_big)
         if length is not None:  # the server reads exactly Content-Length bytes
             return await self.app(scope, receive, send)
         parts, seen, more = [], 0, True  # streamed body: read it (up to the limit) before the app does
@@ -44,7 +44,7 @@ class RequestGate:
             parts.append(message.get("body", b""))
             seen += len(parts[-1])
             if seen > self.limit:
-                return await send_error(send, 413, too_big)
+                return await _send_error(send, 413, too_big)
             more = message.get("more_body", False)
         pending = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
 
@@ -54,7 +54,7 @@ class RequestGate:
         return await self.app(scope, replay, send)
 
 
-async def send_error(send, status: int, message: str, kind: str = "invalid_request_error") -> None:
+async def _send_error(send, status: int, message: str, kind: str = "invalid_request_error") -> None:
     """An error response in OpenAI's JSON shape, sent straight through ASGI."""
     body = json.dumps(error_body(message, kind, code=status)).encode()
     await send(
