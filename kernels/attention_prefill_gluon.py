@@ -1,0 +1,293 @@
+"""Chunked-prefill attention over a bf16 paged KV cache, written in Gluon (Triton's explicit-layout
+language) for Hopper: the schedule Triton 3.6's pipeliner will not emit for `attention_prefill`.
+
+One program = one query block (`attention_plan` row 1: 16 tokens × the 8 heads of a GQA group = 128
+rows) × one KV head, as `attention_prefill`; 8 warps, two warpgroups of 64 rows, one program per SM.
+What differs is the key loop, written out by hand:
+
+    prologue: TMA copies of key blocks 0 … NUM_BUF-1 (K and V rings, one mbarrier per slot); S₀ = Q·K₀ᵀ
+    block j:  issue S_{j+1} = Q·K_{j+1}ᵀ (async wgmma)            ─┐ the tensor cores run these
+              softmax of S_j → P_j (CUDA cores)                     │ while the softmax runs
+              wait for P_{j-1}·V_{j-1}; O *= α; issue O += P_j·V_j ─┘
+              wait for S_{j+1}; refill the slots S_{j+1} and P_{j-1}·V_{j-1} have freed
+
+so the QKᵀ of the next block and the P·V of the previous one overlap each block's softmax (the
+FlashAttention-3 in-warpgroup overlap), and every copy is issued NUM_BUF blocks ahead. A key block of
+BLOCK_N keys is BLOCK_N / BOX bulk copies of one page slice each (BOX = min(page size, 64)); the blocks
+that cross the causal diagonal (and the last, partial one) are masked, and V rows past the sequence
+are zeroed in shared memory before P·V (a page's unused slots may hold anything).
+
+Requires Hopper (sm_90+), a bf16 cache whose page size is a multiple of 64, head_dim 128 and 128 query
+rows per program; `prefill_attention` falls back to the Triton kernel elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from hy3c.kernels.attention_blocks import search_iterations
+
+LOG2E = 1.4426950408889634
+PAGE_BOX = 64  # keys per bulk copy (one page slice)
+
+
+@gluon.jit
+def _find_request(starts_ptr, t, num_requests, iters):
+    """Largest r in [0, num_requests) with starts[r] <= t (binary search over the prefix sums)."""
+    lo = 0
+    hi = num_requests
+    for _ in range(iters):
+        mid = (lo + hi) // 2
+        go_right = ((gl.load(starts_ptr + mid) <= t) & (mid < hi)).to(gl.int32)
+        lo = lo + (mid - lo) * go_right
+        hi = hi + (mid - hi) * (1 - go_right)
+    return lo
+
+
+@gluon.jit
+def _issue_block(desc, bufs, bars, block, n_blocks, page_row_ptr, last_page, head, PAGE_SIZE: gl.constexpr):
+    """Bulk copies of key block `block` (if it exists) into its ring slot, page slice by page slice;
+    slices past the sequence re-read its last page (finite data, masked later)."""
+    NUM_BUF: gl.constexpr = bufs.shape[0]
+    BLOCK_N: gl.constexpr = bufs.shape[1]
+    HEAD_DIM: gl.constexpr = bufs.shape[2]
+    BOX: gl.constexpr = desc.block_type.shape[0]
+    exists = block < n_blocks
+    slot = block % NUM_BUF
+    bar = bars.index(slot)
+    buf = bufs.index(slot)
+    mbarrier.expect(bar, desc.block_type.nbytes * (BLOCK_N // BOX), pred=exists)
+    for part in gl.static_range(BLOCK_N // BOX):
+        key = block * BLOCK_N + part * BOX
+        page = gl.load(page_row_ptr + gl.minimum(key // PAGE_SIZE, last_page), mask=exists, other=0)
+        row = page * PAGE_SIZE + key % PAGE_SIZE
+        tma.async_copy_global_to_shared(desc, [row, head * HEAD_DIM], bar, buf.slice(part * BOX, BOX), pred=exists)
+
+
+@gluon.jit
+def _softmax_block(s, m_i, l_i, qk_scale, key_start, key_end, position, masked):
+    """Online softmax (base 2) of one block of scores: P, the rescale factor α of the running sums, and
+    the new running max and sum. `masked`: keys past key_end or after the row's position are -inf."""
+    if masked:
+        keys = key_start + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+        visible = (keys[None, :] < key_end) & (keys[None, :] <= position[:, None])
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _zero_rows_past(buf, first_key, key_end, num_warps: gl.constexpr):
+    """Zero the rows of a key block's shared-memory V tile at keys >= key_end (then fence for wgmma)."""
+    BLOCK_N: gl.constexpr = buf.shape[0]
+    HEAD_DIM: gl.constexpr = buf.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    tile = buf.load(layout)
+    keys = first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    tile = gl.where((keys < key_end)[:, None], tile, gl.zeros_like(tile))
+    buf.store(tile)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _prefill_gluon_kernel(
+    q_ptr,
+    out_ptr,
+    k_desc,
+    v_desc,
+    page_table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    plan_ptr,
+    num_requests,
+    search_iters,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    GROUP: gl.constexpr,
+    Q_BLOCK: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    NUM_BUF: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    ROWS: gl.constexpr = Q_BLOCK * GROUP
+    tile = gl.program_id(0)
+    head = gl.program_id(1)
+    q_starts = plan_ptr + num_requests + 1
+    if tile >= gl.load(q_starts + num_requests):
+        return
+    r = _find_request(q_starts, tile, num_requests, search_iters)
+    # a request's last query block (the most keys under the causal mask) first
+    block = gl.load(q_starts + r + 1) - 1 - tile
+    q_start = gl.load(qsl_ptr + r)
+    q_len = gl.load(qsl_ptr + r + 1) - q_start
+    length = gl.load(seq_lens_ptr + r)
+    first_position = length - q_len + block * Q_BLOCK
+    key_end = gl.minimum(first_position + Q_BLOCK, length)
+    n_full = (first_position + 1) // BLOCK_N  # blocks every row of the block sees whole
+    n_blocks = gl.cdiv(key_end, BLOCK_N)
+    page_row = page_table_ptr + r * stride_pt
+    last_page = (length - 1) // PAGE_SIZE
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+    for i in gl.static_range(NUM_BUF):
+        _issue_block(k_desc, k_bufs, k_bars, i, n_blocks, page_row, last_page, head, PAGE_SIZE)
+        _issue_block(v_desc, v_bufs, v_bars, i, n_blocks, page_row, last_page, head, PAGE_SIZE)
+
+    # the query rows: row m is token m // GROUP, head m % GROUP of this KV head's group
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+    token = block * Q_BLOCK + rows // GROUP
+    q_head = head * GROUP + rows % GROUP
+    row_ok = token < q_len
+    q_offsets = (q_start + token)[:, None].to(gl.int64) * stride_qt + (q_head * stride_qh)[:, None] + dims[None, :]
+    q = gl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS, HEAD_DIM], smem_layout, q)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    s_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    position = first_position + s_rows // GROUP  # absolute position of each row (padding rows: past the end)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+    mbarrier.wait(k_bars.index(0), 0)
+    s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    gl.thread_barrier()  # both warpgroups are done with K slot 0
+    _issue_block(k_desc, k_bufs, k_bars, NUM_BUF, n_blocks, page_row, last_page, head, PAGE_SIZE)
+    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, qk_scale, 0, key_end, position, n_full == 0)
+
+    for j in range(0, n_blocks - 1):
+        nxt = j + 1
+        mbarrier.wait(k_bars.index(nxt % NUM_BUF), (nxt // NUM_BUF) & 1)
+        s_next = warpgroup_mma(q_smem, k_bufs.index(nxt % NUM_BUF).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        mbarrier.wait(v_bars.index(j % NUM_BUF), (j // NUM_BUF) & 1)
+        acc = warpgroup_mma(p_op, v_bufs.index(j % NUM_BUF), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))  # S of block j+1 done, P·V of block j runs
+        gl.thread_barrier()  # both warpgroups: K slot of block j+1 and V slot of block j-1 are free
+        _issue_block(k_desc, k_bufs, k_bars, nxt + NUM_BUF, n_blocks, page_row, last_page, head, PAGE_SIZE)
+        if j >= 1:
+            _issue_block(v_desc, v_bufs, v_bars, j - 1 + NUM_BUF, n_blocks, page_row, last_page, head, PAGE_SIZE)
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, qk_scale, nxt * BLOCK_N, key_end, position, nxt >= n_full)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+    last = n_blocks - 1
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    v_last = v_bufs.index(last % NUM_BUF)
+    mbarrier.wait(v_bars.index(last % NUM_BUF), (last // NUM_BUF) & 1)
+    if key_end < n_blocks * BLOCK_N:
+        _zero_rows_past(v_last, last * BLOCK_N, key_end, num_warps)
+    acc = warpgroup_mma(p_op, v_last, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    out = gl.convert_layout(out.to(gl.bfloat16), io_layout)
+    o_offsets = (q_start + token)[:, None].to(gl.int64) * stride_ot + (q_head * stride_oh)[:, None] + dims[None, :]
+    gl.store(out_ptr + o_offsets, out, mask=row_ok[:, None])
+
+
+def kv_page_descriptors(kv_cache: Tensor, layer: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """Gluon TMA descriptors of one layer's K and V pages as [pages · page_size, kv_heads · head_dim]
+    with [PAGE_BOX, head_dim] boxes (one page slice of one KV head per bulk copy)."""
+    layer_cache = kv_cache[layer]
+    _, pages, page_size, kv_heads, head_dim = layer_cache.shape
+    rows, width = pages * page_size, kv_heads * head_dim
+    box = [PAGE_BOX, head_dim]
+    layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
+    return tuple(TensorDescriptor(layer_cache[i], [rows, width], [width, 1], box, layout) for i in (0, 1))
+
+
+def prefill_attention_gluon(
+    q: Tensor,
+    kv_cache: Tensor,
+    layer: int,
+    page_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    sm_scale: float,
+    plan: Tensor,
+    q_block: int,
+    block_n: int = 128,
+    num_buffers: int = 2,
+) -> Tensor:
+    """Causal prefill attention (see the module docstring); same inputs and output as
+    `attention_prefill.prefill_attention` for a bf16 cache."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[4]
+    group = num_heads // num_kv_heads
+    num_requests = seq_lens.shape[0]
+    out = torch.empty_like(q)
+    k_desc, v_desc = kv_page_descriptors(kv_cache, layer)
+    max_tiles = triton.cdiv(q.shape[0], q_block) + num_requests
+    _prefill_gluon_kernel[(max_tiles, num_kv_heads)](
+        q,
+        out,
+        k_desc,
+        v_desc,
+        page_table,
+        seq_lens,
+        query_start_loc,
+        plan,
+        num_requests,
+        search_iterations(num_requests),
+        sm_scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        page_table.stride(0),
+        GROUP=group,
+        Q_BLOCK=q_block,
+        HEAD_DIM=head_dim,
+        BLOCK_N=block_n,
+        PAGE_SIZE=kv_cache.shape[3],
+        NUM_BUF=num_buffers,
+        num_warps=8,
+    )
+    return out
