@@ -232,6 +232,168 @@ def _prefill_gluon_kernel(
     gl.store(out_ptr + o_offsets, out, mask=row_ok[:, None])
 
 
+@gluon.jit
+def _ws_consumer(q_ptr, out_ptr, shared, scalars, strides, GROUP: gl.constexpr, Q_BLOCK: gl.constexpr, WG: gl.constexpr):
+    """One warpgroup's 64 query rows (WG 0: the block's first 64, WG 1: the rest) over every key block."""
+    q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, fix_bar = shared
+    block, q_start, q_len, first_position, key_end, n_full, n_blocks, head, qk_scale = scalars
+    stride_qt, stride_qh, stride_ot, stride_oh = strides
+    NUM_BUF: gl.constexpr = k_bufs.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[1]
+    HEAD_DIM: gl.constexpr = k_bufs.shape[2]
+    ROWS: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+    rows = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+    token = block * Q_BLOCK + rows // GROUP
+    q_head = head * GROUP + rows % GROUP
+    row_ok = token < q_len
+    q_offsets = (q_start + token)[:, None].to(gl.int64) * stride_qt + (q_head * stride_qh)[:, None] + dims[None, :]
+    q_rows = q_smem.slice(WG * ROWS, ROWS)
+    q_rows.store(gl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    s_rows = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    position = first_position + s_rows // GROUP
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    mbarrier.arrive(k_empty.index(0))
+    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, qk_scale, 0, key_end, position, n_full == 0)
+    for j in range(0, n_blocks - 1):
+        nxt = j + 1
+        mbarrier.wait(k_ready.index(nxt % NUM_BUF), (nxt // NUM_BUF) & 1)
+        s_next = warpgroup_mma(q_rows, k_bufs.index(nxt % NUM_BUF).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        mbarrier.wait(v_ready.index(j % NUM_BUF), (j // NUM_BUF) & 1)
+        acc = warpgroup_mma(p_op, v_bufs.index(j % NUM_BUF), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
+        mbarrier.arrive(k_empty.index(nxt % NUM_BUF))
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, qk_scale, nxt * BLOCK_N, key_end, position, nxt >= n_full)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(j % NUM_BUF))
+
+    last = n_blocks - 1
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    v_last = v_bufs.index(last % NUM_BUF)
+    mbarrier.wait(v_ready.index(last % NUM_BUF), (last // NUM_BUF) & 1)
+    if key_end < n_blocks * BLOCK_N:  # warpgroup 0 zeroes the V rows past the sequence, 1 waits for it
+        if WG == 0:
+            _zero_rows_past(v_last, last * BLOCK_N, key_end, 4)
+            mbarrier.arrive(fix_bar)
+        else:
+            mbarrier.wait(fix_bar, 0)
+    acc = warpgroup_mma(p_op, v_last, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    out = gl.convert_layout(out.to(gl.bfloat16), io_layout)
+    o_offsets = (q_start + token)[:, None].to(gl.int64) * stride_ot + (q_head * stride_oh)[:, None] + dims[None, :]
+    gl.store(out_ptr + o_offsets, out, mask=row_ok[:, None])
+
+
+@gluon.jit
+def _ws_producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, n_blocks, page_row, last_page, head,
+                 PAGE_SIZE: gl.constexpr):
+    """One warp: each key block's K then V copies, as soon as both warpgroups have freed the slot."""
+    NUM_BUF: gl.constexpr = k_bufs.shape[0]
+    for j in range(0, n_blocks):
+        free_phase = ((j // NUM_BUF) & 1) ^ 1  # a fresh barrier counts as freed once
+        mbarrier.wait(k_empty.index(j % NUM_BUF), free_phase)
+        _issue_block(k_desc, k_bufs, k_ready, j, n_blocks, page_row, last_page, head, PAGE_SIZE)
+        mbarrier.wait(v_empty.index(j % NUM_BUF), free_phase)
+        _issue_block(v_desc, v_bufs, v_ready, j, n_blocks, page_row, last_page, head, PAGE_SIZE)
+
+
+@gluon.jit
+def _prefill_ws_kernel(
+    q_ptr,
+    out_ptr,
+    k_desc,
+    v_desc,
+    page_table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    plan_ptr,
+    num_requests,
+    search_iters,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    GROUP: gl.constexpr,
+    Q_BLOCK: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    NUM_BUF: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    ROWS: gl.constexpr = Q_BLOCK * GROUP
+    gl.static_assert(ROWS == 128, "two warpgroups of 64 query rows")
+    tile = gl.program_id(0)
+    head = gl.program_id(1)
+    q_starts = plan_ptr + num_requests + 1
+    if tile >= gl.load(q_starts + num_requests):
+        return
+    r = _find_request(q_starts, tile, num_requests, search_iters)
+    block = gl.load(q_starts + r + 1) - 1 - tile
+    q_start = gl.load(qsl_ptr + r)
+    q_len = gl.load(qsl_ptr + r + 1) - q_start
+    length = gl.load(seq_lens_ptr + r)
+    first_position = length - q_len + block * Q_BLOCK
+    key_end = gl.minimum(first_position + Q_BLOCK, length)
+    n_full = (first_position + 1) // BLOCK_N
+    n_blocks = gl.cdiv(key_end, BLOCK_N)
+    page_row = page_table_ptr + r * stride_pt
+    last_page = (length - 1) // PAGE_SIZE
+
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS, HEAD_DIM], smem_layout)
+    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    fix_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(fix_bar, count=1)
+    fence_async_shared()
+
+    scalars = (block, q_start, q_len, first_position, key_end, n_full, n_blocks, head, qk_scale)
+    strides = (stride_qt, stride_qh, stride_ot, stride_oh)
+    shared = (q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, fix_bar)
+    gl.warp_specialize(
+        [
+            (_ws_consumer, (q_ptr, out_ptr, shared, scalars, strides, GROUP, Q_BLOCK, 0)),
+            (_ws_consumer, (q_ptr, out_ptr, shared, scalars, strides, GROUP, Q_BLOCK, 1)),
+            (_ws_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, n_blocks, page_row,
+                            last_page, head, PAGE_SIZE)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )
+
+
 def kv_page_descriptors(kv_cache: Tensor, layer: int) -> tuple[TensorDescriptor, TensorDescriptor]:
     """Gluon TMA descriptors of one layer's K and V pages as [pages · page_size, kv_heads · head_dim]
     with [PAGE_BOX, head_dim] boxes (one page slice of one KV head per bulk copy)."""
@@ -255,6 +417,9 @@ def prefill_attention_gluon(
     q_block: int,
     block_n: int = 128,
     num_buffers: int = 2,
+    warp_specialized: bool = False,
+    consumer_regs: int = 240,
+    max_registers: int = 168,
 ) -> Tensor:
     """Causal prefill attention (see the module docstring); same inputs and output as
     `attention_prefill.prefill_attention` for a bf16 cache."""
@@ -265,7 +430,9 @@ def prefill_attention_gluon(
     out = torch.empty_like(q)
     k_desc, v_desc = kv_page_descriptors(kv_cache, layer)
     max_tiles = triton.cdiv(q.shape[0], q_block) + num_requests
-    _prefill_gluon_kernel[(max_tiles, num_kv_heads)](
+    kernel = _prefill_ws_kernel if warp_specialized else _prefill_gluon_kernel
+    options = dict(num_warps=4, maxnreg=max_registers, CONSUMER_REGS=consumer_regs) if warp_specialized else dict(num_warps=8)
+    kernel[(max_tiles, num_kv_heads)](
         q,
         out,
         k_desc,
@@ -288,6 +455,6 @@ def prefill_attention_gluon(
         BLOCK_N=block_n,
         PAGE_SIZE=kv_cache.shape[3],
         NUM_BUF=num_buffers,
-        num_warps=8,
+        **options,
     )
     return out
