@@ -38,7 +38,14 @@ import hy3c.kernels
 import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
 from hy3c.kernels import qknorm_rope_kvstore
-from hy3c.kernels.attention_config import DECODE_CONFIG, LaunchConfig, decode_config, prefill_config
+from hy3c.kernels.attention_config import (
+    DECODE_CONFIG,
+    GLUON_PREFILL_CONFIG,
+    LaunchConfig,
+    decode_config,
+    prefill_config,
+    triton_prefill_config,
+)
 from hy3c.kernels.attention_decode import decode_attention_dynamic, decode_attention_static
 from hy3c.kernels.attention_prefill import prefill_attention
 from hy3c.kernels.pdl import pdl_env
@@ -278,35 +285,38 @@ def prefill_case(
 
 
 def prefill_bench(tokens: int) -> None:
-    """Causal prefill of one request over a paged bf16 and an FP8 KV cache vs SDPA on contiguous bf16."""
+    """Causal prefill of one request over a paged bf16 and an FP8 KV cache vs SDPA on contiguous bf16:
+    the shipped kernel per KV dtype (bf16: the warp-specialized Gluon kernel), the Triton kernel, and
+    the Triton kernel with lazy rescaling."""
     q, seq_lens, qsl, plan, sdpa_call, flops = prefill_case(tokens)
     sdpa = bench(sdpa_call)
     row(f"prefill {tokens} causal: SDPA (flash, contiguous)", sdpa)
     RESULTS[f"prefill_{tokens}_tflops"] = {"sdpa": flops / sdpa / 1e9}
     for dtype, kv_scale, name in ((torch.bfloat16, 1.0, "bf16"), (FP8_DTYPE, 0.01, "fp8")):
         cache, table, scales = paged_cache([tokens], dtype, kv_scale)
-        ours = bench(
-            lambda c=cache, t=table, s=scales: prefill_attention(
-                q, c, s, 0, t, seq_lens, qsl, HEAD_DIM**-0.5, plan
-            )
-        )
-        row(f"prefill {tokens} causal: hy3c Triton paged, {name} KV", ours, None, sdpa, "SDPA")
-        RESULTS[f"prefill_{tokens}_tflops"][name] = flops / ours / 1e9
         kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5, plan)
-        default = prefill_config(dtype, cache.shape[3])  # eager rescaling: time the lazy choice too
-        other = dataclasses.replace(default, lazy_rescale=not default.lazy_rescale)
-        what = "lazy" if other.lazy_rescale else "eager"
-        ref, alt = prefill_attention(q, *kv), prefill_attention(q, *kv, config=other)
-        err = ((alt.float() - ref.float()).norm() / ref.float().norm()).item()
-        t_other = bench(lambda kv=kv, c=other: prefill_attention(q, *kv, config=c))
-        row(
-            f"prefill {tokens} causal: hy3c Triton paged, {name} KV, {what} rescale (rel. diff {err:.1e})",
-            t_other,
-            None,
-            ours,
-            "default",
-        )
-        RESULTS[f"prefill_{tokens}_tflops"][f"{name}_{what}_rescale"] = flops / t_other / 1e9
+        shipped = prefill_config(dtype, cache.shape[3])
+        kernel = "Gluon warp-specialized" if shipped.warp_specialized else "Triton"
+        ours = bench(lambda kv=kv: prefill_attention(q, *kv))
+        row(f"prefill {tokens} causal: hy3c {kernel} paged, {name} KV", ours, None, sdpa, "SDPA")
+        RESULTS[f"prefill_{tokens}_tflops"][name] = flops / ours / 1e9
+        ref = prefill_attention(q, *kv)
+        triton_config = triton_prefill_config(dtype, cache.shape[3])
+        others = {"eager": triton_config, "lazy": dataclasses.replace(triton_config, lazy_rescale=True)}
+        if not shipped.warp_specialized:
+            del others["eager"]  # the shipped row
+        for what, config in others.items():
+            alt = prefill_attention(q, *kv, config=config)
+            err = ((alt.float() - ref.float()).norm() / ref.float().norm()).item()
+            t_other = bench(lambda kv=kv, c=config: prefill_attention(q, *kv, config=c))
+            row(
+                f"prefill {tokens} causal: hy3c Triton paged, {name} KV, {what} rescale (rel. diff {err:.1e})",
+                t_other,
+                None,
+                ours,
+                "shipped",
+            )
+            RESULTS[f"prefill_{tokens}_tflops"][f"{name}_triton_{what}_rescale"] = flops / t_other / 1e9
         del cache, kv
 
 
@@ -360,13 +370,10 @@ def prefill_candidates(rounds: int = 4) -> None:
     # depend on it, so 2-4 stages keep the copies one block ahead and 5 two blocks (three buffers)
     tma = functools.partial(LaunchConfig, tma=True)
     candidates = {
+        "Gluon warp-specialized, 128 keys, 2 slots": GLUON_PREFILL_CONFIG,
         "64 keys, 4 warps, 2 stages": tma(block_n=64, num_warps=4, num_stages=2),
         "64 keys, 4 warps, 5 stages": tma(block_n=64, num_warps=4, num_stages=5),
-        "32 keys, 4 warps, 3 stages": tma(block_n=32, num_warps=4, num_stages=3),
-        "32 keys, 4 warps, 5 stages": tma(block_n=32, num_warps=4, num_stages=5),
-        "32 keys, 4 warps, 7 stages": tma(block_n=32, num_warps=4, num_stages=7),
         "64 keys, 8 warps ≤128 regs, 2 stages": tma(block_n=64, num_warps=8, num_stages=2, max_registers=128),
-        "64 keys, 8 warps ≤128 regs, 5 stages": tma(block_n=64, num_warps=8, num_stages=5, max_registers=128),
     }
     for tokens in (8192, 32768):
         q, seq_lens, qsl, plan, sdpa_call, flops = prefill_case(tokens)
@@ -380,9 +387,10 @@ def prefill_candidates(rounds: int = 4) -> None:
             while time.perf_counter() < warm_until:
                 sdpa_call()
                 torch.cuda.synchronize()
+            runs = {n: c for n, c in candidates.items() if dtype == torch.bfloat16 or not c.warp_specialized}
             for _ in range(rounds):
                 times["SDPA"].append(bench(sdpa_call))
-                for name, cfg in candidates.items():
+                for name, cfg in runs.items():
                     out = prefill_attention(q, *kv, config=cfg)
                     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                     assert err < 1e-2, f"{name}: relative difference {err:.1e} from the shipped config"
@@ -391,7 +399,7 @@ def prefill_candidates(rounds: int = 4) -> None:
                         bench(lambda a=call, c=cfg: prefill_attention(*a, config=c))
                     )
             for name, ms in times.items():
-                mark = " (shipped)" if candidates.get(name) == shipped else ""
+                mark = " (shipped)" if runs.get(name) == shipped else ""
                 ratios = " / ".join(f"{s / m:.3f}" for s, m in zip(times["SDPA"], ms, strict=True))
                 line = " / ".join(f"{m:.3f}" for m in ms)
                 tf = flops / min(ms) / 1e9

@@ -26,6 +26,8 @@ class LaunchConfig:
     lazy_rescale: bool = False  # prefill: rescale acc only when a row's max grows by more than 2^8
     tma: bool = False  # K/V blocks by TMA bulk copies (block_n divides the page)
     max_registers: int = 0  # a cap on registers per thread (0: the compiler's choice), for more CTAs per SM
+    warp_specialized: bool = False  # prefill, bf16 KV on sm_90: the Gluon kernel (attention_prefill_gluon) —
+    # block_n keys per block, num_stages K/V ring slots, max_registers at launch (Triton's kernel elsewhere)
 
     def launch_options(self) -> dict[str, int]:
         """num_warps, num_stages and the register cap as Triton launch options."""
@@ -60,10 +62,15 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int, page_size: int = 64)
     return config if page_size % config.block_n == 0 else replace(config, tma=False)
 
 
-# prefill: 128 query rows (16 tokens × 8 heads at Hy3's GQA; the plan's PREFILL_ROWS), 64-key blocks as
-# TMA bulk copies. The copies' coordinates come from a page-table load in the loop, and Triton 3.6 splits
-# num_stages between that load and the copies: 2-4 stages keep two K/V buffers (the copy of block i+1 is
-# issued at the end of block i, so its wait shows in the profile: ncu, attention run 41), 5 stages three.
+# prefill: 128 query rows (16 tokens × 8 heads at Hy3's GQA; the plan's PREFILL_ROWS).
+# bf16 KV on an sm_90 GPU: the warp-specialized Gluon kernel (attention_prefill_gluon: a TMA producer warp,
+# two consumer warpgroups at 240 registers of the launch's 168 × 384, the next block's QKᵀ and this block's
+# P·V issued together, the softmax beside P·V): 128-key blocks (two 64-key page slices), a two-slot K/V
+# ring — 1.02-1.17× SDPA at 8K, 1.02× at 32K (attention run 49; Triton's kernel 0.84-0.86×).
+# Elsewhere the Triton kernel, 64-key blocks as TMA bulk copies. Its copies' coordinates come from a
+# page-table load in the loop, and Triton 3.6 splits num_stages between that load and the copies: 2-4
+# stages keep two K/V buffers (the copy of block i+1 is issued at the end of block i, so its wait shows in
+# the profile: ncu, attention run 41), 5 stages three.
 # bf16 KV: 4 warps, 2 stages — 96 KB of shared memory, two CTAs per SM (5 stages: 128 KB, one CTA, 0.75×);
 # FP8 KV: 4 warps, 5 stages — three 16 KB buffers in 64 KB, still two CTAs per SM, and 4-8% faster than
 # 8 warps capped at 128 registers with 2 stages (attention run 42). Timed interleaved with SDPA round by
@@ -72,12 +79,23 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int, page_size: int = 64)
 # Pages that a 64-key block does not tile (a page size that 64 does not divide) take per-row pointer loads
 # (bf16 335, FP8 321 TFLOP/s; attention runs 8-14). Lazy rescaling measured slower for bf16 (attention
 # run 17) and, since P·V is an e4m3 product, for FP8 KV too (0.87× at 8K and 32K, attention run 25).
+GLUON_PREFILL_CONFIG = LaunchConfig(
+    block_n=128, num_warps=4, num_stages=2, tma=True, max_registers=168, warp_specialized=True
+)
 PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, tma=True)
 FP8_PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=5, tma=True)
 PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 
 
 def prefill_config(kv_dtype: torch.dtype, page_size: int = 64) -> LaunchConfig:
-    """The prefill launch config for a KV cache's dtype and page size (known on the host)."""
+    """The prefill launch config for a KV cache's dtype and page size (known on the host); a
+    warp-specialized one runs where `attention_prefill_gluon.supported`, else `triton_prefill_config`."""
+    if kv_dtype != FP8_DTYPE and page_size % 64 == 0:
+        return GLUON_PREFILL_CONFIG
+    return triton_prefill_config(kv_dtype, page_size)
+
+
+def triton_prefill_config(kv_dtype: torch.dtype, page_size: int = 64) -> LaunchConfig:
+    """The Triton prefill kernel's launch config for a KV cache's dtype and page size."""
     config = FP8_PREFILL_CONFIG if kv_dtype == FP8_DTYPE else PREFILL_CONFIG
     return config if page_size % config.block_n == 0 else PREFILL_CONFIG_ANY_PAGE

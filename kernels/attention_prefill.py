@@ -1,6 +1,8 @@
-"""Triton chunked-prefill attention over the paged KV cache: causal flash attention over query blocks
+"""Chunked-prefill attention over the paged KV cache: causal flash attention over query blocks
 (`attention_plan` row 1) × KV heads, a block's tokens × the GQA group's heads forming the MMA rows, over
-the cached prefix and the new tokens (a query offset per request)."""
+the cached prefix and the new tokens (a query offset per request). `prefill_attention` runs the
+warp-specialized Gluon kernel (`attention_prefill_gluon`) where its config asks for it and it supports
+the inputs (bf16 KV on sm_90), else the Triton kernel below."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hy3c.kernels import attention_prefill_gluon
 from hy3c.kernels.attention_blocks import (
     BATCH_ARGS,
     LOG2E,
@@ -23,7 +26,7 @@ from hy3c.kernels.attention_blocks import (
     quantize_rows_e4m3,
     search_iterations,
 )
-from hy3c.kernels.attention_config import LaunchConfig, prefill_config
+from hy3c.kernels.attention_config import LaunchConfig, prefill_config, triton_prefill_config
 from hy3c.kernels.attention_plan import prefill_q_block
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 
@@ -154,6 +157,13 @@ def prefill_attention(
     group, num_kv_heads, head_dim = gqa_shape(q, kv_cache)
     num_requests = seq_lens.shape[0]
     q_block = prefill_q_block(group, config.q_rows)
+    if config.warp_specialized:
+        if config.lazy_rescale:
+            raise ValueError("lazy_rescale: the Triton prefill kernel only (warp_specialized=False)")
+        if attention_prefill_gluon.supported(q, kv_cache, q_block):
+            args = (q, kv_cache, layer, page_table, seq_lens, query_start_loc, sm_scale, plan, q_block)
+            return attention_prefill_gluon.prefill_attention_gluon(*args, config)
+        config = triton_prefill_config(kv_cache.dtype, kv_cache.shape[3])
     out = torch.empty_like(q)
     max_tiles = triton.cdiv(q.shape[0], q_block) + num_requests
     _prefill_kernel[(max_tiles, num_kv_heads)](

@@ -1,24 +1,27 @@
-"""Chunked-prefill attention over a bf16 paged KV cache, written in Gluon (Triton's explicit-layout
-language) for Hopper: the schedule Triton 3.6's pipeliner will not emit for `attention_prefill`.
+"""Chunked-prefill attention over a bf16 paged KV cache for Hopper, written in Gluon (Triton's
+explicit-layout language): the warp-specialized FlashAttention-3 schedule that Triton 3.6's pipeliner
+does not emit for `attention_prefill` (BENCHMARKS.md, attention runs 18, 40, 41).
 
 One program = one query block (`attention_plan` row 1: 16 tokens × the 8 heads of a GQA group = 128
-rows) × one KV head, as `attention_prefill`; 8 warps, two warpgroups of 64 rows, one program per SM.
-What differs is the key loop, written out by hand:
+rows) × one KV head, in the same grid order as `attention_prefill`, one program per SM, three roles:
 
-    prologue: TMA copies of key blocks 0 … NUM_BUF-1 (K and V rings, one mbarrier per slot); S₀ = Q·K₀ᵀ
-    block j:  issue S_{j+1} = Q·K_{j+1}ᵀ (async wgmma)            ─┐ the tensor cores run these
-              softmax of S_j → P_j (CUDA cores)                     │ while the softmax runs
-              wait for P_{j-1}·V_{j-1}; O *= α; issue O += P_j·V_j ─┘
-              wait for S_{j+1}; refill the slots S_{j+1} and P_{j-1}·V_{j-1} have freed
+    producer (1 warp, 24 registers): for each key block j, wait until both consumers have freed ring
+        slot j % NUM_BUF, then TMA-copy K_j, then V_j into it (BLOCK_N / 64 page slices each)
+    consumer 0 and 1 (a warpgroup each, 64 query rows, 240 registers), per key block j:
+        issue S_{j+1} = Q·K_{j+1}ᵀ; O *= α_j; issue O += P_j·V_j     (async wgmma, back to back)
+        wait for S_{j+1}; free K_{j+1}'s slot
+        softmax of S_{j+1} → P_{j+1}, α_{j+1}                          (runs under P_j·V_j)
+        wait for P_j·V_j; free V_j's slot
 
-so the QKᵀ of the next block and the P·V of the previous one overlap each block's softmax (the
-FlashAttention-3 in-warpgroup overlap), and every copy is issued NUM_BUF blocks ahead. A key block of
-BLOCK_N keys is BLOCK_N / BOX bulk copies of one page slice each (BOX = min(page size, 64)); the blocks
-that cross the causal diagonal (and the last, partial one) are masked, and V rows past the sequence
-are zeroed in shared memory before P·V (a page's unused slots may hold anything).
+The two consumers synchronise only through the ring's mbarriers, so one's softmax runs beside the
+other's products. Key blocks that cross the causal diagonal (and the last, partial one) are masked;
+V rows past the sequence in the last block are zeroed in shared memory by consumer 0 (consumer 1 waits
+for it) before P·V, since a page's unused slots may hold anything (NaN × 0 = NaN).
 
-Requires Hopper (sm_90+), a bf16 cache whose page size is a multiple of 64, head_dim 128 and 128 query
-rows per program; `prefill_attention` falls back to the Triton kernel elsewhere.
+Requires an sm_90 GPU, bf16 q and cache, head_dim 128, a page size that is a multiple of 64 and 128
+query rows per program (`supported`); `attention_prefill.prefill_attention` runs the Triton kernel
+elsewhere. Gluon kernels cannot run under TRITON_INTERPRET: the CPU tests compile this one for sm_90
+(tests/kernels/sm90_compile.py) and the GPU tests check it against the reference.
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from hy3c.kernels.attention_blocks import search_iterations
+from hy3c.kernels.attention_config import LaunchConfig
 
 LOG2E = 1.4426950408889634
 PAGE_BOX = 64  # keys per bulk copy (one page slice)
+CONSUMER_REGISTERS = 240  # per consumer thread (setmaxnreg); the producer keeps 24
 
 
 @gluon.jit
@@ -73,7 +78,9 @@ def _issue_block(desc, bufs, bars, block, n_blocks, page_row_ptr, last_page, hea
         key = block * BLOCK_N + part * BOX
         page = gl.load(page_row_ptr + gl.minimum(key // PAGE_SIZE, last_page), mask=exists, other=0)
         row = page * PAGE_SIZE + key % PAGE_SIZE
-        tma.async_copy_global_to_shared(desc, [row, head * HEAD_DIM], bar, buf.slice(part * BOX, BOX), pred=exists)
+        tma.async_copy_global_to_shared(
+            desc, [row, head * HEAD_DIM], bar, buf.slice(part * BOX, BOX), pred=exists
+        )
 
 
 @gluon.jit
@@ -95,7 +102,6 @@ def _softmax_block(s, m_i, l_i, qk_scale, key_start, key_end, position, masked):
 def _zero_rows_past(buf, first_key, key_end, num_warps: gl.constexpr):
     """Zero the rows of a key block's shared-memory V tile at keys >= key_end (then fence for wgmma)."""
     BLOCK_N: gl.constexpr = buf.shape[0]
-    HEAD_DIM: gl.constexpr = buf.shape[1]
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     tile = buf.load(layout)
     keys = first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
@@ -106,134 +112,9 @@ def _zero_rows_past(buf, first_key, key_end, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _prefill_gluon_kernel(
-    q_ptr,
-    out_ptr,
-    k_desc,
-    v_desc,
-    page_table_ptr,
-    seq_lens_ptr,
-    qsl_ptr,
-    plan_ptr,
-    num_requests,
-    search_iters,
-    qk_scale,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_pt,
-    GROUP: gl.constexpr,
-    Q_BLOCK: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    PAGE_SIZE: gl.constexpr,
-    NUM_BUF: gl.constexpr,
-    num_warps: gl.constexpr,
+def _consumer(
+    q_ptr, out_ptr, shared, scalars, strides, GROUP: gl.constexpr, Q_BLOCK: gl.constexpr, WG: gl.constexpr
 ):
-    ROWS: gl.constexpr = Q_BLOCK * GROUP
-    tile = gl.program_id(0)
-    head = gl.program_id(1)
-    q_starts = plan_ptr + num_requests + 1
-    if tile >= gl.load(q_starts + num_requests):
-        return
-    r = _find_request(q_starts, tile, num_requests, search_iters)
-    # a request's last query block (the most keys under the causal mask) first
-    block = gl.load(q_starts + r + 1) - 1 - tile
-    q_start = gl.load(qsl_ptr + r)
-    q_len = gl.load(qsl_ptr + r + 1) - q_start
-    length = gl.load(seq_lens_ptr + r)
-    first_position = length - q_len + block * Q_BLOCK
-    key_end = gl.minimum(first_position + Q_BLOCK, length)
-    n_full = (first_position + 1) // BLOCK_N  # blocks every row of the block sees whole
-    n_blocks = gl.cdiv(key_end, BLOCK_N)
-    page_row = page_table_ptr + r * stride_pt
-    last_page = (length - 1) // PAGE_SIZE
-
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-
-    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
-    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-    for i in gl.static_range(NUM_BUF):
-        _issue_block(k_desc, k_bufs, k_bars, i, n_blocks, page_row, last_page, head, PAGE_SIZE)
-        _issue_block(v_desc, v_bufs, v_bars, i, n_blocks, page_row, last_page, head, PAGE_SIZE)
-
-    # the query rows: row m is token m // GROUP, head m % GROUP of this KV head's group
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
-    token = block * Q_BLOCK + rows // GROUP
-    q_head = head * GROUP + rows % GROUP
-    row_ok = token < q_len
-    q_offsets = (q_start + token)[:, None].to(gl.int64) * stride_qt + (q_head * stride_qh)[:, None] + dims[None, :]
-    q = gl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS, HEAD_DIM], smem_layout, q)
-    fence_async_shared()
-    gl.thread_barrier()
-
-    s_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    position = first_position + s_rows // GROUP  # absolute position of each row (padding rows: past the end)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-
-    mbarrier.wait(k_bars.index(0), 0)
-    s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    gl.thread_barrier()  # both warpgroups are done with K slot 0
-    _issue_block(k_desc, k_bufs, k_bars, NUM_BUF, n_blocks, page_row, last_page, head, PAGE_SIZE)
-    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, qk_scale, 0, key_end, position, n_full == 0)
-
-    for j in range(0, n_blocks - 1):
-        nxt = j + 1
-        mbarrier.wait(k_bars.index(nxt % NUM_BUF), (nxt // NUM_BUF) & 1)
-        s_next = warpgroup_mma(q_smem, k_bufs.index(nxt % NUM_BUF).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-        mbarrier.wait(v_bars.index(j % NUM_BUF), (j // NUM_BUF) & 1)
-        acc = warpgroup_mma(p_op, v_bufs.index(j % NUM_BUF), acc, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))  # S of block j+1 done, P·V of block j runs
-        gl.thread_barrier()  # both warpgroups: K slot of block j+1 and V slot of block j-1 are free
-        _issue_block(k_desc, k_bufs, k_bars, nxt + NUM_BUF, n_blocks, page_row, last_page, head, PAGE_SIZE)
-        if j >= 1:
-            _issue_block(v_desc, v_bufs, v_bars, j - 1 + NUM_BUF, n_blocks, page_row, last_page, head, PAGE_SIZE)
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, qk_scale, nxt * BLOCK_N, key_end, position, nxt >= n_full)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-
-    last = n_blocks - 1
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-    v_last = v_bufs.index(last % NUM_BUF)
-    mbarrier.wait(v_bars.index(last % NUM_BUF), (last // NUM_BUF) & 1)
-    if key_end < n_blocks * BLOCK_N:
-        _zero_rows_past(v_last, last * BLOCK_N, key_end, num_warps)
-    acc = warpgroup_mma(p_op, v_last, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
-
-    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-    out = gl.convert_layout(out.to(gl.bfloat16), io_layout)
-    o_offsets = (q_start + token)[:, None].to(gl.int64) * stride_ot + (q_head * stride_oh)[:, None] + dims[None, :]
-    gl.store(out_ptr + o_offsets, out, mask=row_ok[:, None])
-
-
-@gluon.jit
-def _ws_consumer(q_ptr, out_ptr, shared, scalars, strides, GROUP: gl.constexpr, Q_BLOCK: gl.constexpr, WG: gl.constexpr):
     """One warpgroup's 64 query rows (WG 0: the block's first 64, WG 1: the rest) over every key block."""
     q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, fix_bar = shared
     block, q_start, q_len, first_position, key_end, n_full, n_blocks, head, qk_scale = scalars
@@ -242,8 +123,12 @@ def _ws_consumer(q_ptr, out_ptr, shared, scalars, strides, GROUP: gl.constexpr, 
     BLOCK_N: gl.constexpr = k_bufs.shape[1]
     HEAD_DIM: gl.constexpr = k_bufs.shape[2]
     ROWS: gl.constexpr = 64
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
@@ -252,7 +137,9 @@ def _ws_consumer(q_ptr, out_ptr, shared, scalars, strides, GROUP: gl.constexpr, 
     token = block * Q_BLOCK + rows // GROUP
     q_head = head * GROUP + rows % GROUP
     row_ok = token < q_len
-    q_offsets = (q_start + token)[:, None].to(gl.int64) * stride_qt + (q_head * stride_qh)[:, None] + dims[None, :]
+    q_offsets = (
+        (q_start + token)[:, None].to(gl.int64) * stride_qt + (q_head * stride_qh)[:, None] + dims[None, :]
+    )
     q_rows = q_smem.slice(WG * ROWS, ROWS)
     q_rows.store(gl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0))
     fence_async_shared()
@@ -273,14 +160,18 @@ def _ws_consumer(q_ptr, out_ptr, shared, scalars, strides, GROUP: gl.constexpr, 
     for j in range(0, n_blocks - 1):
         nxt = j + 1
         mbarrier.wait(k_ready.index(nxt % NUM_BUF), (nxt // NUM_BUF) & 1)
-        s_next = warpgroup_mma(q_rows, k_bufs.index(nxt % NUM_BUF).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_next = warpgroup_mma(
+            q_rows, k_bufs.index(nxt % NUM_BUF).permute((1, 0)), s_zero, use_acc=False, is_async=True
+        )
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
         mbarrier.wait(v_ready.index(j % NUM_BUF), (j // NUM_BUF) & 1)
         acc = warpgroup_mma(p_op, v_bufs.index(j % NUM_BUF), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
         mbarrier.arrive(k_empty.index(nxt % NUM_BUF))
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, qk_scale, nxt * BLOCK_N, key_end, position, nxt >= n_full)
+        p, alpha, m_i, l_i = _softmax_block(
+            s, m_i, l_i, qk_scale, nxt * BLOCK_N, key_end, position, nxt >= n_full
+        )
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(j % NUM_BUF))
 
@@ -300,13 +191,28 @@ def _ws_consumer(q_ptr, out_ptr, shared, scalars, strides, GROUP: gl.constexpr, 
 
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
     out = gl.convert_layout(out.to(gl.bfloat16), io_layout)
-    o_offsets = (q_start + token)[:, None].to(gl.int64) * stride_ot + (q_head * stride_oh)[:, None] + dims[None, :]
+    o_offsets = (
+        (q_start + token)[:, None].to(gl.int64) * stride_ot + (q_head * stride_oh)[:, None] + dims[None, :]
+    )
     gl.store(out_ptr + o_offsets, out, mask=row_ok[:, None])
 
 
 @gluon.jit
-def _ws_producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, n_blocks, page_row, last_page, head,
-                 PAGE_SIZE: gl.constexpr):
+def _producer(
+    k_desc,
+    v_desc,
+    k_bufs,
+    v_bufs,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    n_blocks,
+    page_row,
+    last_page,
+    head,
+    PAGE_SIZE: gl.constexpr,
+):
     """One warp: each key block's K then V copies, as soon as both warpgroups have freed the slot."""
     NUM_BUF: gl.constexpr = k_bufs.shape[0]
     for j in range(0, n_blocks):
@@ -318,7 +224,7 @@ def _ws_producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_em
 
 
 @gluon.jit
-def _prefill_ws_kernel(
+def _prefill_kernel(
     q_ptr,
     out_ptr,
     k_desc,
@@ -384,10 +290,26 @@ def _prefill_ws_kernel(
     shared = (q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, fix_bar)
     gl.warp_specialize(
         [
-            (_ws_consumer, (q_ptr, out_ptr, shared, scalars, strides, GROUP, Q_BLOCK, 0)),
-            (_ws_consumer, (q_ptr, out_ptr, shared, scalars, strides, GROUP, Q_BLOCK, 1)),
-            (_ws_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, n_blocks, page_row,
-                            last_page, head, PAGE_SIZE)),
+            (_consumer, (q_ptr, out_ptr, shared, scalars, strides, GROUP, Q_BLOCK, 0)),
+            (_consumer, (q_ptr, out_ptr, shared, scalars, strides, GROUP, Q_BLOCK, 1)),
+            (
+                _producer,
+                (
+                    k_desc,
+                    v_desc,
+                    k_bufs,
+                    v_bufs,
+                    k_ready,
+                    v_ready,
+                    k_empty,
+                    v_empty,
+                    n_blocks,
+                    page_row,
+                    last_page,
+                    head,
+                    PAGE_SIZE,
+                ),
+            ),
         ],
         [4, 1],
         [CONSUMER_REGS, 24],
@@ -405,6 +327,20 @@ def kv_page_descriptors(kv_cache: Tensor, layer: int) -> tuple[TensorDescriptor,
     return tuple(TensorDescriptor(layer_cache[i], [rows, width], [width, 1], box, layout) for i in (0, 1))
 
 
+def supported(q: Tensor, kv_cache: Tensor, q_block: int) -> bool:
+    """Whether this kernel runs these inputs (else the Triton kernel does)."""
+    group = q.shape[1] // kv_cache.shape[4]
+    return (
+        q.is_cuda
+        and torch.cuda.get_device_capability(q.device) == (9, 0)
+        and q.dtype == kv_cache.dtype == torch.bfloat16
+        and q.shape[2] == 128
+        and kv_cache.shape[3] % PAGE_BOX == 0
+        and q_block * group == 128
+        and kv_cache[0].is_contiguous()
+    )
+
+
 def prefill_attention_gluon(
     q: Tensor,
     kv_cache: Tensor,
@@ -415,24 +351,18 @@ def prefill_attention_gluon(
     sm_scale: float,
     plan: Tensor,
     q_block: int,
-    block_n: int = 128,
-    num_buffers: int = 2,
-    warp_specialized: bool = False,
-    consumer_regs: int = 240,
-    max_registers: int = 168,
+    config: LaunchConfig,
 ) -> Tensor:
-    """Causal prefill attention (see the module docstring); same inputs and output as
-    `attention_prefill.prefill_attention` for a bf16 cache."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    """Causal prefill attention (the module docstring); the inputs and output of
+    `attention_prefill.prefill_attention` for a bf16 cache. config: block_n keys per block (a multiple
+    of 64), num_stages ring slots, max_registers per thread at launch (the partitions' budgets are
+    redistributed from it)."""
     num_kv_heads = kv_cache.shape[4]
-    group = num_heads // num_kv_heads
     num_requests = seq_lens.shape[0]
     out = torch.empty_like(q)
     k_desc, v_desc = kv_page_descriptors(kv_cache, layer)
     max_tiles = triton.cdiv(q.shape[0], q_block) + num_requests
-    kernel = _prefill_ws_kernel if warp_specialized else _prefill_gluon_kernel
-    options = dict(num_warps=4, maxnreg=max_registers, CONSUMER_REGS=consumer_regs) if warp_specialized else dict(num_warps=8)
-    kernel[(max_tiles, num_kv_heads)](
+    _prefill_kernel[(max_tiles, num_kv_heads)](
         q,
         out,
         k_desc,
@@ -449,12 +379,14 @@ def prefill_attention_gluon(
         out.stride(0),
         out.stride(1),
         page_table.stride(0),
-        GROUP=group,
+        GROUP=q.shape[1] // num_kv_heads,
         Q_BLOCK=q_block,
-        HEAD_DIM=head_dim,
-        BLOCK_N=block_n,
+        HEAD_DIM=q.shape[2],
+        BLOCK_N=config.block_n,
         PAGE_SIZE=kv_cache.shape[3],
-        NUM_BUF=num_buffers,
-        **options,
+        NUM_BUF=config.num_stages,
+        CONSUMER_REGS=CONSUMER_REGISTERS,
+        num_warps=4,
+        maxnreg=config.max_registers,
     )
     return out

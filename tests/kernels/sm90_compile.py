@@ -11,6 +11,8 @@ TRITON_INTERPRET (the test runs it in a subprocess).
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
 import sys
 from dataclasses import dataclass, field
 
@@ -19,9 +21,17 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
-from hy3c.kernels import attention_decode, attention_prefill, fused_moe, qknorm_rope_kvstore, router
-from hy3c.kernels.attention_config import decode_config, prefill_config
+from hy3c.kernels import (
+    attention_decode,
+    attention_prefill,
+    attention_prefill_gluon,
+    fused_moe,
+    qknorm_rope_kvstore,
+    router,
+)
+from hy3c.kernels.attention_config import GLUON_PREFILL_CONFIG, decode_config, triton_prefill_config
 from hy3c.ops.quant import FP8_DTYPE
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -37,6 +47,7 @@ class Variant:
     descriptors: dict[str, str] = field(default_factory=dict)
     fp32_scalars: tuple[str, ...] = ()
     options: dict[str, int] = field(default_factory=dict)  # launch options (num_warps, maxnreg, …)
+    gluon: bool = False  # a Gluon kernel: compiled from GluonASTSource, its wgmma overlap checked
 
     def attrs(self) -> dict[tuple[int], list[list]]:
         """Pointers 16-byte aligned, as every launch passes them (the loads vectorize and pipeline)."""
@@ -91,7 +102,7 @@ def attention_variants() -> list[Variant]:
                 )
         # the shipped prefill config's launch options (warps, stages, register cap) for this KV dtype
         eager = next(v for v in variants if v.label == f"prefill {kv} tma=True lazy=False")
-        options = prefill_config(dtype).launch_options()
+        options = triton_prefill_config(dtype).launch_options()
         label = f"prefill {kv} tma=True lazy=False shipped {options}"
         variants.append(dataclasses.replace(eager, label=label, options=options))
         for block_n, tma in ((128, False), (64, True)):
@@ -108,7 +119,39 @@ def attention_variants() -> list[Variant]:
                     options=decode_config(dtype, 1).launch_options(),  # the shipped warps and stages
                 )
             )
-    return variants
+    return [*variants, gluon_prefill_variant()]
+
+
+def gluon_prefill_variant() -> Variant:
+    """The warp-specialized Gluon prefill (bf16 KV) with the shipped config: 128-key blocks of two
+    64-key page slices, a two-slot K/V ring."""
+    config = GLUON_PREFILL_CONFIG
+    layout = "NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
+    layout += "fp4_padded=False, cga_layout=[])"
+    box = attention_prefill_gluon.PAGE_BOX
+    descriptor = f"tensordesc<bf16[{box}, 128],{layout}>"
+    constexprs = dict(GROUP=8, Q_BLOCK=16, HEAD_DIM=128, BLOCK_N=config.block_n, PAGE_SIZE=64)
+    constexprs |= dict(NUM_BUF=config.num_stages, CONSUMER_REGS=attention_prefill_gluon.CONSUMER_REGISTERS)
+    return Variant(
+        f"prefill bf16 gluon warp-specialized shipped {config.launch_options()}",
+        attention_prefill_gluon._prefill_kernel,
+        {"q_ptr": "*bf16", "out_ptr": "*bf16"},
+        constexprs,
+        {"k_desc": descriptor, "v_desc": descriptor},
+        ("qk_scale",),
+        options=config.launch_options(),
+        gluon=True,
+    )
+
+
+def wgmma_serialized(ptx: str) -> bool:
+    """Whether ptxas serializes the kernel's wgmma instructions (its C7514 note: a non-wgmma instruction
+    reads an in-flight accumulator), which removes every overlap of the products with the softmax."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with open("/tmp/hy3c_sm90_check.ptx", "w") as f:
+        f.write(ptx)
+    args = [ptxas, "-v", "-arch=sm_90a", "/tmp/hy3c_sm90_check.ptx", "-o", "/dev/null"]
+    return "C7514" in subprocess.run(args, capture_output=True, text=True).stderr
 
 
 def _kv_descriptors(kv: str, block_n: int, tma: bool) -> dict[str, str]:
@@ -233,7 +276,8 @@ def router_variants() -> list[Variant]:
 def main() -> int:
     failures = 0
     for variant in attention_variants() + qknorm_variants() + moe_variants() + router_variants():
-        source = ASTSource(
+        source_type = GluonASTSource if variant.gluon else ASTSource
+        source = source_type(
             variant.kernel, variant.signature(), constexprs=variant.constexprs, attrs=variant.attrs()
         )
         try:
@@ -241,6 +285,10 @@ def main() -> int:
         except Exception as exc:  # report every failing variant, not only the first
             failures += 1
             print(f"FAIL {variant.label}: {type(exc).__name__}: {exc}")
+            continue
+        if variant.gluon and wgmma_serialized(compiled.asm["ptx"]):
+            failures += 1
+            print(f"FAIL {variant.label}: ptxas serializes its wgmma instructions (C7514)")
             continue
         print(f"ok   {variant.label}: {compiled.metadata.shared} B shared memory")
     return 1 if failures else 0

@@ -10,8 +10,13 @@ import torch
 import hy3c.kernels
 import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
-from hy3c.kernels import qknorm_rope_kvstore, router
-from hy3c.kernels.attention_config import LaunchConfig, prefill_config
+from hy3c.kernels import attention_prefill_gluon, qknorm_rope_kvstore, router
+from hy3c.kernels.attention_config import (
+    GLUON_PREFILL_CONFIG,
+    LaunchConfig,
+    prefill_config,
+    triton_prefill_config,
+)
 from hy3c.kernels.attention_decode import decode_attention_dynamic, decode_attention_static
 from hy3c.kernels.attention_prefill import prefill_attention
 from hy3c.ops.quant import FP8_DTYPE
@@ -82,9 +87,33 @@ def test_prefill_attention_real_shapes(cache_dtype):
         for tma in (True, False):
             cfg = LaunchConfig(block_n=PAGE, num_warps=8, num_stages=stages, tma=tma)
             assert_attention_close(prefill_attention(q, *kv, plan, config=cfg), q, *kv)
-    default = prefill_config(cache_dtype, PAGE)  # eager rescaling: the lazy choice agrees
+    default = triton_prefill_config(cache_dtype, PAGE)  # eager rescaling: the lazy choice agrees
     other = dataclasses.replace(default, lazy_rescale=not default.lazy_rescale)
     assert_attention_close(prefill_attention(q, *kv, plan, config=other), q, *kv)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "new"),
+    [
+        ([2048, 700, 5], [2048, 300, 1]),  # a full prefill, a chunk over a cached prefix, one token
+        ([8192], [8192]),
+        ([130, 64, 65, 1], [130, 1, 65, 1]),  # lengths around the 64-key page and the 128-key block
+        ([5000, 33], [77, 33]),  # a chunk whose length is no multiple of the 16-token query block
+        ([129], [2]),  # the last key block holds one key of its 128
+    ],
+)
+def test_gluon_prefill_matches_reference(lengths, new):
+    """The warp-specialized Gluon kernel (bf16 KV, the shipped config; unused slots hold NaN) against the
+    reference, and the default config runs it on this GPU."""
+    q, cache, scales, table, seq_lens, qsl = _paged(lengths, new, torch.bfloat16)
+    kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5)
+    plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
+    assert prefill_config(torch.bfloat16, PAGE) == GLUON_PREFILL_CONFIG
+    assert attention_prefill_gluon.supported(q, cache, plan_mod.prefill_q_block(8))
+    out = prefill_attention(q, *kv, plan)
+    assert_attention_close(out, q, *kv)
+    triton_out = prefill_attention(q, *kv, plan, config=triton_prefill_config(torch.bfloat16, PAGE))
+    assert not torch.equal(out, triton_out)  # 128-key blocks round differently: the Gluon kernel ran
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
@@ -96,7 +125,7 @@ def test_prefill_lazy_rescaling_with_growing_scores_real_shapes(cache_dtype):
     q = q * 4
     plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
     kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5)
-    config = dataclasses.replace(prefill_config(cache_dtype, PAGE), lazy_rescale=True)
+    config = dataclasses.replace(triton_prefill_config(cache_dtype, PAGE), lazy_rescale=True)
     out = prefill_attention(q, *kv, plan, config=config)
     if cache_dtype != FP8_DTYPE:
         assert_attention_close(out, q, *kv)

@@ -12,14 +12,17 @@ import torch
 
 import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
+from hy3c.kernels import attention_prefill_gluon
 from hy3c.kernels.attention_config import (
     DECODE_CONFIG,
     FP8_BATCH_DECODE_CONFIG,
     FP8_BATCH_MIN_REQUESTS,
     FP8_DECODE_CONFIG,
+    GLUON_PREFILL_CONFIG,
     LaunchConfig,
     decode_config,
     prefill_config,
+    triton_prefill_config,
 )
 from hy3c.kernels.attention_decode import decode_attention_dynamic, decode_attention_static
 from hy3c.kernels.attention_prefill import prefill_attention
@@ -271,6 +274,34 @@ def test_prefill_takes_tma_copies_where_the_page_size_allows():
     for dtype in (torch.bfloat16, FP8_DTYPE):
         assert prefill_config(dtype, 64).tma and prefill_config(dtype, 128).tma
         assert not prefill_config(dtype, 16).tma and not prefill_config(dtype, 96).tma
+
+
+def test_prefill_takes_the_gluon_kernel_for_bf16_pages_of_64_keys():
+    """bf16 KV in pages of a multiple of 64 keys: the warp-specialized Gluon config; FP8 KV and other
+    pages: the Triton kernel's."""
+    assert prefill_config(torch.bfloat16, 64) == prefill_config(torch.bfloat16, 128) == GLUON_PREFILL_CONFIG
+    assert not prefill_config(torch.bfloat16, 16).warp_specialized
+    assert not any(prefill_config(FP8_DTYPE, page).warp_specialized for page in (16, 64, 128))
+    assert prefill_config(FP8_DTYPE, 64) == triton_prefill_config(FP8_DTYPE, 64)
+
+
+def test_gluon_prefill_runs_only_on_hopper_with_bf16_and_falls_back_elsewhere():
+    """On the CPU (and for FP8 KV, other head dims) `supported` is False and prefill_attention runs the
+    Triton kernel with the default config: the output matches the reference."""
+    q, cache, scales, table, seq_lens, qsl = _case([70, 20], [1, 20], 64, 8, 1, head_dim=128)
+    plan = _plan(seq_lens, qsl, 8)
+    assert not attention_prefill_gluon.supported(q, cache, plan_mod.prefill_q_block(8))
+    out = prefill_attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2, plan)
+    _assert_attention_close(out, q, cache, scales, table, seq_lens, qsl)
+
+
+def test_gluon_prefill_refuses_lazy_rescaling():
+    q, cache, scales, table, seq_lens, qsl = _case([20], [20], 64, 8, 1)
+    lazy = dataclasses.replace(GLUON_PREFILL_CONFIG, lazy_rescale=True)
+    with pytest.raises(ValueError, match="lazy_rescale"):
+        prefill_attention(
+            q, cache, scales, 1, table, seq_lens, qsl, 0.2, _plan(seq_lens, qsl, 8), config=lazy
+        )
 
 
 def test_prefill_rescales_eagerly_by_default():
