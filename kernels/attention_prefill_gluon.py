@@ -26,6 +26,8 @@ elsewhere. Gluon kernels cannot run under TRITON_INTERPRET: the CPU tests compil
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 from torch import Tensor
@@ -328,10 +330,12 @@ def kv_page_descriptors(kv_cache: Tensor, layer: int) -> tuple[TensorDescriptor,
 
 
 def supported(q: Tensor, kv_cache: Tensor, q_block: int) -> bool:
-    """Whether this kernel runs these inputs (else the Triton kernel does)."""
+    """Whether this kernel runs these inputs (else the Triton kernel does); `HY3C_GLUON=0` turns it off
+    (for A/B measurements)."""
     group = q.shape[1] // kv_cache.shape[4]
     return (
-        q.is_cuda
+        os.environ.get("HY3C_GLUON", "1") != "0"
+        and q.is_cuda
         and torch.cuda.get_device_capability(q.device) == (9, 0)
         and q.dtype == kv_cache.dtype == torch.bfloat16
         and q.shape[2] == 128
