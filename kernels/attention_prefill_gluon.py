@@ -21,7 +21,8 @@ for it) before P·V, since a page's unused slots may hold anything (NaN × 0 = N
 Requires an sm_90 GPU, bf16 q and cache, head_dim 128, a page size that is a multiple of 64 and 128
 query rows per program (`supported`); `attention_prefill.prefill_attention` runs the Triton kernel
 elsewhere. Gluon kernels cannot run under TRITON_INTERPRET: the CPU tests compile this one for sm_90
-(tests/kernels/sm90_compile.py) and the GPU tests check it against the reference.
+(tests/kernels/sm90_compile.py; it also compiles, its products still asynchronous, with Triton 3.7.1,
+3.8.0 and 3.9.0) and the GPU tests check it against the reference.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ from hy3c.kernels.attention_config import LaunchConfig
 
 LOG2E = 1.4426950408889634
 PAGE_BOX = 64  # keys per bulk copy (one page slice)
+# names that changed between Triton releases: a barrier over the calling partition's warps
+# (`thread_barrier` in 3.6, `barrier` from 3.7) and the TMA load (`async_copy_global_to_shared` until 3.8,
+# `async_load` from 3.8; the old name is gone in 3.9)
+_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 CONSUMER_REGISTERS = 240  # per consumer thread (setmaxnreg); the producer keeps 24
 
 
@@ -80,9 +86,7 @@ def _issue_block(desc, bufs, bars, block, n_blocks, page_row_ptr, last_page, hea
         key = block * BLOCK_N + part * BOX
         page = gl.load(page_row_ptr + gl.minimum(key // PAGE_SIZE, last_page), mask=exists, other=0)
         row = page * PAGE_SIZE + key % PAGE_SIZE
-        tma.async_copy_global_to_shared(
-            desc, [row, head * HEAD_DIM], bar, buf.slice(part * BOX, BOX), pred=exists
-        )
+        _tma_load(desc, [row, head * HEAD_DIM], bar, buf.slice(part * BOX, BOX), pred=exists)
 
 
 @gluon.jit
@@ -110,7 +114,7 @@ def _zero_rows_past(buf, first_key, key_end, num_warps: gl.constexpr):
     tile = gl.where((keys < key_end)[:, None], tile, gl.zeros_like(tile))
     buf.store(tile)
     fence_async_shared()
-    gl.thread_barrier()
+    _partition_barrier()
 
 
 @gluon.jit
@@ -145,7 +149,7 @@ def _consumer(
     q_rows = q_smem.slice(WG * ROWS, ROWS)
     q_rows.store(gl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0))
     fence_async_shared()
-    gl.thread_barrier()
+    _partition_barrier()
 
     s_rows = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     position = first_position + s_rows // GROUP
