@@ -119,10 +119,20 @@ def _zero_rows_past(buf, first_key, key_end, num_warps: gl.constexpr):
 
 @gluon.jit
 def _consumer(
-    q_ptr, out_ptr, shared, scalars, strides, GROUP: gl.constexpr, Q_BLOCK: gl.constexpr, WG: gl.constexpr
+    q_ptr,
+    out_ptr,
+    q_smem,
+    ring,
+    fix_bar,
+    scalars,
+    strides,
+    GROUP: gl.constexpr,
+    Q_BLOCK: gl.constexpr,
+    WG: gl.constexpr,
 ):
-    """One warpgroup's 64 query rows (WG 0: the block's first 64, WG 1: the rest) over every key block."""
-    q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, fix_bar = shared
+    """One warpgroup's 64 query rows (WG 0: the block's first 64, WG 1: the rest) over every key block.
+    ring: the K and V slots and their ready / empty mbarriers, shared with the producer."""
+    k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     block, q_start, q_len, first_position, key_end, n_full, n_blocks, head, qk_scale = scalars
     stride_qt, stride_qh, stride_ot, stride_oh = strides
     NUM_BUF: gl.constexpr = k_bufs.shape[0]
@@ -204,22 +214,9 @@ def _consumer(
 
 
 @gluon.jit
-def _producer(
-    k_desc,
-    v_desc,
-    k_bufs,
-    v_bufs,
-    k_ready,
-    v_ready,
-    k_empty,
-    v_empty,
-    n_blocks,
-    page_row,
-    last_page,
-    head,
-    PAGE_SIZE: gl.constexpr,
-):
+def _producer(k_desc, v_desc, ring, n_blocks, page_row, last_page, head, PAGE_SIZE: gl.constexpr):
     """One warp: each key block's K then V copies, as soon as both warpgroups have freed the slot."""
+    k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     NUM_BUF: gl.constexpr = k_bufs.shape[0]
     for j in range(0, n_blocks):
         free_phase = ((j // NUM_BUF) & 1) ^ 1  # a fresh barrier counts as freed once
@@ -293,29 +290,12 @@ def _prefill_kernel(
 
     scalars = (block, q_start, q_len, first_position, key_end, n_full, n_blocks, head, qk_scale)
     strides = (stride_qt, stride_qh, stride_ot, stride_oh)
-    shared = (q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, fix_bar)
+    ring = (k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty)
     gl.warp_specialize(
         [
-            (_consumer, (q_ptr, out_ptr, shared, scalars, strides, GROUP, Q_BLOCK, 0)),
-            (_consumer, (q_ptr, out_ptr, shared, scalars, strides, GROUP, Q_BLOCK, 1)),
-            (
-                _producer,
-                (
-                    k_desc,
-                    v_desc,
-                    k_bufs,
-                    v_bufs,
-                    k_ready,
-                    v_ready,
-                    k_empty,
-                    v_empty,
-                    n_blocks,
-                    page_row,
-                    last_page,
-                    head,
-                    PAGE_SIZE,
-                ),
-            ),
+            (_consumer, (q_ptr, out_ptr, q_smem, ring, fix_bar, scalars, strides, GROUP, Q_BLOCK, 0)),
+            (_consumer, (q_ptr, out_ptr, q_smem, ring, fix_bar, scalars, strides, GROUP, Q_BLOCK, 1)),
+            (_producer, (k_desc, v_desc, ring, n_blocks, page_row, last_page, head, PAGE_SIZE)),
         ],
         [4, 1],
         [CONSUMER_REGS, 24],
