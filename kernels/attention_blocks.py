@@ -37,6 +37,20 @@ def find_request(starts_ptr, t, num_requests, iters):
 
 
 @triton.jit
+def query_block(plan_ptr, qsl_ptr, seq_lens_ptr, tile, num_requests, search_iters):
+    """The prefill grid's tile → (request, its query block, the request's first query row, query count,
+    sequence length), from the plan's row 1 (a valid tile: below the plan's total). A request's last
+    query block (the most keys under the causal mask) comes first: the long programs start in the first
+    waves and the short ones fill the tail."""
+    q_starts = plan_ptr + num_requests + 1
+    r = find_request(q_starts, tile, num_requests, search_iters)
+    block = tl.load(q_starts + r + 1) - 1 - tile
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    return r, block, q_start, q_len, tl.load(seq_lens_ptr + r)
+
+
+@triton.jit
 def quantize_rows_e4m3(q):
     """q rows to e4m3 with one scale per row (absmax / 448), for the FP8 QK product."""
     qf = q.to(tl.float32)

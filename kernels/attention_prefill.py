@@ -19,11 +19,11 @@ from hy3c.kernels.attention_blocks import (
     cache_flags,
     cache_strides,
     dequant_scales,
-    find_request,
     gqa_shape,
     kv_descriptors_or_none,
     kv_sources,
     quantize_rows_e4m3,
+    query_block,
     search_iterations,
 )
 from hy3c.kernels.attention_config import LaunchConfig, prefill_config, triton_prefill_config
@@ -71,16 +71,11 @@ def _prefill_kernel(
     # interleaved, 32K-token prefill measured 7% slower)
     tile = tl.program_id(0)
     head = tl.program_id(1)
-    q_starts = plan_ptr + num_requests + 1
-    if tile >= tl.load(q_starts + num_requests):
+    if tile >= tl.load(plan_ptr + 2 * num_requests + 1):  # past the plan's query blocks
         return
-    r = find_request(q_starts, tile, num_requests, search_iters)
-    # a request's last query block (the most keys under the causal mask) first: the long programs start
-    # in the first waves and the short ones fill the tail
-    block = tl.load(q_starts + r + 1) - 1 - tile
-    q_start = tl.load(qsl_ptr + r)
-    q_len = tl.load(qsl_ptr + r + 1) - q_start
-    length = tl.load(seq_lens_ptr + r)
+    r, block, q_start, q_len, length = query_block(
+        plan_ptr, qsl_ptr, seq_lens_ptr, tile, num_requests, search_iters
+    )
     ROWS: tl.constexpr = Q_BLOCK * GROUP
     m_rows = tl.arange(0, ROWS)
     token = block * Q_BLOCK + m_rows // GROUP

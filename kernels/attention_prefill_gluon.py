@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from hy3c.kernels.attention_blocks import search_iterations
+from hy3c.kernels.attention_blocks import query_block, search_iterations
 from hy3c.kernels.attention_config import LaunchConfig
 
 LOG2E = 1.4426950408889634
@@ -56,17 +56,8 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 CONSUMER_REGISTERS = 240  # per consumer thread (setmaxnreg); the producer keeps 24
 
 
-@gluon.jit
-def _find_request(starts_ptr, t, num_requests, iters):
-    """Largest r in [0, num_requests) with starts[r] <= t (binary search over the prefix sums)."""
-    lo = 0
-    hi = num_requests
-    for _ in range(iters):
-        mid = (lo + hi) // 2
-        go_right = ((gl.load(starts_ptr + mid) <= t) & (mid < hi)).to(gl.int32)
-        lo = lo + (mid - lo) * go_right
-        hi = hi + (mid - hi) * (1 - go_right)
-    return lo
+# the Triton prefill kernel's tile → request lookup, compiled as Gluon (scalar code: no layouts)
+_query_block = gluon.jit(query_block.fn)
 
 
 @gluon.jit
@@ -256,14 +247,11 @@ def _prefill_kernel(
     gl.static_assert(ROWS == 128, "two warpgroups of 64 query rows")
     tile = gl.program_id(0)
     head = gl.program_id(1)
-    q_starts = plan_ptr + num_requests + 1
-    if tile >= gl.load(q_starts + num_requests):
+    if tile >= gl.load(plan_ptr + 2 * num_requests + 1):  # past the plan's query blocks
         return
-    r = _find_request(q_starts, tile, num_requests, search_iters)
-    block = gl.load(q_starts + r + 1) - 1 - tile
-    q_start = gl.load(qsl_ptr + r)
-    q_len = gl.load(qsl_ptr + r + 1) - q_start
-    length = gl.load(seq_lens_ptr + r)
+    r, block, q_start, q_len, length = _query_block(
+        plan_ptr, qsl_ptr, seq_lens_ptr, tile, num_requests, search_iters
+    )
     first_position = length - q_len + block * Q_BLOCK
     key_end = gl.minimum(first_position + Q_BLOCK, length)
     n_full = (first_position + 1) // BLOCK_N
