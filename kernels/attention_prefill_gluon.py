@@ -43,10 +43,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from hy3c.kernels.attention_blocks import query_block, search_iterations
+from hy3c.kernels.attention_blocks import LOG2E, query_block, search_iterations
 from hy3c.kernels.attention_config import LaunchConfig
 
-LOG2E = 1.4426950408889634
 PAGE_BOX = 64  # keys per bulk copy (one page slice)
 # names that changed between Triton releases: a barrier over the calling partition's warps
 # (`thread_barrier` in 3.6, `barrier` from 3.7) and the TMA load (`async_copy_global_to_shared` until 3.8,
@@ -349,7 +348,7 @@ def prefill_attention_gluon(
         plan,
         num_requests,
         search_iterations(num_requests),
-        sm_scale * LOG2E,
+        sm_scale * LOG2E.value,
         q.stride(0),
         q.stride(1),
         out.stride(0),
