@@ -27,7 +27,7 @@ class LaunchConfig:
     tma: bool = False  # K/V blocks by TMA bulk copies (block_n divides the page)
     max_registers: int = 0  # a cap on registers per thread (0: the compiler's choice), for more CTAs per SM
     warp_specialized: bool = False  # prefill, bf16 KV on sm_90: the Gluon kernel (attention_prefill_gluon) —
-    # block_n keys per block, num_stages K/V ring slots, max_registers at launch (Triton's kernel elsewhere)
+    # block_n keys per block, num_stages K/V ring slots; its warps and registers are its own (Triton elsewhere)
 
     def launch_options(self) -> dict[str, int]:
         """num_warps, num_stages and the register cap as Triton launch options."""
@@ -79,9 +79,7 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int, page_size: int = 64)
 # Pages that a 64-key block does not tile (a page size that 64 does not divide) take per-row pointer loads
 # (bf16 335, FP8 321 TFLOP/s; attention runs 8-14). Lazy rescaling measured slower for bf16 (attention
 # run 17) and, since P·V is an e4m3 product, for FP8 KV too (0.87× at 8K and 32K, attention run 25).
-GLUON_PREFILL_CONFIG = LaunchConfig(
-    block_n=128, num_warps=4, num_stages=2, tma=True, max_registers=168, warp_specialized=True
-)
+GLUON_PREFILL_CONFIG = LaunchConfig(block_n=128, num_stages=2, tma=True, warp_specialized=True)
 PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, tma=True)
 FP8_PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=5, tma=True)
 PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)

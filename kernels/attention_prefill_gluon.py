@@ -3,10 +3,12 @@ explicit-layout language): the warp-specialized FlashAttention-3 schedule that T
 does not emit for `attention_prefill` (BENCHMARKS.md, attention runs 18, 40, 41).
 
 One program = one query block (`attention_plan` row 1: 16 tokens × the 8 heads of a GQA group = 128
-rows) × one KV head, in the same grid order as `attention_prefill`, one program per SM, three roles:
+rows) × one KV head, in the same grid order as `attention_prefill` (not persistent; its 180 KB of
+shared memory keep one program resident per SM), three roles:
 
-    producer (1 warp, 24 registers): for each key block j, wait until both consumers have freed ring
-        slot j % NUM_BUF, then TMA-copy K_j, then V_j into it (BLOCK_N / 64 page slices each)
+    producer (1 warp, 24 registers): for each key block j, wait until both consumers have freed K_j's
+        ring slot (j % NUM_BUF) and TMA-copy K_j into it, then the same for V_j (BLOCK_N / 64 page
+        slices each)
     consumer 0 and 1 (a warpgroup each, 64 query rows, 240 registers), per key block j:
         issue S_{j+1} = Q·K_{j+1}ᵀ; O *= α_j; issue O += P_j·V_j     (async wgmma, back to back)
         wait for S_{j+1}; free K_{j+1}'s slot
@@ -20,13 +22,16 @@ for it) before P·V, since a page's unused slots may hold anything (NaN × 0 = N
 
 Requires an sm_90 GPU, bf16 q and cache, head_dim 128, a page size that is a multiple of 64 and 128
 query rows per program (`supported`); `attention_prefill.prefill_attention` runs the Triton kernel
-elsewhere. Gluon kernels cannot run under TRITON_INTERPRET: the CPU tests compile this one for sm_90
-(tests/kernels/sm90_compile.py; it also compiles, its products still asynchronous, with Triton 3.7.1,
-3.8.0 and 3.9.0) and the GPU tests check it against the reference.
+elsewhere. Launched without programmatic dependent launch (it waits for the kernel before it; prefill
+runs for milliseconds). Gluon kernels cannot run under TRITON_INTERPRET: the CPU tests compile this one
+for sm_90 and fail if ptxas serializes its products (tests/kernels/sm90_compile.py); the GPU tests check
+it against the reference. Compiled by hand (session 14), not in CI: the same with Triton 3.7.1, 3.8.0
+and 3.9.0.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -43,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from hy3c.kernels.attention_blocks import LOG2E, query_block, search_iterations
+from hy3c.kernels.attention_blocks import BATCH_ARGS, LOG2E, query_block, search_iterations
 from hy3c.kernels.attention_config import LaunchConfig
 
 PAGE_BOX = 64  # keys per bulk copy (one page slice)
@@ -52,7 +57,11 @@ PAGE_BOX = 64  # keys per bulk copy (one page slice)
 # `async_load` from 3.8; the old name is gone in 3.9)
 _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-CONSUMER_REGISTERS = 240  # per consumer thread (setmaxnreg); the producer keeps 24
+CONSUMER_REGISTERS = 240  # per consumer thread (setmaxnreg)
+PRODUCER_REGISTERS = 24
+# registers per thread at launch: three warpgroups (two consumers, the producer's) share the SM's 64K
+LAUNCH_REGISTERS = (2 * CONSUMER_REGISTERS + PRODUCER_REGISTERS) // 3
+SHARED_MEMORY_BUDGET = 200 * 1024  # Q, the K/V ring; the rest of the 227 KB goes to the compiler's scratch
 
 
 # the Triton prefill kernel's tile → request lookup, compiled as Gluon (scalar code: no layouts)
@@ -216,7 +225,7 @@ def _producer(k_desc, v_desc, ring, n_blocks, page_row, last_page, head, PAGE_SI
         _issue_block(v_desc, v_bufs, v_ready, j, n_blocks, page_row, last_page, head, PAGE_SIZE)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=BATCH_ARGS)
 def _prefill_kernel(
     q_ptr,
     out_ptr,
@@ -241,6 +250,7 @@ def _prefill_kernel(
     PAGE_SIZE: gl.constexpr,
     NUM_BUF: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
 ):
     ROWS: gl.constexpr = Q_BLOCK * GROUP
     gl.static_assert(ROWS == 128, "two warpgroups of 64 query rows")
@@ -285,7 +295,7 @@ def _prefill_kernel(
             (_producer, (k_desc, v_desc, ring, n_blocks, page_row, last_page, head, PAGE_SIZE)),
         ],
         [4, 1],
-        [CONSUMER_REGS, 24],
+        [CONSUMER_REGS, PRODUCER_REGS],
     )
 
 
@@ -300,6 +310,11 @@ def kv_page_descriptors(kv_cache: Tensor, layer: int) -> tuple[TensorDescriptor,
     return tuple(TensorDescriptor(layer_cache[i], [rows, width], [width, 1], box, layout) for i in (0, 1))
 
 
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
 def supported(q: Tensor, kv_cache: Tensor, q_block: int) -> bool:
     """Whether this kernel runs these inputs (else the Triton kernel does); `HY3C_GLUON=0` turns it off
     (for A/B measurements)."""
@@ -307,13 +322,26 @@ def supported(q: Tensor, kv_cache: Tensor, q_block: int) -> bool:
     return (
         os.environ.get("HY3C_GLUON", "1") != "0"
         and q.is_cuda
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
+        and _sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
         and q.dtype == kv_cache.dtype == torch.bfloat16
-        and q.shape[2] == 128
+        and q.shape[2] == kv_cache.shape[5] == 128
+        and q.stride(2) == 1
         and kv_cache.shape[3] % PAGE_BOX == 0
         and q_block * group == 128
         and kv_cache[0].is_contiguous()
     )
+
+
+def launch_options(config: LaunchConfig) -> dict[str, int]:
+    """The launch options of a warp-specialized config (num_warps of the default partition, the register
+    budget the partitions share), after checking its key block and ring fit the kernel: block_n a
+    multiple of the 64-key page slice (128 at most: S in registers), the ring in shared memory."""
+    if config.block_n not in (PAGE_BOX, 2 * PAGE_BOX):
+        raise ValueError(f"block_n {config.block_n}: the Gluon prefill takes 64 or 128 keys per block")
+    ring = 2 * config.num_stages * config.block_n * 128 * 2  # K and V slots of bf16 [block_n, 128]
+    if config.num_stages < 1 or 128 * 128 * 2 + ring > SHARED_MEMORY_BUDGET:
+        raise ValueError(f"num_stages {config.num_stages}: the K/V ring must fit {SHARED_MEMORY_BUDGET} B")
+    return {"num_warps": 4, "maxnreg": LAUNCH_REGISTERS}
 
 
 def prefill_attention_gluon(
@@ -329,9 +357,8 @@ def prefill_attention_gluon(
     config: LaunchConfig,
 ) -> Tensor:
     """Causal prefill attention (the module docstring); the inputs and output of
-    `attention_prefill.prefill_attention` for a bf16 cache. config: block_n keys per block (a multiple
-    of 64), num_stages ring slots, max_registers per thread at launch (the partitions' budgets are
-    redistributed from it)."""
+    `attention_prefill.prefill_attention` for a bf16 cache. config: block_n keys per block (64 or 128)
+    and num_stages ring slots (`launch_options` checks both)."""
     num_kv_heads = kv_cache.shape[4]
     num_requests = seq_lens.shape[0]
     out = torch.empty_like(q)
@@ -361,7 +388,7 @@ def prefill_attention_gluon(
         PAGE_SIZE=kv_cache.shape[3],
         NUM_BUF=config.num_stages,
         CONSUMER_REGS=CONSUMER_REGISTERS,
-        num_warps=4,
-        maxnreg=config.max_registers,
+        PRODUCER_REGS=PRODUCER_REGISTERS,
+        **launch_options(config),
     )
     return out

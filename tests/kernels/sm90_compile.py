@@ -14,6 +14,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
@@ -132,26 +133,32 @@ def gluon_prefill_variant() -> Variant:
     descriptor = f"tensordesc<bf16[{box}, 128],{layout}>"
     constexprs = dict(GROUP=8, Q_BLOCK=16, HEAD_DIM=128, BLOCK_N=config.block_n, PAGE_SIZE=64)
     constexprs |= dict(NUM_BUF=config.num_stages, CONSUMER_REGS=attention_prefill_gluon.CONSUMER_REGISTERS)
+    constexprs |= dict(PRODUCER_REGS=attention_prefill_gluon.PRODUCER_REGISTERS)
+    options = attention_prefill_gluon.launch_options(config)
     return Variant(
-        f"prefill bf16 gluon warp-specialized shipped {config.launch_options()}",
+        f"prefill bf16 gluon warp-specialized shipped {options}",
         attention_prefill_gluon._prefill_kernel,
         {"q_ptr": "*bf16", "out_ptr": "*bf16"},
         constexprs,
         {"k_desc": descriptor, "v_desc": descriptor},
         ("qk_scale",),
-        options=config.launch_options(),
+        options=options,
         gluon=True,
     )
 
 
 def wgmma_serialized(ptx: str) -> bool:
-    """Whether ptxas serializes the kernel's wgmma instructions (its C7514 note: a non-wgmma instruction
-    reads an in-flight accumulator), which removes every overlap of the products with the softmax."""
+    """Whether ptxas serializes the kernel's wgmma instructions (any of its "wgmma.mma_async instructions
+    are serialized" notes: an in-flight accumulator or operand touched, too few registers, …), which
+    removes every overlap of the products with the softmax."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with open("/tmp/hy3c_sm90_check.ptx", "w") as f:
-        f.write(ptx)
-    args = [ptxas, "-v", "-arch=sm_90a", "/tmp/hy3c_sm90_check.ptx", "-o", "/dev/null"]
-    return "C7514" in subprocess.run(args, capture_output=True, text=True).stderr
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "kernel.ptx")
+        with open(source, "w") as f:
+            f.write(ptx)
+        args = [ptxas, "-v", "-arch=sm_90a", source, "-o", os.path.join(tmp, "kernel.cubin")]
+        notes = subprocess.run(args, capture_output=True, text=True).stderr
+    return "wgmma.mma_async instructions are serialized" in notes
 
 
 def _kv_descriptors(kv: str, block_n: int, tma: bool) -> dict[str, str]:

@@ -27,16 +27,16 @@ hy3 = torch.ops.hy3
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 64, 8, 128, 64
 
 
-def _paged(lengths, new, cache_dtype, device="cuda", key_ramp=0.0):
+def _paged(lengths, new, cache_dtype, device="cuda", key_ramp=0.0, page=PAGE):
     """A paged cache of random K/V (key at position t scaled by 1 + key_ramp·t) and the queries."""
-    pages_per = [-(-n // PAGE) for n in lengths]
+    pages_per = [-(-n // page) for n in lengths]
     total = sum(pages_per)
     order = torch.randperm(total, device=device)
     table = torch.zeros(len(lengths), max(pages_per), dtype=torch.int32, device=device)
     # slots no token is written to hold NaN: a kernel that lets a tail row past the sequence reach the
     # output (TMA copies read whole page slices) fails the comparison
     cache = torch.full(
-        (1, 2, total, PAGE, KV_HEADS, HEAD_DIM), float("nan"), dtype=cache_dtype, device=device
+        (1, 2, total, page, KV_HEADS, HEAD_DIM), float("nan"), dtype=cache_dtype, device=device
     )
     scales = torch.tensor([[0.05, 0.04]], device=device)
     cursor = 0
@@ -45,7 +45,7 @@ def _paged(lengths, new, cache_dtype, device="cuda", key_ramp=0.0):
         cursor += pages_per[r]
         table[r, : len(pages)] = pages.int()
         pos = torch.arange(n, device=device)
-        slots = pages[pos // PAGE].long() * PAGE + pos % PAGE
+        slots = pages[pos // page].long() * page + pos % page
         hy3.kv_store(
             torch.randn(n, KV_HEADS, HEAD_DIM, device=device) * (1 + key_ramp * pos)[:, None, None],
             torch.randn(n, KV_HEADS, HEAD_DIM, device=device),
@@ -102,17 +102,18 @@ def test_prefill_attention_real_shapes(cache_dtype):
         ([129], [2]),  # the last key block holds one key of its 128
     ],
 )
-def test_gluon_prefill_matches_reference(lengths, new):
+@pytest.mark.parametrize("page", [64, 128, 192])  # a 128-key block: two pages, one page, across two
+def test_gluon_prefill_matches_reference(lengths, new, page):
     """The warp-specialized Gluon kernel (bf16 KV, the shipped config; unused slots hold NaN) against the
     reference, and the default config runs it on this GPU."""
-    q, cache, scales, table, seq_lens, qsl = _paged(lengths, new, torch.bfloat16)
+    q, cache, scales, table, seq_lens, qsl = _paged(lengths, new, torch.bfloat16, page=page)
     kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5)
     plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
-    assert prefill_config(torch.bfloat16, PAGE) == GLUON_PREFILL_CONFIG
+    assert prefill_config(torch.bfloat16, page) == GLUON_PREFILL_CONFIG
     assert attention_prefill_gluon.supported(q, cache, plan_mod.prefill_q_block(8))
     out = prefill_attention(q, *kv, plan)
     assert_attention_close(out, q, *kv)
-    triton_out = prefill_attention(q, *kv, plan, config=triton_prefill_config(torch.bfloat16, PAGE))
+    triton_out = prefill_attention(q, *kv, plan, config=triton_prefill_config(torch.bfloat16, page))
     assert not torch.equal(out, triton_out)  # 128-key blocks round differently: the Gluon kernel ran
 
 

@@ -295,6 +295,25 @@ def test_gluon_prefill_runs_only_on_hopper_with_bf16_and_falls_back_elsewhere():
     _assert_attention_close(out, q, cache, scales, table, seq_lens, qsl)
 
 
+def test_gluon_prefill_checks_its_config_and_keeps_batch_sizes_out_of_its_compile_key():
+    """Key blocks of 64 or 128 keys and a ring that fits shared memory, else a ValueError naming the
+    field; the registers at launch are the partitions' shared budget (two consumer warpgroups at 240,
+    the producer's at 24). The request count and search depth are runtime values, so a batch of 1 or of
+    16 requests compiles no variant of its own during live traffic."""
+    options = attention_prefill_gluon.launch_options(GLUON_PREFILL_CONFIG)
+    assert options == {"num_warps": 4, "maxnreg": 168}
+    assert attention_prefill_gluon.launch_options(
+        dataclasses.replace(GLUON_PREFILL_CONFIG, block_n=64, num_stages=4)
+    )
+    for field, value in (("block_n", 96), ("block_n", 256), ("num_stages", 3), ("num_stages", 0)):
+        with pytest.raises(ValueError, match=field):
+            attention_prefill_gluon.launch_options(
+                dataclasses.replace(GLUON_PREFILL_CONFIG, **{field: value})
+            )
+    kernel = attention_prefill_gluon._prefill_kernel
+    assert {p.name for p in kernel.params if p.do_not_specialize} == {"num_requests", "search_iters"}
+
+
 def test_gluon_prefill_refuses_lazy_rescaling():
     q, cache, scales, table, seq_lens, qsl = _case([20], [20], 64, 8, 1)
     lazy = dataclasses.replace(GLUON_PREFILL_CONFIG, lazy_rescale=True)
