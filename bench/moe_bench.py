@@ -6,8 +6,9 @@
 * Router GEMM, N=192, K=4096: fp32 cuBLAS, TF32 cuBLAS, hy3c dual-BF16 Triton; max abs error vs fp64.
 * moe_align, E=192, top-8: one Triton program vs the device-side torch ops, both replayed in a CUDA
   graph as in a decode step; picks MAX_ALIGN_PAIRS.
-* FusedMoE, E=192, top-8, H=4096, INTER=1536 (+ shared expert output added): hy3c Triton bf16 and FP8
-  (per-channel weights, per-token activations) vs the `torch._grouped_mm` path and the transformers
+* FusedMoE, E=192, top-8, H=4096, INTER=1536 (+ shared expert output added): hy3c bf16 and FP8
+  (per-channel weights, per-token activations; at one token on sm_90 the Gluon kernels of
+  `fused_moe_gluon`, replayed beside the Triton ones) vs the `torch._grouped_mm` path and the transformers
   per-expert loop, and the FP8 variant vs an FP8 path on `torch._scaled_grouped_mm` (the same
   per-token activation and per-channel weight scales); % of copy bandwidth on the active experts'
   weight bytes and % of bf16 peak.
@@ -150,6 +151,18 @@ def grouped_mm_moe(x, ids, wt, w13, w2):
     out = torch.zeros(t, H, device=x.device, dtype=torch.float32)
     out.index_add_(0, tok, y.float())
     return out.to(x.dtype)
+
+
+def triton_kernels_only(args):
+    """fused_moe_triton on the Triton kernels even where its config would take the Gluon ones."""
+    previous = os.environ.get("HY3C_GLUON")
+    os.environ["HY3C_GLUON"] = "0"
+    try:
+        return fused_moe_triton(*args)
+    finally:
+        os.environ.pop("HY3C_GLUON")
+        if previous is not None:
+            os.environ["HY3C_GLUON"] = previous
 
 
 def quant_rows_torch(x):
@@ -384,13 +397,27 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
                     )
                 ),
             }
+            if (
+                t == 1
+            ):  # the pair-block configs run the Gluon kernels on sm_90: the Triton kernels beside them
+                graph |= {
+                    f"{name} (Triton kernels)": graph_ms(lambda args=args: triton_kernels_only(args))
+                    for name, args in (
+                        ("hy3c bf16", (x, wt, ids, w13, w2, *[None] * 5)),
+                        (
+                            "hy3c FP8, x from the norm",
+                            (x, wt, ids, q13, q2, s13, s2, None, None, None, *x_rows),
+                        ),
+                        ("hy3c FP8 static", (x, wt, ids, q13, q2, s13, s2, a13, a2, None)),
+                    )
+                }
             RESULTS[f"moe_T{t}"]["cuda_graph_ms"] = graph
             for name, ms in graph.items():
                 if ms is None:
                     row(f"FusedMoE T={t}, CUDA graph: {name}", float("nan"), "not capturable")
                     continue
                 share = wbytes / (2 if "FP8" in name else 1) / (ms * 1e-3) / BW * 100
-                bf16_ms = graph["hy3c bf16"]
+                bf16_ms = graph["hy3c bf16 (Triton kernels)" if "Triton kernels" in name else "hy3c bf16"]
                 ratio = f"{bf16_ms / ms:.2f}× vs bf16" if "FP8" in name and bf16_ms else ""
                 row(f"FusedMoE T={t}, CUDA graph: {name}", ms, f"{share:.0f}% BW", ratio)
         if sweep:

@@ -46,6 +46,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from hy3c.kernels import fused_moe_gluon
 from hy3c.kernels.moe_align import moe_align
 from hy3c.kernels.moe_config import MoeConfig, config_kind, select_config
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
@@ -436,12 +437,9 @@ def fused_moe_triton(
     config: MoeConfig | None = None,
 ) -> Tensor:
     check_moe_input_quant(x, w13, a13_scale, x_q, x_q_scale)
-    x, shared = (_unit_column_stride(t) for t in (x, shared))  # the kernels step rows by stride only
+    # the kernels step rows by stride only
+    x, shared, x_q = (_unit_column_stride(t) for t in (x, shared, x_q))
     num_tokens, hidden = x.shape
-    top_k = topk_ids.shape[1]
-    num_experts, two_inter, _ = w13.shape
-    inter = two_inter // 2
-    pairs = num_tokens * top_k
     out = x.new_empty((num_tokens, hidden))
     if num_tokens == 0:
         return out
@@ -449,6 +447,92 @@ def fused_moe_triton(
     cfg = config or _fit_to_widths(select_config(num_tokens, config_kind(fp8, a13_scale is not None)), w13)
     if cfg.quant_on_load and cfg.block_m > 32:  # the row-absmax pass holds BLOCK_M × 1024 values
         raise ValueError(f"quant_on_load needs block_m <= 32 (got {cfg.block_m})")
+    weights = (w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)
+    if cfg.pair_blocks and fused_moe_gluon.supported(w13, w2):
+        per_pair = _routed_pairs_gluon(x, x_q, x_q_scale, topk_weights, topk_ids, *weights)
+    else:
+        per_pair = _routed_pairs_triton(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, cfg)
+    top_k = topk_ids.shape[1]
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, cfg.combine_block))](
+        per_pair,
+        shared if shared is not None else x,
+        out,
+        hidden,
+        per_pair.stride(0),
+        shared.stride(0) if shared is not None else 0,
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK=cfg.combine_block,
+        HAS_SHARED=shared is not None,
+        num_warps=4,
+        **pdl_launch(x.device),
+    )
+    return out
+
+
+def _routed_pairs_gluon(
+    x: Tensor,
+    x_q: Tensor | None,
+    x_q_scale: Tensor | None,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    w13_scale: Tensor | None,
+    w2_scale: Tensor | None,
+    a13_scale: Tensor | None,
+    a2_scale: Tensor | None,
+) -> Tensor:
+    """Each pair's weighted expert output by the Gluon kernels (`fused_moe_gluon`): the MoE input as the
+    norm quantized it (x_q), or x — quantized on load with the static or a dynamic scale for FP8."""
+    fp8 = w13.dtype == FP8_DTYPE
+    dummy = x.new_empty(1, dtype=torch.float32)
+    if x_q is not None:
+        a, a_scale, mode = x_q, x_q_scale.reshape(-1), fused_moe_gluon.ROW_AS_IS
+    elif not fp8:
+        a, a_scale, mode = x, dummy, fused_moe_gluon.ROW_AS_IS
+    elif a13_scale is not None:
+        a, a_scale, mode = x, a13_scale.float().reshape(1), fused_moe_gluon.ROW_STATIC
+    else:
+        a, a_scale, mode = x, dummy, fused_moe_gluon.ROW_DYNAMIC
+    return fused_moe_gluon.routed_pairs(
+        a,
+        a_scale,
+        mode.value,
+        w13,
+        w2,
+        w13_scale,
+        w2_scale,
+        a2_scale if fp8 else None,
+        topk_ids,
+        topk_weights,
+        x.dtype,
+        pdl_launch(x.device)["PDL"],
+    )
+
+
+def _routed_pairs_triton(
+    x: Tensor,
+    x_q: Tensor | None,
+    x_q_scale: Tensor | None,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    w13_scale: Tensor | None,
+    w2_scale: Tensor | None,
+    a13_scale: Tensor | None,
+    a2_scale: Tensor | None,
+    cfg: MoeConfig,
+) -> Tensor:
+    """Each pair's weighted expert output, [pairs, hidden] fp32, by the Triton kernels: alignment (unless
+    pair blocks), gate-up, the intermediate's quantization (FP8 with dynamic scales, unless on load), down."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    pairs = num_tokens * top_k
+    fp8 = w13.dtype == FP8_DTYPE
     if cfg.pair_blocks:  # block i: pair i alone, its expert from the top-k ids (no alignment launch)
         expert_ids = topk_ids.to(torch.int32).contiguous().view(-1)
         sorted_ids = padded = expert_ids  # unread
@@ -538,21 +622,7 @@ def fused_moe_triton(
         **common,
         **pdl_launch(x.device),
     )
-    _combine_kernel[(num_tokens, triton.cdiv(hidden, cfg.combine_block))](
-        per_pair,
-        shared if shared is not None else x,
-        out,
-        hidden,
-        per_pair.stride(0),
-        shared.stride(0) if shared is not None else 0,
-        out.stride(0),
-        TOP_K=top_k,
-        BLOCK=cfg.combine_block,
-        HAS_SHARED=shared is not None,
-        num_warps=4,
-        **pdl_launch(x.device),
-    )
-    return out
+    return per_pair
 
 
 @torch.library.custom_op("hy3_triton::fused_moe", mutates_args=())

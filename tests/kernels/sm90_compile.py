@@ -29,6 +29,7 @@ from hy3c.kernels import (
     attention_prefill,
     attention_prefill_gluon,
     fused_moe,
+    fused_moe_gluon,
     qknorm_rope_kvstore,
     router,
 )
@@ -36,6 +37,7 @@ from hy3c.kernels.attention_config import GLUON_PREFILL_CONFIG, decode_config, t
 from hy3c.ops.quant import FP8_DTYPE
 
 TARGET = GPUTarget("cuda", 90, 32)
+SM_SHARED_MEMORY = 228 * 1024  # an H100/H200 SM's shared memory
 KV_DTYPES = {"bf16": "bf16", "fp8": "fp8e4nv"}
 
 
@@ -49,6 +51,8 @@ class Variant:
     fp32_scalars: tuple[str, ...] = ()
     options: dict[str, int] = field(default_factory=dict)  # launch options (num_warps, maxnreg, …)
     gluon: bool = False  # a Gluon kernel: compiled from GluonASTSource, its wgmma overlap checked
+    max_shared: int | None = None  # bytes of shared memory the kernel must stay within
+    integers: tuple[str, ...] = ()  # integer arguments launched as multiples of 16 (row strides)
 
     def attrs(self) -> dict[tuple[int], list[list]]:
         """Pointers 16-byte aligned, as every launch passes them (the loads vectorize and pipeline)."""
@@ -56,7 +60,7 @@ class Variant:
         return {
             (i,): [["tt.divisibility", 16]]
             for i, name in enumerate(self.kernel.arg_names)
-            if signature[name].startswith("*")
+            if signature[name].startswith("*") or name in self.integers
         }
 
     def signature(self) -> dict[str, str]:
@@ -261,6 +265,68 @@ def static_one_token_variants() -> list[Variant]:
     ]
 
 
+def gluon_moe_variants() -> list[Variant]:
+    """The one-token Gluon FusedMoE kernels at Hy3's widths, as `fused_moe_gluon.routed_pairs` launches
+    them: the gate-up for each way its row arrives (e4m3 from the norm, bf16 quantized with a dynamic or a
+    static scale, bf16 weights), the down kernel for a dynamic or static FP8 intermediate and bf16; the
+    down kernel must leave room for two programs per SM."""
+    mod = fused_moe_gluon
+    hidden, inter = 4096, 1536
+    variants = []
+    for weights in ("fp8", "bf16"):
+        dtype = FP8_DTYPE if weights == "fp8" else torch.bfloat16
+        w13 = torch.empty(1, 2 * inter, hidden, dtype=dtype, device="meta")
+        w2 = torch.empty(1, hidden, inter, dtype=dtype, device="meta")
+        box_k, bits = mod.BOX_BYTES // dtype.itemsize, 8 * dtype.itemsize
+        layout = (
+            f"NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={bits}, rank=2, transposed=False, "
+        )
+        layout += "fp4_padded=False, cga_layout=[])"
+        descriptor = {"w_desc": f"tensordesc<{KV_DTYPES[weights]}[{mod.BLOCK_ROWS.value}, {box_k}],{layout}>"}
+        w, fp8 = f"*{KV_DTYPES[weights]}", weights == "fp8"
+        scales = {"xs_ptr": "*fp32", "ws_ptr": "*fp32", "hs_ptr": "*fp32", "topk_w_ptr": "*fp32"}
+        gate_up_modes = [("x_q", mod.ROW_AS_IS, False), ("dynamic", mod.ROW_DYNAMIC, False)]
+        gate_up_modes.append(("static", mod.ROW_STATIC, True))
+        for name, mode, quant_h in gate_up_modes if fp8 else [("bf16", mod.ROW_AS_IS, False)]:
+            row = w if mode == mod.ROW_AS_IS else "*bf16"
+            constexprs = dict(
+                HIDDEN=hidden, INTER=inter, NUM_BUF=mod.gate_up_slots(w13), A_MODE=mode, FP8=fp8
+            )
+            constexprs |= dict(A_PER_ROW=fp8 and mode == mod.ROW_AS_IS, W_PER_ROW=fp8, QUANT_H=quant_h)
+            constexprs |= dict(ACT_DTYPE=tl.bfloat16, PDL=True)
+            variants.append(
+                Variant(
+                    f"fused_moe gluon gate-up {weights} {name}",
+                    mod._gate_up_kernel,
+                    {"x_ptr": row, "h_ptr": f"*{KV_DTYPES['fp8']}" if quant_h else "*bf16", **scales},
+                    constexprs,
+                    descriptor,
+                    options={"num_warps": 4},
+                    gluon=True,
+                    max_shared=mod.SHARED_MEMORY_BUDGET + 1024,
+                    integers=("stride_xm", "stride_hm"),
+                )
+            )
+        for name, mode in [("dynamic", mod.ROW_DYNAMIC), ("static", mod.ROW_AS_IS)] if fp8 else [("bf16", 0)]:
+            row = w if mode == mod.ROW_AS_IS else "*bf16"
+            constexprs = dict(HIDDEN=hidden, INTER=inter, NUM_BUF=mod.down_slots(w2), A_MODE=mode, FP8=fp8)
+            constexprs |= dict(A_PER_ROW=False, W_PER_ROW=fp8, PDL=True)
+            variants.append(
+                Variant(
+                    f"fused_moe gluon down {weights} {name}",
+                    mod._down_kernel,
+                    {"h_ptr": row, "out_ptr": "*fp32", **scales},
+                    constexprs,
+                    descriptor,
+                    options={"num_warps": 4, "maxnreg": mod.DOWN_LAUNCH_REGISTERS},
+                    gluon=True,
+                    max_shared=SM_SHARED_MEMORY // 2 - 1024,  # two programs per SM, 1 KB reserved each
+                    integers=("stride_hm", "stride_om"),
+                )
+            )
+    return variants
+
+
 def router_variants() -> list[Variant]:
     pointers = {
         "x_ptr": "*bf16",
@@ -282,7 +348,8 @@ def router_variants() -> list[Variant]:
 
 def main() -> int:
     failures = 0
-    for variant in attention_variants() + qknorm_variants() + moe_variants() + router_variants():
+    variants = attention_variants() + qknorm_variants() + moe_variants() + gluon_moe_variants()
+    for variant in variants + router_variants():
         source_type = GluonASTSource if variant.gluon else ASTSource
         source = source_type(
             variant.kernel, variant.signature(), constexprs=variant.constexprs, attrs=variant.attrs()
@@ -296,6 +363,10 @@ def main() -> int:
         if variant.gluon and wgmma_serialized(compiled.asm["ptx"]):
             failures += 1
             print(f"FAIL {variant.label}: ptxas serializes its wgmma instructions (C7514)")
+            continue
+        if variant.max_shared is not None and compiled.metadata.shared > variant.max_shared:
+            failures += 1
+            print(f"FAIL {variant.label}: {compiled.metadata.shared} B shared memory > {variant.max_shared}")
             continue
         print(f"ok   {variant.label}: {compiled.metadata.shared} B shared memory")
     return 1 if failures else 0

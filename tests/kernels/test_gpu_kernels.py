@@ -10,7 +10,7 @@ import torch
 import hy3c.kernels
 import hy3c.ops  # noqa: F401
 from hy3c.kernels import attention_plan as plan_mod
-from hy3c.kernels import attention_prefill_gluon, qknorm_rope_kvstore, router
+from hy3c.kernels import attention_prefill_gluon, fused_moe_gluon, qknorm_rope_kvstore, router
 from hy3c.kernels.attention_config import (
     GLUON_PREFILL_CONFIG,
     LaunchConfig,
@@ -205,7 +205,7 @@ def test_grouped_moe_real_shapes():
 
 @pytest.mark.parametrize("tokens", [1, 128, 1024])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_fused_moe_real_shapes(tokens, fp8):
+def test_fused_moe_real_shapes(tokens, fp8, monkeypatch):
     from hy3c.kernels.fused_moe import fused_moe_triton
     from hy3c.kernels.moe_config import select_config
 
@@ -235,7 +235,9 @@ def test_fused_moe_real_shapes(tokens, fp8):
         cfg_swap = dataclasses.replace(cfg_pair, pair_blocks=False)  # weights as the MMA's rows, aligned
         cfg_plain = dataclasses.replace(cfg_swap, swap_ab=False)  # the token rows as the MMA's rows
         out_swap = fused_moe_triton(*args, config=cfg_swap).float()
-        out_pair = fused_moe_triton(*args, config=cfg_pair).float()
+        with monkeypatch.context() as triton_only:  # pair blocks run the Gluon kernels on sm_90
+            triton_only.setenv("HY3C_GLUON", "0")
+            out_pair = fused_moe_triton(*args, config=cfg_pair).float()
         out_plain = fused_moe_triton(*args, config=cfg_plain).float()
         for other in (out_swap, out_plain):
             assert (other - ref).norm() / ref.norm() < 1e-2
@@ -265,6 +267,128 @@ def test_fused_moe_real_shapes(tokens, fp8):
         out = fused_moe_triton(*args).float()
         ref = hy3.fused_moe(*args).float()
         assert (out - ref).norm() / ref.norm() < 1e-2
+
+
+def _moe_weights(fp8: bool, per_tensor: bool = False):
+    """Hy3's experts (192 × [3072, 4096] and [4096, 1536]), bf16 or e4m3 with per-channel (or per-tensor)
+    scales."""
+    experts, hidden, inter = 192, 4096, 1536
+    w13 = 0.02 * torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16)
+    w2 = 0.02 * torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16)
+    if not fp8:
+        return w13, w2, None, None
+    s13, s2 = (w.float().abs().amax(-1, keepdim=per_tensor) / 448 for w in (w13, w2))
+    if per_tensor:
+        s13, s2 = s13.amax(-2), s2.amax(-2)
+    return (w13.float() / s13[..., None]).to(FP8_DTYPE), (w2.float() / s2[..., None]).to(FP8_DTYPE), s13, s2
+
+
+def _quantize_rows(v: torch.Tensor, scale: torch.Tensor | None = None):
+    """e4m3 rows as the kernels quantize them (per-row absmax / 448 unless a static scale) and the scale."""
+    v = v.float()
+    if scale is None:
+        scale = (v.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+    return (v / scale).clamp(-448, 448).to(FP8_DTYPE), scale
+
+
+def _dequantized(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return w.double() if scale is None else w.double() * scale.double()[..., None]
+
+
+@pytest.mark.parametrize("variant", ["bf16", "fp8 x_q", "fp8 dynamic", "fp8 static", "fp8 per-tensor"])
+def test_gluon_moe_gemms_match_emulation(variant):
+    """Each Gluon GEMM against its arithmetic done in fp64 on the same inputs: the gate-up from the e4m3
+    (or bf16) rows and weights, rounded as its epilogue rounds; the down GEMM from the gate-up's own
+    intermediate, quantized as it quantizes it. Two tokens whose pairs share experts."""
+    fp8 = variant != "bf16"
+    w13, w2, s13, s2 = _moe_weights(fp8, per_tensor=variant == "fp8 per-tensor")
+    top_k, hidden, inter = 8, 4096, 1536
+    x = torch.randn(2, hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(192, device="cuda")[:top_k] for _ in range(2)]).int()
+    ids[1, :3] = ids[0, :3]
+    flat = ids.view(-1)
+    weights = torch.rand(2, top_k, device="cuda")
+    h_static = torch.tensor([0.02], device="cuda") if variant == "fp8 static" else None
+    modes = fused_moe_gluon.ROW_AS_IS, fused_moe_gluon.ROW_DYNAMIC, fused_moe_gluon.ROW_STATIC
+    if variant == "fp8 static":
+        x_static = x.float().abs().max().reshape(1) / 448
+        a, a_scale, mode = x, x_static, modes[2]
+        a_q, a_s = _quantize_rows(x, x_static)
+    elif variant == "fp8 dynamic":
+        a, a_scale, mode = x, x.new_empty(1, dtype=torch.float32), modes[1]
+        a_q, a_s = _quantize_rows(x)
+    elif fp8:
+        a_q, a_s = _quantize_rows(x)
+        a, a_scale, mode = a_q, a_s.view(-1), modes[0]
+    else:
+        a, a_scale, mode = x, x.new_empty(1), modes[0]
+        a_q, a_s = x, torch.ones(2, 1, device="cuda")
+    assert fused_moe_gluon.supported(w13, w2)
+    h = fused_moe_gluon.gate_up_rows(a, a_scale, mode.value, w13, s13, h_static, flat, top_k, x.dtype, True)
+
+    token = torch.arange(flat.numel(), device="cuda") // top_k
+    acc = torch.einsum(
+        "pk,pnk->pn", a_q.double()[token], w13.double()[flat.long()]
+    )  # unscaled, as the MMA sums
+    scale13 = (
+        s13[flat.long()].double() if fp8 else torch.ones(1, 2 * inter, device="cuda", dtype=torch.float64)
+    )
+    scale13 = scale13.expand(-1, 2 * inter) if scale13.shape[-1] == 1 else scale13
+    pair_scale = a_s.double().reshape(-1, 1).expand(2, 1)[token]  # per token, or the static scale
+    gate, up = (acc * pair_scale * scale13).float().to(torch.bfloat16).float().chunk(2, -1)
+    expected_h = ((gate * torch.sigmoid(gate)).to(torch.bfloat16).float() * up).to(torch.bfloat16).float()
+    if h_static is not None:
+        expected_h = (expected_h / h_static).clamp(-448, 448).to(FP8_DTYPE).float()
+    assert ((h.float() - expected_h).norm() / expected_h.norm()).item() < (
+        3e-2 if h_static is not None else 2e-3
+    )
+
+    per_pair = fused_moe_gluon.down_rows(h, w2, s2, h_static, flat, weights, True)
+    if h_static is not None:
+        h_q, h_s = h, h_static.reshape(1, 1)
+    elif fp8:
+        h_q, h_s = _quantize_rows(h)
+    else:
+        h_q, h_s = h, torch.ones(1, 1, device="cuda")
+    acc = torch.einsum("pk,pnk->pn", h_q.double(), w2.double()[flat.long()])
+    scale2 = s2[flat.long()].double() if fp8 else torch.ones(1, 1, device="cuda", dtype=torch.float64)
+    expected = acc * h_s.double() * scale2 * weights.view(-1, 1).double()
+    assert ((per_pair.double() - expected).norm() / expected.norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gluon_moe_layer_replays_and_matches_triton(fp8, monkeypatch):
+    """The one-token layer on the Gluon kernels (the default on sm_90): bf16 bit-equal to the Triton
+    pair-block kernels, FP8 as close to the reference as they are; replayed from a CUDA graph (its
+    kernels chained by programmatic dependent launch) 20 times, bit-equal to the eager output."""
+    from hy3c.kernels.fused_moe import fused_moe_triton
+    from hy3c.kernels.quant import quant_fp8_per_token
+
+    w13, w2, s13, s2 = _moe_weights(fp8)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randperm(192, device="cuda")[:8].int()[None]
+    weights = torch.rand(1, 8, device="cuda")
+    shared = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    args = (x, weights, ids, w13, w2, s13, s2, None, None, shared)
+    if fp8:
+        args = (*args, *quant_fp8_per_token(x))  # x from the norm, as the FP8 model runs the layer
+    out = fused_moe_triton(*args)
+    with monkeypatch.context() as triton_only:
+        triton_only.setenv("HY3C_GLUON", "0")
+        triton_out = fused_moe_triton(*args)
+    if fp8:
+        ref = hy3.fused_moe(*args[:10]).float()
+        bound = 1.5 * (triton_out.float() - ref).norm() / ref.norm()
+        assert (out.float() - ref).norm() / ref.norm() < max(bound, 1e-2)
+    else:
+        assert torch.equal(out, triton_out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fused_moe_triton(*args)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, out)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 208, 4096])

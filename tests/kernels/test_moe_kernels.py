@@ -391,3 +391,20 @@ def test_static_fp8_configs_fall_back_to_dynamic_buckets(tmp_path, monkeypatch):
         assert moe_config.select_config(1, "fp8") == large
     finally:
         moe_config._tuned.cache_clear()
+
+
+def test_gluon_moe_slots_and_support():
+    """The Gluon one-token kernels' shared memory at Hy3's widths: five gate-up slots (one program per SM),
+    six down slots with two programs per SM for FP8; never taken for CPU tensors or with HY3C_GLUON=0."""
+    from hy3c.kernels import fused_moe_gluon as mod
+
+    for dtype, slots in ((FP8_DTYPE, (5, 6)), (torch.bfloat16, (4, 5))):
+        w13 = torch.empty(2, 3072, 4096, dtype=dtype, device="meta")
+        w2 = torch.empty(2, 4096, 1536, dtype=dtype, device="meta")
+        assert (mod.gate_up_slots(w13), mod.down_slots(w2)) == slots
+        ring = mod.down_slots(w2) * mod.BLOCK_ROWS.value * mod.BOX_BYTES
+        assert 2 * (ring + mod._row_bytes(1536, mod.BOX_BYTES // dtype.itemsize) + 1024) <= 228 * 1024
+        assert not mod.supported(w13, w2)  # not on a GPU
+    assert not mod.supported(
+        torch.empty(2, 256, 128, dtype=FP8_DTYPE), torch.empty(2, 128, 128, dtype=FP8_DTYPE)
+    )
