@@ -10,8 +10,8 @@ warp-specialized kernel over (token, slot) pairs, one pair and 128 output column
         shared-memory slots, each as soon as the consumer has freed its slot
     consumer (a warpgroup): the pair's activation row into shared memory (quantized to e4m3 as it is
         loaded where the row is bf16: its absmax / 448, or the static scale), then per K block
-        accᵀ += W_tile · rowᵀ (wgmma, the weights as the MMA's rows, the row repeated over its 8
-        columns), the slot freed; the epilogue as the Triton kernels'
+        accᵀ += W_tile · rowᵀ (wgmma, the weights as the MMA's rows, the row as column 0 of the
+        MMA's 8), the slot freed; the epilogue as the Triton kernels'
 
     gate-up: h[pair, cols] = silu(gate) · up over 128 columns of the gate and of the up rows
         (e4m3 when the down GEMM's input scale is static, else the model dtype)
@@ -23,11 +23,14 @@ copies at once, on SMs the gate-up leaves free and on each SM as the gate-up's p
 consumer waits for the gate-up's intermediate. The intermediate's dynamic scale is found by the down
 kernel's consumer while its weights stream, so FP8 has no quantization launch between the GEMMs.
 
-Same arithmetic as the Triton kernels (e4m3 values, scales, rounding to the model dtype; the fp32
-accumulation order over K may differ). Requires sm_90, hidden and intermediate widths that are multiples
-of 128 and of the K box, contiguous stacked weights (`supported`). Gluon kernels cannot run under
-TRITON_INTERPRET: the CPU tests compile these for sm_90 (tests/kernels/sm90_compile.py); the GPU tests
-check them against the Triton path and the reference.
+Same arithmetic as the Triton kernels (e4m3 values, scales, rounding to the model dtype; bf16 bit-equal,
+FP8 summed per 128-column K block where Triton sums per 256). Requires sm_90, hidden and intermediate
+widths that are multiples of 128 and of the K box, contiguous stacked weights (`supported`); elsewhere,
+and with `HY3C_GLUON=0`, `fused_moe` runs its Triton kernels. Measured in BENCHMARKS.md, MoE runs 31–35.
+Gluon kernels cannot run under TRITON_INTERPRET: the CPU tests compile these for sm_90
+(tests/kernels/sm90_compile.py: wgmma kept asynchronous, shared memory within budget); the GPU tests check
+each GEMM against its arithmetic in fp64 and the layer against the Triton path and the reference.
+Compiled by hand (session 15), not in CI: the same with Triton 3.7.1, 3.8.0 and 3.9.0.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ from hy3c.ops.quant import FP8_DTYPE
 # is gone in 3.9); a barrier over the calling partition's warps is `thread_barrier` in 3.6, `barrier` from 3.7
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+# a shared-memory view with another layout: `_reinterpret` until Triton 3.8, `reinterpret` from 3.9
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 BLOCK_ROWS = gl.constexpr(128)  # weight rows (output columns) per program: the MMA's M
 ACT_ROWS = gl.constexpr(8)  # the activation operand's rows (wgmma's smallest N): row 0 the pair's, 7 unread
@@ -119,7 +124,10 @@ def _activation_row(act, row_ptr, scale_ptr, MODE: gl.constexpr, FP8: gl.constex
         v = gl.minimum(gl.maximum(v / scale, -448.0), 448.0)
     # row 0 of a 128-byte-swizzled [ACT_ROWS, BLOCK_K] tile is stored unswizzled: write it through a plain view
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-    first_rows = act._reinterpret(act.dtype, act.shape, plain).slice(0, 1, dim=1)
+    if _PUBLIC_REINTERPRET:
+        first_rows = act.reinterpret(act.dtype, act.shape, plain).slice(0, 1, dim=1)
+    else:
+        first_rows = act._reinterpret(act.dtype, act.shape, plain).slice(0, 1, dim=1)
     first_rows.store(gl.expand_dims(v.to(act.dtype), 1))
     fence_async_shared()
     _partition_barrier()
