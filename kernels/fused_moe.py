@@ -15,6 +15,10 @@
 3. down GEMM over the intermediate rows, scaled by each pair's routing weight in the epilogue.
 4. combine: each token's k rows summed in fp32 plus the shared expert's output, written once.
 
+With a `pair_blocks` config (one token) on an sm_90 GPU, steps 2–3 run as the warp-specialized Gluon
+kernels of `fused_moe_gluon` (weight streams that start before the data they multiply, the intermediate
+quantized by the down kernel itself); `HY3C_GLUON=0` keeps the Triton kernels.
+
 FP8: weights e4m3 with per-channel ([E, rows]) or per-tensor ([E, 1]) scales; activations e4m3 with a
 static per-tensor scale or dynamic per-token scales; fp8 × fp8 tensor-core products, scales applied in
 the epilogues. The activations are quantized either by one row-wise kernel before each GEMM, or — the
