@@ -2,6 +2,7 @@
 
     python bench/e2e.py --layers 4 --part main       # hy3c h200-bf16 (+ compiled), transformers, torch.compile
     python bench/e2e.py --layers 4 --part fp8        # hy3c h20-w8a8c8 (dynamic activations) + pass ablation
+    python bench/e2e.py --layers 4 --part gluon-ab --decode 1,32   # decode with / without the Gluon kernels
     python bench/e2e.py --device cpu --layers 2 --preset tiny --part main --quick   # logic check on CPU
 
 Weights are random at the true Hy3 widths (`real-shapes:N`: first N layers), built on the GPU. Every
@@ -16,6 +17,8 @@ derivation as `hy3c compile`), decode steps replaying the runner's CUDA graphs.
 * `--part fp8`: one pass off at a time (decode at batch 1 and 32, 8K prefill) and a profile of one
   decode step (kernel time by name; the CUDA-graph replay's busy/idle split and largest gaps), and
   decode steps captured with and without programmatic dependent launch, alternating in one process.
+* `--part gluon-ab`: decode steps of the bf16 and the FP8 slice captured with and without the Gluon
+  kernels (`HY3C_GLUON`), alternating in one process.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -31,7 +36,6 @@ import hy3c.kernels  # noqa: F401
 from hy3c.compiler.driver import compile_model
 from hy3c.config import preset_config
 from hy3c.init_checkpoint import random_model
-from hy3c.kernels.pdl import pdl_env
 from hy3c.model.batch import SeqChunk, build_step_batch
 from hy3c.recipe import load_recipe
 
@@ -252,22 +256,36 @@ def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 50) -> float:
     return start.elapsed_time(end) / reps
 
 
-def pdl_ab(runner, sizes: list[int], context: int, rounds: int = 3) -> dict:
-    """Decode steps captured with and without programmatic dependent launch, alternating in one process
-    (HY3C_PDL is read at launch, so each capture takes the setting of its moment): graph replay ms and
-    the whole step's wall ms (input staging included), medians over the rounds."""
+@contextmanager
+def switch_env(variable: str, on: bool) -> Iterator[None]:
+    """An on/off switch read at kernel launch (HY3C_PDL, HY3C_GLUON) set inside the block, then restored."""
+    previous = os.environ.get(variable)
+    os.environ[variable] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(variable, None)
+        if previous is not None:
+            os.environ[variable] = previous
+
+
+def switch_ab(runner, sizes: list[int], context: int, variable: str, rounds: int = 3) -> dict:
+    """Decode steps captured with a switch off and on (HY3C_PDL: programmatic dependent launch;
+    HY3C_GLUON: the Gluon kernels), alternating in one process (the switch is read at launch, so each
+    capture takes the setting of its moment): graph replay ms and the whole step's wall ms (input
+    staging included), medians over the rounds."""
     device = runner.device
     per = -(-(context + 1) // PAGE)
     kv = runner.allocate_kv_cache(max(sizes) * per + 1, PAGE)
     fill_kv(kv)
     samples: dict[str, list[float]] = {}
     for _ in range(rounds):
-        for pdl in (False, True):
-            with pdl_env(pdl):
+        for on in (False, True):
+            with switch_env(variable, on):
                 runner.capture_decode_graphs(kv, max_pages=per, batch_sizes=sizes)
                 for b in sizes:
                     batch = decode_batch(b, context, device)
-                    name = f"B{b}_{'pdl' if pdl else 'no_pdl'}"
+                    name = f"B{b}_{variable}_{int(on)}"
                     samples.setdefault(f"{name}_step_ms", []).append(
                         timed(lambda bt=batch: runner.step(bt, kv), device, reps=20)
                     )
@@ -276,8 +294,10 @@ def pdl_ab(runner, sizes: list[int], context: int, rounds: int = 3) -> dict:
                     )
     result = {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
     for b in sizes:
-        off, on = result[f"B{b}_no_pdl_replay_ms"], result[f"B{b}_pdl_replay_ms"]
-        ROWS.append((f"graph replay B={b}: no PDL / PDL", f"{off:.3f} / {on:.3f}", f"{off / on:.2f}×", ""))
+        off, on = result[f"B{b}_{variable}_0_replay_ms"], result[f"B{b}_{variable}_1_replay_ms"]
+        ROWS.append(
+            (f"graph replay B={b}: {variable}=0 / 1", f"{off:.3f} / {on:.3f}", f"{off / on:.2f}×", "")
+        )
     return result
 
 
@@ -296,7 +316,9 @@ def profile_decode(runner, config, batch_size: int, context: int) -> dict:
     sync(device)
     from torch.profiler import ProfilerActivity, profile
 
-    with pdl_env(False):  # kernels launched with PDL would count their wait for the predecessor
+    with switch_env(
+        "HY3C_PDL", False
+    ):  # kernels launched with PDL would count their wait for the predecessor
         runner(*batch.model_args(kv))
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             runner(*batch.model_args(kv))
@@ -330,7 +352,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--preset", default="real-shapes", help="real-shapes (uses --layers) or tiny")
-    parser.add_argument("--part", choices=("main", "fp8", "peers"), default="main")
+    parser.add_argument("--part", choices=("main", "fp8", "peers", "gluon-ab"), default="main")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small sizes (logic check)")
     parser.add_argument("--skip-peers", action="store_true", help="main: skip the peers (see --part peers)")
@@ -358,6 +380,14 @@ def main() -> None:
         if not cpu:
             torch.cuda.empty_cache()
             RESULTS["transformers"] = hf_peer(args.layers, decode_sizes, prefill_sizes[:2], context, device)
+    elif args.part == "gluon-ab":
+        if cpu:
+            raise SystemExit("--part gluon-ab captures CUDA graphs: it needs a CUDA device")
+        for recipe_name, overrides in (("h200-bf16", []), ("h20-w8a8c8", ["quant.activations=dynamic"])):
+            runner, _ = compile_model(model, load_recipe(recipe_name, overrides), compile=False)
+            ROWS.append((recipe_name, "", "", ""))
+            RESULTS[f"gluon_ab_{recipe_name}"] = switch_ab(runner, decode_sizes, context, "HY3C_GLUON")
+            del runner
     elif args.part == "main":
         recipe = load_recipe("cpu-reference" if cpu else "h200-bf16")
         runner, _ = compile_model(model, recipe, compile=False)
@@ -391,7 +421,7 @@ def main() -> None:
         if not cpu and not args.no_profile:
             RESULTS["profile_decode_B1"] = profile_decode(runner, config, 1, context)
             RESULTS["profile_decode_B32"] = profile_decode(runner, config, 32, context)
-            RESULTS["pdl_ab"] = pdl_ab(runner, [1, 32], context)
+            RESULTS["pdl_ab"] = switch_ab(runner, [1, 32], context, "HY3C_PDL")
         del runner
         chosen = set(args.ablate.split(",")) if args.ablate else None
         for spec in [] if args.no_ablation else base.passes:
