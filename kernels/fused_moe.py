@@ -452,7 +452,8 @@ def fused_moe_triton(
     if cfg.quant_on_load and cfg.block_m > 32:  # the row-absmax pass holds BLOCK_M × 1024 values
         raise ValueError(f"quant_on_load needs block_m <= 32 (got {cfg.block_m})")
     weights = (w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)
-    if cfg.pair_blocks and fused_moe_gluon.supported(w13, w2):
+    _check_scale_widths(w13, w2, w13_scale, w2_scale)
+    if cfg.pair_blocks and fused_moe_gluon.supported(w13, w2, x.dtype):
         per_pair = _routed_pairs_gluon(x, x_q, x_q_scale, topk_weights, topk_ids, *weights)
     else:
         per_pair = _routed_pairs_triton(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, cfg)
@@ -474,6 +475,16 @@ def fused_moe_triton(
     return out
 
 
+def _check_scale_widths(w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_scale: Tensor | None) -> None:
+    """FP8 weight scales per tensor ([E, 1]) or per output channel ([E, rows]) — the kernels tell the two
+    apart by the last dimension, so anything else would be read out of bounds."""
+    for name, w, scale in (("w13_scale", w13, w13_scale), ("w2_scale", w2, w2_scale)):
+        if scale is not None and (scale.shape[0] != w.shape[0] or scale.shape[-1] not in (1, w.shape[1])):
+            raise ValueError(
+                f"fused_moe: {name} must be [{w.shape[0]}, 1] or [{w.shape[0]}, {w.shape[1]}], got {tuple(scale.shape)}"
+            )
+
+
 def _routed_pairs_gluon(
     x: Tensor,
     x_q: Tensor | None,
@@ -492,7 +503,7 @@ def _routed_pairs_gluon(
     fp8 = w13.dtype == FP8_DTYPE
     dummy = x.new_empty(1, dtype=torch.float32)
     if x_q is not None:
-        a, a_scale, mode = x_q, x_q_scale.reshape(-1), fused_moe_gluon.ROW_AS_IS
+        a, a_scale, mode = x_q, x_q_scale.reshape(-1).contiguous(), fused_moe_gluon.ROW_AS_IS
     elif not fp8:
         a, a_scale, mode = x, dummy, fused_moe_gluon.ROW_AS_IS
     elif a13_scale is not None:
@@ -546,7 +557,7 @@ def _routed_pairs_triton(
     dummy = x.new_empty(1, dtype=torch.float32)
     a, a_scale, a_per_row = (x, dummy, False)
     if x_q is not None:  # already quantized per token (the norm's FP8 rows)
-        a, a_scale, a_per_row = x_q, x_q_scale.reshape(-1), True
+        a, a_scale, a_per_row = x_q, x_q_scale.reshape(-1).contiguous(), True
     elif fp8:
         a, a_scale, a_per_row = _quantize_activations(x, a13_scale, cfg.quant_on_load)
     quant_h = fp8 and a2_scale is not None  # static: the gate-up epilogue quantizes the intermediate

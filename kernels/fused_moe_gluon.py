@@ -463,18 +463,25 @@ def down_slots(w2: Tensor) -> int:
     return (DOWN_PROGRAM_BUDGET - _row_bytes(w2.shape[2], _box_k(w2.dtype))) // (BLOCK_ROWS.value * BOX_BYTES)
 
 
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}  # the model dtypes these kernels take
+_WEIGHT_DTYPES = {torch.bfloat16: gl.bfloat16, FP8_DTYPE: gl.float8e4nv}
+
+
 @functools.cache
 def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def supported(w13: Tensor, w2: Tensor) -> bool:
-    """Whether these kernels run the layer's experts (else the Triton kernels do): an sm_90 GPU, bf16 or
-    e4m3 weights, stacked contiguously, expert widths that tile into BLOCK_ROWS rows and 128-byte K
-    boxes, at least two ring slots each; `HY3C_GLUON=0` turns them off (for A/B measurements)."""
-    if os.environ.get("HY3C_GLUON", "1") == "0" or not w13.is_cuda:
+def supported(w13: Tensor, w2: Tensor, model_dtype: torch.dtype) -> bool:
+    """Whether these kernels run the layer's experts (else the Triton kernels do): an sm_90 GPU, bf16
+    weights for a bf16 model or e4m3 weights for a bf16 / fp16 one, stacked contiguously, expert widths
+    that tile into BLOCK_ROWS rows and 128-byte K boxes, at least two ring slots each; `HY3C_GLUON=0`
+    turns them off (for A/B measurements)."""
+    if os.environ.get("HY3C_GLUON", "1") == "0" or not w13.is_cuda or w2.dtype != w13.dtype:
         return False
-    if w13.dtype not in (torch.bfloat16, FP8_DTYPE) or w2.dtype != w13.dtype:
+    if not (
+        w13.dtype == model_dtype == torch.bfloat16 or (w13.dtype == FP8_DTYPE and model_dtype in _GL_DTYPES)
+    ):
         return False
     hidden, inter = w13.shape[2], w2.shape[2]
     return (
@@ -493,11 +500,8 @@ def _weight_descriptor(w: Tensor) -> TensorDescriptor:
     """The stacked experts' weights [E · rows, K] in [BLOCK_ROWS, 128-byte] boxes."""
     experts, rows, width = w.shape
     box = [BLOCK_ROWS.value, _box_k(w.dtype)]
-    layout = gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[w.dtype])
+    layout = gl.NVMMASharedLayout.get_default_for(box, _WEIGHT_DTYPES[w.dtype])
     return TensorDescriptor(w.view(experts * rows, width), [experts * rows, width], [width, 1], box, layout)
-
-
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8_DTYPE: gl.float8e4nv}
 
 
 def routed_pairs(

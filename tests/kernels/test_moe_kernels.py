@@ -404,7 +404,21 @@ def test_gluon_moe_slots_and_support():
         assert (mod.gate_up_slots(w13), mod.down_slots(w2)) == slots
         ring = mod.down_slots(w2) * mod.BLOCK_ROWS.value * mod.BOX_BYTES
         assert 2 * (ring + mod._row_bytes(1536, mod.BOX_BYTES // dtype.itemsize) + 1024) <= 228 * 1024
-        assert not mod.supported(w13, w2)  # not on a GPU
-    assert not mod.supported(
-        torch.empty(2, 256, 128, dtype=FP8_DTYPE), torch.empty(2, 128, 128, dtype=FP8_DTYPE)
-    )
+        assert not mod.supported(w13, w2, torch.bfloat16)  # not on a GPU
+    fp8 = (torch.empty(2, 256, 128, dtype=FP8_DTYPE), torch.empty(2, 128, 128, dtype=FP8_DTYPE))
+    assert not mod.supported(*fp8, torch.bfloat16)
+
+
+def test_fused_moe_rejects_weight_scales_of_other_widths():
+    """Weight scales are per tensor ([E, 1]) or per output channel ([E, rows]); any other width would be
+    read out of bounds by the kernels, so it is refused with the field's name."""
+    experts, hidden, inter = 2, 64, 32
+    w13 = torch.zeros(experts, 2 * inter, hidden).to(FP8_DTYPE)
+    w2 = torch.zeros(experts, hidden, inter).to(FP8_DTYPE)
+    x = torch.zeros(1, hidden, dtype=torch.bfloat16)
+    ids, weights = torch.tensor([[0, 1]], dtype=torch.int32), torch.ones(1, 2)
+    good13, good2 = torch.ones(experts, 2 * inter), torch.ones(experts, 1)
+    with pytest.raises(ValueError, match="w13_scale"):
+        fused_moe_triton(x, weights, ids, w13, w2, torch.ones(experts, 2), good2, None, None, None)
+    with pytest.raises(ValueError, match="w2_scale"):
+        fused_moe_triton(x, weights, ids, w13, w2, good13, torch.ones(experts, inter), None, None, None)
