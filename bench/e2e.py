@@ -27,8 +27,6 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -36,6 +34,7 @@ import hy3c.kernels  # noqa: F401
 from hy3c.compiler.driver import compile_model
 from hy3c.config import preset_config
 from hy3c.init_checkpoint import random_model
+from hy3c.kernels.pdl import launch_switch
 from hy3c.model.batch import SeqChunk, build_step_batch
 from hy3c.recipe import load_recipe
 
@@ -256,19 +255,6 @@ def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 50) -> float:
     return start.elapsed_time(end) / reps
 
 
-@contextmanager
-def switch_env(variable: str, on: bool) -> Iterator[None]:
-    """An on/off switch read at kernel launch (HY3C_PDL, HY3C_GLUON) set inside the block, then restored."""
-    previous = os.environ.get(variable)
-    os.environ[variable] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        os.environ.pop(variable, None)
-        if previous is not None:
-            os.environ[variable] = previous
-
-
 def switch_ab(runner, sizes: list[int], context: int, variable: str, rounds: int = 3) -> dict:
     """Decode steps captured with a switch off and on (HY3C_PDL: programmatic dependent launch;
     HY3C_GLUON: the Gluon kernels), alternating in one process (the switch is read at launch, so each
@@ -281,7 +267,7 @@ def switch_ab(runner, sizes: list[int], context: int, variable: str, rounds: int
     samples: dict[str, list[float]] = {}
     for _ in range(rounds):
         for on in (False, True):
-            with switch_env(variable, on):
+            with launch_switch(variable, on):
                 runner.capture_decode_graphs(kv, max_pages=per, batch_sizes=sizes)
                 for b in sizes:
                     batch = decode_batch(b, context, device)
@@ -316,7 +302,7 @@ def profile_decode(runner, config, batch_size: int, context: int) -> dict:
     sync(device)
     from torch.profiler import ProfilerActivity, profile
 
-    with switch_env(
+    with launch_switch(
         "HY3C_PDL", False
     ):  # kernels launched with PDL would count their wait for the predecessor
         runner(*batch.model_args(kv))

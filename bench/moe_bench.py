@@ -33,6 +33,7 @@ import hy3c.kernels  # noqa: F401
 from hy3c.kernels.fused_moe import fused_moe_triton
 from hy3c.kernels.moe_align import moe_align_torch, moe_align_triton
 from hy3c.kernels.moe_config import CONFIG_FILE, MoeConfig, select_config
+from hy3c.kernels.pdl import launch_switch
 from hy3c.kernels.quant import quant_fp8_per_token
 from hy3c.kernels.router import router_gemm_dual_bf16
 from hy3c.ops.quant import FP8_DTYPE, split_router_weight
@@ -155,14 +156,8 @@ def grouped_mm_moe(x, ids, wt, w13, w2):
 
 def triton_kernels_only(args):
     """fused_moe_triton on the Triton kernels even where its config would take the Gluon ones."""
-    previous = os.environ.get("HY3C_GLUON")
-    os.environ["HY3C_GLUON"] = "0"
-    try:
+    with launch_switch("HY3C_GLUON", False):
         return fused_moe_triton(*args)
-    finally:
-        os.environ.pop("HY3C_GLUON")
-        if previous is not None:
-            os.environ["HY3C_GLUON"] = previous
 
 
 def quant_rows_torch(x):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import cache
 
 import torch
@@ -56,14 +56,19 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
 
 
 @contextmanager
-def pdl_env(on: bool) -> Iterator[None]:
-    """HY3C_PDL set to on/off inside the block and restored after it (for A/B measurements: launches and
-    CUDA-graph captures inside take the setting)."""
-    previous = os.environ.get("HY3C_PDL")
-    os.environ["HY3C_PDL"] = "1" if on else "0"
+def launch_switch(variable: str, on: bool) -> Iterator[None]:
+    """A switch read at kernel launch (HY3C_PDL; HY3C_GLUON: the Gluon kernels) set to on/off inside the
+    block and restored after it (for A/B measurements: launches and CUDA-graph captures inside take it)."""
+    previous = os.environ.get(variable)
+    os.environ[variable] = "1" if on else "0"
     try:
         yield
     finally:
-        os.environ.pop("HY3C_PDL", None)
+        os.environ.pop(variable, None)
         if previous is not None:
-            os.environ["HY3C_PDL"] = previous
+            os.environ[variable] = previous
+
+
+def pdl_env(on: bool) -> AbstractContextManager[None]:
+    """HY3C_PDL set to on/off inside the block and restored after it (`launch_switch`)."""
+    return launch_switch("HY3C_PDL", on)
