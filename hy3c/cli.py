@@ -27,6 +27,23 @@ from hy3c.logs import setup_logging
 from hy3c.recipe import SHIPPED, load_recipe
 
 _DTYPES = ("bfloat16", "float16", "float32")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(text: str) -> str:
+    """argparse type of --log-level: a level name in any case (argparse turns the error into one line)."""
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"unknown level {text!r}; choose one of {', '.join(LOG_LEVELS)}")
+    return text.upper()
+
+
+def _existing_dir(path: Path, flag: str) -> Path:
+    """A directory argument that must exist: checked before anything heavy is imported or loaded."""
+    if not path.exists():
+        raise FileNotFoundError(f"{flag} {path}: the directory does not exist")
+    if not path.is_dir():
+        raise NotADirectoryError(f"{flag} {path}: not a directory")
+    return path
 
 
 def _add_init_checkpoint(sub: argparse._SubParsersAction) -> None:
@@ -103,6 +120,7 @@ def _add_convert_fp8(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_convert_fp8(args: argparse.Namespace) -> None:
+    _existing_dir(args.model, "--model")
     shard = int(args.max_shard_gib * 2**30)
     _convert(
         args.model,
@@ -147,15 +165,18 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> None:
-    import torch
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be at least 1")
+    if args.artifact is not None:
+        _existing_dir(args.artifact, "--artifact")
+    else:
+        _existing_dir(args.model, "--model")
 
     from hy3c.generate import generate_tokens
     from hy3c.loader import load_model
     from hy3c.sampling import SamplingParams
     from hy3c.tokenizer import Hy3Tokenizer
 
-    if args.max_tokens < 1:
-        raise ValueError("--max-tokens must be at least 1")
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
     if args.artifact is not None:
         from hy3c.artifact import load
@@ -163,6 +184,8 @@ def _run_generate(args: argparse.Namespace) -> None:
         model = load(args.artifact, device=args.device, compile=args.compile)
         tokenizer = Hy3Tokenizer.from_dir(args.artifact)
     else:
+        import torch
+
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         tokenizer = Hy3Tokenizer.from_dir(args.model)
         model = load_model(
@@ -207,10 +230,13 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_compile(args: argparse.Namespace) -> None:
+    if args.model is not None:
+        _existing_dir(args.model, "--model")
+    recipe = load_recipe(args.recipe, args.overrides)  # a wrong name or key fails before the compiler loads
+
     from hy3c.compiler.driver import compile_artifact
     from hy3c.inspect_artifact import format_pass_table
 
-    recipe = load_recipe(args.recipe, args.overrides)
     summary = compile_artifact(
         recipe,
         args.out,
@@ -243,6 +269,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> None:
+    _existing_dir(args.artifact, "artifact")
     from hy3c.inspect_artifact import inspect_command
 
     first = args.names[0] if args.names else None
@@ -415,7 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hy3c", description="Compiler-driven inference engine for Tencent Hy3"
     )
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-level", default="INFO", type=_log_level, help=f"one of {', '.join(LOG_LEVELS)} (default INFO)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for add in _COMMANDS:
         add(sub)
@@ -435,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_device(getattr(args, "device", None))
         args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, OSError) as exc:
-        if str(args.log_level).upper() == "DEBUG":
+        if args.log_level == "DEBUG":
             raise
         if isinstance(exc, BrokenPipeError):  # e.g. `hy3c inspect ... | head`: the reader has gone
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -445,6 +474,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug, not bad input: still one line, the traceback on request
+        if args.log_level == "DEBUG":
+            raise
+        print(
+            f"error: internal error: {type(exc).__name__}: {exc} (--log-level DEBUG shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

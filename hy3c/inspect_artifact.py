@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
+import textwrap
 from pathlib import Path
 
 from hy3c.artifact import Artifact, ArtifactError, open_artifact
+
+_LAYER_MARK = re.compile(r"# layers\.(\d+)$")
 
 
 def _report(art: Artifact) -> dict:
@@ -32,25 +36,66 @@ def _find_pass(report: dict, name: str) -> tuple[int, dict]:
     raise ArtifactError(f"no pass '{name}' in this artifact; its passes: {', '.join(_pass_names(report))}")
 
 
+TABLE_WIDTH = 120  # the pass table fits a terminal this wide; long cells wrap under their column
+
+
+def lowering_note(summary: dict) -> str:
+    """The lower pass's row note: providers by count, and the ops that fell back (details: `inspect ops`)."""
+    providers: dict[str, int] = {}
+    for choices in summary.get("providers", {}).values():
+        for name, count in choices.items():
+            providers[name] = providers.get(name, 0) + count
+    note = ", ".join(f"{name}×{count}" for name, count in sorted(providers.items()))
+    fallbacks = summary.get("fallbacks", {})
+    if fallbacks:
+        reasons = "; ".join(f"{name}: {why}" for name, why in summary.get("unavailable", {}).items())
+        note += f"; {sum(fallbacks.values())} fell back ({reasons})"
+    return note + " (inspect ops --after lower)"
+
+
 def format_pass_table(report: dict) -> str:
-    rows = [("pass", "stage", "status", "matches", "ops delta", "ms", "note")]
+    """One row per pass; the op delta and the note wrap within TABLE_WIDTH columns."""
+    rows = [("pass", "stage", "status", "matches", "ms", "ops delta / note")]
     for p in report["passes"]:
-        delta = ", ".join(f"{k}{v:+d}" for k, v in p["ops_delta"].items()) or "-"
+        delta = ", ".join(f"{k}{v:+d}" for k, v in p["ops_delta"].items())
         note = p.get("skip_reason") or p.get("error") or ""
         if p["name"] == "lower" and p.get("summary", {}).get("providers"):
-            note = "; ".join(
-                f"{op}: {'/'.join(f'{k}×{v}' for k, v in c.items())}"
-                for op, c in p["summary"]["providers"].items()
-            )
-        rows.append(
-            (p["name"], p["stage"], p["status"], str(p["matches"]), delta, f"{p['time_ms']:.1f}", note)
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(6)]
-    lines = [
-        "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:6])) + ("  " + row[6] if row[6] else "")
-        for row in rows
-    ]
+            delta, note = "", lowering_note(p["summary"])  # its delta only renames ops: summarised
+        detail = "; ".join(part for part in (delta, note) if part) or "-"
+        rows.append((p["name"], p["stage"], p["status"], str(p["matches"]), f"{p['time_ms']:.1f}", detail))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    indent = sum(widths) + 2 * len(widths)
+    lines = []
+    for row in rows:
+        head = "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:5])) + "  "
+        wrapped = textwrap.wrap(row[5], max(TABLE_WIDTH - indent, 30), break_on_hyphens=False) or [""]
+        lines.append(head + wrapped[0])
+        lines.extend(" " * indent + more for more in wrapped[1:])
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _is_lowered(report: dict, after: str | None) -> bool:
+    """Whether the graph after pass `after` (None: the final graph) has been through `lower`."""
+    names = _pass_names(report)
+    if "lower" not in names or after == "traced":
+        return False
+    return after is None or names.index(after) >= names.index("lower")
+
+
+def _providers_after_lower(report: dict) -> str:
+    """op → provider counts chosen by `lower`, with each fallback's reason (for `inspect ops`)."""
+    entry = next((p for p in report["passes"] if p["name"] == "lower" and p["status"] == "ran"), None)
+    if entry is None or not entry.get("summary", {}).get("providers"):
+        return ""
+    summary = entry["summary"]
+    fallbacks = summary.get("fallbacks", {})
+    lines = ["", "providers (lower):"]
+    for op, choices in summary["providers"].items():
+        chosen = ", ".join(f"{name}×{count}" for name, count in choices.items())
+        if op in fallbacks:
+            chosen += f"  ({fallbacks[op]} fell back: {'; '.join(summary.get('unavailable', {}).values())})"
+        lines.append(f"  {op}: {chosen}")
+    return "\n".join(lines)
 
 
 def _histogram_after(report: dict, after: str | None) -> dict[str, int]:
@@ -74,6 +119,17 @@ def _dump(art: Artifact, report: dict, after: str) -> str:
     return file.read_text()
 
 
+def _layer_lines(dump: str, layer: int) -> str:
+    """The lines of a graph dump that belong to decoder layer `layer` (marked `# layers.N`)."""
+    lines = dump.splitlines()
+    picked = [line + "\n" for line in lines if line.endswith(f"# layers.{layer}")]
+    if not picked:
+        layers = sorted({int(m.group(1)) for line in lines if (m := _LAYER_MARK.search(line))})
+        known = f"layers {layers[0]}..{layers[-1]}" if layers else "no layer-tagged nodes"
+        raise ArtifactError(f"--layer {layer}: no node of that layer in this graph ({known})")
+    return "".join(picked)
+
+
 def inspect_command(
     path: str | Path,
     command: str,
@@ -92,13 +148,14 @@ def inspect_command(
     if command == "ops":
         hist = _histogram_after(report, after)
         width = max((len(k) for k in hist), default=0)
-        return "\n".join(f"{k.ljust(width)}  {v}" for k, v in hist.items())
+        text = "\n".join(f"{k.ljust(width)}  {v}" for k, v in hist.items())
+        return text + (_providers_after_lower(report) if _is_lowered(report, after) else "")
     if command == "graph":
         if after is None:
             raise ArtifactError("graph needs --after PASS (or --after traced)")
         text = _dump(art, report, after)
         if layer is not None:
-            text = "".join(line + "\n" for line in text.splitlines() if line.endswith(f"# layers.{layer}"))
+            text = _layer_lines(text, layer)
         return text
     if command == "diff":
         before, later = _histogram_after(report, first), _histogram_after(report, second)

@@ -171,7 +171,7 @@ def load_recipe(name_or_file: str | Path, overrides: list[str] | tuple[str, ...]
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
-        raise RecipeError(f"{source}: invalid recipe:\n  " + "\n  ".join(_describe(exc))) from None
+        raise RecipeError(f"{source}: invalid recipe: " + "; ".join(_describe(exc))) from None
     _check_passes(recipe, source)
     return recipe
 
@@ -202,7 +202,7 @@ def _check_passes(recipe: Recipe, source: str) -> None:
             cls.Config.model_validate(spec.config)
         except ValidationError as exc:
             raise RecipeError(
-                f"{source}: invalid config of pass '{spec.name}':\n  " + "\n  ".join(_describe(exc))
+                f"{source}: invalid config of pass '{spec.name}': " + "; ".join(_describe(exc))
             ) from None
     previous = None
     for spec in recipe.passes:  # a pass may rely on every earlier stage having run (e.g. lower on fusion)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,7 @@ class Runner:
         self.decode_graphs: DecodeGraphs | None = None
         self.compile_cache: Path | None = self._use_compile_cache() if compile else None
         self._fn = torch.compile(gm, dynamic=False, fullgraph=True) if compile else gm
+        self._compiled_once = False
 
     def _cache_key(self) -> str:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -129,7 +131,15 @@ class Runner:
         for index, dims in _DYNAMIC_DIMS.items():
             for dim in dims:
                 torch._dynamo.decorators.mark_unbacked(args[index], dim)
+        first = not self._compiled_once
+        if first:  # the first call compiles: say so, it takes seconds to minutes
+            log_event(log, "inductor_compile_started", cache=str(self.compile_cache))
+            started = time.monotonic()
         # the step's index inputs are views at varying offsets of two shared tensors (build_step_batch):
         # without duck sizing, equal-sized inputs do not make Dynamo guard on equal storage offsets
         with torch.no_grad(), fx_config.patch(use_duck_shape=False):
-            return self._fn(*args)
+            out = self._fn(*args)
+        if first:
+            self._compiled_once = True
+            log_event(log, "inductor_compile_done", seconds=round(time.monotonic() - started, 1))
+        return out

@@ -114,7 +114,7 @@ def check_output_dir(out: str | Path, overwrite: bool = False, inputs: Iterable[
     """Refuse an output that exists (unless overwrite) or whose replacement would delete an input."""
     out = Path(out)
     if out.exists() and not overwrite:
-        raise FileExistsError(f"{out}: already exists (pass overwrite to replace it)")
+        raise FileExistsError(f"{out}: already exists (--overwrite replaces it)")
     target = out.resolve()
     for source in inputs:
         source = Path(source).resolve()

@@ -43,6 +43,9 @@ class CompileCtx:
     token_range: tuple[int, int]
     checkpoint_static_scales: bool = False  # the checkpoint carries FP8 input scales
     checkpoint_fp8: bool = False  # the checkpoint's linear weights are already FP8
+    # provider families that cannot be used by this install, with the reason (e.g. Triton not installed):
+    # `lower` skips them and reports every node that falls back to a later provider
+    unavailable_providers: tuple[tuple[str, str], ...] = ()
 
 
 class Site(BaseModel):

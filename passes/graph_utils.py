@@ -10,6 +10,8 @@ from collections import Counter
 import torch
 from torch import fx
 
+import hy3c.ops  # noqa: F401  (registers the hy3 ops named below)
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from torch import fx
@@ -45,14 +46,22 @@ class PassManager:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
             (self.dump_dir / f"{index:02d}_{name}.txt").write_text(format_graph(gm))
 
-    def run(self, gm: fx.GraphModule, stop_before: str | None = None) -> list[PassResult]:
-        """Run every pass (or those before `stop_before`); gm is rewritten in place."""
+    def run(
+        self,
+        gm: fx.GraphModule,
+        stop_before: str | None = None,
+        on_pass: Callable[[str], None] | None = None,
+    ) -> list[PassResult]:
+        """Run every pass (or those before `stop_before`); gm is rewritten in place. `on_pass(name)` is
+        called after each pass (progress display)."""
         self._dump(0, "traced", gm)
         results = []
         for index, spec in enumerate(self.specs, start=1):
             if spec.name == stop_before:
                 break
             results.append(self._run_one(index, spec, gm))
+            if on_pass is not None:
+                on_pass(spec.name)
         return results
 
     def _run_one(self, index: int, spec: PassSpec, gm: fx.GraphModule) -> PassResult:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from tqdm import tqdm
 
 import hy3c
 from hy3c.compiler.package import derive_weights, write_weights
@@ -102,6 +103,13 @@ def _versions() -> dict[str, str | None]:
     return {"hy3c": hy3c.__version__, "torch": torch.__version__, "triton": triton_version}
 
 
+def unavailable_providers() -> tuple[tuple[str, str], ...]:
+    """Provider families this install cannot lower to, with the reason (the `lower` pass skips them)."""
+    from hy3c.kernels import HAVE_TRITON
+
+    return () if HAVE_TRITON else (("triton", "Triton is not installed"),)
+
+
 def compile_context(config: Hy3Config, recipe: Recipe, quant: QuantLayout) -> CompileCtx:
     return CompileCtx(
         model=config,
@@ -113,23 +121,61 @@ def compile_context(config: Hy3Config, recipe: Recipe, quant: QuantLayout) -> Co
         token_range=recipe.token_range,
         checkpoint_static_scales=quant.static_activations,
         checkpoint_fp8=bool(quant.fp8_modules),
+        unavailable_providers=unavailable_providers(),
     )
 
 
 def trace_and_run_passes(
-    config: Hy3Config, recipe: Recipe, quant: QuantLayout, dump_dir: Path | None, timings: dict[str, float]
+    config: Hy3Config,
+    recipe: Recipe,
+    quant: QuantLayout,
+    dump_dir: Path | None,
+    timings: dict[str, float],
+    progress: bool | None = None,
 ) -> tuple[fx.GraphModule, list[PassResult]]:
-    """Trace the step function on the meta device and run the recipe's passes over it."""
-    start = time.perf_counter()
-    gm = trace_step(config, getattr(torch, recipe.dtype), quant)
-    timings["trace_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    try:
-        results = PassManager(recipe.passes, compile_context(config, recipe, quant), dump_dir).run(gm)
-    except PassError as exc:
-        raise CompileError(str(exc)) from None
-    timings["passes_s"] = time.perf_counter() - start
+    """Trace the step function on the meta device and run the recipe's passes over it, with one progress
+    bar over the trace and each pass (shown on a terminal; `progress` forces it on or off)."""
+    ctx = compile_context(config, recipe, quant)
+    _warn_unavailable(recipe, ctx)
+    with tqdm(
+        total=1 + len(recipe.passes),
+        desc="compile",
+        unit="step",
+        disable=None if progress is None else not progress,
+    ) as bar:
+        bar.set_postfix_str(f"trace ({config.num_hidden_layers} layers)")
+        start = time.perf_counter()
+        gm = trace_step(config, getattr(torch, recipe.dtype), quant)
+        timings["trace_s"] = time.perf_counter() - start
+        bar.update()
+
+        def advance(name: str) -> None:
+            bar.set_postfix_str(name)
+            bar.update()
+
+        start = time.perf_counter()
+        try:
+            results = PassManager(recipe.passes, ctx, dump_dir).run(gm, on_pass=advance)
+        except PassError as exc:
+            raise CompileError(str(exc)) from None
+        timings["passes_s"] = time.perf_counter() - start
     return gm, results
+
+
+def _warn_unavailable(recipe: Recipe, ctx: CompileCtx) -> None:
+    """One warning when the recipe asks for kernels this install lacks (its ops fall back to torch)."""
+    lower = recipe.pass_spec("lower")
+    priority = (lower.config.get("priority") if lower is not None else None) or []
+    missing = [(name, why) for name, why in ctx.unavailable_providers if name in priority]
+    if missing and recipe.device_type == "cuda":
+        log_event(
+            log,
+            "providers_unavailable",
+            level=logging.WARNING,
+            recipe=recipe.name,
+            missing="; ".join(f"{name}: {why}" for name, why in missing),
+            effect="its ops fall back to later providers (see `hy3c inspect ART passes` / `ops`)",
+        )
 
 
 def compile_model(
@@ -190,7 +236,7 @@ def compile_artifact(
     out = Path(out)
     with atomic_output_dir(out, overwrite, inputs=[checkpoint] if checkpoint is not None else []) as tmp:
         gm, results = trace_and_run_passes(
-            config, recipe, quant, tmp / "graphs" if dump_graphs else None, timings
+            config, recipe, quant, tmp / "graphs" if dump_graphs else None, timings, progress
         )
         t0 = time.perf_counter()
         (tmp / "program").mkdir()

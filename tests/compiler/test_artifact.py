@@ -225,7 +225,7 @@ def test_inspect_commands(cpu_art, capsys):
         (["quant.kv=fp4"], "key 'quant.kv'"),
         (["quant.colour=red"], "unknown key 'quant.colour'"),
         (["passes.lower.priority=[cutlass]"], None),
-        (["passes.lower.speed=11"], "invalid config of pass 'lower':\n  unknown key 'speed'"),
+        (["passes.lower.speed=11"], "invalid config of pass 'lower': unknown key 'speed'"),
         (["passes.nonexistent.enabled=false"], "no pass named 'nonexistent'"),
         (["noequals"], "expected KEY=VALUE"),
         (["parallel.tp=0"], "key 'parallel.tp'"),

@@ -150,6 +150,26 @@ def test_lower_records_providers_and_honours_priority(traced, monkeypatch):
     assert any("triton: only layer 0" in s.detail for s in result.sites)
 
 
+def test_lower_reports_ops_that_fall_back_for_a_missing_provider(traced):
+    """Without Triton (the context says so) a GPU recipe's ops lower to torch, each counted as a fallback
+    with the reason; the pass table summarises the lower row within 120 columns."""
+    from hy3c.inspect_artifact import TABLE_WIDTH, format_pass_table
+
+    gm, _ = traced
+    ctx = make_ctx(preset_config("tiny"), unavailable_providers=(("triton", "Triton is not installed"),))
+    (result,) = _run(gm, ctx, "lower", lower={"priority": ["triton", "cublas", "torch"]})
+    summary = result.summary
+    assert summary["unavailable"] == {"triton": "Triton is not installed"}
+    assert summary["fallbacks"] == {op: sum(c.values()) for op, c in summary["providers"].items()}
+    assert all(set(c) <= {"torch", "cublas"} for c in summary["providers"].values())
+    assert all("triton: Triton is not installed" in site.detail for site in result.sites)
+    table = format_pass_table({"passes": [result.model_dump(mode="json")]})
+    assert f"{result.matches} fell back (triton: Triton is not installed)" in table
+    assert max(len(line) for line in table.splitlines()) <= TABLE_WIDTH
+    (unaffected,) = _run(traced[0], make_ctx(preset_config("tiny")), "lower", lower={"priority": ["torch"]})
+    assert unaffected.summary["fallbacks"] == {}
+
+
 def test_lower_rejects_unknown_provider(traced):
     gm, _ = traced
     with pytest.raises(PassError, match="unknown providers"):
