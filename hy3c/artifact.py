@@ -7,39 +7,46 @@ An artifact directory holds `manifest.json` (format version, versions, model con
 file hashes), `program/step.json` (the graph after passes, JSON), `weights/rank0*.safetensors`,
 `compile_report.json`, optional `graphs/` dumps and the tokenizer files. (Inductor's caches live in a
 per-user directory, never in the artifact: see `hy3c.runner`.)
-Loading checks the format version, the program hash, the weight files' sizes (and their sha256 for
-artifacts under `VERIFY_LIMIT` bytes, or when asked) and the parameter shapes against the program; any
-mismatch is an `ArtifactError` naming the file. Nothing is unpickled: JSON and safetensors only.
+
+Everything read from an artifact is untrusted. Loading checks, before any weight is read:
+* the manifest: its format version, every field loading relies on (a missing or mistyped one is an
+  error naming it), and its hashes: the model config, the recipe, the program, the weight list and the
+  versions must match the cache key's parts, and the key its parts (`hy3c.compiler.manifest`), so a
+  config or recipe edited without recompiling is refused;
+* the program: its sha256, then every node (`hy3c.compiler.serialize.read_program`: only ops of the
+  allow-list, arguments that fit each op's schema) and the shapes through the whole graph on meta
+  tensors from the config (`Program.check_shapes`);
+then the weights: each file's size and sha256 (streamed, several files at once), then the parameter
+shapes against the program. Any failure is an `ArtifactError` naming the file, field or node. Nothing
+is unpickled: JSON and safetensors only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
-from hy3c.compiler.driver import FORMAT_VERSION
-from hy3c.compiler.package import file_sha256
-from hy3c.compiler.serialize import ProgramError, graph_from_json
-from hy3c.config import ConfigError, Hy3Config
+from hy3c.compiler.manifest import FORMAT_VERSION, files_sha256, json_sha256, kv_cache_dtype
+from hy3c.config import Hy3Config
 from hy3c.recipe import Recipe
-from hy3c.runner import Runner
 
-log = logging.getLogger("hy3c.artifact")
+if TYPE_CHECKING:
+    import torch
 
-VERIFY_LIMIT = 2 << 30
+    from hy3c.compiler.serialize import Program
+    from hy3c.runner import Runner
+
+_SHA256 = r"^[0-9a-f]{64}$"
+_Sha256 = Annotated[str, Field(pattern=_SHA256)]
 
 
 class ArtifactError(ValueError):
-    """A missing, corrupt or incompatible artifact; the message names the file."""
+    """A missing, corrupt or incompatible artifact; the message names the file (and field or node)."""
 
 
 def _inside(name: str) -> str:
@@ -50,36 +57,75 @@ def _inside(name: str) -> str:
     return name
 
 
-class _ProgramEntry(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class _Versions(_Strict):
+    hy3c: str
+    torch: str
+    triton: str | None
+
+
+class _ProgramEntry(_Strict):
     file: str
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: str = Field(pattern=_SHA256)
     _inside = field_validator("file")(_inside)
 
 
-class _WeightFile(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _WeightFile(_Strict):
     name: str
     bytes: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: str = Field(pattern=_SHA256)
     _inside = field_validator("name")(_inside)
 
 
-class _Weights(BaseModel):
-    files: list[_WeightFile]
+class _Weights(_Strict):
+    files: list[_WeightFile] = Field(min_length=1)
 
 
-class _KvCache(BaseModel):
+class _KvCache(_Strict):
     dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3fn"]
 
 
-class _Manifest(BaseModel):
-    """The parts of manifest.json that loading relies on (the config and recipe have their own models)."""
+class _CacheKeyParts(_Strict):
+    model: str = Field(pattern=_SHA256)
+    recipe: str = Field(pattern=_SHA256)
+    passes: dict[str, _Sha256]
+    weights: str | None = Field(pattern=_SHA256)
+    program: str = Field(pattern=_SHA256)
+    hy3c: str
+    torch: str
+    triton: str | None
 
-    model_config = ConfigDict(extra="allow")
+
+class _CacheKey(_Strict):
+    key: str = Field(pattern=_SHA256)
+    parts: _CacheKeyParts
+
+
+class _QuantLayout(_Strict):
+    fp8_modules: list[str]
+    static_activations: bool
+
+
+class _Source(_Strict):
+    quant_layout: _QuantLayout
+
+
+class _Manifest(_Strict):
+    """The parts of manifest.json that loading and inspection rely on (config and recipe: their own
+    models)."""
+
+    format_version: int
+    versions: _Versions
+    config: dict[str, Any] = Field(alias="model_config")
+    recipe: dict[str, Any]
+    source: _Source
     program: _ProgramEntry
     weights: _Weights | None
     kv_cache: _KvCache
+    cache_key: _CacheKey
 
 
 @dataclass
@@ -94,65 +140,133 @@ class Artifact:
         return self.manifest.get("weights") is not None
 
     def read_json(self, name: str) -> Any:
-        file = self.path / name
-        if not file.is_file():
-            raise ArtifactError(f"{file}: missing")
-        try:
-            return json.loads(file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ArtifactError(f"{file}: corrupt JSON ({exc})") from None
+        return _read_json(self.path / name)
+
+
+def _read_json(file: Path) -> Any:
+    if not file.is_file():
+        raise ArtifactError(f"{file}: missing")
+    try:
+        return json.loads(file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ArtifactError(f"{file}: corrupt JSON ({str(exc)[:200]})") from None
+
+
+def _field_error(file: Path, exc: ValidationError, prefix: str = "") -> ArtifactError:
+    """One line naming the first bad field: `manifest.json: field 'program.sha256': Field required`."""
+    errors = exc.errors()
+    first = errors[0]
+    loc = ".".join(str(p) for p in (prefix, *first["loc"]) if p != "") or "(top level)"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return ArtifactError(f"{file}: field '{loc}': {first['msg']}{more}")
 
 
 def open_artifact(path: str | Path) -> Artifact:
-    """Read and validate manifest.json (no weights are touched)."""
+    """Read and validate manifest.json, its fields and its hashes (no program or weights are read)."""
     path = Path(path)
     file = path / "manifest.json"
     if not file.is_file():
         raise ArtifactError(f"{file}: missing (is {path} a hy3c artifact?)")
-    try:
-        manifest = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{file}: corrupt JSON ({exc})") from None
+    manifest = _read_json(file)
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
         raise ArtifactError(
             f"{file}: artifact format version {version!r}; this hy3c reads version {FORMAT_VERSION} (recompile it)"
         )
     try:
-        _Manifest.model_validate(manifest)
-        config = Hy3Config.from_dict(manifest["model_config"], source=f"{file}: model_config")
-        recipe = Recipe.model_validate(manifest["recipe"])
-    except (KeyError, ConfigError, ValidationError) as exc:
-        raise ArtifactError(f"{file}: invalid manifest ({exc})") from None
+        checked = _Manifest.model_validate(manifest)
+    except ValidationError as exc:
+        raise _field_error(file, exc) from None
+    try:
+        config = Hy3Config.model_validate(checked.config)
+    except ValidationError as exc:
+        raise _field_error(file, exc, "model_config") from None
+    try:
+        recipe = Recipe.model_validate(checked.recipe)
+    except ValidationError as exc:
+        raise _field_error(file, exc, "recipe") from None
+    _check_hashes(file, manifest, checked, recipe)
     return Artifact(path, manifest, config, recipe)
 
 
-def _check_program(art: Artifact) -> dict[str, Any]:
-    info = art.manifest["program"]
-    file = art.path / info["file"]
+def _check_hashes(file: Path, manifest: dict[str, Any], checked: _Manifest, recipe: Recipe) -> None:
+    """Each part of the cache key recomputed from the manifest, and the key from its parts."""
+    parts = checked.cache_key.parts
+    weight_list = [f.sha256 for f in checked.weights.files] if checked.weights is not None else None
+    expected = {
+        "model_config": (parts.model, json_sha256(manifest["model_config"]), "cache_key.parts.model"),
+        "recipe": (parts.recipe, json_sha256(manifest["recipe"]), "cache_key.parts.recipe"),
+        "program.sha256": (parts.program, checked.program.sha256, "cache_key.parts.program"),
+        "weights.files": (
+            parts.weights,
+            json_sha256(weight_list) if weight_list is not None else None,
+            "cache_key.parts.weights",
+        ),
+        "versions": (
+            [parts.hy3c, parts.torch, parts.triton],
+            [checked.versions.hy3c, checked.versions.torch, checked.versions.triton],
+            "cache_key.parts (hy3c, torch, triton)",
+        ),
+        "cache_key.parts.passes": (
+            sorted(parts.passes),
+            sorted(p.name for p in recipe.passes),
+            "recipe.passes",
+        ),
+        "kv_cache.dtype": (checked.kv_cache.dtype, kv_cache_dtype(recipe), "the recipe's quant.kv and dtype"),
+    }
+    for field, (recorded, actual, what) in expected.items():
+        if recorded != actual:
+            raise ArtifactError(
+                f"{file}: field '{field}' does not match {what} (edited after compiling? recompile it)"
+            )
+    if json_sha256(manifest["cache_key"]["parts"]) != checked.cache_key.key:
+        raise ArtifactError(f"{file}: field 'cache_key.key' is not the hash of cache_key.parts (edited?)")
+
+
+def _read_program(art: Artifact) -> Program:
+    """The program file, its hash against the manifest, rebuilt and checked node by node and by shapes."""
+    import torch
+
+    from hy3c.compiler.serialize import ProgramError, read_program  # the op registrations: not for inspect
+
+    file = art.path / art.manifest["program"]["file"]
     if not file.is_file():
         raise ArtifactError(f"{file}: missing")
     text = file.read_bytes()
-    if hashlib.sha256(text).hexdigest() != info.get("sha256"):
+    if hashlib.sha256(text).hexdigest() != art.manifest["program"]["sha256"]:
         raise ArtifactError(f"{file}: sha256 differs from manifest.json (corrupt or edited program)")
-    return json.loads(text)
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ArtifactError(f"{file}: corrupt JSON ({str(exc)[:200]})") from None
+    try:
+        program = read_program(data)
+        kv_dtype = getattr(torch, art.manifest["kv_cache"]["dtype"])
+        program.check_shapes(art.config, getattr(torch, art.recipe.dtype), kv_dtype)
+    except ProgramError as exc:
+        raise ArtifactError(f"{file}: {exc}") from None
+    return program
 
 
-def _load_weights(art: Artifact, device: str, verify: bool | None) -> dict[str, torch.Tensor]:
-    files = art.manifest["weights"]["files"]
-    total = sum(int(f["bytes"]) for f in files)
-    verify = total <= VERIFY_LIMIT if verify is None else verify
-    tensors: dict[str, torch.Tensor] = {}
-    for entry in files:
-        file = art.path / entry["name"]
+def _load_weights(art: Artifact, device: str) -> dict[str, torch.Tensor]:
+    """Every weight file: size and sha256 checked (all files hashed concurrently), then loaded."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    entries = art.manifest["weights"]["files"]
+    files = [art.path / entry["name"] for entry in entries]
+    for file, entry in zip(files, entries):
         if not file.is_file():
             raise ArtifactError(f"{file}: missing")
         if file.stat().st_size != entry["bytes"]:
             raise ArtifactError(
                 f"{file}: {file.stat().st_size} bytes, manifest.json says {entry['bytes']} (truncated?)"
             )
-        if verify and file_sha256(file) != entry["sha256"]:
+    for file, entry, digest in zip(files, entries, files_sha256(files)):
+        if digest != entry["sha256"]:
             raise ArtifactError(f"{file}: sha256 differs from manifest.json (corrupt weights)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
         if file.suffix != ".safetensors":
             continue
         try:
@@ -162,10 +276,13 @@ def _load_weights(art: Artifact, device: str, verify: bool | None) -> dict[str, 
     return tensors
 
 
-def load(
-    path: str | Path, device: str | None = None, compile: bool = True, verify_weights: bool | None = None
-) -> Runner:
+def load(path: str | Path, device: str | None = None, compile: bool = True) -> Runner:
     """Load an artifact and return a `Runner` over its program (see the module docstring)."""
+    import torch
+
+    from hy3c.compiler.serialize import ProgramError
+    from hy3c.runner import Runner
+
     art = open_artifact(path)
     if not art.has_weights:
         raise ArtifactError(
@@ -176,10 +293,10 @@ def load(
         raise ArtifactError(
             f"{art.path}: compiled for target '{art.recipe.target}' ({art.recipe.device_type}); cannot run on {device}"
         )
-    program = _check_program(art)
-    tensors = _load_weights(art, device, verify_weights)
+    program = _read_program(art)
+    tensors = _load_weights(art, device)
     try:
-        gm = graph_from_json(program, tensors)
+        gm = program.bind(tensors)
     except ProgramError as exc:
-        raise ArtifactError(f"{art.path}: {exc}") from None
+        raise ArtifactError(f"{art.path / art.manifest['program']['file']}: {exc}") from None
     return Runner(art.path, art.manifest, art.config, art.recipe, gm, torch.device(device), compile)

@@ -136,12 +136,31 @@ def atomic_output_dir(
     try:
         yield tmp
         _apply_umask_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _replace(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replace(new: Path, out: Path) -> None:
+    """Put directory `new` at `out`. An existing `out` is renamed aside first, `new` renamed into its
+    place, and only then the old one deleted: an error or interrupt at any step leaves the old or the
+    new output at `out` (at worst with a hidden `.<name>.old-*` directory beside it), never neither."""
+    if not (out.exists() or out.is_symlink()):
+        os.replace(new, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    old.rmdir()  # a free name beside `out` (renaming onto an existing directory is not portable)
+    os.rename(out, old)
+    try:
+        os.replace(new, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
 
 
 def _apply_umask_permissions(root: Path) -> None:

@@ -2,6 +2,7 @@
 
 `sample_next(logits [B, V], params)` returns one token id per row. A request's `torch.Generator` is
 seeded from its `seed`, so the same seed gives the same continuation; without a seed the draw is random.
+A temperature below SAMPLING_EPS is greedy (as vLLM): dividing logits by it would overflow fp32.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (logits / 1e-40 overflow fp32 to inf)
 
 
 @dataclass
@@ -32,7 +35,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         if self.greedy:

@@ -7,6 +7,8 @@
   `chat_template.jinja` (the Hy3 chat format of HY3_SPEC §11).
 * `Hy3Tokenizer.from_dir(dir)` loads any checkpoint's `tokenizer.json` + chat template and offers
   encode / decode / apply_chat_template.
+  A corrupt or empty `tokenizer.json`, `tokenizer_config.json` or chat template is a `TokenizerError`
+  naming the file (`hy3c compile` loads the checkpoint's tokenizer this way before writing anything).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -113,6 +116,32 @@ def write_tokenizer_files(directory: Path, vocab_size: int, model_max_length: in
     return {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
 
 
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be read; the message names the file."""
+
+
+def _read_tokenizer_files(directory: Path) -> tuple[Tokenizer, dict[str, Any]]:
+    """The tokenizer of `directory/tokenizer.json` and the object in `tokenizer_config.json` ({} when
+    there is none); TokenizerError naming the file when either is corrupt or empty."""
+    file = directory / "tokenizer.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: not found (the checkpoint has no tokenizer.json)")
+    try:
+        tokenizer = Tokenizer.from_str(file.read_text(encoding="utf-8"))
+    except Exception as exc:  # the tokenizers library raises plain Exception; also bad UTF-8
+        raise TokenizerError(f"{file}: not a valid tokenizer ({str(exc)[:200] or 'empty'})") from None
+    config: dict[str, Any] = {}
+    cfg_file = directory / "tokenizer_config.json"
+    if cfg_file.is_file():
+        try:
+            config = json.loads(cfg_file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise TokenizerError(f"{cfg_file}: corrupt JSON ({str(exc)[:200]})") from None
+        if not isinstance(config, dict):
+            raise TokenizerError(f"{cfg_file}: expected a JSON object, found {type(config).__name__}")
+    return tokenizer, config
+
+
 class Hy3Tokenizer:
     """tokenizer.json + chat template of a checkpoint (or artifact) directory."""
 
@@ -128,18 +157,21 @@ class Hy3Tokenizer:
     @classmethod
     def from_dir(cls, directory: str | Path) -> Hy3Tokenizer:
         directory = Path(directory)
-        file = directory / "tokenizer.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"{file}: not found (the checkpoint has no tokenizer.json)")
-        tokenizer = Tokenizer.from_file(str(file))
-        config: dict[str, Any] = {}
-        cfg_file = directory / "tokenizer_config.json"
-        if cfg_file.is_file():
-            config = json.loads(cfg_file.read_text())
+        tokenizer, config = _read_tokenizer_files(directory)
         template_file = directory / "chat_template.jinja"
-        template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        source = template_file if template_file.is_file() else directory / "tokenizer_config.json"
         special = {k: v for k, v in config.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
-        return cls(tokenizer, template, special)
+        try:
+            template = (
+                template_file.read_text(encoding="utf-8")
+                if template_file.is_file()
+                else config.get("chat_template")
+            )
+            if template is not None and not isinstance(template, str):
+                raise TokenizerError(f"{source}: chat_template must be text, not {type(template).__name__}")
+            return cls(tokenizer, template, special)
+        except (UnicodeDecodeError, TemplateError) as exc:
+            raise TokenizerError(f"{source}: invalid chat template ({str(exc)[:200]})") from None
 
     @property
     def vocab_size(self) -> int:

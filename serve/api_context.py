@@ -1,24 +1,39 @@
 """What the HTTP routes share: the server's settings, the API error, and `ApiContext` — the engine and
-tokenizer with the checks and conversions every route makes (model name, capacity, sampling
-parameters, prompt limits, logprobs shapes, usage, SSE framing)."""
+tokenizer with the checks and conversions every route makes (model name, refused parameters, capacity,
+token ids, sampling parameters, prompt limits, logprobs shapes, usage, SSE framing).
+
+Every response is valid JSON whatever the request held: text taken from a request into a message is
+escaped when it holds a lone UTF-16 surrogate (`printable`), logprobs are finite (`finite_logprob`:
+-inf, a token the distribution rules out, becomes LOGPROB_FLOOR, as vLLM's -9999.0), and server-sent
+events are serialized with allow_nan=False.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import uuid
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
+from hy3c.logs import log_event
 from hy3c.serve.delivery import LoopSink, stream_outputs
 from hy3c.serve.engine import Engine, GenerationRequest, StepOutput
+from hy3c.serve.protocol import IGNORED, unsupported_param, valid_unicode
 from hy3c.serve.sampler import SamplingParams
 from hy3c.tokenizer import Hy3Tokenizer
 
+log = logging.getLogger("hy3c.api")
+
 SYSTEM_ROLES = {"developer": "system"}
+LOGPROB_FLOOR = -9999.0  # what a -inf (or NaN) logprob is reported as: JSON has no infinities
+MAX_QUOTED_CHARS = 200  # of a request's string quoted in an error message
 
 
 @dataclass
@@ -30,14 +45,30 @@ class ServerConfig:
     default_temperature: float = 1.0
 
 
+def printable(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """`text` safe to put into a UTF-8 JSON response: lone surrogates as `\\ud800` escapes, and at most
+    `limit` characters (with '…' when cut)."""
+    if not valid_unicode(text):
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def finite_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf and NaN become LOGPROB_FLOOR (a logprob is never above 0)."""
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
 class APIError(Exception):
-    """A request the server refuses: answered with OpenAI's error JSON and this status."""
+    """A request the server refuses: answered with OpenAI's error JSON and this status (the message and
+    the param are made `printable`, so building the answer cannot fail)."""
 
     def __init__(
         self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
     ) -> None:
+        message = printable(message, limit=1000)
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.kind = status, message, kind
+        self.param = None if param is None else printable(param)
 
 
 @dataclass
@@ -59,10 +90,21 @@ class ApiContext:
         if name is not None and name != self.config.model_name:
             raise APIError(
                 404,
-                f"model '{name}' does not exist; this server serves '{self.config.model_name}'",
+                f"model '{printable(name)}' does not exist; this server serves '{self.config.model_name}'",
                 "model",
                 "not_found_error",
             )
+
+    def check_params(self, body, chat: bool) -> None:
+        """Refuse a parameter hy3c does not implement (400 naming it); log the names of fields nobody
+        defines (accepted without effect, as vLLM does)."""
+        refused = unsupported_param(body, chat)
+        if refused is not None:
+            name, missing = refused
+            raise APIError(400, f"{name}: {missing} is not supported by this server", name)
+        unknown = sorted(set(body.model_extra or {}) - IGNORED)
+        if unknown:
+            log_event(log, "request_fields_ignored", fields=",".join(ascii(name) for name in unknown))
 
     def check_capacity(self) -> None:
         engine = self.engine
@@ -76,7 +118,27 @@ class ApiContext:
                 503, "server overloaded: too many waiting requests, retry later", kind="service_unavailable"
             )
 
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """400 naming `param` unless every id lies in the model's vocabulary (any Python int compares:
+        -1 and 2**70 are refused here, before a tokenizer call could overflow on them)."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            shown = str(bad) if abs(bad) < 10**20 else f"{str(bad)[:12]}… ({len(str(abs(bad)))} digits)"
+            raise APIError(
+                400, f"{param}: token id {shown} is not in the vocabulary [0, {self.vocab_size})", param
+            )
+
+    def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """A prompt's token ids: text tokenized, ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            return self.encode(prompt, param)
+        self.check_token_ids(prompt, param)
+        return list(prompt)
+
     def params_of(self, body) -> SamplingParams:
+        """The body's sampling parameters (stop_token_ids and logit_bias ids checked)."""
+        self.check_token_ids(body.stop_token_ids, "stop_token_ids")
+        self.check_token_ids(list(body.logit_bias), "logit_bias")
         temperature = self.config.default_temperature if body.temperature is None else body.temperature
         return SamplingParams(
             temperature=temperature,
@@ -87,18 +149,26 @@ class ApiContext:
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
             seed=body.seed,
+            logit_bias=tuple(sorted(body.logit_bias.items())),
         )
 
     def make_requests(
-        self, prompt_ids: list[int], body, max_tokens: int | None, num_logprobs: int | None
+        self,
+        prompt_ids: list[int],
+        body,
+        base: SamplingParams,
+        max_tokens: int | None,
+        num_logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> list[GenerationRequest]:
-        """The body's `n` generation requests for a prompt, after the prompt and length checks."""
+        """The body's `n` generation requests for a prompt, after the prompt and length checks.
+        `max_tokens` 0 scores the prompt only (the caller allows it only then); the prompt may then
+        fill the whole context."""
         max_len = self.max_len
         if len(prompt_ids) == 0:
             raise APIError(400, "the prompt is empty", "prompt")
-        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise APIError(400, "prompt token ids must lie in the vocabulary", "prompt")
-        if len(prompt_ids) >= max_len:
+        longest = max_len if max_tokens == 0 else max_len - 1
+        if len(prompt_ids) > longest:
             raise APIError(
                 400,
                 f"this model's maximum context length is {max_len} tokens; the prompt has {len(prompt_ids)}"
@@ -114,7 +184,6 @@ class ApiContext:
                 f"and max_tokens is {max_tokens}",
                 "max_tokens",
             )
-        base = self.params_of(body)
         out = []
         for i in range(body.n):
             params = (
@@ -132,6 +201,7 @@ class ApiContext:
                     list(body.stop_token_ids),
                     body.ignore_eos,
                     num_logprobs,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         return out
@@ -150,57 +220,108 @@ class ApiContext:
         async for i, out in self.run(requests, http):
             if out.finished and not out.error:
                 finals[i] = out
-            if out.error or out.text or out.finished or out.logprobs:
+            if out.error or out.text or out.finished or out.logprobs or out.prompt_logprobs is not None:
                 yield i, out
 
     def chat_token(self, token: int) -> dict:
         return {"token": self.tokenizer.token_text(token), "bytes": list(self.tokenizer.token_bytes(token))}
 
     def encode(self, text: str, param: str) -> list[int]:
+        if not valid_unicode(text):
+            raise APIError(400, f"{param} cannot be tokenized: it holds a lone UTF-16 surrogate", param)
         try:
             return self.tokenizer.encode(text)
-        except Exception as exc:  # e.g. a lone UTF-16 surrogate
+        except Exception as exc:
             raise APIError(400, f"{param} cannot be tokenized: {exc}", param) from None
 
-    def render_chat(self, messages, add_generation_prompt: bool, **kwargs) -> str:
-        """The chat template applied; OpenAI's `developer` role is the system prompt."""
+    def render_chat(self, messages, add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> str:
+        """The chat template applied; OpenAI's `developer` role is the system prompt.
+
+        `template_kwargs` (chat_template_kwargs) are further template variables. As in vLLM, an
+        `add_generation_prompt` among them overrides the request's (it must be a boolean); `messages`,
+        the conversation itself, cannot be replaced (400)."""
+        kwargs = dict(template_kwargs)
+        if "messages" in kwargs:
+            raise APIError(
+                400,
+                "chat_template_kwargs.messages: the conversation is the request's messages, not a template "
+                "argument",
+                "chat_template_kwargs.messages",
+            )
+        add = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        if not isinstance(add, bool):
+            raise APIError(
+                400,
+                "chat_template_kwargs.add_generation_prompt must be a boolean",
+                "chat_template_kwargs.add_generation_prompt",
+            )
         turns = [{"role": SYSTEM_ROLES.get(m.role, m.role), "content": m.text()} for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(turns, add_generation_prompt, **kwargs)
+            return self.tokenizer.apply_chat_template(turns, add, **kwargs)
         except Exception as exc:  # a template error names the problem (unknown role, missing template)
             raise APIError(400, str(exc), "messages") from None
 
-    def token_logprobs(self, triples, offset: int) -> dict:
-        """Completions-style logprobs; `text_offset` counts characters from `offset`."""
-        tokens = [self.tokenizer.token_text(t) for t, _, _ in triples]
+    def token_logprobs(self, entries, offset: int) -> dict:
+        """Completions-style logprobs of (token, logprob, top) entries — logprob and top None for the
+        first prompt token of an echo; `text_offset` counts characters from `offset`."""
+        tokens = [self.tokenizer.token_text(t) for t, _, _ in entries]
         offsets = []
         for text in tokens:
             offsets.append(offset)
             offset += len(text)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp for _, lp, _ in triples],
-            "top_logprobs": [{self.tokenizer.token_text(t): lp for t, lp in top} for _, _, top in triples],
+            "token_logprobs": [None if lp is None else finite_logprob(lp) for _, lp, _ in entries],
+            "top_logprobs": [
+                None if top is None else {self.tokenizer.token_text(t): finite_logprob(v) for t, v in top}
+                for _, _, top in entries
+            ],
             "text_offset": offsets,
         }
 
+    @staticmethod
+    def echo_entries(prompt_ids: list[int], scored, k: int) -> list[tuple[int, float | None, Any]]:
+        """The prompt's tokens as completions-logprobs entries (first: no logprob), top-k of each."""
+        return [(prompt_ids[0], None, None), *((t, lp, top[:k]) for t, lp, _rank, top in scored)]
 
-def usage(outs: dict[int, StepOutput]) -> dict:
-    """OpenAI's usage block from each choice's final output."""
-    finals = list(outs.values())
-    prompt = finals[0].prompt_tokens if finals else 0
-    completion = sum(o.completion_tokens for o in finals)
+    def prompt_logprobs(self, scored, k: int) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: None for the first token, then per position a dict token id →
+        {logprob, rank, decoded_token} of the prompt's token and the position's top k."""
+        out: list[dict | None] = [None]
+        for token, lp, rank, top in scored:
+            entry = {str(token): self._ranked(token, lp, rank)}
+            for i, (t, v) in enumerate(top[:k]):
+                entry.setdefault(str(t), self._ranked(t, v, i + 1))
+            out.append(entry)
+        return out
+
+    def _ranked(self, token: int, logprob: float, rank: int) -> dict:
+        return {
+            "logprob": finite_logprob(logprob),
+            "rank": rank,
+            "decoded_token": self.tokenizer.token_text(token),
+        }
+
+
+def usage(outs: dict[int, StepOutput], n: int = 1) -> dict:
+    """OpenAI's usage block from each choice's final output; choices i*n … i*n+n-1 share prompt i,
+    whose tokens count once."""
+    firsts = {}
+    for i in sorted(outs):
+        firsts.setdefault(i // n, outs[i])
+    prompt = sum(o.prompt_tokens for o in firsts.values())
+    completion = sum(o.completion_tokens for o in outs.values())
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens if finals else 0},
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in firsts.values())},
     }
 
 
 def sse(payload: dict) -> str:
-    """One server-sent event carrying a JSON payload."""
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One server-sent event carrying a JSON payload (a non-finite number is a bug: it raises)."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 def stream_event(

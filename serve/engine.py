@@ -32,7 +32,7 @@ from hy3c.serve.detokenizer import IncrementalDetokenizer
 from hy3c.serve.kv_pages import OutOfPages, PagePool
 from hy3c.serve.metrics import EngineMetrics
 from hy3c.serve.sampler import FusedInputs, History, SamplingParams, prepare_fused, sample
-from hy3c.serve.scheduler import Scheduler, Sequence
+from hy3c.serve.scheduler import Scheduler, Sequence, Work
 from hy3c.tokenizer import Hy3Tokenizer
 
 log = logging.getLogger("hy3c.engine")
@@ -48,6 +48,7 @@ class EngineConfig:
 
 
 WARM_UP_TOKENS = (1, 15, 16, 127, 128, 1023, 1024)  # prefill lengths `Engine.warm_up` runs
+SCORE_ROWS = 128  # prompt rows per log_softmax when scoring a prompt (bounds its temporary memory)
 
 
 @dataclass
@@ -60,6 +61,8 @@ class GenerationRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     num_logprobs: int | None = None  # None: no logprobs; 0: the chosen token's only
+    # None: none; k: each prompt token's logprob and rank under the raw logits, and the top k there
+    prompt_logprobs: int | None = None
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -78,6 +81,8 @@ class StepOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # in a request's first output, if it asked: (token, logprob, rank, top k) of prompt tokens 1, 2, …
+    prompt_logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -88,6 +93,8 @@ class _Live:
     detok: IncrementalDetokenizer
     generator: torch.Generator | None
     output: list[int] = field(default_factory=list)
+    scored: list[tuple[int, float, int, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_sent: bool = False  # the prompt logprobs went out (with the first output)
     first_token_at: float | None = None
     last_token_at: float | None = None
 
@@ -232,6 +239,7 @@ class Engine:
 
     def _admit(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> None:
         seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids))
+        seq.score_prompt = request.prompt_logprobs is not None and len(request.prompt_ids) > 1
         generator = None
         if not request.params.greedy:
             generator = torch.Generator()  # on the host: drawing a step's seed needs no GPU sync
@@ -258,13 +266,16 @@ class Engine:
                     w.seq.tokens[w.start : w.start + w.count],
                     w.start,
                     w.seq.pages,
-                    "last" if w.wants_logits else "none",
+                    "all" if w.all_logits else "last" if w.wants_logits else "none",
                 )
                 for w in work
             ]
             batch = build_step_batch(chunks, self.config.page_size, self.runner.device)
-            rows = [work[i] for i in batch.logits_owner]
-            lives = [self._live[w.seq.request_id] for w in rows]
+            rows, lives, scoring, scored_only = self._logit_rows(work)
+            # the logits rows to sample, when others (prompt rows to score) are among them
+            pick = None
+            if len(rows) < len(batch.logits_owner):
+                pick = torch.tensor(rows, dtype=torch.long).to(self.runner.device)
             # the sampler's parameters go up before the step, so its launches queue right behind it
             inputs = prepare_fused(
                 [lv.request.params for lv in lives], [lv.generator for lv in lives], self.runner.device
@@ -273,7 +284,9 @@ class Engine:
             logits, _ = self.runner.step(batch, self.kv_cache)
             for w in work:
                 w.seq.computed = w.start + w.count
-            sampled = self._sample_and_emit(lives, logits, inputs)
+            self._score_prompts(logits, scoring)
+            sampled = self._sample_and_emit(lives, logits if pick is None else logits[pick], inputs)
+            self._finish_scored(scored_only)
         except Exception as exc:  # fail the requests of this step, keep serving the others
             log_event(
                 log,
@@ -298,6 +311,72 @@ class Engine:
             self.scheduler.num_preemptions,
         )
 
+    def _logit_rows(
+        self, work: list[Work]
+    ) -> tuple[list[int], list[_Live], list[tuple[_Live, int, int, int]], list[_Live]]:
+        """Where the step's logits rows go: the rows to sample and their requests; the prompt rows to
+        score as (request, first row, first position, count) — the row at position p scores prompt
+        token p + 1, and positions scored before a preemption are not scored again; and the requests
+        whose prompt is done that generate nothing (max_tokens 0: scoring only)."""
+        rows, lives, scoring, scored_only = [], [], [], []
+        row = 0
+        for w in work:
+            live = self._live[w.seq.request_id]
+            count = w.count if w.all_logits else int(w.wants_logits)
+            if w.all_logits:
+                first = max(w.start, len(live.scored))
+                end = min(w.start + w.count, w.seq.num_prompt - 1)
+                if first < end:
+                    scoring.append((live, row + first - w.start, first, end - first))
+            if w.wants_logits and live.request.max_tokens == 0:
+                scored_only.append(live)
+            elif w.wants_logits:
+                rows.append(row + count - 1)
+                lives.append(live)
+            row += count
+        return rows, lives, scoring, scored_only
+
+    def _score_prompts(self, logits: torch.Tensor, scoring: list[tuple[_Live, int, int, int]]) -> None:
+        """Prompt logprobs from the raw logits (no penalty, bias or temperature, as vLLM's): each
+        prompt token's logprob at the position before it, its rank (the tokens at least as likely,
+        itself included: 1 for the most likely, as vLLM counts) and the position's top k. A request
+        scored to its last prompt token stops asking for all rows."""
+        for live, row, first, count in scoring:
+            k, prompt = live.request.prompt_logprobs or 0, live.request.prompt_ids
+            for at in range(0, count, SCORE_ROWS):
+                size = min(SCORE_ROWS, count - at)
+                logprobs = torch.log_softmax(logits[row + at : row + at + size].float(), dim=-1)
+                targets = prompt[first + at + 1 : first + at + 1 + size]
+                chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])
+                ranks = (logprobs >= chosen).sum(-1)
+                values, ids = logprobs.topk(k, dim=-1)
+                live.scored.extend(
+                    (token, lp, rank, list(zip(top_ids, top_values)))
+                    for token, lp, rank, top_ids, top_values in zip(
+                        targets, chosen[:, 0].tolist(), ranks.tolist(), ids.tolist(), values.tolist()
+                    )
+                )
+            if len(live.scored) == len(prompt) - 1:
+                live.seq.score_prompt = False
+
+    def _prompt_logprobs_once(self, live: _Live) -> list | None:
+        """The request's prompt logprobs for its first output (None if it did not ask, or later)."""
+        if live.request.prompt_logprobs is None or live.prompt_sent:
+            return None
+        live.prompt_sent = True
+        return live.scored
+
+    def _finish_scored(self, lives: list[_Live]) -> None:
+        """End the requests that only score their prompt (max_tokens 0), with their prompt logprobs."""
+        emissions = []
+        try:
+            for live in lives:
+                out = StepOutput(live.request.request_id, prompt_logprobs=self._prompt_logprobs_once(live))
+                self._finish(live, out, "length")
+                emissions.append((live.emit, out))
+        finally:
+            self._deliver(emissions)
+
     def _sample_and_emit(self, lives: list[_Live], logits: torch.Tensor, inputs: FusedInputs | None) -> float:
         """Sample every row, then detokenize and emit; returns the time the tokens were known."""
         want = max((lv.request.num_logprobs or 0 for lv in lives), default=0)
@@ -321,7 +400,7 @@ class Engine:
                     self.metrics.itl.observe(now - lv.last_token_at)
                 lv.last_token_at = now
                 stop_token = (token in self.eos_ids and not req.ignore_eos) or token in req.stop_token_ids
-                out = StepOutput(req.request_id)
+                out = StepOutput(req.request_id, prompt_logprobs=self._prompt_logprobs_once(lv))
                 if not stop_token:
                     lv.output.append(token)
                     lv.seq.tokens.append(token)

@@ -1,17 +1,64 @@
-"""OpenAI-compatible request bodies (pydantic) and the OpenAI error shape.
+"""OpenAI-compatible request bodies (pydantic), the parameters hy3c refuses, and the OpenAI error shape.
 
-Fields OpenAI defines are validated (types and ranges: a bad value is a 400 naming the field); fields
-hy3c does not know are ignored, as vLLM does. vLLM's common extensions are accepted: top_k, min_p,
-repetition_penalty, stop_token_ids, ignore_eos, chat_template_kwargs.
+Fields OpenAI defines are validated (types and ranges: a bad value is a 400 naming the field, in one
+line). vLLM's common extensions are accepted: top_k, min_p, repetition_penalty, stop_token_ids,
+ignore_eos, chat_template_kwargs, prompt_logprobs. Prompts, stop lists, message contents and
+logit_bias have their own validators, so that an error names the field itself (not a member of a
+union) and never quotes the input back.
+
+Parameters a client may send that hy3c does not implement — structured output, tools, beam search,
+… (`UNSUPPORTED`) — are refused with a 400 naming the parameter unless their value is the one that
+changes nothing (`response_format: {"type": "text"}`, `tool_choice: "none"`, …): a client that asked
+for JSON must not get free text. Bookkeeping fields clients send with every request (`IGNORED`) are
+accepted without effect, as are fields nobody defines (as vLLM does; the server logs their names).
 """
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOP_CHARS = 256  # output is held back by the longest stop string's length
+MAX_STOPS = 16
+MAX_CHOICES = 1024  # prompts x n of one completions request
+MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI and vLLM's default
+LOGIT_BIAS_LIMIT = 100.0  # |bias|, as OpenAI
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    """A validation error whose message is exactly `message` (the API prefixes the field's name)."""
+    return PydanticCustomError("invalid_value", message)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_ids(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(_is_token_id(v) for v in value):
+        raise _invalid(f"{what} must be a list of integer token ids")
+    return value
+
+
+def valid_unicode(text: str) -> bool:
+    """False for a string holding a lone UTF-16 surrogate (JSON can carry one; UTF-8 cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class _Body(BaseModel):
+    """A request body: unknown fields are kept in `model_extra` (checked against UNSUPPORTED/IGNORED);
+    NaN and infinities are refused wherever a number is expected."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
@@ -19,8 +66,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Sampling(_Body):
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -31,47 +77,102 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    stop: str | list[str] | None = Field(None, validate_default=True)  # normalised to a list
+    stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
+    logit_bias: dict[int, float] = Field(default_factory=dict)
     ignore_eos: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _stop_list(cls, value: str | list[str] | None) -> list[str]:
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop strings")
+    def _stop_list(cls, value: Any) -> list[str]:
+        stops = [value] if isinstance(value, str) else [] if value is None else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise _invalid("must be a string or a list of strings")
+        if len(stops) > MAX_STOPS:
+            raise _invalid(f"at most {MAX_STOPS} stop strings")
         if any(len(stop) > MAX_STOP_CHARS for stop in stops):
-            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+            raise _invalid(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        if not all(valid_unicode(stop) for stop in stops):
+            raise _invalid("a stop string holds a lone UTF-16 surrogate (not valid Unicode)")
         return stops
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_ids(cls, value: Any) -> list[int]:
+        return [] if value is None else _token_ids(value, "stop_token_ids")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias(cls, value: Any) -> dict[int, float]:
+        """OpenAI's token id (a decimal string) → bias in [-100, 100]; the ids are checked against the
+        vocabulary by the API."""
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise _invalid("must be an object mapping token ids to biases")
+        bias = {}
+        for key, amount in value.items():
+            if not isinstance(key, str) or not re.fullmatch(r"-?\d{1,18}", key):
+                raise _invalid("keys must be token ids (decimal integers)")
+            if (
+                not isinstance(amount, int | float)
+                or isinstance(amount, bool)
+                or not math.isfinite(amount)
+                or abs(amount) > LOGIT_BIAS_LIMIT
+            ):
+                raise _invalid(f"biases must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+            bias[int(key)] = float(amount)
+        return bias
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt: list[str | list[int]]  # one entry per prompt (see `_prompts`)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only to score the prompt (echo / prompt_logprobs)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts(cls, value: Any) -> list[str | list[int]]:
+        """A prompt (text or token ids) or a list of prompts → the list of prompts."""
+        if isinstance(value, str):
+            return [value]
+        shape = "must be a string, a list of token ids, or a list of strings or token-id lists"
+        if not isinstance(value, list):
+            raise _invalid(shape)
+        if all(_is_token_id(v) for v in value):  # one prompt of token ids ([] is an empty prompt)
+            return [value]
+        if not all(isinstance(p, str) or (isinstance(p, list) and all(map(_is_token_id, p))) for p in value):
+            raise _invalid(shape)
+        if len(value) > MAX_CHOICES:
+            raise _invalid(f"at most {MAX_CHOICES} prompts per request")
+        return value
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None
+    content: str | None = None  # text parts are joined (see `_content`)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> str | None:
+        """A string, null, or a list of text parts ({"type": "text", "text": ...}) joined into one."""
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(
+            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            for part in value
+        ):
+            return "".join(part["text"] for part in value)
+        raise _invalid("must be a string or a list of text parts (images and audio are not supported)")
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
@@ -80,23 +181,110 @@ class ChatRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _ids(cls, value: Any) -> list[int]:
+        return _token_ids(value, "tokens")
+
+
+def _absent(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {}
+
+
+def _one_of(*harmless: Any) -> Callable[[Any], bool]:
+    return lambda value: _absent(value) or value in harmless
+
+
+def _default_true(value: Any) -> bool:
+    return value is None or value is True
+
+
+# parameter → (whether its value changes nothing, what is missing); refused otherwise
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "response_format": (_one_of({"type": "text"}), 'structured output (only {"type": "text"})'),
+    "tools": (_absent, "tool calling"),
+    "tool_choice": (_one_of("none", "auto"), "tool calling (tool_choice other than none)"),
+    "functions": (_absent, "function calling"),
+    "function_call": (_one_of("none", "auto"), "function calling"),
+    "audio": (_absent, "audio output"),
+    "modalities": (_one_of(["text"]), "output modalities other than text"),
+    "prediction": (_absent, "predicted outputs"),
+    "web_search_options": (_absent, "web search"),
+    "reasoning_effort": (_absent, "reasoning effort"),
+    "verbosity": (_absent, "verbosity"),
+    "guided_json": (_absent, "guided decoding"),
+    "guided_regex": (_absent, "guided decoding"),
+    "guided_choice": (_absent, "guided decoding"),
+    "guided_grammar": (_absent, "guided decoding"),
+    "guided_decoding_backend": (_absent, "guided decoding"),
+    "guided_whitespace_pattern": (_absent, "guided decoding"),
+    "structured_outputs": (_absent, "structured output"),
+    "structural_tag": (_absent, "structured output"),
+    "use_beam_search": (_absent, "beam search"),
+    "length_penalty": (_one_of(1, 1.0), "beam search"),
+    "min_tokens": (_one_of(0), "min_tokens"),
+    "allowed_token_ids": (_absent, "allowed_token_ids"),
+    "bad_words": (_absent, "bad_words"),
+    "logits_processors": (_absent, "logits processors"),
+    "truncate_prompt_tokens": (_absent, "prompt truncation"),
+    "include_stop_str_in_output": (_absent, "include_stop_str_in_output"),
+    "skip_special_tokens": (_default_true, "special tokens in the output"),
+    "spaces_between_special_tokens": (_default_true, "spaces_between_special_tokens"),
+    "continue_final_message": (_absent, "continue_final_message"),
+    "documents": (_absent, "documents"),
+    "chat_template": (_absent, "a request-supplied chat template"),
+    "mm_processor_kwargs": (_absent, "multimodal input"),
+    "prompt_embeds": (_absent, "prompt embeddings"),
+    "return_tokens_as_token_ids": (_absent, "return_tokens_as_token_ids"),
+    "priority": (_one_of(0), "request priorities"),
+    "cache_salt": (_absent, "cache_salt (prefix-cache isolation)"),
+    "kv_transfer_params": (_absent, "KV transfer"),
+}
+# chat only (a completions field of the same name is implemented)
+UNSUPPORTED_IN_CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "echo": (_absent, "echo in chat"),
+}
+# accepted without effect: bookkeeping that does not change the output (parallel_tool_calls: no tools)
+IGNORED = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+        "parallel_tool_calls",
+        "request_id",
+        "add_special_tokens",
+    }
+)
+
+
+def unsupported_param(body: BaseModel, chat: bool) -> tuple[str, str] | None:
+    """(parameter, what hy3c lacks) of the first parameter in `body` it must refuse, else None."""
+    rules = {**UNSUPPORTED, **UNSUPPORTED_IN_CHAT} if chat else UNSUPPORTED
+    for name, value in (body.model_extra or {}).items():
+        rule = rules.get(name)
+        if rule is not None and not rule[0](value):
+            return name, rule[1]
+    return None
 
 
 def error_body(

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages through the chat template, `n` choices, chat-style logprobs,
-streaming as server-sent chunks (a role delta first, then content deltas)."""
+vLLM's prompt_logprobs (of the templated prompt, at the response's top level as vLLM puts them; not
+with stream), streaming as server-sent chunks (a role delta first, then content deltas)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from hy3c.serve.api_context import ApiContext, APIError, sse, stream_event, usage
+from hy3c.serve.api_context import ApiContext, APIError, finite_logprob, sse, stream_event, usage
 from hy3c.serve.engine import StepOutput
 from hy3c.serve.protocol import ChatRequest, error_body
 
@@ -21,12 +22,21 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: Request):
         ctx.check_model(body.model)
-        text = ctx.render_chat(body.messages, body.add_generation_prompt, **body.chat_template_kwargs)
+        ctx.check_params(body, chat=True)
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs: not available with stream", "prompt_logprobs")
+        text = ctx.render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         prompt_ids = ctx.encode(text, "messages")
+        params = ctx.params_of(body)
         ctx.check_capacity()
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         requests = ctx.make_requests(
-            prompt_ids, body, body.max_completion_tokens or body.max_tokens, num_logprobs
+            prompt_ids,
+            body,
+            params,
+            body.max_completion_tokens or body.max_tokens,
+            num_logprobs,
+            body.prompt_logprobs,
         )
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -38,8 +48,8 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
                 content.append(
                     {
                         **ctx.chat_token(token),
-                        "logprob": lp,
-                        "top_logprobs": [{**ctx.chat_token(t), "logprob": v} for t, v in top],
+                        "logprob": finite_logprob(lp),
+                        "top_logprobs": [{**ctx.chat_token(t), "logprob": finite_logprob(v)} for t, v in top],
                     }
                 )
             return {"content": content}
@@ -69,7 +79,7 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
                         ]
                     )
                 if body.stream_options and body.stream_options.include_usage:
-                    yield chunk([], usage=usage(finals))
+                    yield chunk([], usage=usage(finals, body.n))
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(
@@ -79,11 +89,14 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
         texts = ["" for _ in range(body.n)]
         lps: list[list] = [[] for _ in range(body.n)]
         finals = {}
+        scored: dict[int, list] = {}
         async for i, out in ctx.run(requests, http):
             if out.error:
                 raise APIError(500, out.error, kind="server_error")
             texts[i] += out.text
             lps[i].extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                scored[i] = out.prompt_logprobs
             if out.finished:
                 finals[i] = out
         if len(finals) < body.n:
@@ -98,11 +111,14 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
             }
             for i in range(body.n)
         ]
-        return {
+        response = {
             "id": rid,
             "object": "chat.completion",
             "created": created,
             "model": model_name,
             "choices": choices,
-            "usage": usage(finals),
+            "usage": usage(finals, body.n),
         }
+        if body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = ctx.prompt_logprobs(scored.get(0, []), body.prompt_logprobs)
+        return response

@@ -1,9 +1,13 @@
-"""The routes around generation: GET /v1/models, /health, /version, /metrics (Prometheus text), and
-POST /tokenize, /detokenize."""
+"""The routes around generation: GET /v1/models, /health, /version, /metrics (Prometheus text),
+/tokenizer_info, and POST /tokenize, /detokenize."""
 
 from __future__ import annotations
 
+import json
+import math
 import time
+from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -11,10 +15,57 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 import hy3c
 from hy3c.serve.api_context import ApiContext, APIError
 from hy3c.serve.protocol import DetokenizeRequest, TokenizeRequest, error_body
+from hy3c.tokenizer import Hy3Tokenizer
+
+TOKENIZER_FILE_KEYS = ("vocab_file", "merges_file", "tokenizer_file")  # paths of the checkpoint's machine
+ADDED_TOKEN_KEYS = {"__type", "lstrip", "rstrip", "single_word", "normalized", "special"}
+
+
+def tokenizer_info(tokenizer: Hy3Tokenizer, artifact: Path | None, max_model_len: int) -> dict[str, Any]:
+    """vLLM's GET /tokenizer_info: the tokenizer's configuration as Hugging Face loads it — the keys of
+    the artifact's tokenizer_config.json (file paths left out, added tokens as their text) — with
+    `tokenizer_class`, `chat_template`, the special tokens and `model_max_length` always present.
+    Clients that tokenize and render chats themselves (lm-evaluation-harness's remote tokenizer) read
+    `bos_token`, `eos_token`, `pad_token` and `chat_template` from it."""
+    config: dict[str, Any] = {}
+    file = artifact / "tokenizer_config.json" if artifact is not None else None
+    if file is not None and file.is_file():
+        try:
+            loaded = json.loads(file.read_text())
+        except (OSError, ValueError):
+            loaded = None
+        config = loaded if isinstance(loaded, dict) else {}
+    for key in TOKENIZER_FILE_KEYS:
+        config.pop(key, None)
+    added = tokenizer.tokenizer.get_added_tokens_decoder()
+    config["added_tokens_decoder"] = {str(i): token.content for i, token in sorted(added.items())}
+    config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    config.setdefault("bos_token", tokenizer.bos_token)
+    config.setdefault("eos_token", tokenizer.eos_token)
+    config.setdefault("pad_token", None)
+    config.setdefault("model_max_length", max_model_len)
+    if tokenizer.chat_template:
+        config["chat_template"] = tokenizer.chat_template
+    return _json_safe(config)
+
+
+def _json_safe(value: Any) -> Any:
+    """Special-token objects ({"content": ..., "lstrip": ...}) as their text, non-finite numbers as
+    null (what vLLM makes of Hugging Face's AddedToken objects; JSON has no NaN)."""
+    if isinstance(value, dict):
+        if isinstance(value.get("content"), str) and ADDED_TOKEN_KEYS & value.keys():
+            return value["content"]
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def add_info_routes(app: FastAPI, ctx: ApiContext) -> None:
     engine, model_name = ctx.engine, ctx.config.model_name
+    info = tokenizer_info(ctx.tokenizer, getattr(engine.runner, "path", None), ctx.max_len)
 
     @app.get("/v1/models")
     async def models():
@@ -51,6 +102,10 @@ def add_info_routes(app: FastAPI, ctx: ApiContext) -> None:
     async def metrics():
         return PlainTextResponse(engine.metrics.render(model_name), media_type="text/plain; version=0.0.4")
 
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        return info
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         ctx.check_model(body.model)
@@ -59,7 +114,7 @@ def add_info_routes(app: FastAPI, ctx: ApiContext) -> None:
         text = (
             body.prompt
             if body.prompt is not None
-            else ctx.render_chat(body.messages, body.add_generation_prompt)
+            else ctx.render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         )
         tokens = ctx.encode(text, "prompt" if body.prompt is not None else "messages")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_len}
@@ -67,6 +122,5 @@ def add_info_routes(app: FastAPI, ctx: ApiContext) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         ctx.check_model(body.model)
-        if any(not 0 <= t < ctx.vocab_size for t in body.tokens):
-            raise APIError(400, "token ids must lie in the vocabulary", "tokens")
+        ctx.check_token_ids(body.tokens, "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}

@@ -4,12 +4,18 @@ fused sampler (`hy3c.kernels.sampler`) on CUDA.
     inputs = prepare_fused(params, generators, device)     # before the model step (None off CUDA)
     result = sample(logits, params, history, generators, num_logprobs, noise=None, prepared=inputs)
 
-Per row: repetition penalty over the prompt and output tokens, presence and frequency penalties over
-the output tokens, temperature, then min-p, top-k and top-p filtering (`filter_mask`), then a draw —
-greedy (temperature 0) or Gumbel-max over the kept logits with the request's seeded generator
-(`noise` injects the uniform draws, which makes sampling exactly reproducible in tests). Logprobs are
-those of the processed distribution (after penalties and temperature, before filtering), for the
-chosen token and the top `num_logprobs`.
+Per row: the logit bias, repetition penalty over the prompt and output tokens, presence and frequency
+penalties over the output tokens (`apply_penalties`, before either path), temperature, then min-p,
+top-k and top-p filtering (`filter_mask`), then a draw — greedy (temperature 0) or Gumbel-max over the
+kept logits with the request's seeded generator (`noise` injects the uniform draws, which makes
+sampling exactly reproducible in tests). Logprobs are those of the processed distribution (after bias,
+penalties and temperature, before filtering), for the chosen token and the top `num_logprobs`.
+
+Numbers that would overflow are kept out at this level, so that the reference and the fused kernel
+see the same finite inputs: a temperature below SAMPLING_EPS (1e-5, as vLLM) is greedy — 1 / 1e-40
+is inf in fp32 and would turn every logit into ±inf or NaN — and a penalised logit is clamped to
+±PENALISED_LOGIT_LIMIT (a repetition penalty of 1e-300 divides by what fp32 holds as 0), which stays
+finite after division by any temperature ≥ SAMPLING_EPS.
 """
 
 from __future__ import annotations
@@ -20,9 +26,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hy3c.sampling import SAMPLING_EPS
+
+PENALISED_LOGIT_LIMIT = 1e30  # x 1 / SAMPLING_EPS = 1e35: far below fp32's 3.4e38
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One request's sampling parameters. A temperature below SAMPLING_EPS is stored as 0 (greedy), so
+    every consumer — the reference, the fused kernel's columns, the top-logprobs fallback — treats it
+    alike. `logit_bias`: (token id, bias) pairs added to the logits before everything else."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -31,6 +45,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < SAMPLING_EPS:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -53,12 +72,19 @@ class SampleResult:
 
 
 def apply_penalties(logits: Tensor, params: list[SamplingParams], history: list[History]) -> Tensor:
-    """Repetition penalty over the prompt and output tokens, then presence and frequency penalties over
-    the output tokens — for all rows in a few indexed ops (only the tokens a row has seen). Returns
-    `logits` itself when no row has a penalty, else a penalised copy."""
+    """The logit bias, then the repetition penalty over the prompt and output tokens, then presence and
+    frequency penalties over the output tokens (vLLM's order) — for all rows in a few indexed ops (only
+    the tokens a row biases or has seen). Returns `logits` itself when no row has any, else a copy.
+    Penalised logits are clamped to ±PENALISED_LOGIT_LIMIT (-inf, a masked token, stays -inf)."""
+    bias: tuple[list[int], list[int], list[float]] = ([], [], [])  # rows, tokens, bias
     repeat: tuple[list[int], list[int], list[float]] = ([], [], [])  # rows, tokens, penalty
     subtract: tuple[list[int], list[int], list[float]] = ([], [], [])  # rows, tokens, amount
     for row, (p, h) in enumerate(zip(params, history)):
+        if p.logit_bias:
+            bias[0].extend([row] * len(p.logit_bias))
+            for token, amount in p.logit_bias:
+                bias[1].append(token)
+                bias[2].append(amount)
         if p.repetition_penalty != 1.0 and (h.prompt or h.output):
             seen = set(h.prompt).union(h.output)
             repeat[0].extend([row] * len(seen))
@@ -69,7 +95,7 @@ def apply_penalties(logits: Tensor, params: list[SamplingParams], history: list[
                 subtract[0].append(row)
                 subtract[1].append(token)
                 subtract[2].append(p.presence_penalty + p.frequency_penalty * count)
-    if not repeat[0] and not subtract[0]:
+    if not bias[0] and not repeat[0] and not subtract[0]:
         return logits
     logits = logits.clone()
 
@@ -78,10 +104,15 @@ def apply_penalties(logits: Tensor, params: list[SamplingParams], history: list[
         as_long = torch.tensor([rows, tokens], dtype=torch.long).to(device)
         return as_long[0], as_long[1], torch.tensor(values, dtype=logits.dtype).to(device)
 
+    if bias[0]:
+        rows, tokens, amount = index(*bias)
+        logits.index_put_((rows, tokens), amount, accumulate=True)
     if repeat[0]:
         rows, tokens, penalty = index(*repeat)
         values = logits[rows, tokens]
-        logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
+        penalised = torch.where(values > 0, values / penalty, values * penalty)
+        limit = PENALISED_LOGIT_LIMIT
+        logits[rows, tokens] = torch.where(values.isfinite(), penalised.clamp(-limit, limit), values)
     if subtract[0]:
         rows, tokens, amount = index(*subtract)
         logits.index_put_((rows, tokens), -amount, accumulate=True)

@@ -8,6 +8,12 @@ Every step, `schedule()` decides which tokens each sequence feeds:
 2. then waiting sequences, while the budget, `max_num_seqs` and free pages allow: the longest published
    prefix is reused (`PagePool.match_prefix`), the rest is prefilled in chunks.
 A step is a list of `Work` items (one per sequence) that the engine turns into a `StepBatch`.
+
+A sequence that scores its prompt (`score_prompt`: prompt logprobs) needs the logits of every prompt
+position, so it takes nothing from the prefix cache (cached pages skip those positions; vLLM does the
+same) and its prompt chunks ask for all their rows (`Work.all_logits`); the rows of such chunks are at
+most PROMPT_LOGITS_ROWS per step, which bounds the step's fp32 logits ([rows, vocab]: 247 MB at
+Hy3's 120832 entries). A longer prompt is scored over several steps, like any chunked prefill.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hy3c.serve.kv_pages import OutOfPages, PagePool
+
+PROMPT_LOGITS_ROWS = 512  # logits rows of prompt-scoring chunks per step
 
 
 @dataclass(eq=False)  # identity: two requests with the same tokens are different sequences
@@ -29,6 +37,7 @@ class Sequence:
     page_keys: list[bytes] = field(default_factory=list)  # chained keys of its full pages so far
     admitted: bool = False
     finished: bool = False
+    score_prompt: bool = False  # every prompt position's logits are wanted (cleared once they are in)
 
     @property
     def pending(self) -> int:
@@ -41,6 +50,7 @@ class Work:
     start: int  # position of the first fed token
     count: int  # tokens fed this step
     wants_logits: bool  # the chunk reaches the end of the sequence: sample its next token
+    all_logits: bool = False  # a prompt chunk of a `score_prompt` sequence: the logits of every row
 
 
 class Scheduler:
@@ -94,15 +104,26 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _scoring(self, seq: Sequence) -> bool:
+        """Whether the sequence's next chunk is a prompt chunk whose every row's logits are wanted."""
+        return seq.score_prompt and seq.computed < seq.num_prompt
+
+    def _work(self, seq: Sequence, count: int) -> Work:
+        end = seq.computed + count
+        return Work(seq, seq.computed, count, end == len(seq.tokens), self._scoring(seq))
+
     def schedule(self) -> list[Work]:
         budget = self.max_num_batched_tokens
+        logit_rows = PROMPT_LOGITS_ROWS
         work: list[Work] = []
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq not in self.running:  # preempted by an earlier sequence this step
                 continue
-            count = min(seq.pending, budget)
+            count = min(seq.pending, budget, logit_rows if self._scoring(seq) else budget)
+            if count == 0:  # scoring rows of this step used up: the next step continues it
+                continue
             while not self._grow(seq, seq.computed + count):
                 victims = [s for s in self.running if s is not seq and s not in {w.seq for w in work}]
                 if not victims:
@@ -111,16 +132,19 @@ class Scheduler:
                 self._preempt(victims[-1])
             if seq not in self.running:
                 continue
-            work.append(Work(seq, seq.computed, count, seq.computed + count == len(seq.tokens)))
+            work.append(self._work(seq, count))
             budget -= count
+            logit_rows -= count if work[-1].all_logits else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.pages:
-                seq.pages = self.pool.match_prefix(seq.tokens)
+                seq.pages = [] if self._scoring(seq) else self.pool.match_prefix(seq.tokens)
                 seq.computed = len(seq.pages) * self.pool.page_size
                 if not seq.admitted:
                     seq.cached_tokens = seq.computed
-            count = min(seq.pending, budget)
+            count = min(seq.pending, budget, logit_rows if self._scoring(seq) else budget)
+            if count == 0:  # a scoring prefill waits for the next step's rows
+                break
             if not self._grow(seq, seq.computed + count):
                 self._free(seq)  # a waiting sequence holds no pages (they stay published, matchable later)
                 seq.computed = 0
@@ -130,6 +154,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.admitted = True
             self.running.append(seq)
-            work.append(Work(seq, seq.computed, count, seq.computed + count == len(seq.tokens)))
+            work.append(self._work(seq, count))
             budget -= count
+            logit_rows -= count if work[-1].all_logits else 0
         return work

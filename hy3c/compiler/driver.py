@@ -27,6 +27,7 @@ from torch import fx
 from tqdm import tqdm
 
 import hy3c
+from hy3c.compiler.manifest import FORMAT_VERSION, cache_key_parts, json_sha256, kv_cache_dtype
 from hy3c.compiler.package import derive_weights, write_weights
 from hy3c.compiler.serialize import graph_to_json
 from hy3c.compiler.trace import STEP_INPUTS, STEP_OUTPUTS, trace_step
@@ -42,10 +43,10 @@ from hy3c.passes.registry import PASS_REGISTRY
 from hy3c.recipe import Recipe, RecipeError
 from hy3c.runner import Runner
 from hy3c.safetensors_io import atomic_output_dir, check_output_dir
+from hy3c.tokenizer import Hy3Tokenizer
 
 log = logging.getLogger("hy3c.compile")
 
-FORMAT_VERSION = 2  # 2: hy3.fused_moe takes the norm's FP8 rows (x_q, x_q_scale)
 PROGRAM_FILE = "program/step.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -60,10 +61,6 @@ class CompileSummary:
     results: list[PassResult]
     timings: dict[str, float]
     weights_bytes: int
-
-
-def _sha(data: object) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def pass_source_hashes(recipe: Recipe) -> dict[str, str]:
@@ -196,7 +193,9 @@ def compile_model(
         for fqn, tensor in derive_weights(gm, sources, getattr(torch, recipe.dtype)):
             set_attr(gm, fqn, tensor.to(device))
     gm.recompile()
-    key = _sha([model.config.to_json_dict(), recipe.model_dump(mode="json"), pass_source_hashes(recipe)])
+    key = json_sha256(
+        [model.config.to_json_dict(), recipe.model_dump(mode="json"), pass_source_hashes(recipe)]
+    )
     manifest = {"cache_key": {"key": key}, "kv_cache": {"dtype": kv_cache_dtype(recipe)}}
     cache_dir = cache_dir or Path(tempfile.mkdtemp(prefix="hy3c-compile-"))
     return Runner(cache_dir, manifest, model.config, recipe, gm, device, compile), results
@@ -226,6 +225,8 @@ def compile_artifact(
     start = time.perf_counter()
     if checkpoint is not None:
         check_output_dir(out, overwrite, inputs=[checkpoint])
+        if (Path(checkpoint) / "tokenizer.json").is_file():
+            Hy3Tokenizer.from_dir(checkpoint)  # a corrupt tokenizer fails here, before anything is written
     layout = inspect_checkpoint(checkpoint, with_mtp, ignore_unexpected) if checkpoint is not None else None
     config: Hy3Config = layout.config if layout is not None else preset_config(preset)
     if not with_mtp:
@@ -251,14 +252,15 @@ def compile_artifact(
         timings["package_s"] = time.perf_counter() - t0
         timings["total_s"] = time.perf_counter() - start
         versions = _versions()
-        cache_key_parts = {
-            "model": _sha(config.to_json_dict()),
-            "recipe": _sha(recipe.model_dump(mode="json")),
-            "passes": pass_source_hashes(recipe),
-            "weights": _sha([f["sha256"] for f in weight_files]) if weight_files else None,
-            "program": hashlib.sha256(program.encode()).hexdigest(),
-            **versions,
-        }
+        program_sha256 = hashlib.sha256(program.encode()).hexdigest()
+        parts = cache_key_parts(
+            config.to_json_dict(),
+            recipe.model_dump(mode="json"),
+            pass_source_hashes(recipe),
+            weight_files,
+            program_sha256,
+            versions,
+        )
         report = {
             "recipe": recipe.name,
             "source": str(checkpoint) if checkpoint is not None else f"preset:{preset}",
@@ -285,13 +287,13 @@ def compile_artifact(
             },
             "program": {
                 "file": PROGRAM_FILE,
-                "sha256": hashlib.sha256(program.encode()).hexdigest(),
+                "sha256": program_sha256,
                 "inputs": list(STEP_INPUTS),
                 "outputs": list(STEP_OUTPUTS),
             },
             "weights": {"files": weight_files} if layout is not None else None,
             "kv_cache": {"dtype": kv_cache_dtype(recipe)},
-            "cache_key": {"key": _sha(cache_key_parts), "parts": cache_key_parts},
+            "cache_key": {"key": json_sha256(parts), "parts": parts},
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     weights_bytes = sum(int(f["bytes"]) for f in weight_files)
@@ -305,14 +307,6 @@ def compile_artifact(
         passes=len(results),
     )
     return CompileSummary(out, results, timings, weights_bytes)
-
-
-def kv_cache_dtype(recipe: Recipe) -> str:
-    if recipe.quant.kv == "fp8":
-        return "float8_e4m3fn"
-    if recipe.quant.kv == "bf16":
-        return "bfloat16"
-    return recipe.dtype
 
 
 __all__ = ["CompileError", "CompileSummary", "RecipeError", "compile_artifact"]

@@ -7,7 +7,6 @@ cast to the dtype the graph expects. Peak memory is one parameter plus one pendi
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 from torch import fx
 from tqdm import tqdm
 
+from hy3c.compiler.manifest import files_sha256
 from hy3c.loader import CheckpointLayout, assemble_tensors
 from hy3c.ops.quant import quantize_weight, split_router_weight
 from hy3c.passes.weight_plan import weight_plan
@@ -22,14 +22,6 @@ from hy3c.safetensors_io import ShardedWriter
 
 WEIGHTS_DIR = "weights"
 WEIGHT_NAMES = ("rank0.safetensors.index.json", "rank0.safetensors")
-
-
-def file_sha256(path: Path, chunk: int = 16 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def derive_weights(
@@ -85,12 +77,8 @@ def write_weights(
             writer.add(fqn, tensor)
             del tensor
             bar.update(1)
-    files = writer.close()
+    paths = [directory / name for name in writer.close()]
     return [
-        {
-            "name": f"{WEIGHTS_DIR}/{name}",
-            "bytes": (directory / name).stat().st_size,
-            "sha256": file_sha256(directory / name),
-        }
-        for name in files
+        {"name": f"{WEIGHTS_DIR}/{path.name}", "bytes": path.stat().st_size, "sha256": digest}
+        for path, digest in zip(paths, files_sha256(paths))
     ]

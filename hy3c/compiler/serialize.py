@@ -1,59 +1,51 @@
 """The program file: an FX graph as JSON (no pickle, no code execution on load).
 
-    data = graph_to_json(gm)                         # {"format": 1, "nodes": [...], "params": {...}}
-    gm = graph_from_json(data, parameters)           # parameters: fqn → tensor
+    data = graph_to_json(gm)                          # {"format": 1, "nodes": [...], "params": {...}}
+    program = read_program(data)                      # rebuilt, every target and argument checked
+    program.check_shapes(config, dtype, kv_dtype)     # shapes and the hy3 ops' contracts, on meta tensors
+    gm = program.bind(parameters)                     # parameters: fqn → tensor of the recorded shape
 
-Each node is {"name", "op", "target", "args", "kwargs"}. Targets are op names resolved against an
-allow-list on load: `aten.*`, `hy3.*` and kernel-provider namespaces (`hy3_*`), plus `getitem`.
+Each node is {"name", "op", "target", "args", "kwargs"}. A call's target is an op name looked up in
+`hy3c.compiler.op_allowlist` (the ops the compiler emits; the writer refuses any other), plus `getitem`.
 Arguments encode nodes as {"node": name}, tuples as {"tuple": [...]}, dtypes as {"dtype": "bfloat16"},
 non-finite floats as {"float": "inf"}; everything else is a JSON scalar or list. The `params` table
 records each parameter's shape and dtype so the weights can be checked against the graph.
+
+A program file is untrusted: names must be plain identifiers (they end up in the Python code FX
+generates), the inputs are the step's eight inputs in order, each call's arguments must fit its op's
+schema (`hy3c.compiler.program_check`), and any other structure is a `ProgramError` naming the node.
 """
 
 from __future__ import annotations
 
 import keyword
 import math
-import operator
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx
 
-import hy3c.kernels  # noqa: F401  (registers the kernel providers' ops a program may call)
+import hy3c.kernels  # noqa: F401  (registers the hy3 ops and the kernel providers' ops a program may call)
+from hy3c.compiler.op_allowlist import DTYPES, OpNotRegisteredError, is_allowed, op_name, resolve_op
+from hy3c.compiler.program_check import (
+    STEP_INPUTS,
+    TENSOR,
+    Kind,
+    ProgramError,
+    check_call,
+    check_shapes,
+)
+from hy3c.config import Hy3Config
 
 FORMAT = 1
-_ALLOWED_NAMESPACES = ("aten", "hy3")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PARAMETER_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+_NODE_KEYS = {"name", "op", "target", "args", "kwargs"}
+_NON_FINITE = {"inf", "-inf", "nan"}
 
-
-class ProgramError(ValueError):
-    """A program file that cannot be loaded (unknown op, bad structure); the message names the node."""
-
-
-def _target_name(target: object) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._schema.name.split('::', 1)[1]}.{target._overloadname}"
-    if target is operator.getitem:
-        return "getitem"
-    raise ProgramError(f"cannot serialize call target {target!r}")
-
-
-def _resolve_target(name: str, node: str) -> object:
-    if name == "getitem":
-        return operator.getitem
-    parts = name.split(".")
-    if len(parts) != 3 or not (parts[0] in _ALLOWED_NAMESPACES or parts[0].startswith("hy3_")):
-        raise ProgramError(f"node {node}: target '{name}' is not an allowed op")
-    namespace, op, overload = parts
-    try:
-        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
-    except (AttributeError, RuntimeError):
-        raise ProgramError(
-            f"node {node}: op '{name}' is not registered (is its kernel module importable?)"
-        ) from None
+__all__ = ["FORMAT", "Program", "ProgramError", "graph_to_json", "read_program"]
 
 
 def _encode(value: Any) -> Any:
@@ -76,35 +68,8 @@ def _encode(value: Any) -> Any:
     raise ProgramError(f"cannot serialize argument {value!r} of type {type(value).__name__}")
 
 
-def _check_name(value: object, what: str, node: str, pattern: re.Pattern = _IDENTIFIER) -> str:
-    """Names end up in the Python code FX generates for the graph: only plain identifiers pass."""
-    if not isinstance(value, str) or not pattern.fullmatch(value) or keyword.iskeyword(value):
-        raise ProgramError(f"node {node}: {what} {value!r} is not a plain identifier")
-    return value
-
-
-def _decode(value: Any, env: dict[str, fx.Node], node: str) -> Any:
-    if isinstance(value, list):
-        return [_decode(v, env, node) for v in value]
-    if isinstance(value, dict):
-        if set(value) == {"node"}:
-            if value["node"] not in env:
-                raise ProgramError(f"node {node}: refers to undefined node {value['node']}")
-            return env[value["node"]]
-        if set(value) == {"tuple"}:
-            return tuple(_decode(v, env, node) for v in value["tuple"])
-        if set(value) == {"dtype"}:
-            dtype = getattr(torch, value["dtype"], None)
-            if not isinstance(dtype, torch.dtype):
-                raise ProgramError(f"node {node}: unknown dtype {value['dtype']!r}")
-            return dtype
-        if set(value) == {"float"}:
-            return float(value["float"])
-        raise ProgramError(f"node {node}: unknown argument encoding {sorted(value)}")
-    return value
-
-
 def graph_to_json(gm: fx.GraphModule) -> dict[str, Any]:
+    """The program file's content; refuses a call target the loader would not accept."""
     nodes = []
     params = {}
     for node in gm.graph.nodes:
@@ -112,7 +77,12 @@ def graph_to_json(gm: fx.GraphModule) -> dict[str, Any]:
         if node.op in ("placeholder", "get_attr"):
             entry["target"] = str(node.target)
         elif node.op == "call_function":
-            entry["target"] = _target_name(node.target)
+            if not is_allowed(node.target):
+                raise ProgramError(
+                    f"node {node.name}: {op_name(node.target) or node.target!r} is not in the ops a program "
+                    "may call (add it to hy3c/compiler/op_allowlist.py if the compiler now emits it)"
+                )
+            entry["target"] = op_name(node.target)
         elif node.op != "output":
             raise ProgramError(f"node {node.name}: unsupported op kind {node.op}")
         entry["args"] = _encode(node.args)
@@ -127,57 +97,186 @@ def graph_to_json(gm: fx.GraphModule) -> dict[str, Any]:
     return {"format": FORMAT, "nodes": nodes, "params": params}
 
 
-def graph_from_json(data: dict[str, Any], parameters: dict[str, torch.Tensor]) -> fx.GraphModule:
-    """Rebuild the GraphModule; `parameters` must hold every get_attr target with the recorded shape/dtype."""
+def _check_name(value: object, what: str, node: str, pattern: re.Pattern = _IDENTIFIER) -> str:
+    """Names end up in the Python code FX generates for the graph: only plain identifiers pass."""
+    if not isinstance(value, str) or not pattern.fullmatch(value) or keyword.iskeyword(value):
+        raise ProgramError(f"node {node}: {what} {value!r} is not a plain identifier")
+    return value
+
+
+def _decode(value: Any, env: dict[str, fx.Node], node: str) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, env, node) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if set(value) == {"node"}:
+        if not isinstance(value["node"], str) or value["node"] not in env:
+            raise ProgramError(f"node {node}: refers to undefined node {value['node']!r}")
+        return env[value["node"]]
+    if set(value) == {"tuple"} and isinstance(value["tuple"], list):
+        return tuple(_decode(v, env, node) for v in value["tuple"])
+    if set(value) == {"dtype"}:
+        if not isinstance(value["dtype"], str) or value["dtype"] not in DTYPES:
+            raise ProgramError(f"node {node}: dtype {value['dtype']!r} is not one of {sorted(DTYPES)}")
+        return DTYPES[value["dtype"]]
+    if set(value) == {"float"}:
+        if value["float"] not in _NON_FINITE:
+            raise ProgramError(f"node {node}: {value['float']!r} is not a non-finite float")
+        return float(value["float"])
+    raise ProgramError(f"node {node}: unknown argument encoding {sorted(value)}")
+
+
+def _param_table(data: dict[str, Any]) -> dict[str, tuple[list[int], torch.dtype]]:
+    table = data.get("params")
+    if not isinstance(table, dict):
+        raise ProgramError("the program has no parameter table")
+    params = {}
+    for fqn, spec in table.items():
+        _check_name(fqn, "parameter name", fqn, _PARAMETER_PATH)
+        shape = spec.get("shape") if isinstance(spec, dict) else None
+        dtype = spec.get("dtype") if isinstance(spec, dict) else None
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**40 for d in shape):
+            raise ProgramError(f"parameter {fqn}: shape {shape!r} is not a list of sizes")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise ProgramError(f"parameter {fqn}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        params[fqn] = (shape, DTYPES[dtype])
+    return params
+
+
+def _module_tree(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module holding each tensor as a frozen parameter at its dotted path."""
+    root = torch.nn.Module()
+    for fqn, tensor in tensors.items():
+        *path, leaf = fqn.split(".")
+        module = root
+        try:
+            for part in path:
+                if part not in module._modules:
+                    module.add_module(part, torch.nn.Module())
+                module = module._modules[part]
+            module.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
+        except (KeyError, AttributeError, TypeError) as exc:  # e.g. a name taken by an attribute ("training")
+            raise ProgramError(f"parameter {fqn}: {exc}") from None
+    return root
+
+
+@dataclass
+class Program:
+    """A program rebuilt from its file and checked node by node; not yet bound to weights."""
+
+    graph: fx.Graph
+    params: dict[str, tuple[list[int], torch.dtype]]  # fqn → recorded (shape, dtype)
+
+    def check_shapes(self, config: Hy3Config, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        """Run the graph on meta tensors: shapes, the hy3 ops' contracts, the outputs (program_check)."""
+        check_shapes(self.graph, self.params, config, dtype, kv_dtype)
+
+    def bind(self, parameters: dict[str, torch.Tensor]) -> fx.GraphModule:
+        """The runnable GraphModule; `parameters` must hold every parameter with its recorded shape/dtype."""
+        for fqn, (shape, dtype) in self.params.items():
+            tensor = parameters.get(fqn)
+            if tensor is None:
+                raise ProgramError(f"parameter {fqn} is missing from the weights")
+            if list(tensor.shape) != shape or tensor.dtype != dtype:
+                raise ProgramError(
+                    f"parameter {fqn}: weights hold {str(tensor.dtype).removeprefix('torch.')}"
+                    f"{list(tensor.shape)}, the program expects {str(dtype).removeprefix('torch.')}{shape}"
+                )
+        gm = fx.GraphModule(_module_tree({fqn: parameters[fqn] for fqn in self.params}), self.graph)
+        gm.graph.lint()
+        return gm
+
+
+def read_program(data: object) -> Program:
+    """Rebuild and check a program file's graph (see the module docstring); no op runs."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ProgramError(
             f"program format {data.get('format') if isinstance(data, dict) else None!r}, expected {FORMAT}"
         )
-    for fqn, spec in data["params"].items():
-        _check_name(fqn, "parameter name", fqn, _PARAMETER_PATH)
-        tensor = parameters.get(fqn)
-        if tensor is None:
-            raise ProgramError(f"parameter {fqn} is missing from the weights")
-        if list(tensor.shape) != spec["shape"] or str(tensor.dtype).removeprefix("torch.") != spec["dtype"]:
-            raise ProgramError(
-                f"parameter {fqn}: weights hold {str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}, "
-                f"the program expects {spec['dtype']}{spec['shape']}"
-            )
-    root = torch.nn.Module()
-    for fqn in data["params"]:
-        *path, leaf = fqn.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        try:
-            module.register_parameter(leaf, torch.nn.Parameter(parameters[fqn], requires_grad=False))
-        except (KeyError, AttributeError) as exc:  # e.g. a name taken by a Module attribute ("training")
-            raise ProgramError(f"parameter {fqn}: {exc}") from None
+    params = _param_table(data)
+    _module_tree({fqn: torch.empty(0, device="meta") for fqn in params})  # the names can be registered
+    entries = data.get("nodes")
+    if not isinstance(entries, list):
+        raise ProgramError("the program has no node list")
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
-    for entry in data["nodes"]:
-        if not isinstance(entry, dict):
-            raise ProgramError(f"node entries must be objects, found {type(entry).__name__}")
+    kinds: dict[fx.Node, Kind] = {}
+    inputs: list[str] = []
+    for entry in entries:
+        if not isinstance(entry, dict) or not set(entry) <= _NODE_KEYS:
+            raise ProgramError(
+                f"node entries must be objects with keys {sorted(_NODE_KEYS)}, found {entry!r:.80}"
+            )
         name, op = _check_name(entry.get("name"), "name", "?"), entry.get("op")
-        args = _decode(entry.get("args", []), env, name)
-        kwargs = {
-            _check_name(k, "keyword", name): _decode(v, env, name) for k, v in entry.get("kwargs", {}).items()
-        }
+        if name in env:
+            raise ProgramError(f"node {name}: defined twice")
+        if env and next(reversed(env.values())).op == "output":
+            raise ProgramError(f"node {name}: comes after the output node")
+        target = _target(entry, name, params)  # before any argument is read
+        args = _decode(entry.get("args", {"tuple": []}), env, name)
+        raw_kwargs = entry.get("kwargs", {})
+        if not isinstance(args, tuple) or not isinstance(raw_kwargs, dict):
+            raise ProgramError(f"node {name}: args must be a tuple and kwargs an object")
+        kwargs = {_check_name(k, "keyword", name): _decode(v, env, name) for k, v in raw_kwargs.items()}
+        kind: Kind | None = TENSOR if op in ("placeholder", "get_attr") else None
         if op == "placeholder":
-            target = _check_name(entry.get("target"), "input name", name)
-        elif op == "get_attr":
-            target = _check_name(entry.get("target"), "parameter", name, _PARAMETER_PATH)
-            if target not in data["params"]:
-                raise ProgramError(f"node {name}: parameter {target} is not in the program's parameter table")
-        elif op == "call_function":
-            target = _resolve_target(entry["target"], name)
+            if len(inputs) >= len(STEP_INPUTS) or target != STEP_INPUTS[len(inputs)] or args or kwargs:
+                raise ProgramError(f"node {name}: the program's inputs must be {', '.join(STEP_INPUTS)}")
+            inputs.append(target)
+        elif len(inputs) != len(STEP_INPUTS):
+            raise ProgramError(f"node {name}: the program's inputs must be {', '.join(STEP_INPUTS)}")
+        if op == "get_attr" and (args or kwargs):
+            raise ProgramError(f"node {name}: a parameter node takes no arguments")
+        if op == "call_function":
+            kind = check_call(name, target, args, kwargs, kinds)
         elif op == "output":
-            target = "output"
-        else:
-            raise ProgramError(f"node {name}: unsupported op kind {op!r}")
-        env[name] = graph.create_node(op, target, tuple(args), kwargs, name=name)
-    gm = fx.GraphModule(root, graph)
-    gm.graph.lint()
-    return gm
+            _check_output(name, args, kwargs, kinds)
+        env[name] = graph.create_node(op, target, args, kwargs, name=name)
+        if kind is not None:
+            kinds[env[name]] = kind
+    if not env or next(reversed(env.values())).op != "output":
+        raise ProgramError("the program has no output node")
+    graph.lint()
+    return Program(graph, params)
+
+
+def _target(entry: dict[str, Any], node: str, params: dict[str, Any]) -> object:
+    """A node's target by its kind: a step input name, a parameter of the table, an allowed op."""
+    op = entry.get("op")
+    if op == "placeholder":
+        return _check_name(entry.get("target"), "input name", node)
+    if op == "get_attr":
+        target = _check_name(entry.get("target"), "parameter", node, _PARAMETER_PATH)
+        if target not in params:
+            raise ProgramError(f"node {node}: parameter {target} is not in the program's parameter table")
+        return target
+    if op == "call_function":
+        return _resolve(entry.get("target"), node)
+    if op == "output":
+        return "output"
+    raise ProgramError(f"node {node}: unsupported op kind {op!r}")
+
+
+def _resolve(name: object, node: str) -> object:
+    """The op a call target names: exact lookup in the allow-list, nothing else."""
+    try:
+        target = resolve_op(name)
+    except OpNotRegisteredError:
+        raise ProgramError(
+            f"node {node}: op '{name}' is not registered here (are its kernels installed, e.g. triton?)"
+        ) from None
+    if target is None:
+        raise ProgramError(f"node {node}: target {name!r} is not an op hy3c programs may call")
+    return target
+
+
+def _check_output(
+    node: str, args: tuple[Any, ...], kwargs: dict[str, Any], kinds: dict[fx.Node, Kind]
+) -> None:
+    outputs = args[0] if len(args) == 1 and not kwargs else None
+    if not (
+        isinstance(outputs, tuple)
+        and len(outputs) == 2
+        and all(isinstance(v, fx.Node) and kinds.get(v) == TENSOR for v in outputs)
+    ):
+        raise ProgramError(f"node {node}: the program must return two tensors (logits, hidden)")

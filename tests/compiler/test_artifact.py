@@ -14,6 +14,7 @@ import hy3c.artifact as artifact
 from hy3c.artifact import ArtifactError
 from hy3c.cli import main
 from hy3c.compiler.driver import FORMAT_VERSION, CompileError, compile_artifact
+from hy3c.compiler.manifest import json_sha256
 from hy3c.generate import generate_tokens
 from hy3c.inspect_artifact import inspect_command
 from hy3c.loader import load_model
@@ -283,10 +284,27 @@ def test_unsupported_parallelism_and_failed_compile_leave_nothing(tiny_ckpt, tmp
         (lambda p: (p / "weights/rank0.safetensors").unlink(), "rank0.safetensors: missing"),
         (lambda p: _truncate(p / "weights/rank0.safetensors"), "truncated"),
         (lambda p: _flip_byte(p / "weights/rank0.safetensors"), "sha256 differs from manifest.json"),
-        (lambda p: _edit_manifest(p, recipe={"target": "cpu"}), "invalid manifest"),
-        (lambda p: _edit_manifest(p, kv_cache={"dtype": "int8"}), "invalid manifest"),
-        (lambda p: _edit_manifest(p, kv_cache=None), "invalid manifest"),
-        (lambda p: _edit_manifest(p, weights={}), "invalid manifest"),
+        (lambda p: _edit_manifest(p, recipe={"target": "cpu"}), "field 'recipe.name': Field required"),
+        (lambda p: _edit_manifest(p, kv_cache={"dtype": "int8"}), "field 'kv_cache.dtype': Input should be"),
+        (lambda p: _edit_manifest(p, kv_cache=None), "field 'kv_cache': Input should be"),
+        (lambda p: _edit_manifest(p, weights={}), "field 'weights.files': Field required"),
+        (
+            lambda p: _drop_key(p, "program", "sha256"),
+            r"manifest.json: field 'program.sha256': Field required$",
+        ),
+        (
+            lambda p: _drop_key(p, "cache_key", "parts", "model"),
+            "field 'cache_key.parts.model': Field required",
+        ),
+        (lambda p: _drop_key(p, "cache_key"), "field 'cache_key': Field required"),
+        (lambda p: _drop_key(p, "model_config"), "field 'model_config': Field required"),
+        (
+            lambda p: _drop_key(p, "model_config", "hidden_size"),
+            "field 'model_config.hidden_size': Field required",
+        ),
+        (lambda p: _drop_key(p, "versions", "torch"), "field 'versions.torch': Field required"),
+        (lambda p: _drop_key(p, "source", "quant_layout"), "field 'source.quant_layout': Field required"),
+        (lambda p: _edit_manifest(p, program={"file": 5}), "field 'program.file': Input should be"),
         (lambda p: _edit_weight_name(p, "../../etc/passwd"), "not a path inside the artifact"),
         (lambda p: _edit_program(p, "placeholder", "target", _INJECTED), "not a plain identifier"),
         (lambda p: _edit_program(p, "call_function", "name", _INJECTED), "not a plain identifier"),
@@ -306,6 +324,15 @@ def test_artifact_for_another_device_is_refused(tiny_ckpt, tmp_path):
         artifact.load(out, device="cpu")
 
 
+def _drop_key(path, *keys):
+    data = json.loads((path / "manifest.json").read_text())
+    parent = data
+    for key in keys[:-1]:
+        parent = parent[key]
+    del parent[keys[-1]]
+    (path / "manifest.json").write_text(json.dumps(data))
+
+
 def _edit_manifest(path, **changes):
     data = json.loads((path / "manifest.json").read_text())
     data.update(changes)
@@ -322,7 +349,10 @@ def _edit_program(path, op, field, value):
     next(n for n in data["nodes"] if n["op"] == op)[field] = value
     program.write_text(json.dumps(data))
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["program"]["sha256"] = hashlib.sha256(program.read_bytes()).hexdigest()
+    manifest["program"]["sha256"] = manifest["cache_key"]["parts"]["program"] = hashlib.sha256(
+        program.read_bytes()
+    ).hexdigest()
+    manifest["cache_key"]["key"] = json_sha256(manifest["cache_key"]["parts"])
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -58,8 +58,9 @@ def test_seeded_samples_follow_the_distribution():
     assert math.isfinite(chi2)
 
 
-def test_detokenizer_streams_utf8_safely_and_stops_across_tokens(tiny_ckpt):
-    tok = Hy3Tokenizer.from_dir(tiny_ckpt)
+@pytest.mark.parametrize("byte_table", [True, False])
+def test_detokenizer_streams_utf8_safely_and_stops_across_tokens(tiny_ckpt, byte_table):
+    tok = Hy3Tokenizer.from_dir(tiny_ckpt) if byte_table else _without_byte_table(tiny_ckpt)
     text = "naïve 日本語 café, then STOP and more"
     ids = tok.encode(text)
     detok = IncrementalDetokenizer(tok, ["STOP"])
@@ -209,31 +210,60 @@ def test_no_rows_sample_nothing_and_integer_parameters_stay_floats(monkeypatch):
     ]
 
 
+def _without_byte_table(directory) -> Hy3Tokenizer:
+    """The checkpoint's tokenizer with the byte-table fast path off: text goes through DecodeStream."""
+    tok = Hy3Tokenizer.from_dir(directory)
+    tok.streaming_bytes = None
+    return tok
+
+
 def test_byte_table_streaming_equals_decoding_the_whole_sequence(tiny_ckpt, monkeypatch):
     """The byte-level fast path (one table lookup per token) streams exactly what decoding the whole
-    sequence gives, like the window-decoding path — random ids, partial UTF-8 and special tokens
-    included — and a tokenizer without a plain byte-level decoder falls back to windows."""
+    sequence gives, like the DecodeStream path — random ids (past the tokenizer's vocabulary too, as a
+    padded model vocabulary gives), partial UTF-8 and special tokens included — and a tokenizer
+    without a plain byte-level decoder streams through DecodeStream."""
     import random
 
     tok = Hy3Tokenizer.from_dir(tiny_ckpt)
+    streaming = _without_byte_table(tiny_ckpt)
     assert tok.streaming_bytes is not None and len(tok.streaming_bytes) == tok.vocab_size
     rng = random.Random(1)
     for _ in range(200):
-        ids = [rng.randrange(tok.vocab_size) for _step in range(rng.randint(1, 40))]
+        ids = [rng.randrange(tok.vocab_size + 8) for _step in range(rng.randint(1, 40))]
         fast = IncrementalDetokenizer(tok)
         streamed = "".join(fast.push(i) for i in ids) + fast.flush()
         assert streamed == tok.decode(ids), ids
-        slow = IncrementalDetokenizer(tok)
-        slow.utf8 = None  # the window-decoding path on the same tokenizer
+        slow = IncrementalDetokenizer(streaming)
+        assert slow.stream is not None and slow.utf8 is None
         assert "".join(slow.push(i) for i in ids) + slow.flush() == streamed
     text = "naïve 日本語 café"
-    detok = IncrementalDetokenizer(tok)
-    assert [p for p in (detok.push(i) for i in tok.encode(text)) if "\ufffd" in p] == []
+    for t in (tok, streaming):
+        detok = IncrementalDetokenizer(t)
+        assert [p for p in (detok.push(i) for i in t.encode(text)) if "\ufffd" in p] == []
     other = Hy3Tokenizer.from_dir(tiny_ckpt)
     from tokenizers import decoders
 
     other.tokenizer.decoder = decoders.Metaspace()
-    assert other.streaming_bytes is None and IncrementalDetokenizer(other).utf8 is None
+    assert other.streaming_bytes is None and IncrementalDetokenizer(other).stream is not None
+
+
+def test_decode_stream_splits_multibyte_characters_and_flushes_a_partial_one(tiny_ckpt):
+    """A character whose UTF-8 bytes span tokens comes out whole, with the token that completes it; a
+    generation that ends inside one flushes it as U+FFFD, exactly like decoding the whole sequence."""
+    tok = _without_byte_table(tiny_ckpt)
+    ids = tok.encode("日本")
+    assert len(ids) > 2  # the tiny byte-level BPE splits each character over tokens
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push(i) for i in ids]
+    assert [p for p in pieces if p] == ["日", "本"] and "".join(pieces) + detok.flush() == "日本"
+    cut = ids[:-1]
+    detok = IncrementalDetokenizer(tok)
+    streamed = "".join(detok.push(i) for i in cut)
+    assert (
+        streamed == "日"
+        and streamed + detok.flush() == tok.decode(cut)
+        and tok.decode(cut).endswith("\ufffd")
+    )
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -243,9 +273,7 @@ def test_a_long_generation_keeps_a_short_buffer_and_finds_a_late_stop(tiny_ckpt,
     tok = Hy3Tokenizer.from_dir(tiny_ckpt)
     ids = tok.encode("naïve 日本語 café, more words; " * 300)
     stop_ids = tok.encode(" then STOP here")
-    detok = IncrementalDetokenizer(tok, ["STOP"])
-    if not fast:
-        detok.utf8 = None
+    detok = IncrementalDetokenizer(tok if fast else _without_byte_table(tiny_ckpt), ["STOP"])
     sizes, pieces = [], []
     for i in ids + stop_ids:
         pieces.append(detok.push(i))
@@ -253,3 +281,86 @@ def test_a_long_generation_keeps_a_short_buffer_and_finds_a_late_stop(tiny_ckpt,
     pieces.append(detok.flush())
     assert "".join(pieces) == tok.decode(ids) + " then " and detok.stopped_by == "STOP"
     assert max(sizes) < 1100 < len(tok.decode(ids))
+
+
+def _fused(logits, params, history, num_logprobs=0, noise=None):
+    """The fused-sampler dispatch (`_sample_fused`: penalties and bias, then the Triton kernel, under
+    TRITON_INTERPRET=1 on CPU) with the columns the engine would upload."""
+    import hy3c.serve.sampler as sampler_mod
+
+    inputs = sampler_mod.fused_inputs(params, [11 + r for r in range(len(params))], logits.device)
+    return sampler_mod._sample_fused(logits, params, history, inputs, num_logprobs, noise)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 1e-6, 5e-324])
+def test_temperatures_below_the_epsilon_are_greedy_on_both_paths(temperature):
+    """1 / 1e-40 overflows fp32: such temperatures are greedy (vLLM's 1e-5 epsilon), with finite
+    logprobs, in the reference and through the fused kernel — and 1e-5 itself samples, finitely."""
+    from hy3c.serve.sampler import SAMPLING_EPS
+
+    logits = torch.randn(3, 300) * 4
+    history = [History([1, 2], [3])] * 3
+    params = [SamplingParams(temperature=temperature, top_p=0.9, top_k=20)] * 3
+    assert params[0].greedy and params[0].temperature == 0.0
+    for result in (
+        sample(logits, params, history, [None] * 3, num_logprobs=3),
+        _fused(logits, params, history, 3),
+    ):
+        assert result.tokens == logits.argmax(-1).tolist()
+        assert all(math.isfinite(v) for v in result.logprobs)
+        assert all(math.isfinite(v) for row in result.top for _, v in row)
+    edge = [SamplingParams(temperature=SAMPLING_EPS)] * 3
+    assert not edge[0].greedy
+    noise = torch.rand(3, 300)
+    ref = sample(logits, edge, history, [None] * 3, num_logprobs=2, noise=noise)
+    fused = _fused(logits, edge, history, 2, noise)
+    assert fused.tokens == ref.tokens == logits.argmax(-1).tolist()  # T = 1e-5: as good as greedy
+    assert all(math.isfinite(v) for v in ref.logprobs + fused.logprobs)
+
+
+def test_an_extreme_repetition_penalty_keeps_logits_and_logprobs_finite():
+    """A repetition penalty of 1e-300 is 0 in fp32: dividing a positive logit by it gives inf, and inf
+    logits give NaN logprobs. Penalised logits are clamped to ±PENALISED_LOGIT_LIMIT (a -inf mask
+    stays -inf), so both paths stay finite and agree."""
+    from hy3c.serve.sampler import PENALISED_LOGIT_LIMIT
+
+    logits = torch.randn(2, 200)
+    logits[:, 7] = 3.0
+    logits[:, 8] = -3.0
+    logits[:, 9] = float("-inf")
+    history = [History([7, 8, 9], [])] * 2
+    params = [SamplingParams(temperature=1e-5, repetition_penalty=1e-300)] * 2
+    penalised = apply_penalties(logits, params, history)
+    assert penalised[0, 7] == PENALISED_LOGIT_LIMIT and penalised[0, 8] == 0.0
+    assert penalised[0, 9] == float("-inf") and torch.isfinite(penalised[:, :9]).all()
+    noise = torch.rand(2, 200)
+    ref = sample(logits, params, history, [None] * 2, num_logprobs=2, noise=noise)
+    fused = _fused(logits, params, history, 2, noise)
+    assert ref.tokens == fused.tokens == [7, 7]
+    for result in (ref, fused):
+        assert all(math.isfinite(v) for v in result.logprobs)
+        assert all(math.isfinite(v) for row in result.top for _, v in row)
+
+
+def test_logit_bias_steers_both_paths_alike():
+    """+100 makes a token the greedy pick, -100 removes the argmax, in the reference and through the
+    fused dispatch (the bias is added before the kernel); logprobs follow the biased distribution."""
+    logits = torch.randn(3, 400)
+    best = logits.argmax(-1).tolist()
+    history = [History([], [])] * 3
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=((5, 100.0),)),
+        SamplingParams(temperature=0.0, logit_bias=((best[1], -100.0),)),
+        SamplingParams(temperature=0.7, logit_bias=((9, 100.0), (10, -100.0))),
+    ]
+    noise = torch.rand(3, 400)
+    ref = sample(logits, params, history, [None] * 3, num_logprobs=1, noise=noise)
+    fused = _fused(logits, params, history, 1, noise)
+    second = logits[1].clone()
+    second[best[1]] = float("-inf")
+    assert ref.tokens == fused.tokens == [5, int(second.argmax()), 9]
+    biased = logits[0].clone()
+    biased[5] += 100.0
+    assert ref.logprobs[0] == pytest.approx(float(torch.log_softmax(biased, -1)[5]), abs=1e-5)
+    torch.testing.assert_close(torch.tensor(fused.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
+    assert apply_penalties(logits, [SamplingParams()] * 3, history) is logits  # no bias: no copy

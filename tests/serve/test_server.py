@@ -200,7 +200,7 @@ def test_tiny_page_pool_preempts_and_outputs_stay_identical(artifact, expected):
 
 
 def test_disconnect_aborts_and_frees_pages(server):
-    aborted = server.engine.metrics.aborted.value
+    aborted = server.engine.metrics.sample("hy3c:request_aborted_total")
     with (
         httpx.Client(timeout=30) as http,
         http.stream(
@@ -214,7 +214,7 @@ def test_disconnect_aborts_and_frees_pages(server):
             next(lines)
     start = time.monotonic()
     assert _wait_until_idle(server, timeout=1.0), "pages were not freed within 1 s of the disconnect"
-    assert server.engine.metrics.aborted.value == aborted + 1
+    assert server.engine.metrics.sample("hy3c:request_aborted_total") == aborted + 1
     assert time.monotonic() - start < 1.0
 
 
@@ -281,9 +281,15 @@ def test_logprobs_follow_the_openai_format(client):
         model="art", prompt="The quick", max_tokens=6, temperature=0, logprobs=2, echo=True
     )
     lp = out.choices[0].logprobs
-    generated = out.choices[0].text[len("The quick") :]
-    assert "".join(lp.tokens) == generated or any(t.startswith("bytes:") for t in lp.tokens)
-    assert lp.text_offset[0] == len("The quick")
+    prompt_tokens = out.usage.prompt_tokens
+    assert len(lp.tokens) == prompt_tokens + 6  # with echo: the prompt's tokens, then the generated ones
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first has no context
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert "".join(lp.tokens) == out.choices[0].text or any(t.startswith("bytes:") for t in lp.tokens)
+    assert "".join(lp.tokens[:prompt_tokens]) == "The quick" and lp.text_offset[prompt_tokens] == len(
+        "The quick"
+    )
+    assert lp.text_offset[0] == 0
     assert lp.text_offset == sorted(lp.text_offset) and len(set(lp.text_offset)) == len(lp.tokens)
     chat = client.chat.completions.create(
         model="art", messages=[{"role": "user", "content": "x"}], max_tokens=5, temperature=0, logprobs=True
@@ -319,7 +325,7 @@ def test_a_request_the_engine_cannot_take_fails_alone(server, monkeypatch):
 
 
 def test_non_streaming_disconnect_aborts_while_tokens_flow(server):
-    aborted = server.engine.metrics.aborted.value
+    aborted = server.engine.metrics.sample("hy3c:request_aborted_total")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             f"{server.base_url}/v1/completions",
@@ -327,7 +333,7 @@ def test_non_streaming_disconnect_aborts_while_tokens_flow(server):
             timeout=1.0,
         )
     assert _wait_until_idle(server, timeout=2.0), "the abandoned request kept generating"
-    assert server.engine.metrics.aborted.value == aborted + 1
+    assert server.engine.metrics.sample("hy3c:request_aborted_total") == aborted + 1
 
 
 def test_models_health_metrics_tokenize(server):
@@ -393,45 +399,6 @@ def test_engine_error_fails_the_request_not_the_server(server):
         == 200
     )
     assert _wait_until_idle(server)
-
-
-def test_bench_serve_reports_latencies(server, capsys, tmp_path):
-    from hy3c.cli import main
-
-    out = tmp_path / "report.json"
-    assert (
-        main(
-            [
-                "bench",
-                "serve",
-                "--base-url",
-                server.base_url,
-                "--workload",
-                "shared-prefix",
-                "--num-prompts",
-                "12",
-                "--concurrency",
-                "4",
-                "--input-len",
-                "8",
-                "--output-len",
-                "5",
-                "--prefix-len",
-                "20",
-                "--json",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    report = json.loads(out.read_text())
-    assert report["completed"] == 12 and report["failed"] == 0
-    assert report["output_throughput"] > 0 and report["ttft_ms"]["p50"] > 0 and report["tpot_ms"]["mean"] > 0
-    engine = report["engine"]  # at least one step per output token of the longest request
-    assert engine["steps"] >= 5 and 0 < engine["host_ms"] < engine["step_ms"]
-    assert engine["kernel_builds"] == 0  # the CPU server runs torch providers: nothing to compile
-    printed = capsys.readouterr().out
-    assert "TTFT" in printed and "of which host" in printed and "0 kernel variants built" in printed
 
 
 def test_overloaded_and_dead_engine_answer_503(artifact):
@@ -532,3 +499,64 @@ def test_a_failing_row_does_not_swallow_the_outputs_of_rows_done_before_it(artif
         engine._step()
     assert [(o.finished, o.finish_reason) for o in got["a"]] == [(True, "length")]
     assert got["b"][-1].finished and got["b"][-1].finish_reason == "error"
+
+
+def test_a_list_of_prompts_is_one_request_with_a_choice_per_prompt_and_n(client, server, expected, tiny_ckpt):
+    """OpenAI's batch of prompts (strings or token-id lists): choice index = prompt index * n + j, each
+    the greedy continuation of its prompt; usage counts each prompt's tokens once; streaming too."""
+    prompts = ["Hello world", "The quick"]
+    tok = Hy3Tokenizer.from_dir(tiny_ckpt)
+    out = client.completions.create(model="art", prompt=prompts, n=2, max_tokens=5, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [expected(p, 5) for p in prompts for _ in range(2)]
+    assert out.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+    assert out.usage.completion_tokens <= 4 * 5
+    ids = client.completions.create(
+        model="art", prompt=[tok.encode(p) for p in prompts], max_tokens=5, temperature=0, echo=True
+    )
+    assert [c.text for c in ids.choices] == [p + expected(p, 5) for p in prompts]
+    texts: dict[int, str] = {}
+    chunks = list(
+        client.completions.create(
+            model="art",
+            prompt=prompts,
+            n=2,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {i: expected(prompts[i // 2], 5) for i in range(4)}
+    assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
+    assert _wait_until_idle(server)
+
+
+def test_tokenizer_info_lets_a_client_tokenize_and_render_chats_itself(server):
+    """vLLM's GET /tokenizer_info (what lm-evaluation-harness's remote tokenizer reads): the tokenizer
+    config's keys, its special tokens and the chat template, which renders what /tokenize renders."""
+    import jinja2
+
+    info = httpx.get(f"{server.base_url}/tokenizer_info").json()
+    for key in (
+        "tokenizer_class",
+        "bos_token",
+        "eos_token",
+        "pad_token",
+        "model_max_length",
+        "chat_template",
+    ):
+        assert info[key], key
+    assert info["added_tokens_decoder"]["0"] == info["bos_token"]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    text = (
+        jinja2.Environment()
+        .from_string(info["chat_template"])
+        .render(messages=messages, add_generation_prompt=True, bos_token=info["bos_token"])
+    )
+    by_client = httpx.post(f"{server.base_url}/tokenize", json={"prompt": text}).json()["tokens"]
+    by_server = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}).json()["tokens"]
+    assert by_client == by_server
