@@ -11,7 +11,7 @@
 # FP8 (static: the checkpoint's FP8 activation scheme; empty: a BF16 checkpoint), WORK (a new temporary directory), PORT (8011),
 # CONCURRENCY ("1 8 32"), PROMPTS (prompts per concurrency level: 4 × concurrency, at least 8),
 # INPUT_LEN (1024), OUTPUT_LEN (128), SERVE_ARGS (extra `hy3c serve` options), OUT_JSON (a directory
-# for the per-level JSON reports).
+# for the per-level JSON results, `vllm bench serve`'s keys).
 set -euo pipefail
 preset=${PRESET:-real-shapes:4}
 device=${DEVICE:-cuda}
@@ -57,9 +57,10 @@ for c in ${CONCURRENCY:-1 8 32}; do
   prompts=${PROMPTS:-$((4 * c > 8 ? 4 * c : 8))}
   stamp "concurrency $c, $prompts prompts"
   json=()
-  [ -n "${OUT_JSON:-}" ] && json=(--json "$OUT_JSON/serve_c$c.json")
-  "${hy3c[@]}" bench serve --base-url "$url" --workload random --num-prompts "$prompts" --concurrency "$c" \
-    --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-128}" "${json[@]}"
+  [ -n "${OUT_JSON:-}" ] && json=(--save-result --result-dir "$OUT_JSON" --result-filename "serve_c$c.json")
+  "${hy3c[@]}" bench serve --base-url "$url" --dataset-name random --num-prompts "$prompts" \
+    --max-concurrency "$c" --random-input-len "${INPUT_LEN:-1024}" --random-output-len "${OUTPUT_LEN:-128}" \
+    --temperature 0 --disable-tqdm "${json[@]}"
 done
 builds=$(grep -c kernel_built_while_serving "$work/serve.log" || true)
 stamp "kernel variants built after warm-up: ${builds:-0}"

@@ -318,29 +318,79 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)
     p.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before 503")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM or Ctrl-C: seconds in-flight requests get to finish before they are aborted"
+        " (default: 30; a second signal exits at once)",
+    )
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds an idle keep-alive connection stays open (default: 5)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds from connecting to the end of the request headers; then 408 and close (default: 10)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds from the headers to the end of the request body; then 408 and close (default: 30)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="open connections at most; more are answered 503 and closed (default: 2048)",
+    )
     p.set_defaults(func=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> None:
     from hy3c.serve.server import ServeOptions, serve
 
+    for name in (
+        "shutdown_timeout",
+        "timeout_keep_alive",
+        "header_timeout",
+        "body_timeout",
+        "max_connections",
+    ):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
     serve(
         ServeOptions(
             args.artifact,
-            args.host,
-            args.port,
-            args.served_model_name,
-            args.api_key,
-            args.max_num_seqs,
-            args.max_num_batched_tokens,
-            args.max_model_len,
-            args.kv_memory,
-            args.page_size,
-            args.device,
-            args.compile,
-            args.cuda_graphs,
-            args.max_request_bytes,
-            args.max_waiting,
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name,
+            api_key=args.api_key,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            kv_memory_gib=args.kv_memory,
+            page_size=args.page_size,
+            device=args.device,
+            compile=args.compile,
+            cuda_graphs=args.cuda_graphs,
+            max_request_bytes=args.max_request_bytes,
+            max_waiting=args.max_waiting,
+            shutdown_timeout=args.shutdown_timeout,
+            timeout_keep_alive=args.timeout_keep_alive,
+            header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
+            max_connections=args.max_connections,
         )
     )
 
@@ -348,22 +398,57 @@ def _run_serve(args: argparse.Namespace) -> None:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     kinds = p.add_subparsers(dest="bench_kind", required=True)
-    s = kinds.add_parser("serve", help="load an OpenAI-compatible server (vllm bench serve metrics)")
-    s.add_argument("--base-url", default="http://127.0.0.1:8000")
-    s.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
-    s.add_argument("--num-prompts", type=int, default=100)
-    s.add_argument("--concurrency", type=int, default=16)
-    s.add_argument("--input-len", type=int, default=256)
-    s.add_argument("--output-len", type=int, default=64)
-    s.add_argument(
-        "--prefix-len", type=int, default=256, help="shared-prefix: tokens every prompt starts with"
+    s = kinds.add_parser(
+        "serve", help="load an OpenAI-compatible server (`vllm bench serve`'s flags, metrics and JSON keys)"
     )
-    s.add_argument("--model")
-    s.add_argument("--api-key")
+    s.add_argument("--base-url", help="the server (default: http://HOST:PORT)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    s.add_argument("--model", help="the model id to request (default: the server's first)")
+    s.add_argument("--api-key", help="sent as a bearer token (default: $OPENAI_API_KEY)")
+    s.add_argument("--label", help="the result's label and file name start (default: the backend)")
+    s.add_argument(
+        "--dataset-name", default="random", help="random | prefix_repetition (also prefix-repetition)"
+    )
+    s.add_argument("--num-prompts", type=int, default=1000)
+    s.add_argument("--input-len", type=int, help="sets --random-input-len")
+    s.add_argument("--output-len", type=int, help="sets the dataset's output length")
+    s.add_argument("--random-input-len", type=int, default=1024)
+    s.add_argument("--random-output-len", type=int, default=128)
+    s.add_argument("--random-prefix-len", type=int, default=0, help="tokens every random prompt starts with")
+    s.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths drawn from ±this fraction")
+    s.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    s.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    s.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    s.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    s.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests per second (Poisson; default: inf)"
+    )
+    s.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)"
+    )
+    s.add_argument("--max-concurrency", type=int, help="requests in flight at most (default: no limit)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    s.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    s.add_argument("--json", type=Path, help="also write the report as JSON")
+    s.add_argument("--ignore-eos", action="store_true", help="always on for the random dataset")
+    s.add_argument("--temperature", type=float, help="default: the server's")
+    s.add_argument("--top-p", type=float)
+    s.add_argument("--top-k", type=int)
+    s.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="METRIC:MS",
+        help="SLOs for goodput: ttft, tpot, e2el in ms",
+    )
+    s.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    s.add_argument("--metric-percentiles", default="50,90,99")
+    s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    s.add_argument("--save-result", action="store_true", help="write the result as JSON")
+    s.add_argument("--save-detailed", action="store_true", help="with the per-request lists")
+    s.add_argument("--result-dir", help="the JSON file's directory (default: the current one)")
+    s.add_argument("--result-filename", help="the JSON file's name (default: vLLM's, from the run)")
+    s.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="extra keys for the JSON")
     s.set_defaults(func=_run_bench_serve)
 
 
@@ -371,32 +456,67 @@ def _run_bench_serve(args: argparse.Namespace) -> None:
     import asyncio
     import json
 
-    from hy3c.serve.bench_client import format_report, run_benchmark
-
-    for name in ("num_prompts", "concurrency", "input_len", "output_len"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    report = asyncio.run(
-        run_benchmark(
-            args.base_url,
-            args.workload,
-            args.num_prompts,
-            args.concurrency,
-            args.input_len,
-            args.output_len,
-            args.prefix_len,
-            args.model,
-            args.api_key,
-            args.seed,
-            args.slo_ttft_ms,
-            args.slo_tpot_ms,
-        )
+    from hy3c.serve.bench_client import (
+        DETAILED_KEYS,
+        BenchConfig,
+        format_report,
+        parse_goodput,
+        result_path,
+        run_benchmark,
     )
-    print(format_report(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+
+    def numbers(flag: str, text: str) -> tuple[float, ...]:
+        try:
+            return tuple(float(p) for p in text.split(","))
+        except ValueError:
+            raise ValueError(f"--{flag}: {text!r} is not a comma-separated list of numbers") from None
+
+    metadata = {}
+    for item in args.metadata:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--metadata {item!r}: write KEY=VALUE")
+        metadata[key] = value
+    config = BenchConfig(
+        base_url=(args.base_url or f"http://{args.host}:{args.port}").rstrip("/"),
+        endpoint=args.endpoint,
+        model=args.model,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        dataset_name=args.dataset_name,
+        num_prompts=args.num_prompts,
+        random_input_len=args.input_len or args.random_input_len,
+        random_output_len=args.output_len or args.random_output_len,
+        random_prefix_len=args.random_prefix_len,
+        random_range_ratio=args.random_range_ratio,
+        prefix_repetition_prefix_len=args.prefix_repetition_prefix_len,
+        prefix_repetition_suffix_len=args.prefix_repetition_suffix_len,
+        prefix_repetition_num_prefixes=args.prefix_repetition_num_prefixes,
+        prefix_repetition_output_len=args.output_len or args.prefix_repetition_output_len,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        goodput=parse_goodput(args.goodput),
+        percentile_metrics=tuple(m for m in args.percentile_metrics.split(",") if m),
+        metric_percentiles=numbers("metric-percentiles", args.metric_percentiles),
+        disable_tqdm=args.disable_tqdm,
+        label=args.label,
+    )
+    config.check()
+    report = {**metadata, **asyncio.run(run_benchmark(config))}
+    print(format_report(report, config))
+    if args.save_result:
+        saved = report if args.save_detailed else {k: v for k, v in report.items() if k not in DETAILED_KEYS}
+        path = result_path(config, report, args.result_filename, args.result_dir)
+        path.write_text(json.dumps(saved))
+        print(f"result: {path}")
     if report["completed"] == 0:
-        raise RuntimeError(f"all {report['num_prompts']} requests failed: {report['errors']}")
+        errors = sorted({e for e in report["errors"] if e})[:3]
+        raise RuntimeError(f"all {report['num_prompts']} requests failed: {errors}")
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:

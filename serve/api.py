@@ -5,9 +5,9 @@
 Routes: POST /v1/completions (`routes_completions`), POST /v1/chat/completions (`routes_chat`; both
 stream SSE with `stream_options.include_usage` and `data: [DONE]`), GET /v1/models, GET /health,
 GET /metrics, POST /tokenize, POST /detokenize, GET /version (`routes_info`). Errors use OpenAI's JSON
-shape: 400 bad JSON / values / prompt too long, 401 bad API key, 404 unknown model, 413 body too large
-(`http_gate`), 503 overloaded or engine dead. A client that disconnects has its requests aborted (their
-KV pages are freed; `delivery`).
+shape: 400 bad JSON / values / prompt too long, 401 bad API key, 404 unknown model, 408 body too slow,
+413 body too large (`http_gate`), 503 overloaded, engine dead or shutting down. A client that
+disconnects has its requests aborted (their KV pages are freed; `delivery`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 import hy3c
 from hy3c.serve.api_context import ApiContext, APIError, ServerConfig
 from hy3c.serve.engine import Engine
-from hy3c.serve.http_gate import RequestGate
+from hy3c.serve.http_gate import HttpLimits, RequestGate
 from hy3c.serve.protocol import error_body
 from hy3c.serve.routes_chat import add_chat_route
 from hy3c.serve.routes_completions import add_completions_route
@@ -30,15 +30,19 @@ from hy3c.tokenizer import Hy3Tokenizer
 __all__ = ["ServerConfig", "build_app"]
 
 
-def build_app(engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig) -> RequestGate:
-    """The routes over one engine, behind the API-key and request-size gate (an ASGI app)."""
+def build_app(
+    engine: Engine, tokenizer: Hy3Tokenizer, config: ServerConfig, limits: HttpLimits | None = None
+) -> RequestGate:
+    """The routes over one engine, behind the gate (API key, request size and body time limits,
+    shutdown, access log; an ASGI app)."""
     app = FastAPI(title="hy3c", version=hy3c.__version__)
     _add_error_handlers(app)
     ctx = ApiContext(engine, tokenizer, config)
     add_completions_route(app, ctx)
     add_chat_route(app, ctx)
     add_info_routes(app, ctx)
-    return RequestGate(app, config.max_request_bytes, config.api_key)
+    body_timeout = (limits or HttpLimits()).body_timeout
+    return RequestGate(app, config.max_request_bytes, config.api_key, body_timeout)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -1,125 +1,255 @@
-"""`hy3c bench serve`: load an OpenAI-compatible server and report what `vllm bench serve` reports.
+"""`hy3c bench serve`: load an OpenAI-compatible server and report what `vllm bench serve` reports, under
+its flag names and JSON keys.
 
-    hy3c bench serve --base-url http://127.0.0.1:8000 --workload random --num-prompts 200 --concurrency 32 \\
-        --input-len 512 --output-len 128
+    hy3c bench serve --base-url http://127.0.0.1:8000 --dataset-name random --num-prompts 200 \\
+        --max-concurrency 32 --random-input-len 512 --random-output-len 128 --save-result
 
-Workloads: `random` (independent prompts of --input-len tokens) and `shared-prefix` (every prompt starts
-with the same --prefix-len tokens, then --input-len random ones: exercises the prefix cache). Prompts are
-token ids drawn from what the server's /tokenize returns for a built-in text, so they are valid for any
-vocabulary. Requests stream from /v1/completions with `ignore_eos` (exactly --output-len tokens each) and
-at most --concurrency in flight. Reported: request and output-token throughput, TTFT, TPOT, ITL and E2E
-latency (mean, p50, p90, p99) and goodput — requests per second meeting --slo-ttft-ms and --slo-tpot-ms.
+Datasets (token ids drawn from what the server's /tokenize returns for a built-in text, so they are
+valid for any vocabulary):
+* `random`: `--random-prefix-len` tokens shared by every prompt, then `--random-input-len` random ones,
+  `--random-output-len` tokens out (both lengths drawn from ±`--random-range-ratio`);
+* `prefix_repetition` (also spelled `prefix-repetition`): `--prefix-repetition-num-prefixes` random
+  prefixes of `--prefix-repetition-prefix-len` tokens, each shared by an equal part of the prompts,
+  then `--prefix-repetition-suffix-len` random tokens; `--prefix-repetition-output-len` out.
+
+Requests arrive all at once (`--request-rate inf`) or by a Poisson process (gamma intervals for
+`--burstiness` ≠ 1) seeded by `--seed`; at most `--max-concurrency` are in flight. Each streams from
+`--endpoint` (/v1/completions; /v1/chat/completions sends the prompt's text as a user message) with
+`ignore_eos` for `random` (as vLLM; `--ignore-eos` for the other dataset) and the usage chunk, which
+gives the token counts. A progress bar shows completed requests.
+
+The result has vLLM's keys — `duration`, `completed`, `failed`, `total_input_tokens`,
+`total_output_tokens`, `request_throughput`, `request_goodput` (requests meeting every `--goodput`
+SLO, per second), `output_throughput`, `total_token_throughput`, `max_output_tokens_per_s`,
+`max_concurrent_requests`, and `mean_`, `median_`, `std_`, `p<N>_` `<metric>_ms` for each of
+`--percentile-metrics` at `--metric-percentiles` (numpy's percentiles) — plus the per-request lists
+(`input_lens`, `output_lens`, `ttfts`, `itls`, `start_times`, `latencies`, `generated_texts`,
+`errors`) that `--save-detailed` keeps in the saved file. Ours: `dataset_name`, the default
+percentiles 50 and 90 beside vLLM's 99, and, against a hy3c server, the engine's steps during the run
+from /metrics: `engine_steps`, `engine_step_ms` (mean), `engine_host_ms` (its host part: scheduling,
+batch building, detokenization) and `engine_kernel_builds` (Triton variants built during the run).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import random
-import statistics
+import math
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
 
 import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
 
 _TEXT = (
     "The compiler traces the model into a graph, rewrites it into fused kernels and serves it. "
     "Requests arrive, share prefixes, stream tokens back and leave; the scheduler keeps the GPU busy. "
 ) * 8
+DATASETS = ("random", "prefix_repetition", "prefix-repetition")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+METRICS = ("ttft", "tpot", "itl", "e2el")
+_METRIC_TITLES = {
+    "ttft": ("TTFT", "Time to First Token"),
+    "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+    "itl": ("ITL", "Inter-token Latency"),
+    "e2el": ("E2EL", "End-to-end Latency"),
+}
+DETAILED_KEYS = (
+    "input_lens", "output_lens", "ttfts", "itls", "start_times", "latencies", "generated_texts", "errors",
+)  # fmt: skip
 
 
 @dataclass
-class RequestStats:
-    ok: bool
+class BenchConfig:
+    """The run's settings, named and defaulted as `vllm bench serve`'s flags."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint: str = "/v1/completions"
+    model: str | None = None
+    api_key: str | None = None
+    dataset_name: str = "random"
+    num_prompts: int = 1000
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    random_prefix_len: int = 0
+    random_range_ratio: float = 0.0
+    prefix_repetition_prefix_len: int = 256
+    prefix_repetition_suffix_len: int = 256
+    prefix_repetition_num_prefixes: int = 10
+    prefix_repetition_output_len: int = 128
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    ignore_eos: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    goodput: dict[str, float] = field(default_factory=dict)  # metric → SLO in ms
+    percentile_metrics: tuple[str, ...] = METRICS
+    metric_percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
+    disable_tqdm: bool = False
+    label: str | None = None  # the result's label (default: the backend) and its file name's start
+
+    def check(self) -> None:
+        """Each bad setting is a ValueError naming its flag."""
+        if self.dataset_name not in DATASETS:
+            raise ValueError(f"--dataset-name: {self.dataset_name!r} is not one of {', '.join(DATASETS[:2])}")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"--endpoint: {self.endpoint!r} is not one of {', '.join(ENDPOINTS)}")
+        positive = {
+            "num-prompts": self.num_prompts,
+            "random-input-len": self.random_input_len,
+            "random-output-len": self.random_output_len,
+            "prefix-repetition-prefix-len": self.prefix_repetition_prefix_len,
+            "prefix-repetition-suffix-len": self.prefix_repetition_suffix_len,
+            "prefix-repetition-num-prefixes": self.prefix_repetition_num_prefixes,
+            "prefix-repetition-output-len": self.prefix_repetition_output_len,
+            "request-rate": self.request_rate,
+            "burstiness": self.burstiness,
+        }
+        if self.max_concurrency is not None:
+            positive["max-concurrency"] = self.max_concurrency
+        for flag, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"--{flag} must be positive (got {value})")
+        if self.random_prefix_len < 0:
+            raise ValueError(f"--random-prefix-len must be at least 0 (got {self.random_prefix_len})")
+        if not 0 <= self.random_range_ratio < 1:
+            raise ValueError(f"--random-range-ratio must lie in [0, 1) (got {self.random_range_ratio})")
+        for name, slo in self.goodput.items():
+            if name not in ("ttft", "tpot", "e2el") or slo < 0:
+                raise ValueError(
+                    f"--goodput {name}:{slo}: give ttft, tpot or e2el with a non-negative value in ms"
+                )
+        for name in self.percentile_metrics:
+            if name not in METRICS:
+                raise ValueError(f"--percentile-metrics: {name!r} is not one of {','.join(METRICS)}")
+        for p in self.metric_percentiles:
+            if not 0 < p <= 100:
+                raise ValueError(f"--metric-percentiles: {p:g} is not in (0, 100]")
+
+    @property
+    def dataset(self) -> str:
+        return "prefix_repetition" if self.dataset_name == "prefix-repetition" else self.dataset_name
+
+
+def parse_goodput(pairs: list[str]) -> dict[str, float]:
+    """`ttft:500 tpot:50` → {"ttft": 500.0, "tpot": 50.0}; a malformed pair is a ValueError."""
+    out = {}
+    for pair in pairs:
+        name, _, value = pair.partition(":")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput {pair!r}: write METRIC:MS, e.g. ttft:500") from None
+    return out
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    success: bool = False
     ttft: float = 0.0
-    e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
     output_tokens: int = 0
+    start_time: float = 0.0
+    generated_text: str = ""
     error: str = ""
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    ordered = sorted(values)
+# ---- the workload ---------------------------------------------------------------------------------
+def make_prompts(
+    config: BenchConfig, pool: list[int], rng: np.random.Generator
+) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) for each request."""
+    n = config.num_prompts
 
-    def pick(q: float) -> float:
-        return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+    def draw(count: int) -> list[int]:
+        return [pool[i] for i in rng.integers(0, len(pool), count)]
 
-    return {"mean": statistics.fmean(values), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+    if config.dataset == "random":
+        r = config.random_range_ratio
+
+        def length(mean: int) -> np.ndarray:
+            low, high = max(1, int(mean * (1 - r))), max(1, int(mean * (1 + r)))
+            return rng.integers(low, high + 1, n)
+
+        prefix = draw(config.random_prefix_len)
+        inputs, outputs = length(config.random_input_len), length(config.random_output_len)
+        return [(prefix + draw(int(i)), int(o)) for i, o in zip(inputs, outputs)]
+    prefixes = [
+        draw(config.prefix_repetition_prefix_len) for _ in range(config.prefix_repetition_num_prefixes)
+    ]
+    prompts = [
+        (
+            prefixes[i % len(prefixes)] + draw(config.prefix_repetition_suffix_len),
+            config.prefix_repetition_output_len,
+        )
+        for i in range(n)
+    ]
+    return [prompts[i] for i in rng.permutation(n)]
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> RequestStats:
-    start = time.perf_counter()
-    last = None
-    stats = RequestStats(ok=False)
+def arrival_times(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
+    """Seconds after the start at which each request is sent: all at 0 for an infinite rate, else
+    gamma-distributed gaps (shape `burstiness`, mean 1/rate: a Poisson process at burstiness 1),
+    scaled so that the last one comes at n/rate (the run's length does not depend on the seed)."""
+    if math.isinf(rate):
+        return np.zeros(n)
+    times = np.cumsum(rng.gamma(burstiness, 1.0 / (rate * burstiness), n))
+    return times * (n / rate / times[-1])
+
+
+# ---- one request ------------------------------------------------------------------------------------
+async def _request(
+    client: httpx.AsyncClient, config: BenchConfig, body: dict, prompt_len: int, headers: dict
+) -> RequestResult:
+    result = RequestResult(prompt_len=prompt_len)
+    chat = config.endpoint == "/v1/chat/completions"
+    start = last = time.perf_counter()
+    result.start_time = start
+    first, text = True, []
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
+        async with client.stream("POST", config.endpoint, json=body, headers=headers) as response:
             if response.status_code != 200:
-                stats.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return stats
+                result.error = (
+                    f"HTTP {response.status_code}: {(await response.aread())[:200].decode(errors='replace')}"
+                )
+                return result
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    stats.error = chunk["error"]["message"]
-                    return stats
-                if chunk.get("usage"):
-                    stats.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                    result.error = str(chunk["error"].get("message", chunk["error"]))
+                    return result
+                if chunk.get("choices"):
                     now = time.perf_counter()
-                    if last is None:
-                        stats.ttft = now - start
+                    if first:
+                        result.ttft, first = now - start, False
                     else:
-                        stats.itl.append(now - last)
+                        result.itl.append(now - last)
                     last = now
-        stats.e2e = time.perf_counter() - start
-        stats.ok = True
+                    choice = chunk["choices"][0]
+                    text.append(
+                        (choice.get("delta", {}).get("content") if chat else choice.get("text")) or ""
+                    )
+                elif chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                    result.prompt_len = chunk["usage"]["prompt_tokens"]
+        result.latency = time.perf_counter() - start
+        result.generated_text = "".join(text)
+        result.success = True
     except httpx.HTTPError as exc:
-        stats.error = f"{type(exc).__name__}: {exc}"
-    return stats
-
-
-_STEP_METRICS = ("hy3c:engine_step_seconds", "hy3c:engine_host_seconds")
-_BUILDS_METRIC = "hy3c:kernel_builds_total"
-
-
-async def _engine_totals(client: httpx.AsyncClient) -> dict[str, list[float]] | None:
-    """[sum, count] of hy3c's step-time histograms from /metrics; None for a server without them."""
-    try:
-        response = await client.get("/metrics")
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200 or _STEP_METRICS[0] not in response.text:
-        return None
-    totals = {name: [0.0, 0.0] for name in (*_STEP_METRICS, _BUILDS_METRIC)}
-    for line in response.text.splitlines():
-        for name in _STEP_METRICS:
-            for index, suffix in enumerate(("_sum{", "_count{")):
-                if line.startswith(name + suffix):
-                    totals[name][index] = float(line.rsplit(" ", 1)[1])
-        if line.startswith(_BUILDS_METRIC + "{"):
-            totals[_BUILDS_METRIC][0] += float(line.rsplit(" ", 1)[1])
-    return totals
-
-
-def _engine_report(before, after) -> dict | None:
-    """Engine steps during the run: mean step time and the host share (scheduler, batch, detokenizer)."""
-    if before is None or after is None:
-        return None
-    steps = after[_STEP_METRICS[0]][1] - before[_STEP_METRICS[0]][1]
-    if steps <= 0:
-        return None
-    step_s = after[_STEP_METRICS[0]][0] - before[_STEP_METRICS[0]][0]
-    host_s = after[_STEP_METRICS[1]][0] - before[_STEP_METRICS[1]][0]
-    builds = after[_BUILDS_METRIC][0] - before[_BUILDS_METRIC][0]
-    return {
-        "steps": int(steps),
-        "step_ms": step_s / steps * 1e3,
-        "host_ms": host_s / steps * 1e3,
-        "kernel_builds": int(builds),
-    }
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
 
 
 async def _get_json(client: httpx.AsyncClient, method: str, path: str, headers: dict, body=None) -> dict:
@@ -133,106 +263,234 @@ async def _get_json(client: httpx.AsyncClient, method: str, path: str, headers: 
     return response.json()
 
 
-async def run_benchmark(
-    base_url: str,
-    workload: str,
-    num_prompts: int,
-    concurrency: int,
-    input_len: int,
-    output_len: int,
-    prefix_len: int = 256,
-    model: str | None = None,
-    api_key: str | None = None,
-    seed: int = 0,
-    slo_ttft_ms: float = 1000.0,
-    slo_tpot_ms: float = 100.0,
-) -> dict:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    rng = random.Random(seed)
-    async with httpx.AsyncClient(
-        base_url=base_url, timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=concurrency + 4)
-    ) as client:
-        model = model or (await _get_json(client, "GET", "/v1/models", headers))["data"][0]["id"]
-        pool = sorted(
-            set((await _get_json(client, "POST", "/tokenize", headers, {"prompt": _TEXT}))["tokens"])
-        )
-        prefix = [rng.choice(pool) for _ in range(prefix_len)] if workload == "shared-prefix" else []
-        prompts = [prefix + [rng.choice(pool) for _ in range(input_len)] for _ in range(num_prompts)]
-        gate = asyncio.Semaphore(concurrency)
+# ---- the engine's view (hy3c servers) ---------------------------------------------------------------
+_STEP, _HOST, _BUILDS = "hy3c:engine_step_seconds", "hy3c:engine_host_seconds", "hy3c:kernel_builds"
 
-        async def limited(prompt: list[int]) -> RequestStats:
-            async with gate:
-                body = {
-                    "model": model,
-                    "prompt": prompt,
-                    "max_tokens": output_len,
-                    "ignore_eos": True,
-                    "temperature": 0,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
-                return await _one(client, "/v1/completions", body, headers)
 
-        engine_before = await _engine_totals(client)
-        start = time.perf_counter()
-        results = await asyncio.gather(*(limited(p) for p in prompts))
-        duration = time.perf_counter() - start
-        engine = _engine_report(engine_before, await _engine_totals(client))
-    done = [r for r in results if r.ok]
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
-    good = [
-        r
-        for r in done
-        if r.ttft * 1e3 <= slo_ttft_ms
-        and (r.output_tokens <= 1 or (r.e2e - r.ttft) / (r.output_tokens - 1) * 1e3 <= slo_tpot_ms)
-    ]
-    output_tokens = sum(r.output_tokens for r in done)
+async def _engine_totals(client: httpx.AsyncClient) -> dict[str, float] | None:
+    """Sums and counts of hy3c's step-time histograms and the kernel builds from /metrics; None for a
+    server without them."""
+    try:
+        response = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        if family.name in (_STEP, _HOST, _BUILDS):
+            for sample in family.samples:
+                if sample.name.endswith(("_sum", "_count", "_total")):
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals if f"{_STEP}_count" in totals else None
+
+
+def _engine_report(before: dict | None, after: dict | None) -> dict:
+    """The engine's steps during the run: count, mean step time, its host part, kernel builds."""
+    if before is None or after is None:
+        return {}
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = delta[f"{_STEP}_count"]
+    if steps <= 0:
+        return {}
     return {
-        "workload": workload,
-        "num_prompts": num_prompts,
-        "concurrency": concurrency,
-        "input_len": input_len,
-        "output_len": output_len,
-        "prefix_len": prefix_len if workload == "shared-prefix" else 0,
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration,
-        "request_throughput": len(done) / duration,
-        "output_throughput": output_tokens / duration,
-        "ttft_ms": {k: v * 1e3 for k, v in percentiles([r.ttft for r in done]).items()},
-        "tpot_ms": {k: v * 1e3 for k, v in percentiles(tpot).items()},
-        "itl_ms": {k: v * 1e3 for k, v in percentiles([x for r in done for x in r.itl]).items()},
-        "e2e_ms": {k: v * 1e3 for k, v in percentiles([r.e2e for r in done]).items()},
-        "goodput": len(good) / duration,
-        "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
-        "engine": engine,
+        "engine_steps": int(steps),
+        "engine_step_ms": delta[f"{_STEP}_sum"] / steps * 1e3,
+        "engine_host_ms": delta.get(f"{_HOST}_sum", 0.0) / steps * 1e3,
+        "engine_kernel_builds": int(delta.get(f"{_BUILDS}_total", 0.0)),
     }
 
 
-def format_report(report: dict) -> str:
-    prefix = report["prefix_len"]
-    prompt_len = f"{prefix} shared + {report['input_len']}" if prefix else str(report["input_len"])
-    lines = [
-        f"workload {report['workload']}: {report['completed']}/{report['num_prompts']} requests in {report['duration_s']:.2f} s "
-        f"(concurrency {report['concurrency']}, {prompt_len} in / {report['output_len']} out tokens)",
-        f"request throughput {report['request_throughput']:.2f} req/s, output {report['output_throughput']:.1f} tok/s, "
-        f"goodput {report['goodput']:.2f} req/s (TTFT ≤ {report['slo']['ttft_ms']:.0f} ms, TPOT ≤ {report['slo']['tpot_ms']:.0f} ms)",
-        f"{'metric':<6} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}  (ms)",
-    ]
-    for name in ("ttft", "tpot", "itl", "e2e"):
-        row = report[f"{name}_ms"]
-        lines.append(
-            f"{name.upper():<6} {row['mean']:9.2f} {row['p50']:9.2f} {row['p90']:9.2f} {row['p99']:9.2f}"
+# ---- the run ----------------------------------------------------------------------------------------
+async def run_benchmark(config: BenchConfig) -> dict:
+    """Send the workload and return the result (see the module docstring for its keys)."""
+    config.check()
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    rng = np.random.default_rng(config.seed)
+    limits = httpx.Limits(max_connections=(config.max_concurrency or config.num_prompts) + 4)
+    async with httpx.AsyncClient(
+        base_url=config.base_url, timeout=httpx.Timeout(6 * 3600.0), limits=limits
+    ) as client:
+        model = config.model or (await _get_json(client, "GET", "/v1/models", headers))["data"][0]["id"]
+        tokens = await _get_json(client, "POST", "/tokenize", headers, {"prompt": _TEXT})
+        workload = make_prompts(config, sorted(set(tokens["tokens"])), rng)
+        arrivals = arrival_times(config.num_prompts, config.request_rate, config.burstiness, rng)
+        bodies = [await _body(client, config, model, prompt, out, headers) for prompt, out in workload]
+        gate = (
+            asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else contextlib.nullcontext()
         )
-    engine = report.get("engine")
-    if engine:
-        share = engine["host_ms"] / engine["step_ms"] * 100 if engine["step_ms"] else 0.0
-        lines.append(
-            f"engine: {engine['steps']} steps, {engine['step_ms']:.2f} ms per step, of which host "
-            f"(scheduler, batch, detokenizer) {engine['host_ms']:.2f} ms ({share:.0f}%); the rest is the "
-            f"model and the sampler; {engine['kernel_builds']} kernel variants built during the run"
-        )
+        bar = tqdm(total=config.num_prompts, disable=config.disable_tqdm, desc="requests", unit="req")
+
+        async def send(i: int, start: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            async with gate:
+                result = await _request(client, config, bodies[i], len(workload[i][0]), headers)
+            bar.update(1)
+            return result
+
+        engine_before = await _engine_totals(client)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(send(i, start) for i in range(config.num_prompts)))
+        duration = time.perf_counter() - start
+        bar.close()
+        engine = _engine_report(engine_before, await _engine_totals(client))
+    for r in results:
+        r.start_time -= start
+    report = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": "openai-chat" if config.endpoint == "/v1/chat/completions" else "openai",
+        "backend": "openai-chat" if config.endpoint == "/v1/chat/completions" else "openai",
+        "label": config.label,
+        "model_id": model,
+        "tokenizer_id": None,
+        "num_prompts": config.num_prompts,
+        "dataset_name": config.dataset,
+        "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
+        "burstiness": config.burstiness,
+        "max_concurrency": config.max_concurrency,
+        **summarize(results, duration, config),
+        **engine,
+    }
+    return report
+
+
+async def _body(
+    client: httpx.AsyncClient, config: BenchConfig, model: str, prompt: list[int], out: int, headers: dict
+) -> dict:
+    body: dict = {
+        "model": model,
+        "max_tokens": out,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": config.ignore_eos or config.dataset == "random",
+    }
+    if config.endpoint == "/v1/chat/completions":
+        text = (await _get_json(client, "POST", "/detokenize", headers, {"tokens": prompt}))["prompt"]
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = prompt
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(config, name) is not None:
+            body[name] = getattr(config, name)
+    return body
+
+
+def summarize(results: list[RequestResult], duration: float, config: BenchConfig) -> dict:
+    """vLLM's result keys from the per-request results (times in ms where the key says so)."""
+    done = [r for r in results if r.success]
+    out_lens = [r.output_tokens if r.success else 0 for r in results]
+    ttfts = [r.ttft for r in done]
+    e2els = [r.latency for r in done]
+    itls = [x for r in done for x in r.itl]
+    tpot_of = [(r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0 for r in done]
+    tpots = [t for r, t in zip(done, tpot_of) if r.output_tokens > 1]
+    total_in = sum(r.prompt_len for r in done)
+    total_out = sum(out_lens)
+    slo = {"ttft": ttfts, "tpot": tpot_of, "e2el": e2els}
+    good = sum(
+        all(slo[name][i] * 1e3 <= limit for name, limit in config.goodput.items()) for i in range(len(done))
+    )
+    report = {
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(done) / duration,
+        "request_goodput": good / duration if config.goodput else None,
+        "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+        **_peaks(done),
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": out_lens,
+        "ttfts": [r.ttft for r in results],
+        "itls": [r.itl for r in results],
+        "start_times": [r.start_time for r in results],
+        "latencies": [r.latency for r in results],
+        "generated_texts": [r.generated_text for r in results],
+        "errors": [r.error for r in results],
+    }
+    series = {"ttft": ttfts, "tpot": tpots, "itl": itls, "e2el": e2els}
+    for name in config.percentile_metrics:
+        values = np.asarray(series[name] or [0.0]) * 1e3
+        report[f"mean_{name}_ms"] = float(np.mean(values))
+        report[f"median_{name}_ms"] = float(np.median(values))
+        report[f"std_{name}_ms"] = float(np.std(values))
+        for p in config.metric_percentiles:
+            report[f"p{_percent(p)}_{name}_ms"] = float(np.percentile(values, p))
+    return report
+
+
+def _peaks(done: list[RequestResult]) -> dict:
+    """The most output tokens received in one second of the run, and the most requests in flight."""
+    if not done:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    token_times = np.concatenate([r.start_time + r.ttft + np.cumsum([0.0, *r.itl]) for r in done])
+    per_second = np.bincount(np.floor(token_times - token_times.min()).astype(int))
+    events = sorted([(r.start_time, 1) for r in done] + [(r.start_time + r.latency, -1) for r in done])
+    in_flight = np.cumsum([delta for _, delta in events])
+    return {
+        "max_output_tokens_per_s": float(per_second.max()),
+        "max_concurrent_requests": int(in_flight.max()),
+    }
+
+
+def _percent(p: float) -> str:
+    return str(int(p)) if p == int(p) else str(p)
+
+
+def format_report(report: dict, config: BenchConfig) -> str:
+    """The result as `vllm bench serve` prints it, with the engine's steps for a hy3c server."""
+    width = 50
+    lines = [" Serving Benchmark Result ".center(width, "=")]
+
+    def row(label: str, value, fmt: str = "") -> None:
+        lines.append(f"{label:<40} {value:{fmt}}")
+
+    row("Successful requests:", report["completed"])
+    row("Failed requests:", report["failed"])
+    if config.max_concurrency is not None:
+        row("Maximum request concurrency:", config.max_concurrency)
+    if not math.isinf(config.request_rate):
+        row("Request rate configured (RPS):", config.request_rate, ".2f")
+    row("Benchmark duration (s):", report["duration"], ".2f")
+    row("Total input tokens:", report["total_input_tokens"])
+    row("Total generated tokens:", report["total_output_tokens"])
+    row("Request throughput (req/s):", report["request_throughput"], ".2f")
+    if report["request_goodput"] is not None:
+        row("Request goodput (req/s):", report["request_goodput"], ".2f")
+    row("Output token throughput (tok/s):", report["output_throughput"], ".2f")
+    row("Peak output token throughput (tok/s):", report["max_output_tokens_per_s"], ".2f")
+    row("Peak concurrent requests:", report["max_concurrent_requests"])
+    row("Total token throughput (tok/s):", report["total_token_throughput"], ".2f")
+    for name in config.percentile_metrics:
+        short, title = _METRIC_TITLES[name]
+        lines.append(f" {title} ".center(width, "-"))
+        row(f"Mean {short} (ms):", report[f"mean_{name}_ms"], ".2f")
+        row(f"Median {short} (ms):", report[f"median_{name}_ms"], ".2f")
+        for p in config.metric_percentiles:
+            row(f"P{_percent(p)} {short} (ms):", report[f"p{_percent(p)}_{name}_ms"], ".2f")
+    if "engine_steps" in report:
+        lines.append(" Engine (hy3c /metrics) ".center(width, "-"))
+        row("Engine steps:", report["engine_steps"])
+        row("Mean step (ms):", report["engine_step_ms"], ".2f")
+        row("  of which host (ms):", report["engine_host_ms"], ".2f")
+        row("Kernel variants built:", report["engine_kernel_builds"])
     if report["failed"]:
-        lines.append(f"failed: {report['failed']} — {report['errors']}")
+        errors = sorted({e for e in report["errors"] if e})[:5]
+        lines.append(f"errors: {errors}")
+    lines.append("=" * width)
     return "\n".join(lines)
+
+
+def result_path(config: BenchConfig, report: dict, filename: str | None, directory: str | None) -> Path:
+    """Where `--save-result` writes: `--result-filename`, or vLLM's name for the run
+    (`{label}-{rate}qps[-concurrency{N}]-{model}-{date}.json`), inside `--result-dir` if given."""
+    if filename is None:
+        concurrency = f"-concurrency{config.max_concurrency}" if config.max_concurrency is not None else ""
+        model = str(report["model_id"]).rstrip("/").split("/")[-1]
+        label = config.label or report["backend"]
+        filename = f"{label}-{config.request_rate}qps{concurrency}-{model}-{report['date']}.json"
+    path = Path(directory) / filename if directory else Path(filename)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path

@@ -10,7 +10,8 @@ import urllib.request
 from pathlib import Path
 
 from hy3c.serve.api import build_app
-from hy3c.serve.server import ServeOptions, build_engine
+from hy3c.serve.lifecycle import HttpServer
+from hy3c.serve.server import ServeOptions, bind_socket, build_engine
 
 
 def free_port() -> int:
@@ -20,23 +21,18 @@ def free_port() -> int:
 
 
 class BackgroundServer:
-    """uvicorn serving an artifact in a thread (demo and tests)."""
+    """The server of `hy3c serve` (same gate, limits and shutdown) in a thread (demo and tests); port 0
+    picks a free one. Signals stay with the main thread: `drain` runs the SIGTERM shutdown."""
 
     def __init__(self, options: ServeOptions) -> None:
-        import uvicorn
-
+        sock = bind_socket(options.host, options.port)
         self.engine, tokenizer, server = build_engine(options)
+        limits = options.limits()
+        gate = build_app(self.engine, tokenizer, server, limits)
         self.engine.start()
-        self.base_url = f"http://{options.host}:{options.port}"
-        config = uvicorn.Config(
-            build_app(self.engine, tokenizer, server),
-            host=options.host,
-            port=options.port,
-            log_level="warning",
-            timeout_keep_alive=1,
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.http = HttpServer(gate, self.engine, sock, limits, options.shutdown_timeout, server.model_name)
+        self.gate, self.server, self.base_url = gate, self.http.server, self.http.url
+        self.thread = threading.Thread(target=self.http.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -45,8 +41,15 @@ class BackgroundServer:
             time.sleep(0.05)
 
     def stop(self) -> None:
+        """Stop at once (no drain)."""
         self.server.should_exit = True
         self.thread.join(10)
+        self.engine.stop()
+
+    def drain(self, timeout: float = 60.0) -> None:
+        """The SIGTERM shutdown (drain, abort, close), waiting up to `timeout` seconds for it."""
+        self.http.shutdown()
+        self.thread.join(timeout)
         self.engine.stop()
 
     def __enter__(self) -> BackgroundServer:

@@ -95,6 +95,7 @@ class _Live:
     output: list[int] = field(default_factory=list)
     scored: list[tuple[int, float, int, list[tuple[int, float]]]] = field(default_factory=list)
     prompt_sent: bool = False  # the prompt logprobs went out (with the first output)
+    admitted_at: float | None = None  # first scheduled
     first_token_at: float | None = None
     last_token_at: float | None = None
 
@@ -106,9 +107,12 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
-        self.metrics = metrics or EngineMetrics()
+        self.metrics = metrics or EngineMetrics(config.max_model_len)
         self.pool = PagePool(config.num_pages, config.page_size)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.metrics.watch(
+            lambda: len(self.scheduler.running), lambda: len(self.scheduler.waiting), self.pool.usage
+        )
         self.kv_cache = runner.allocate_kv_cache(config.num_pages, config.page_size)
         self.eos_ids = set(runner.config.eos_token_ids)
         self._live: dict[str, _Live] = {}
@@ -180,11 +184,17 @@ class Engine:
         return self._thread.is_alive() and self.dead is None
 
     def submit(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> None:
+        self.metrics.submitted(request.request_id)
         self._inbox.put(("add", request, emit))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))
+        self._wake.set()
+
+    def abort_all(self, error: str) -> None:
+        """Abort every request in the engine (shutdown): each ends with an output carrying `error`."""
+        self._inbox.put(("abort_all", error, None))
         self._wake.set()
 
     def num_requests(self) -> tuple[int, int]:
@@ -222,6 +232,9 @@ class Engine:
                 except Exception as exc:  # a request the engine cannot take fails alone
                     self._live.pop(payload.request_id, None)
                     self.scheduler.remove(payload.request_id)
+                    self.metrics.finished(
+                        payload.request_id, "error", now=time.monotonic(), arrival=payload.arrival
+                    )
                     emit(
                         StepOutput(
                             payload.request_id,
@@ -232,10 +245,17 @@ class Engine:
                         )
                     )
             elif kind == "abort" and payload in self._live:
-                live = self._live.pop(payload)
-                self.scheduler.remove(payload)
-                self.metrics.aborted.inc()
-                live.emit(self._final(live, "abort"))
+                self._abort(payload)
+            elif kind == "abort_all":
+                for request_id in list(self._live):
+                    self._abort(request_id, payload)
+
+    def _abort(self, request_id: str, error: str | None = None) -> None:
+        live = self._live.pop(request_id)
+        self.scheduler.remove(request_id)
+        self.metrics.aborted.inc()
+        self._record_end(live, "abort")
+        live.emit(self._final(live, "abort", error))
 
     def _admit(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> None:
         seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids))
@@ -252,6 +272,7 @@ class Engine:
 
     def _step(self) -> None:
         started = time.monotonic()
+        preempted = self.scheduler.num_preemptions
         try:
             work = self.scheduler.schedule()
         except OutOfPages as exc:
@@ -260,6 +281,10 @@ class Engine:
             return
         if not work:
             return
+        preempted = self.scheduler.num_preemptions - preempted
+        for w in work:
+            if w.start < w.seq.num_prompt:  # a prefill chunk: maybe the request's first scheduling
+                self._note_admission(w.seq, started)
         try:
             chunks = [
                 SeqChunk(
@@ -306,9 +331,7 @@ class Engine:
             finished - started,
             (prepared - started) + (finished - sampled),
             sum(w.count for w in work),
-            self.pool.usage(),
-            *self.num_requests(),
-            self.scheduler.num_preemptions,
+            preempted,
         )
 
     def _logit_rows(
@@ -376,6 +399,12 @@ class Engine:
                 emissions.append((live.emit, out))
         finally:
             self._deliver(emissions)
+
+    def _note_admission(self, seq: Sequence, now: float) -> None:
+        live = self._live.get(seq.request_id)
+        if live is not None and live.admitted_at is None:
+            live.admitted_at = now
+            self.metrics.admitted(seq.num_prompt, seq.cached_tokens, now - live.request.arrival)
 
     def _sample_and_emit(self, lives: list[_Live], logits: torch.Tensor, inputs: FusedInputs | None) -> float:
         """Sample every row, then detokenize and emit; returns the time the tokens were known."""
@@ -460,7 +489,21 @@ class Engine:
         self.pool.publish(live.seq.tokens, live.seq.pages, live.seq.computed, live.seq.page_keys)
         self.scheduler.remove(live.request.request_id)
         del self._live[live.request.request_id]
-        self.metrics.finished(reason, time.monotonic() - live.request.arrival, len(live.output))
+        self._record_end(live, reason)
+
+    def _record_end(self, live: _Live, reason: str) -> None:
+        self.metrics.finished(
+            live.request.request_id,
+            reason,
+            now=time.monotonic(),
+            arrival=live.request.arrival,
+            admitted=live.admitted_at,
+            first_token=live.first_token_at,
+            last_token=live.last_token_at,
+            prompt_tokens=len(live.request.prompt_ids),
+            generation_tokens=len(live.output),
+            cached_tokens=live.seq.cached_tokens,
+        )
 
     def _final(self, live: _Live, reason: str, error: str | None = None) -> StepOutput:
         out = StepOutput(live.request.request_id, finished=True, finish_reason=reason, error=error)
@@ -470,5 +513,5 @@ class Engine:
         live = self._live.pop(request_id, None)
         self.scheduler.remove(request_id)
         if live is not None:
-            self.metrics.finished("error", time.monotonic() - live.request.arrival, len(live.output))
+            self._record_end(live, "error")
             live.emit(self._final(live, "error", error))

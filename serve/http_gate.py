@@ -1,63 +1,273 @@
-"""The ASGI gate in front of the HTTP API: the API key and the request size limit, answered with
-OpenAI-style error JSON before a route sees the request."""
+"""The HTTP gate in front of the API: what is checked and answered before a route sees a request.
+
+`RequestGate` (ASGI middleware): the API key, the request size limit, the body read timeout, 503s while
+the server shuts down, the in-flight requests a shutdown waits for (and answers with 503 when it aborts
+them), and the access log — one `request` line per request (method, path, status, latency, the tokens
+of its generations, the error message of a 4xx/5xx) on the `hy3c.access` logger, at INFO (DEBUG for
+`/health`, `/metrics`, `/version`, which scrapers poll). Errors use OpenAI's JSON shape.
+
+`limited_http_protocol`: uvicorn's httptools protocol with the two limits uvicorn lacks: a time limit on
+the request line and headers (uvicorn and its parsers have none: a client sending half its headers
+would hold the connection forever) and a cap on open connections (uvicorn's `limit_concurrency`
+answers only once the headers are in, in plain text, and counts tasks too).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import logging
+import time
+from dataclasses import dataclass
 
+from hy3c.logs import log_event
+from hy3c.serve.metrics import CURRENT_USAGE, RequestUsage
 from hy3c.serve.protocol import error_body
 
 OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key
+_ERROR_CAPTURE_BYTES = 4096  # of an error response's body, for the access log's message
+
+log = logging.getLogger("hy3c.serve")
+access_log = logging.getLogger("hy3c.access")
+
+
+@dataclass
+class HttpLimits:
+    """How long and how many clients may hold the server (`hy3c serve` flags; README)."""
+
+    header_timeout: float = 10.0  # s from connecting (or a keep-alive request's first byte) to the headers
+    body_timeout: float = 30.0  # s from the headers to the whole body
+    timeout_keep_alive: float = 5.0  # s an idle keep-alive connection stays open
+    max_connections: int = 2048  # open connections; more are answered 503 and closed
 
 
 class RequestGate:
     """ASGI middleware in front of the app: 401 without the API key (when one is set; every path but
-    OPEN_PATHS) and 413 for request bodies over the limit (by Content-Length, or counted while a
-    streamed body is read). Plain ASGI, so the app still sees the client's disconnect."""
+    OPEN_PATHS), 413 for request bodies over the limit (by Content-Length, or counted while a streamed
+    body is read), 408 for a body not received within `body_timeout` seconds, 503 while draining.
+    The body is read here (it is at most `limit` bytes) and replayed to the app; later `receive` calls
+    go to the server, so the app still sees the client's disconnect."""
 
-    def __init__(self, app, limit: int, api_key: str | None) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, api_key: str | None, body_timeout: float = 30.0) -> None:
+        self.app, self.limit, self.body_timeout = app, limit, body_timeout
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.draining = False
+        self.refused = 0  # requests answered 503 while draining
+        self.flights: set[_Flight] = set()  # requests the app is serving (OPEN_PATHS aside)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        flight = _Flight(scope, send)
+        try:
+            await self._serve(flight, scope, receive)
+        except Exception:
+            flight.status = flight.status or 500  # uvicorn answers 500 for an app that raised
+            raise
+        finally:
+            flight.log()
+
+    async def _serve(self, flight: _Flight, scope, receive) -> None:
+        path = scope["path"]
+        if self.draining and path != "/metrics":
+            self.refused += 1
+            message = (
+                "the server is draining (shutting down)" if path == "/health" else "server is shutting down"
+            )
+            return await flight.answer(503, message, "service_unavailable", close=True)
         headers = dict(scope.get("headers", []))
         if (
             self.expected is not None
-            and scope["path"] not in OPEN_PATHS
+            and path not in OPEN_PATHS
             and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
         ):
-            return await _send_error(send, 401, "invalid API key", "authentication_error")
+            return await flight.answer(401, "invalid API key", "authentication_error")
         too_big = f"request body exceeds {self.limit} bytes"
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            return await _send_error(send, 413, too_big)
-        if length is not None:  # the server reads exactly Content-Length bytes
-            return await self.app(scope, receive, send)
-        parts, seen, more = [], 0, True  # streamed body: read it (up to the limit) before the app does
+            return await flight.answer(413, too_big, close=True)
+        parts, seen, more = [], 0, True
+        deadline = flight.started + self.body_timeout
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return await flight.answer(
+                    408, f"request body not received within {self.body_timeout:g} s", close=True
+                )
             if message["type"] != "http.request":
-                return None
+                return None  # the client went away
             parts.append(message.get("body", b""))
             seen += len(parts[-1])
             if seen > self.limit:
-                return await _send_error(send, 413, too_big)
+                return await flight.answer(413, too_big, close=True)
             more = message.get("more_body", False)
         pending = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
 
         async def replay():
             return pending.pop() if pending else await receive()
 
-        return await self.app(scope, replay, send)
+        tracked = path not in OPEN_PATHS
+        if tracked:
+            self.flights.add(flight)
+        token = CURRENT_USAGE.set(flight.usage)
+        try:
+            await self.app(scope, replay, flight.send)
+        finally:
+            CURRENT_USAGE.reset(token)
+            self.flights.discard(flight)
+
+    # ---- shutdown ----------------------------------------------------------------------------------
+    def begin_drain(self) -> int:
+        """Refuse new requests from now on; returns how many are in flight."""
+        self.draining = True
+        return len(self.flights)
+
+    async def abort_in_flight(self, message: str) -> int:
+        """Answer 503 to every request in flight whose response has not started (the app's own answer
+        is dropped when it comes); returns how many were in flight. Started responses (streams) are
+        ended by aborting their engine requests."""
+        flights = list(self.flights)
+        for flight in flights:
+            await flight.answer(503, message, "service_unavailable", close=True)
+        return len(flights)
 
 
-async def _send_error(send, status: int, message: str, kind: str = "invalid_request_error") -> None:
-    """An error response in OpenAI's JSON shape, sent straight through ASGI."""
-    body = json.dumps(error_body(message, kind, code=status)).encode()
-    await send(
-        {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
+class _Flight:
+    """One request through the gate: its response status, whether the gate answered it (then the
+    app's messages are dropped), and what the access log says about it."""
+
+    def __init__(self, scope, send) -> None:
+        self.scope, self._send = scope, send
+        self.started = time.monotonic()
+        self.status: int | None = None
+        self.answered = False
+        self.error: str | None = None
+        self.captured = bytearray()  # the start of an error response's body
+        self.usage = RequestUsage()
+
+    async def send(self, message) -> None:
+        if self.answered:
+            return
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        elif self.status is not None and self.status >= 400 and len(self.captured) < _ERROR_CAPTURE_BYTES:
+            self.captured += message.get("body", b"")
+        await self._send(message)
+
+    async def answer(
+        self, status: int, message: str, kind: str = "invalid_request_error", close: bool = False
+    ):
+        """Send an error response from the gate, unless the app's response has started."""
+        if self.status is not None:
+            return
+        self.status, self.error, self.answered = status, message, True
+        headers = [(b"content-type", b"application/json")]
+        if close:  # the rest of the request may still be on its way: do not read it as the next one
+            headers.append((b"connection", b"close"))
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        body = json.dumps(error_body(message, kind, code=status)).encode()
+        await self._send({"type": "http.response.body", "body": body})
+
+    def log(self) -> None:
+        path = self.scope["path"]
+        level = logging.DEBUG if path in OPEN_PATHS else logging.INFO
+        if not access_log.isEnabledFor(level):
+            return
+        fields: dict = {
+            "method": self.scope["method"],
+            "path": path,
+            "status": self.status if self.status is not None else "-",  # "-": the client left first
+            "ms": round((time.monotonic() - self.started) * 1e3, 1),
+        }
+        usage = self.usage
+        if usage.prompt_tokens or usage.completion_tokens:
+            fields.update(
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
+            )
+        client = self.scope.get("client")
+        if client:
+            fields["client"] = f"{client[0]}:{client[1]}"
+        if self.status is not None and self.status >= 400:
+            fields["error"] = self.error or _error_message(bytes(self.captured))
+        log_event(access_log, "request", level, **fields)
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI-style error body (or the start of the body as text)."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body[:200].decode(errors="replace")
+
+
+def raw_error_response(status: int, reason: str, message: str) -> bytes:
+    """A whole HTTP/1.1 error response with OpenAI's error JSON that closes the connection (for the
+    protocol layer, where no ASGI app runs)."""
+    body = json.dumps(error_body(message, "invalid_request_error", code=status)).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
     )
-    await send({"type": "http.response.body", "body": body})
+    return head.encode() + body
+
+
+def limited_http_protocol(header_timeout: float, max_connections: int) -> type:
+    """uvicorn's httptools protocol, closing a connection whose request line and headers are not in
+    within `header_timeout` seconds (of connecting, or of a keep-alive request's first byte; answered
+    408) and answering connections beyond `max_connections` with 503 before closing them."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class LimitedHttpProtocol(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                log_event(
+                    log, "connection_refused", logging.WARNING, limit=max_connections, client=self._peer()
+                )
+                message = f"too many open connections (the limit is {max_connections})"
+                transport.write(raw_error_response(503, "Service Unavailable", message))
+                transport.close()
+                return
+            self._arm_header_timer()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._header_timer is None:  # a keep-alive connection's next request
+                self._arm_header_timer()
+
+        def on_headers_complete(self) -> None:
+            self._cancel_header_timer()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self) -> None:
+            self._header_timer = self.loop.call_later(header_timeout, self._headers_timed_out)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_timed_out(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing():
+                return
+            log_event(log, "header_timeout", seconds=header_timeout, client=self._peer())
+            if self.cycle is None or self.cycle.response_complete:  # no response of ours is underway
+                message = f"request headers not received within {header_timeout:g} s"
+                self.transport.write(raw_error_response(408, "Request Timeout", message))
+            self.transport.close()
+
+        def _peer(self) -> str:
+            return f"{self.client[0]}:{self.client[1]}" if self.client else "-"
+
+    return LimitedHttpProtocol

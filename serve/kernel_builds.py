@@ -12,21 +12,23 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from prometheus_client import Counter
+
 from hy3c.logs import log_event
-from hy3c.serve.metrics import LabeledCounter
 
 log = logging.getLogger("hy3c.serve")
 
 
-def watch_kernel_builds(counter: LabeledCounter) -> bool:
-    """Route Triton's post-compile hook to `counter` (replacing any hook); False without Triton."""
+def watch_kernel_builds(counter: Counter) -> bool:
+    """Route Triton's post-compile hook to `counter` (labelled by kernel; replacing any hook); False
+    without Triton."""
     try:
         from triton import knobs
     except ImportError:
         return False
 
     def on_build(*, fn: Any, **_: Any) -> None:
-        counter.inc_label(fn.name)
+        counter.labels(kernel=fn.name).inc()
         log_event(log, "kernel_built_while_serving", logging.WARNING, kernel=fn.name)
 
     knobs.runtime.jit_post_compile_hook = on_build

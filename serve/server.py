@@ -1,25 +1,30 @@
-"""`hy3c serve ART`: load a compiled artifact, size the KV cache, start the engine and the HTTP server.
+"""`hy3c serve ART`: bind the port, load a compiled artifact, size the KV cache, start the engine and the
+HTTP server (`lifecycle`: client limits, shutdown on SIGTERM).
 
-The KV cache gets `--kv-memory` GiB (default: the recipe's `serving.kv_memory_fraction` of the free GPU
+The port is bound before anything heavy is imported or loaded, so a busy port fails in a fraction of a
+second; this module imports torch, the artifact loader and the server only inside functions. The KV
+cache gets `--kv-memory` GiB (default: the recipe's `serving.kv_memory_fraction` of the free GPU
 memory on CUDA, 0.25 GiB on CPU); `--max-model-len` defaults to what that cache and the model allow. On
 CUDA, decode steps of up to `--max-num-seqs` requests are captured as CUDA graphs.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from hy3c.artifact import load
 from hy3c.logs import log_event
-from hy3c.serve.api import ServerConfig, build_app
-from hy3c.serve.engine import Engine, EngineConfig
-from hy3c.serve.kernel_builds import watch_kernel_builds
-from hy3c.tokenizer import Hy3Tokenizer
+
+if TYPE_CHECKING:
+    from hy3c.serve.api import ServerConfig
+    from hy3c.serve.engine import Engine
+    from hy3c.serve.http_gate import HttpLimits
+    from hy3c.tokenizer import Hy3Tokenizer
 
 log = logging.getLogger("hy3c.serve")
 
@@ -41,9 +46,45 @@ class ServeOptions:
     cuda_graphs: bool = True
     max_request_bytes: int = 1 << 20
     max_waiting: int = 1024
+    shutdown_timeout: float = 30.0
+    timeout_keep_alive: float = 5.0
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 2048
+
+    def limits(self) -> HttpLimits:
+        from hy3c.serve.http_gate import HttpLimits
+
+        return HttpLimits(
+            self.header_timeout, self.body_timeout, self.timeout_keep_alive, self.max_connections
+        )
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening (connections made while the model loads wait in the
+    backlog). A busy port or a bad host is an OSError naming the flag."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise OSError(f"--host {host}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may find old TIME_WAIT pairs
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise OSError(f"--port {port}: {host}:{port} is already in use (pick another --port)") from None
+        raise OSError(f"--host {host} --port {port}: cannot listen there: {exc.strerror}") from None
+    return sock
 
 
 def page_bytes(runner, page_size: int) -> int:
+    import torch
+
     c = runner.config
     return (
         c.num_kv_layers
@@ -56,6 +97,15 @@ def page_bytes(runner, page_size: int) -> int:
 
 
 def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerConfig]:
+    import torch
+
+    from hy3c.artifact import load
+    from hy3c.serve.api import ServerConfig
+    from hy3c.serve.engine import Engine, EngineConfig
+    from hy3c.serve.kernel_builds import watch_kernel_builds
+    from hy3c.serve.metrics import EngineMetrics
+    from hy3c.tokenizer import Hy3Tokenizer
+
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # off by default: Inductor adds nothing measurable over the fused kernels (BENCHMARKS.md) and
     # specializes on each step's token count, recompiling on live traffic
@@ -93,7 +143,9 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
         max_num_batched_tokens=options.max_num_batched_tokens or serving.max_num_batched_tokens,
         max_model_len=max_model_len,
     )
-    engine = Engine(runner, tokenizer, config)
+    metrics = EngineMetrics(max_model_len)
+    metrics.describe_cache(page_size, num_pages, str(runner.kv_dtype).removeprefix("torch."))
+    engine = Engine(runner, tokenizer, config, metrics)
     if options.cuda_graphs and runner.device.type == "cuda":
         sizes = [b for b in runner.recipe.cuda_graphs.decode_batch_sizes if b <= config.max_num_seqs]
         runner.capture_decode_graphs(
@@ -125,14 +177,19 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
 
 
 def serve(options: ServeOptions) -> None:
-    import uvicorn
-
-    engine, tokenizer, server = build_engine(options)
-    engine.start()
-    log_event(log, "serving", url=f"http://{options.host}:{options.port}/v1", model=server.model_name)
+    """Serve until SIGTERM or Ctrl-C (`lifecycle`): the port first, then the model."""
+    sock = bind_socket(options.host, options.port)
+    engine = None
     try:
-        uvicorn.run(
-            build_app(engine, tokenizer, server), host=options.host, port=options.port, log_level="warning"
-        )
+        from hy3c.serve.api import build_app
+        from hy3c.serve.lifecycle import HttpServer
+
+        engine, tokenizer, server = build_engine(options)
+        limits = options.limits()
+        gate = build_app(engine, tokenizer, server, limits)
+        engine.start()
+        HttpServer(gate, engine, sock, limits, options.shutdown_timeout, server.model_name).run()
     finally:
-        engine.stop()
+        if engine is not None:
+            engine.stop()
+        sock.close()

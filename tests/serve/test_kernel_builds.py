@@ -6,6 +6,7 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hy3c.serve.kernel_builds import watch_kernel_builds
 from hy3c.serve.metrics import EngineMetrics
@@ -34,7 +35,11 @@ def test_each_build_after_warm_up_counts_per_kernel_and_logs_a_warning(monkeypat
             hook(key=None, repr="", fn=SimpleNamespace(name=name), compile={}, is_manual_warmup=False)
     finally:
         logger.removeHandler(collect)
-    rendered = metrics.render("m")
-    assert 'hy3c:kernel_builds_total{model_name="m",kernel="_prefill_kernel"} 2.0' in rendered
-    assert 'kernel="_merge_kernel"} 1.0' in rendered
+    (family,) = [
+        f for f in text_string_to_metric_families(metrics.render("m")) if f.name == "hy3c:kernel_builds"
+    ]
+    assert {(s.name, s.labels["kernel"], s.labels["model_name"], s.value) for s in family.samples} == {
+        ("hy3c:kernel_builds_total", "_prefill_kernel", "m", 2.0),
+        ("hy3c:kernel_builds_total", "_merge_kernel", "m", 1.0),
+    }
     assert [m.split()[0] for m in collect.messages] == ["kernel_built_while_serving"] * 3
