@@ -286,10 +286,8 @@ def test_logprobs_follow_the_openai_format(client):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first has no context
     assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
     assert "".join(lp.tokens) == out.choices[0].text or any(t.startswith("bytes:") for t in lp.tokens)
-    assert "".join(lp.tokens[:prompt_tokens]) == "The quick" and lp.text_offset[prompt_tokens] == len(
-        "The quick"
-    )
-    assert lp.text_offset[0] == 0
+    assert "".join(lp.tokens[:prompt_tokens]) == "The quick"
+    assert lp.text_offset[0] == 0 and lp.text_offset[prompt_tokens] == len("The quick")
     assert lp.text_offset == sorted(lp.text_offset) and len(set(lp.text_offset)) == len(lp.tokens)
     chat = client.chat.completions.create(
         model="art", messages=[{"role": "user", "content": "x"}], max_tokens=5, temperature=0, logprobs=True
