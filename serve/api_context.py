@@ -25,7 +25,7 @@ from fastapi import Request
 from hy3c.logs import log_event
 from hy3c.serve.delivery import LoopSink, stream_outputs
 from hy3c.serve.engine import Engine, GenerationRequest, StepOutput
-from hy3c.serve.protocol import IGNORED, unsupported_param, valid_unicode
+from hy3c.serve.protocol import IGNORED, UNSUPPORTED, UNSUPPORTED_IN_CHAT, unsupported_param, valid_unicode
 from hy3c.serve.sampler import SamplingParams
 from hy3c.tokenizer import Hy3Tokenizer
 
@@ -102,7 +102,9 @@ class ApiContext:
         if refused is not None:
             name, missing = refused
             raise APIError(400, f"{name}: {missing} is not supported by this server", name)
-        unknown = sorted(set(body.model_extra or {}) - IGNORED)
+        unknown = sorted(
+            set(body.model_extra or {}) - IGNORED - UNSUPPORTED.keys() - UNSUPPORTED_IN_CHAT.keys()
+        )
         if unknown:
             log_event(log, "request_fields_ignored", fields=",".join(ascii(name) for name in unknown))
 

@@ -267,6 +267,13 @@ def _nesting() -> list[Case]:
             "messages.0",
             path=CHAT,
         ),
+        Case("JSON nested past the parser's depth", b"[" * 100_000, 400, None),
+        Case(
+            "prompt nested past the parser's depth",
+            b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+            400,
+            None,
+        ),
     ]
 
 

@@ -83,3 +83,42 @@ def test_eviction_takes_the_tail_of_a_cached_prefix_first():
     pool.release(pages)
     pool.allocate(2)  # the free page, then one cached page is evicted
     assert pool.match_prefix(tokens) == pages[:3]
+
+
+def test_a_prompt_scoring_sequence_skips_the_prefix_cache_and_bounds_its_rows(monkeypatch):
+    """A sequence that scores its prompt takes no cached pages (their positions' logits are needed),
+    asks for every row of its prompt chunks, at most PROMPT_LOGITS_ROWS of them per step, and returns
+    to the prefix cache and single rows once the engine clears `score_prompt`."""
+    import hy3c.serve.scheduler as scheduler_mod
+
+    monkeypatch.setattr(scheduler_mod, "PROMPT_LOGITS_ROWS", 6)
+    pool = PagePool(64, page_size=4)
+    tokens = list(range(1, 14))
+    pages = pool.allocate(4)
+    pool.publish(tokens, pages, computed=13)
+    pool.release(pages)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
+    scoring, plain = Sequence("s", list(tokens), 13, score_prompt=True), Sequence("p", list(tokens), 13)
+    sched.add(scoring)
+    sched.add(plain)
+    step = sched.schedule()
+    assert [(w.seq.request_id, w.start, w.count, w.wants_logits, w.all_logits) for w in step] == [
+        ("s", 0, 6, False, True),
+        ("p", 12, 1, True, False),  # the plain one reuses the 3 cached pages
+    ]
+    assert scoring.cached_tokens == 0 and plain.cached_tokens == 12
+    scoring.computed, plain.computed = 6, 13
+    plain.tokens.append(99)
+    step = sched.schedule()
+    assert [(w.seq.request_id, w.count, w.all_logits) for w in step] == [("s", 6, True), ("p", 1, False)]
+    scoring.computed = 12
+    step = sched.schedule()
+    assert [(w.seq.request_id, w.start, w.count, w.wants_logits, w.all_logits) for w in step[:1]] == [
+        ("s", 12, 1, True, True)
+    ]
+    scoring.score_prompt = False  # the engine has every prompt position's logprob
+    scoring.computed = 13
+    sched._preempt(scoring)  # recomputed after a preemption: from the cache, no rows but the last
+    step = sched.schedule()
+    mine = next(w for w in step if w.seq is scoring)
+    assert mine.start == 12 and not mine.all_logits
