@@ -77,3 +77,38 @@ def test_compile_shows_progress_over_the_trace_and_each_pass(tiny_ckpt, tmp_path
     compile_artifact(recipe, tmp_path / "art", tiny_ckpt, progress=True)
     err = capsys.readouterr().err
     assert f"{1 + len(recipe.passes)}/{1 + len(recipe.passes)}" in err and "compile" in err
+
+
+_HEAVY = ("torch._inductor", "torch._dynamo", "hy3c.passes", "hy3c.compiler.driver", "hy3c.compiler.trace")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", "{art}", "passes"],
+        ["inspect", "{art}", "cache-key"],
+        ["compile", "--model", "{ckpt}", "--recipe", "nope", "--out", "{tmp}/o"],
+        ["serve", "{tmp}/missing"],
+        ["generate", "--model", "{tmp}/missing", "--prompt", "x"],
+        ["--help"],
+    ],
+)
+def test_cheap_commands_do_not_load_the_compiler(argv, artifact, tiny_ckpt, tmp_path):
+    """Inspecting, asking for help and simple mistakes answer without importing the compiler or Inductor
+    (they cost seconds of CPU before any message)."""
+    import json
+    import subprocess
+    import sys
+
+    args = [a.format(art=artifact, ckpt=tiny_ckpt, tmp=tmp_path) for a in argv]
+    probe = (
+        "import json, sys\n"
+        "from hy3c.cli import main\n"
+        "try:\n"
+        f"    main({args!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"print(json.dumps([m for m in sys.modules if m.startswith({_HEAVY!r})]))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == [], run.stderr
