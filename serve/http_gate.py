@@ -87,36 +87,46 @@ class RequestGate:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await flight.answer(413, too_big, close=True)
+        if path not in OPEN_PATHS:  # in flight from here: a shutdown waits for it (or answers it)
+            self.flights.add(flight)
+        try:
+            body = await self._read_body(flight, receive, too_big)
+            if body is None or flight.answered:  # the gate answered (a shutdown may have meanwhile)
+                return None
+            pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def replay():
+                return pending.pop() if pending else await receive()
+
+            token = CURRENT_USAGE.set(flight.usage)
+            try:
+                await self.app(scope, replay, flight.send)
+            finally:
+                CURRENT_USAGE.reset(token)
+        finally:
+            self.flights.discard(flight)
+
+    async def _read_body(self, flight: _Flight, receive, too_big: str) -> bytes | None:
+        """The whole body, or None once the gate has answered (408, 413) or the client went away."""
         parts, seen, more = [], 0, True
         deadline = flight.started + self.body_timeout
         while more:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                return await flight.answer(
+                await flight.answer(
                     408, f"request body not received within {self.body_timeout:g} s", close=True
                 )
+                return None
             if message["type"] != "http.request":
-                return None  # the client went away
+                return None
             parts.append(message.get("body", b""))
             seen += len(parts[-1])
             if seen > self.limit:
-                return await flight.answer(413, too_big, close=True)
+                await flight.answer(413, too_big, close=True)
+                return None
             more = message.get("more_body", False)
-        pending = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
-
-        async def replay():
-            return pending.pop() if pending else await receive()
-
-        tracked = path not in OPEN_PATHS
-        if tracked:
-            self.flights.add(flight)
-        token = CURRENT_USAGE.set(flight.usage)
-        try:
-            await self.app(scope, replay, flight.send)
-        finally:
-            CURRENT_USAGE.reset(token)
-            self.flights.discard(flight)
+        return b"".join(parts)
 
     # ---- shutdown ----------------------------------------------------------------------------------
     def begin_drain(self) -> int:

@@ -1,0 +1,153 @@
+"""`hy3c bench serve` with `vllm bench serve`'s flags and JSON keys, against a BackgroundServer of the
+tiny model; the arrival process, the statistics and the goodput checked on their own."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from hy3c.cli import main
+from hy3c.serve.bench_client import DETAILED_KEYS, BenchConfig, RequestResult, arrival_times, summarize
+from hy3c.serve.demo import BackgroundServer
+from hy3c.serve.server import ServeOptions
+
+VLLM_KEYS = {
+    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+    "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens",
+    "total_output_tokens", "request_throughput", "request_goodput", "output_throughput",
+    "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests",
+    *(f"{stat}_{m}_ms" for stat in ("mean", "median", "std", "p99") for m in ("ttft", "tpot", "itl", "e2el")),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tiny_artifact):
+    with BackgroundServer(ServeOptions(tiny_artifact, port=0, kv_memory_gib=0.02)) as srv:
+        yield srv
+
+
+def bench(server, *flags: str) -> int:
+    return main(["bench", "serve", "--base-url", server.base_url, *flags])
+
+
+def test_random_dataset_at_a_seeded_poisson_rate_saves_vllm_keys(server, tmp_path, capsys):
+    flags = ["--dataset-name", "random", "--num-prompts", "12", "--random-input-len", "8"]
+    flags += ["--random-output-len", "5", "--random-prefix-len", "4", "--request-rate", "20", "--seed", "3"]
+    flags += ["--max-concurrency", "4", "--goodput", "ttft:60000", "tpot:60000", "e2el:60000"]
+    flags += ["--save-result", "--save-detailed", "--result-dir", str(tmp_path / "out")]
+    flags += ["--result-filename", "run.json", "--metadata", "commit=abc", "--disable-tqdm"]
+    assert bench(server, *flags) == 0
+    result = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert result.keys() >= VLLM_KEYS and set(DETAILED_KEYS) <= result.keys()
+    assert {f"p{p}_{m}_ms" for p in (50, 90) for m in ("ttft", "tpot", "itl", "e2el")} <= result.keys()
+    assert result["completed"] == 12 and result["failed"] == 0 and result["errors"] == [""] * 12
+    assert result["input_lens"] == [12] * 12 and result["output_lens"] == [5] * 12  # ignore_eos for random
+    assert result["total_input_tokens"] == 144 and result["total_output_tokens"] == 60
+    # one gap per chunk after the first; a token ending inside a UTF-8 character waits for the next one
+    assert all(1 <= len(itl) <= 4 for itl in result["itls"]) and all(t > 0 for t in result["ttfts"])
+    assert result["request_rate"] == 20.0 and result["burstiness"] == 1.0 and result["max_concurrency"] == 4
+    assert result["duration"] >= 12 / 20  # the last request is sent at n / rate
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])  # every SLO met
+    assert 1 <= result["max_concurrent_requests"] <= 4 and result["commit"] == "abc"
+    assert result["dataset_name"] == "random" and result["model_id"] == "art"
+    ttfts = np.array(result["ttfts"]) * 1e3
+    assert result["p90_ttft_ms"] == pytest.approx(np.percentile(ttfts, 90))
+    assert result["median_ttft_ms"] == pytest.approx(np.median(ttfts))
+    assert result["engine_steps"] >= 5 and 0 < result["engine_host_ms"] < result["engine_step_ms"]
+    assert result["engine_kernel_builds"] == 0  # the CPU server runs torch providers: nothing to compile
+    printed = capsys.readouterr().out
+    for line in ("Serving Benchmark Result", "Request goodput (req/s):", "P90 TTFT (ms):", "Mean step (ms):"):
+        assert line in printed
+
+
+def test_prefix_repetition_reuses_its_prefixes_and_shows_progress(server, tmp_path, capsys):
+    hits = server.engine.metrics.sample("hy3c:prefix_cache_hits_total")
+    flags = [
+        "--dataset-name",
+        "prefix-repetition",
+        "--num-prompts",
+        "8",
+        "--prefix-repetition-prefix-len",
+        "40",
+    ]
+    flags += ["--prefix-repetition-suffix-len", "4", "--prefix-repetition-num-prefixes", "2"]
+    flags += ["--prefix-repetition-output-len", "3", "--ignore-eos", "--max-concurrency", "1"]
+    flags += ["--save-result", "--result-dir", str(tmp_path)]
+    assert bench(server, *flags) == 0
+    (path,) = tmp_path.glob("*.json")
+    assert path.name.startswith("openai-infqps-concurrency1-art-")  # vLLM's file name for the run
+    result = json.loads(path.read_text())
+    assert not set(DETAILED_KEYS) & result.keys()  # kept with --save-detailed only
+    assert result["completed"] == 8 and result["total_input_tokens"] == 8 * 44
+    assert result["total_output_tokens"] == 24 and result["request_goodput"] is None
+    # one at a time: the first prompt of each prefix computes it, the 3 after it reuse its 2 full pages
+    assert server.engine.metrics.sample("hy3c:prefix_cache_hits_total") - hits >= 6 * 32
+    assert "8/8" in capsys.readouterr().err  # the progress bar
+
+
+def test_chat_endpoint(server, tmp_path):
+    flags = ["--endpoint", "/v1/chat/completions", "--num-prompts", "3", "--random-input-len", "6"]
+    flags += ["--random-output-len", "3", "--save-result", "--result-filename", str(tmp_path / "chat.json")]
+    assert bench(server, *flags, "--disable-tqdm") == 0
+    result = json.loads((tmp_path / "chat.json").read_text())
+    assert result["completed"] == 3 and result["total_output_tokens"] == 9
+    assert result["backend"] == "openai-chat" and result["total_input_tokens"] > 3 * 6  # the chat template
+
+
+def test_arrivals_follow_the_rate_and_the_seed():
+    def draw(seed: int, burstiness: float = 1.0) -> np.ndarray:
+        return arrival_times(2000, 50.0, burstiness, np.random.default_rng(seed))
+
+    assert np.array_equal(draw(1), draw(1)) and not np.array_equal(draw(1), draw(2))
+    gaps = np.diff(draw(1))
+    assert draw(1)[-1] == pytest.approx(2000 / 50) and gaps.mean() == pytest.approx(1 / 50, rel=0.01)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.1)  # exponential gaps: Poisson
+    assert np.diff(draw(1, burstiness=100.0)).std() / (1 / 50) < 0.2  # near-uniform
+    assert not arrival_times(5, math.inf, 1.0, np.random.default_rng(0)).any()
+
+
+def test_statistics_and_goodput():
+    results = [
+        RequestResult(prompt_len=10, success=True, ttft=t, itl=[0.01] * 4, latency=t + 0.04, output_tokens=5)
+        for t in (0.1, 0.2, 0.3, 0.4)
+    ] + [RequestResult(prompt_len=10, error="HTTP 500")]
+    config = BenchConfig(goodput={"ttft": 250.0, "tpot": 11.0}, metric_percentiles=(25.0, 99.9))
+    report = summarize(results, 2.0, config)
+    assert report["completed"] == 4 and report["failed"] == 1 and report["request_goodput"] == 1.0
+    assert report["total_input_tokens"] == 40 and report["output_lens"] == [5, 5, 5, 5, 0]
+    ttfts = np.array([100.0, 200.0, 300.0, 400.0])
+    assert report["mean_ttft_ms"] == pytest.approx(250.0) and report["std_ttft_ms"] == pytest.approx(
+        ttfts.std()
+    )
+    assert report["p25_ttft_ms"] == pytest.approx(np.percentile(ttfts, 25))
+    assert report["p99.9_ttft_ms"] == pytest.approx(np.percentile(ttfts, 99.9))
+    assert report["mean_tpot_ms"] == pytest.approx(10.0) and report["median_itl_ms"] == pytest.approx(10.0)
+    assert report["total_token_throughput"] == pytest.approx((40 + 20) / 2.0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num-prompts", "0"], "error: --num-prompts must be positive (got 0)"),
+        (["--goodput", "ttft=5"], "error: --goodput 'ttft=5': write METRIC:MS"),
+        (["--goodput", "itl:5"], "error: --goodput itl:5.0: give ttft, tpot or e2el"),
+        (
+            ["--dataset-name", "sharegpt"],
+            "error: --dataset-name: 'sharegpt' is not one of random, prefix_repetition",
+        ),
+        (["--percentile-metrics", "ttft,foo"], "error: --percentile-metrics: 'foo' is not one of"),
+        (
+            ["--metric-percentiles", "50,x"],
+            "error: --metric-percentiles: '50,x' is not a comma-separated list",
+        ),
+        (["--request-rate", "0"], "error: --request-rate must be positive (got 0.0)"),
+        (["--endpoint", "/v1/embeddings"], "error: --endpoint: '/v1/embeddings' is not one of"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(flags, message, capsys):
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
