@@ -191,7 +191,10 @@ def check_call(
 
 def _describe(value: object, kinds: dict[fx.Node, Kind]) -> str:
     if isinstance(value, fx.Node):
-        return f"node {value.name} ({kinds.get(value)})"
+        kind = kinds.get(value)
+        if isinstance(kind, Multi):
+            kind = "a list of tensors" if kind.count is None else f"{kind.count} outputs"
+        return f"node {value.name} ({kind})"
     return f"{value!r} ({type(value).__name__})"
 
 
