@@ -39,9 +39,9 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _token_ids(value: Any, what: str) -> list[int]:
+def _token_ids(value: Any) -> list[int]:
     if not isinstance(value, list) or not all(_is_token_id(v) for v in value):
-        raise _invalid(f"{what} must be a list of integer token ids")
+        raise _invalid("must be a list of integer token ids")
     return value
 
 
@@ -102,7 +102,7 @@ class _Sampling(_Body):
     @field_validator("stop_token_ids", mode="before")
     @classmethod
     def _stop_ids(cls, value: Any) -> list[int]:
-        return [] if value is None else _token_ids(value, "stop_token_ids")
+        return [] if value is None else _token_ids(value)
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -201,7 +201,7 @@ class DetokenizeRequest(_Body):
     @field_validator("tokens", mode="before")
     @classmethod
     def _ids(cls, value: Any) -> list[int]:
-        return _token_ids(value, "tokens")
+        return _token_ids(value)
 
 
 def _absent(value: Any) -> bool:
@@ -261,7 +261,8 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 UNSUPPORTED_IN_CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "echo": (_absent, "echo in chat"),
 }
-# accepted without effect: bookkeeping that does not change the output (parallel_tool_calls: no tools)
+# accepted without effect: bookkeeping that does not change the output (parallel_tool_calls: there are
+# no tools; add_special_tokens: hy3c adds none to a prompt, chat templates write their own)
 IGNORED = frozenset(
     {
         "user",
