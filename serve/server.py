@@ -31,6 +31,8 @@ log = logging.getLogger("hy3c.serve")
 
 @dataclass
 class ServeOptions:
+    """`hy3c serve`'s settings, one per flag (the README lists the limits and their defaults)."""
+
     artifact: Path
     host: str = "127.0.0.1"
     port: int = 8000
@@ -53,6 +55,7 @@ class ServeOptions:
     max_connections: int = 2048
 
     def limits(self) -> HttpLimits:
+        """The limits on clients that the HTTP layer enforces."""
         from hy3c.serve.http_gate import HttpLimits
 
         return HttpLimits(
