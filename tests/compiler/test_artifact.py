@@ -398,3 +398,105 @@ def test_artifact_with_triton_kernels_generates_like_eager(tiny_ckpt, tmp_path, 
     model = load_model(tiny_ckpt, dtype=torch.float32, progress=False)
     prompts = [[5, 9, 100, 7], list(range(20, 51)), [3]]
     assert generate_tokens(runner, prompts, 6, stop_ids=[]) == generate_tokens(model, prompts, 6, stop_ids=[])
+
+
+def _interrupt(monkeypatch, step):
+    """Interrupt safetensors_io's rename of the new output into place ("replace"), or its removal of the
+    old output ("rmtree": cut short after deleting the old manifest)."""
+    import os
+
+    from hy3c import safetensors_io
+
+    real_replace, real_rmtree = os.replace, shutil.rmtree
+
+    def replace(src, dst):
+        if step == "replace" and ".tmp-" in str(src):
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    def rmtree(path, *args, **kwargs):
+        if step == "rmtree" and ".tmp-" not in str(path):
+            (path / "manifest.json").unlink()
+            raise KeyboardInterrupt
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors_io.os, "replace", replace)
+    monkeypatch.setattr(safetensors_io.shutil, "rmtree", rmtree)
+
+
+@pytest.mark.parametrize(
+    ("step", "survivor"),
+    [("rmtree", "h200-bf16"), ("replace", "cpu-reference")],
+    ids=["interrupted-deleting-the-old", "interrupted-renaming-the-new"],
+)
+def test_interrupted_overwrite_leaves_the_old_or_the_new_artifact(tmp_path, monkeypatch, step, survivor):
+    """compile --overwrite moves the old artifact aside, renames the new one into place, then deletes
+    the old: interrupted while deleting, the new one is in place; while renaming, the old one is back."""
+    out = tmp_path / "art"
+    compile_artifact(load_recipe("cpu-reference"), out, preset="tiny")
+    _interrupt(monkeypatch, step)
+    with pytest.raises(KeyboardInterrupt):
+        compile_artifact(load_recipe("h200-bf16"), out, preset="tiny", overwrite=True)
+    monkeypatch.undo()
+    assert artifact.open_artifact(out).recipe.name == survivor
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # the new one never lingers half-done
+    leftovers = [p for p in tmp_path.iterdir() if ".old-" in p.name]
+    assert len(leftovers) == (step == "rmtree")  # the old one, moved aside, where the delete was cut short
+
+
+def test_overwrite_replaces_a_file_and_leaves_nothing_beside_it(tmp_path):
+    from hy3c.safetensors_io import atomic_output_dir
+
+    out = tmp_path / "out"
+    out.write_text("a file in the way")
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "new").write_text("new")
+    assert (out / "new").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def _checkpoint_copy(tiny_ckpt, tmp_path):
+    return shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("tokenizer.json", "", r"tokenizer.json: not a valid tokenizer \(EOF while parsing"),
+        ("tokenizer.json", '{"version": "1.0", "model": ', r"tokenizer.json: not a valid tokenizer"),
+        ("tokenizer.json", "[]", r"tokenizer.json: not a valid tokenizer"),
+        ("tokenizer.json", b"\xff\xfe", r"tokenizer.json: not a valid tokenizer"),
+        ("tokenizer_config.json", "{", r"tokenizer_config.json: corrupt JSON"),
+        ("tokenizer_config.json", "[]", r"tokenizer_config.json: expected a JSON object"),
+        ("chat_template.jinja", "{% for %}", r"chat_template.jinja: invalid chat template"),
+    ],
+)
+def test_corrupt_tokenizer_files_are_named_at_compile_and_load(
+    tiny_ckpt, tmp_path, capsys, name, content, message
+):
+    from hy3c.tokenizer import Hy3Tokenizer, TokenizerError
+
+    ckpt = _checkpoint_copy(tiny_ckpt, tmp_path)
+    if isinstance(content, bytes):
+        (ckpt / name).write_bytes(content)
+    else:
+        (ckpt / name).write_text(content)
+    with pytest.raises(TokenizerError, match=message):
+        Hy3Tokenizer.from_dir(ckpt)
+    out = tmp_path / "out"
+    with pytest.raises(TokenizerError, match=message):
+        compile_artifact(load_recipe("cpu-reference"), out, checkpoint=ckpt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing written, nothing copied
+    assert main(["compile", "--model", str(ckpt), "--recipe", "cpu-reference", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.match(f"error: {re.escape(str(ckpt))}/{message}", err[0]), err
+
+
+def test_a_corrupt_tokenizer_in_an_artifact_is_named_on_load(cpu_art, tmp_path, capsys):
+    from hy3c.tokenizer import Hy3Tokenizer, TokenizerError
+
+    path = _copy(cpu_art, tmp_path / "art")
+    (path / "tokenizer.json").write_text("")
+    with pytest.raises(TokenizerError, match=f"{path / 'tokenizer.json'}: not a valid tokenizer"):
+        Hy3Tokenizer.from_dir(path)
+    assert main(["generate", "--artifact", str(path), "--prompt", "hi", "--max-tokens", "1"]) == 2
+    assert f"error: {path / 'tokenizer.json'}: not a valid tokenizer" in capsys.readouterr().err
