@@ -20,8 +20,10 @@ calls them, so that no kernel is handed arguments it would misread:
   the expert weights hold.
 * **shapes through the whole graph** (`check_shapes`): every node runs on meta tensors (the ops' meta
   and fake kernels, as FakeTensor propagation does, without its per-op overhead) from the recorded
-  parameter shapes and representative step inputs built from the model config; the outputs must be
-  the fp32 logits [rows, vocab] and the hidden states [tokens, hidden] in the model dtype.
+  parameter shapes and the step inputs, built from the model config, of two steps in which every
+  dynamic size differs (so shapes that agree at one size only are refused); the outputs must be the
+  fp32 logits [rows, vocab] and the hidden states [tokens, hidden] in the model dtype. Int arguments
+  of the hy3 ops are constants of the program, never sizes read from a step's inputs.
 
 Every refusal is a `ProgramError` naming the node.
 """
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
@@ -50,8 +52,23 @@ STEP_INPUTS = (
     "logits_indices",
 )
 STEP_OUTPUTS = ("logits", "hidden")
-# representative sizes of the step inputs, all different so that a confused dimension shows
-TOKENS, SEQS, MAX_PAGES, KV_PAGES, PAGE_SIZE, LOGITS_ROWS = 11, 3, 5, 17, 16, 7
+
+
+class StepSizes(NamedTuple):
+    """The dynamic sizes of one step's inputs."""
+
+    tokens: int
+    seqs: int
+    max_pages: int
+    kv_pages: int
+    page_size: int
+    logits_rows: int
+
+
+# Representative steps: within each, all sizes differ (a confused dimension shows); between the two,
+# every size changes (a program whose shapes agree only at one size, e.g. rows of a constant tensor
+# standing in for the token rows, is refused).
+STEP_SIZES = (StepSizes(11, 3, 5, 17, 16, 7), StepSizes(13, 2, 6, 19, 32, 5))
 
 TENSOR, INT, NONE = "tensor", "int", "none"
 _INT64 = (-(2**63), 2**63 - 1)
@@ -73,19 +90,28 @@ class Multi:
 Kind = str | Multi
 
 
-def step_inputs(config: Hy3Config, kv_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Meta tensors shaped and typed like the step inputs the engine passes (representative sizes)."""
+def step_inputs(
+    config: Hy3Config, kv_dtype: torch.dtype, sizes: StepSizes = STEP_SIZES[0]
+) -> tuple[torch.Tensor, ...]:
+    """Meta tensors shaped and typed like the step inputs the engine passes."""
     i64, i32 = torch.int64, torch.int32
-    kv = (config.num_kv_layers, 2, KV_PAGES, PAGE_SIZE, config.num_key_value_heads, config.head_dim)
+    kv = (
+        config.num_kv_layers,
+        2,
+        sizes.kv_pages,
+        sizes.page_size,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
     shapes = (
-        ((TOKENS,), i64),
-        ((TOKENS,), i64),
+        ((sizes.tokens,), i64),
+        ((sizes.tokens,), i64),
         (kv, kv_dtype),
-        ((SEQS, MAX_PAGES), i32),
-        ((SEQS,), i32),
-        ((SEQS + 1,), i32),
-        ((TOKENS,), i64),
-        ((LOGITS_ROWS,), i64),
+        ((sizes.seqs, sizes.max_pages), i32),
+        ((sizes.seqs,), i32),
+        ((sizes.seqs + 1,), i32),
+        ((sizes.tokens,), i64),
+        ((sizes.logits_rows,), i64),
     )
     return tuple(torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in shapes)
 
@@ -231,6 +257,7 @@ class _Contract:
         if not isinstance(value, torch.Tensor):
             raise _Broken(f"argument '{arg}' must be a tensor")
         shape = list(value.shape)
+        sizes = dict(self.sizes)  # bound only if the whole pattern matches
         if isinstance(pattern, list):
             ok = shape == pattern
         else:
@@ -239,11 +266,12 @@ class _Contract:
             dims = dims[1:] if leading else dims
             ok = len(shape) >= len(dims) if leading else len(shape) == len(dims)
             for dim, size in zip(dims, shape[len(shape) - len(dims) :]) if ok else ():
-                expected = int(dim) if dim.isdigit() else self.sizes.setdefault(dim, size)
+                expected = int(dim) if dim.isdigit() else sizes.setdefault(dim, size)
                 ok = ok and size == expected
         if not ok:
             bound = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
             raise _Broken(f"argument '{arg}' has shape {shape}, expected [{pattern}] ({bound})")
+        self.sizes = sizes
         if dtype is not None and value.dtype != dtype:
             raise _Broken(f"argument '{arg}' is {value.dtype}, expected {dtype}")
 
@@ -483,22 +511,23 @@ def check_shapes(
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
 ) -> None:
-    """Run the graph on meta tensors (parameters as recorded, step inputs of representative sizes),
+    """Run the graph on meta tensors (parameters as recorded, the step inputs of each of `STEP_SIZES`),
     checking each hy3 op's contract first; the outputs must be the logits and hidden states."""
-    inputs = dict(zip(STEP_INPUTS, step_inputs(config, kv_dtype)))
-    env = _Env(tokens=TOKENS)
-    values: dict[fx.Node, Any] = {}
     with torch.no_grad():
-        for node in graph.nodes:
-            if node.op == "placeholder":
-                values[node] = inputs[node.target]
-            elif node.op == "get_attr":
-                shape, param_dtype = params[node.target]
-                values[node] = torch.empty(shape, dtype=param_dtype, device="meta")
-            elif node.op == "call_function":
-                values[node] = _run_node(node, values, env)
-            else:
-                _check_outputs(node, values, config, dtype)
+        for sizes in STEP_SIZES:
+            inputs = dict(zip(STEP_INPUTS, step_inputs(config, kv_dtype, sizes)))
+            env = _Env(tokens=sizes.tokens)
+            values: dict[fx.Node, Any] = {}
+            for node in graph.nodes:
+                if node.op == "placeholder":
+                    values[node] = inputs[node.target]
+                elif node.op == "get_attr":
+                    shape, param_dtype = params[node.target]
+                    values[node] = torch.empty(shape, dtype=param_dtype, device="meta")
+                elif node.op == "call_function":
+                    values[node] = _run_node(node, values, env)
+                else:
+                    _check_outputs(node, values, config, dtype, sizes)
 
 
 def _run_node(node: fx.Node, values: dict[fx.Node, Any], env: _Env) -> Any:
@@ -528,18 +557,23 @@ def _contract(node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any], env:
     for arg in STEP_INPUTS:
         if arg in nodes and not _is_step_input(nodes[arg], arg):
             raise _Broken(f"argument '{arg}' must be the step input {arg}, not a computed value")
+    for arg in schema.arguments:  # a size read from an input varies per step: the check would not hold
+        if "Tensor" not in str(arg.real_type) and isinstance(nodes[arg.name], fx.Node):
+            raise _Broken(f"argument '{arg.name}' must be a constant, not node {nodes[arg.name].name}")
     contract = _Contract(bind_arguments(schema, args, kwargs), nodes, env)
     CONTRACTS[_short_name(node.target)](contract)
     return contract
 
 
-def _check_outputs(node: fx.Node, values: dict[fx.Node, Any], config: Hy3Config, dtype: torch.dtype) -> None:
+def _check_outputs(
+    node: fx.Node, values: dict[fx.Node, Any], config: Hy3Config, dtype: torch.dtype, sizes: StepSizes
+) -> None:
     outputs = node.args[0] if len(node.args) == 1 and not node.kwargs else None
     if not isinstance(outputs, tuple) or len(outputs) != len(STEP_OUTPUTS):
         raise ProgramError(f"node {node.name}: the program must return {STEP_OUTPUTS}")
     expected = {
-        "logits": ([LOGITS_ROWS, config.vocab_size], torch.float32),
-        "hidden": ([TOKENS, config.hidden_size], dtype),
+        "logits": ([sizes.logits_rows, config.vocab_size], torch.float32),
+        "hidden": ([sizes.tokens, config.hidden_size], dtype),
     }
     for name, value in zip(STEP_OUTPUTS, outputs):
         tensor = values.get(value) if isinstance(value, fx.Node) else None

@@ -71,6 +71,10 @@ def _node(data, name):
     return next(n for n in data["nodes"] if n["name"] == name)
 
 
+def _index(data, name):
+    return next(i for i, n in enumerate(data["nodes"]) if n["name"] == name)
+
+
 def _call(name, target, *args, **kwargs):
     return {
         "name": name,
@@ -336,6 +340,16 @@ def test_wrong_argument_types_are_refused(cpu_art, edit, message):
 # ---- shapes and the hy3 ops' contracts -----------------------------------------------------------
 
 
+def _constant_rows_as_queries(data):
+    """Queries cut from a weight: 11 rows whatever the step's token count (equal to it at 11 tokens)."""
+    data["nodes"][_index(data, "paged_attention_default") : _index(data, "paged_attention_default")] = [
+        _call("cut", "aten.split_with_sizes.default", {"node": "embed_tokens_weight"}, [22, 490]),
+        _call("rows", "getitem", {"node": "cut"}, 0),
+        _call("fake_q", "aten.reshape.default", {"node": "rows"}, [11, 4, 32]),
+    ]
+    _node(data, "paged_attention_default")["args"]["tuple"][0] = {"node": "fake_q"}
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -375,6 +389,14 @@ def test_wrong_argument_types_are_refused(cpu_art, edit, message):
             "argument 'plan' must be an attention_plan node",
         ),
         (_arg("attention_plan_default", 2, 0), r"'kv_tile' is 0, outside \[1"),
+        (
+            _arg("paged_attention_default", 3, {"node": "sym_size_int_1"}),
+            "'layer' must be a constant, not node",
+        ),
+        (
+            _constant_rows_as_queries,
+            r"node paged_attention_default .*'q' has shape \[11, 4, 32\], expected \[T Hq D\] \(T=13",
+        ),
         (_arg("topk_routing_default", 2, 9), r"node topk_routing_default .*'top_k' is 9, outside \[1, 9\)"),
         (
             _arg("fused_moe_default", 2, {"node": "getitem_13"}),
@@ -413,10 +435,6 @@ def test_inconsistent_shapes_are_refused(art, edit, message):
         return
     with pytest.raises(ArtifactError, match=message):
         artifact.load(art, compile=False)
-
-
-def _index(data, name):
-    return next(i for i, n in enumerate(data["nodes"]) if n["name"] == name)
 
 
 # ---- the manifest's hashes -----------------------------------------------------------------------
