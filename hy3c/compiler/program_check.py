@@ -119,7 +119,7 @@ def step_inputs(
 # ---- arguments against the schema ------------------------------------------------------------------
 
 
-def _kind_of_returns(schema: torch._C.FunctionSchema) -> Kind:
+def _kind_of_returns(schema: torch._C.FunctionSchema, node: str) -> Kind:
     returns = schema.returns
     if not returns:
         return NONE
@@ -132,7 +132,7 @@ def _kind_of_returns(schema: torch._C.FunctionSchema) -> Kind:
         return INT
     if kind == "ListType" and returns[0].real_type.getElementType().kind() == "TensorType":
         return Multi(None)
-    raise ProgramError(f"op {schema.name} returns {returns[0].real_type}, which no program uses")
+    raise ProgramError(f"node {node}: op {schema.name} returns {returns[0].real_type}, which no program uses")
 
 
 def _is_int(value: object) -> bool:
@@ -212,7 +212,7 @@ def check_call(
                 f"node {node} ({name}): argument '{arg.name}' must be {arg.real_type}, "
                 f"got {_describe(bound[arg.name], kinds)}"
             )
-    return _kind_of_returns(schema)
+    return _kind_of_returns(schema, node)
 
 
 def _describe(value: object, kinds: dict[fx.Node, Kind]) -> str:
