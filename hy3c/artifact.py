@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from hy3c.compiler.manifest import FORMAT_VERSION, files_sha256, json_sha256, kv_cache_dtype
+from hy3c.compiler.manifest import FORMAT_VERSION, cache_key_parts, files_sha256, json_sha256, kv_cache_dtype
 from hy3c.config import Hy3Config
 from hy3c.recipe import Recipe
 
@@ -189,38 +189,46 @@ def open_artifact(path: str | Path) -> Artifact:
     return Artifact(path, manifest, config, recipe)
 
 
+# the manifest field each part of the cache key is computed from
+_PART_SOURCES = {
+    "model": "model_config",
+    "recipe": "recipe",
+    "weights": "weights.files",
+    "program": "program.sha256",
+    "hy3c": "versions",
+    "torch": "versions",
+    "triton": "versions",
+}
+
+
 def _check_hashes(file: Path, manifest: dict[str, Any], checked: _Manifest, recipe: Recipe) -> None:
-    """Each part of the cache key recomputed from the manifest, and the key from its parts."""
-    parts = checked.cache_key.parts
-    weight_list = [f.sha256 for f in checked.weights.files] if checked.weights is not None else None
-    expected = {
-        "model_config": (parts.model, json_sha256(manifest["model_config"]), "cache_key.parts.model"),
-        "recipe": (parts.recipe, json_sha256(manifest["recipe"]), "cache_key.parts.recipe"),
-        "program.sha256": (parts.program, checked.program.sha256, "cache_key.parts.program"),
-        "weights.files": (
-            parts.weights,
-            json_sha256(weight_list) if weight_list is not None else None,
-            "cache_key.parts.weights",
-        ),
-        "versions": (
-            [parts.hy3c, parts.torch, parts.triton],
-            [checked.versions.hy3c, checked.versions.torch, checked.versions.triton],
-            "cache_key.parts (hy3c, torch, triton)",
-        ),
-        "cache_key.parts.passes": (
-            sorted(parts.passes),
-            sorted(p.name for p in recipe.passes),
-            "recipe.passes",
-        ),
-        "kv_cache.dtype": (checked.kv_cache.dtype, kv_cache_dtype(recipe), "the recipe's quant.kv and dtype"),
-    }
-    for field, (recorded, actual, what) in expected.items():
-        if recorded != actual:
+    """The cache key's parts recomputed from the manifest by the writer's function, and the key from
+    its parts; the recorded pass-source hashes must cover the recipe's passes."""
+    recorded = manifest["cache_key"]["parts"]
+    recomputed = cache_key_parts(
+        manifest["model_config"],
+        manifest["recipe"],
+        recorded["passes"],  # the sources of the hy3c that compiled it: recorded, not recomputable
+        manifest["weights"]["files"] if checked.weights is not None else [],
+        checked.program.sha256,
+        manifest["versions"],
+    )
+    for part in sorted(recorded.keys() | recomputed.keys()):
+        if recorded.get(part) != recomputed.get(part):
+            source = _PART_SOURCES.get(part, f"cache_key.parts.{part}")
             raise ArtifactError(
-                f"{file}: field '{field}' does not match {what} (edited after compiling? recompile it)"
+                f"{file}: field '{source}' does not match cache_key.parts.{part} "
+                "(edited after compiling? recompile it)"
             )
-    if json_sha256(manifest["cache_key"]["parts"]) != checked.cache_key.key:
+    if sorted(recorded["passes"]) != sorted(p.name for p in recipe.passes):
+        raise ArtifactError(f"{file}: field 'cache_key.parts.passes' does not match the recipe's passes")
+    if json_sha256(recorded) != checked.cache_key.key:
         raise ArtifactError(f"{file}: field 'cache_key.key' is not the hash of cache_key.parts (edited?)")
+    if checked.kv_cache.dtype != kv_cache_dtype(recipe):
+        raise ArtifactError(
+            f"{file}: field 'kv_cache.dtype' does not match the recipe's quant.kv and dtype "
+            f"({kv_cache_dtype(recipe)})"
+        )
 
 
 def _read_program(art: Artifact) -> Program:
