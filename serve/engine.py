@@ -419,6 +419,7 @@ class Engine:
         )
         now = time.monotonic()
         emissions = []
+        generated = 0  # counted once per step: a metric update per token costs host time
         try:
             for lv, token, chosen, top in zip(lives, result.tokens, result.logprobs, result.top):
                 req = lv.request
@@ -437,7 +438,7 @@ class Engine:
                     out.text = lv.detok.push(token)
                     if req.num_logprobs is not None:
                         out.logprobs = [(token, chosen, top[: req.num_logprobs])]
-                    self.metrics.generation_tokens.inc()
+                    generated += 1
                 reason = None
                 if stop_token:
                     reason, out.stop_reason = "stop", token
@@ -450,6 +451,7 @@ class Engine:
                     self._finish(lv, out, reason)
                 emissions.append((lv.emit, out))
         finally:  # rows done before a failing one keep their outputs (a finished one its last)
+            self.metrics.generation_tokens.inc(generated)
             self._deliver(emissions)
         return now
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hy3c.serve.sampler import History, SamplingParams, sample_reference
+from hy3c.serve.sampler import History, SamplingParams, prepare_fused, sample, sample_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -36,6 +36,36 @@ def test_fused_sampler_at_hy3_vocabulary_equals_reference(params):
     torch.testing.assert_close(logprobs.cpu(), torch.tensor(ref.logprobs), atol=1e-3, rtol=1e-4)
 
 
+def test_fused_dispatch_with_logit_bias_tiny_temperatures_and_extreme_penalties():
+    """What the engine calls on CUDA (`sample` with columns prepared before the step) equals the
+    reference for logit_bias, temperatures below SAMPLING_EPS (greedy) and a 1e-300 repetition penalty,
+    with finite logprobs."""
+    rows, vocab = 6, 120832
+    logits = torch.randn(rows, vocab, device="cuda") * 4
+    noise = torch.rand(rows, vocab, device="cuda")
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=((7, 100.0),)),
+        SamplingParams(temperature=0.9, logit_bias=((11, 100.0), (12, -100.0))),
+        SamplingParams(temperature=1e-40),
+        SamplingParams(temperature=1e-300, top_k=5),
+        SamplingParams(temperature=0.7, repetition_penalty=1e-300),
+        SamplingParams(temperature=0.0, repetition_penalty=1e-300),
+    ]
+    # one seen token for the penalty rows: several at 1e30 would tie, and ties may break either way
+    history = [History([1, 2, 3], [4, 5])] * 4 + [History([9], [])] * 2
+    generators = [None] * rows
+    prepared = prepare_fused(params, generators, torch.device("cuda"))
+    assert prepared is not None  # the fused kernel decides on CUDA
+    fused = sample(logits, params, history, generators, 3, noise=noise, prepared=prepared)
+    ref = sample_reference(logits, params, history, generators, 3, noise=noise)
+    assert fused.tokens == ref.tokens
+    assert fused.tokens[0] == 7 and fused.tokens[1] == 11
+    assert fused.tokens[2] == int(logits[2].argmax()) and fused.tokens[3] == int(logits[3].argmax())
+    values = torch.tensor(fused.logprobs + [lp for row in fused.top for _, lp in row])
+    assert torch.isfinite(values).all()
+    torch.testing.assert_close(torch.tensor(fused.logprobs), torch.tensor(ref.logprobs), atol=1e-3, rtol=1e-4)
+
+
 def test_served_artifact_on_gpu(tiny_ckpt, tmp_path):
     import httpx
 
@@ -59,3 +89,27 @@ def test_served_artifact_on_gpu(tiny_ckpt, tmp_path):
             timeout=60,
         )
         assert sampled.status_code == 200 and len(sampled.json()["choices"]) == 2
+        tiny = httpx.post(
+            f"{server.base_url}/v1/completions", json={**body, "temperature": 1e-40}, timeout=60
+        ).json()
+        assert tiny["choices"][0]["text"] == first["choices"][0]["text"]  # below SAMPLING_EPS: greedy
+        # prompt scoring (lm-eval's loglikelihood shape) on the GPU against the eager fp32 model
+        ids = server.engine.tokenizer.encode("The quick brown fox jumps over the lazy dog, twice over.")
+        scored = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0},
+            timeout=60,
+        ).json()
+        served = scored["choices"][0]["logprobs"]["token_logprobs"]
+        assert served[0] is None and len(served) == len(ids)
+        import hy3c
+
+        ref = torch.log_softmax(hy3c.reference_logits(tiny_ckpt, torch.tensor([ids]))[0], dim=-1)
+        expected = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
+        torch.testing.assert_close(torch.tensor(served[1:]), torch.tensor(expected), atol=0.1, rtol=0.05)
+        biased = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={**body, "max_tokens": 4, "logit_bias": {"42": 100}, "ignore_eos": True},
+            timeout=60,
+        ).json()
+        assert biased["choices"][0]["text"] == server.engine.tokenizer.decode([42] * 4)
