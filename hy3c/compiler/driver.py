@@ -29,8 +29,9 @@ from tqdm import tqdm
 import hy3c
 from hy3c.compiler.manifest import FORMAT_VERSION, cache_key_parts, json_sha256, kv_cache_dtype
 from hy3c.compiler.package import derive_weights, write_weights
+from hy3c.compiler.program_check import STEP_INPUTS, STEP_OUTPUTS
 from hy3c.compiler.serialize import graph_to_json
-from hy3c.compiler.trace import STEP_INPUTS, STEP_OUTPUTS, trace_step
+from hy3c.compiler.trace import trace_step
 from hy3c.config import Hy3Config, preset_config
 from hy3c.loader import CheckpointLayout, inspect_checkpoint
 from hy3c.logs import log_event

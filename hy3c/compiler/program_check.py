@@ -40,7 +40,7 @@ from torch import fx
 from hy3c.compiler.op_allowlist import DTYPES, GETITEM, op_name
 from hy3c.config import Hy3Config
 
-# the step function's calling convention (hy3c.compiler.trace traces exactly these)
+# the step function's calling convention: hy3c.compiler.trace traces exactly these, loading checks them
 STEP_INPUTS = (
     "input_ids",
     "positions",

@@ -21,18 +21,6 @@ from hy3c.config import Hy3Config
 from hy3c.model.hy3 import Hy3ForCausalLM
 from hy3c.model.layers import NO_QUANT, QuantLayout
 
-STEP_INPUTS = (
-    "input_ids",
-    "positions",
-    "kv_cache",
-    "page_table",
-    "seq_lens",
-    "query_start_loc",
-    "slot_mapping",
-    "logits_indices",
-)
-STEP_OUTPUTS = ("logits", "hidden")
-
 
 def example_step_inputs(
     config: Hy3Config, dtype: torch.dtype, device: str = "meta"

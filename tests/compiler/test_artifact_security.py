@@ -626,7 +626,8 @@ def test_listed_custom_ops_are_the_ones_hy3c_registers():
 
 
 def test_step_convention_matches_the_trace():
-    from hy3c.compiler.trace import STEP_INPUTS, STEP_OUTPUTS, example_step_inputs
+    from hy3c.compiler.program_check import STEP_INPUTS, STEP_OUTPUTS
+    from hy3c.compiler.trace import example_step_inputs
     from hy3c.config import preset_config
 
     assert program_check.STEP_INPUTS == STEP_INPUTS and program_check.STEP_OUTPUTS == STEP_OUTPUTS
