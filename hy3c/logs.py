@@ -11,11 +11,27 @@ import sys
 import time
 from typing import Any
 
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape_char(ch: str) -> str:
+    """A character as it may appear in a log line: backslash escapes for quotes, backslashes and line
+    breaks, `\\uXXXX` for other control characters and lone surrogates (which stderr cannot encode)."""
+    if ch in _ESCAPES:
+        return _ESCAPES[ch]
+    code = ord(ch)
+    if code < 0x20 or code == 0x7F or 0xD800 <= code <= 0xDFFF:
+        return f"\\u{code:04x}"
+    return ch
+
 
 def _fmt_value(value: Any) -> str:
+    """One logfmt value. Values carry client text (model names, error messages): every line break and
+    quote is escaped, so a value can never end its line or forge another record."""
     text = f"{value:.4g}" if isinstance(value, float) else str(value)
-    if not text or any(ch in text for ch in ' ="'):
-        text = '"' + text.replace('"', '\\"') + '"'
+    escaped = "".join(_escape_char(ch) for ch in text)
+    if not text or escaped != text or any(ch in text for ch in " ="):
+        return f'"{escaped}"'
     return text
 
 
@@ -27,7 +43,9 @@ def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **f
 class _LogfmtFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
-        return f"ts={ts} level={record.levelname.lower()} logger={record.name} event={record.getMessage()}"
+        # one record, one line, whatever a message holds (log_event escapes its values already)
+        message = record.getMessage().replace("\r", "\\r").replace("\n", "\\n")
+        return f"ts={ts} level={record.levelname.lower()} logger={record.name} event={message}"
 
 
 class _StderrHandler(logging.StreamHandler):
