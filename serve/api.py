@@ -45,6 +45,11 @@ def build_app(
     return RequestGate(app, config.max_request_bytes, config.api_key, body_timeout)
 
 
+# pydantic's errors for a body that is absent or not an object; FastAPI's detail for one it could not decode
+_NOT_AN_OBJECT = ("missing", "model_type", "model_attributes_type", "dict_type")
+_FASTAPI_BODY_ERROR = "There was an error parsing the body"
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     """Refusals, validation failures and HTTP errors as OpenAI error JSON (400 names the bad field)."""
 
@@ -59,13 +64,21 @@ def _add_error_handlers(app: FastAPI) -> None:
             message, param = "request body is not valid JSON", None
         else:
             param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-            message = (
-                f"{param}: {first['msg']}"
-                if param
-                else "the request body must be a JSON object (send it with content-type: application/json)"
-            )
+            if param:
+                message = f"{param}: {first['msg']}"
+            elif first.get("type") == "string_unicode":  # the only string without a field: a key
+                message = "a field name of the request body is not valid Unicode (a lone surrogate)"
+            elif first.get("type") in _NOT_AN_OBJECT:
+                message = (
+                    "the request body must be a JSON object (send it with content-type: application/json)"
+                )
+            else:
+                message = f"request body: {first['msg']}"
         return JSONResponse(error_body(message, param=param, code=400), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException):
-        return JSONResponse(error_body(str(exc.detail), code=exc.status_code), status_code=exc.status_code)
+        detail = str(exc.detail)
+        if exc.status_code == 400 and detail == _FASTAPI_BODY_ERROR:  # bytes json.loads cannot take
+            detail = "request body is not valid JSON (UTF-8 text; integers of at most 4300 digits)"
+        return JSONResponse(error_body(detail, code=exc.status_code), status_code=exc.status_code)

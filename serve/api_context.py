@@ -32,6 +32,8 @@ from hy3c.tokenizer import Hy3Tokenizer
 log = logging.getLogger("hy3c.api")
 
 SYSTEM_ROLES = {"developer": "system"}
+# what `Hy3Tokenizer.apply_chat_template` passes the template itself, besides add_generation_prompt
+TEMPLATE_OWN_ARGUMENTS = ("messages", "bos_token", "eos_token")
 LOGPROB_FLOOR = -9999.0  # what a -inf (or NaN) logprob is reported as: JSON has no infinities
 MAX_QUOTED_CHARS = 200  # of a request's string quoted in an error message
 
@@ -240,16 +242,17 @@ class ApiContext:
         """The chat template applied; OpenAI's `developer` role is the system prompt.
 
         `template_kwargs` (chat_template_kwargs) are further template variables. As in vLLM, an
-        `add_generation_prompt` among them overrides the request's (it must be a boolean); `messages`,
-        the conversation itself, cannot be replaced (400)."""
+        `add_generation_prompt` among them overrides the request's (it must be a boolean); what the
+        server passes itself (TEMPLATE_OWN_ARGUMENTS) cannot be replaced (400)."""
         kwargs = dict(template_kwargs)
-        if "messages" in kwargs:
-            raise APIError(
-                400,
-                "chat_template_kwargs.messages: the conversation is the request's messages, not a template "
-                "argument",
-                "chat_template_kwargs.messages",
-            )
+        for name in TEMPLATE_OWN_ARGUMENTS:
+            if name in kwargs:
+                raise APIError(
+                    400,
+                    f"chat_template_kwargs.{name}: set by the server (the request's messages and the "
+                    "tokenizer's special tokens), not a template argument",
+                    f"chat_template_kwargs.{name}",
+                )
         add = kwargs.pop("add_generation_prompt", add_generation_prompt)
         if not isinstance(add, bool):
             raise APIError(

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 MAX_STOP_CHARS = 256  # output is held back by the longest stop string's length
@@ -184,6 +184,14 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """As OpenAI: top_logprobs asks for nothing unless logprobs is true (a 400, not silence)."""
+        if value is not None and not info.data.get("logprobs"):
+            raise _invalid("needs logprobs: true")
+        return value
 
 
 class TokenizeRequest(_Body):

@@ -224,7 +224,11 @@ def _unicode() -> list[Case]:
             path="/tokenize",
             kind="not_found_error",
         ),
-        Case("body not UTF-8", b'{"prompt": "\xff\xfe", "max_tokens": 2}', 400),
+        Case("body not UTF-8", b'{"prompt": "\xff\xfe", "max_tokens": 2}', 400, None, "not valid JSON"),
+        Case(
+            "a 5000-digit integer", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, None, "4300"
+        ),
+        Case("a field name with a lone surrogate", b'{"prompt": "x", "\\ud800": 1}', 400, None, "field name"),
     ]
 
 
@@ -395,6 +399,21 @@ def _unsupported() -> list[Case]:
             chat(chat_template_kwargs={"messages": 1}),
             400,
             "chat_template_kwargs.messages",
+            path=CHAT,
+        ),
+        Case(
+            "template kwargs replace a special token",
+            chat(chat_template_kwargs={"bos_token": "X"}),
+            400,
+            "chat_template_kwargs.bos_token",
+            path=CHAT,
+        ),
+        Case("top_logprobs without logprobs", chat(top_logprobs=5), 400, "top_logprobs", path=CHAT),
+        Case(
+            "top_logprobs with logprobs false",
+            chat(top_logprobs=2, logprobs=False),
+            400,
+            "top_logprobs",
             path=CHAT,
         ),
         Case(
