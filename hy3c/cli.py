@@ -22,6 +22,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from hy3c.logs import setup_logging
 from hy3c.recipe import SHIPPED, load_recipe
@@ -558,10 +559,16 @@ _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error convention: one `error:` line (no usage block before it),
+    pointing at --help; exit status 2. Subcommand parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hy3c", description="Compiler-driven inference engine for Tencent Hy3"
-    )
+    parser = _Parser(prog="hy3c", description="Compiler-driven inference engine for Tencent Hy3")
     parser.add_argument(
         "--log-level", default="INFO", type=_log_level, help=f"one of {', '.join(LOG_LEVELS)} (default INFO)"
     )
