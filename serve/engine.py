@@ -193,7 +193,8 @@ class Engine:
         self._wake.set()
 
     def abort_all(self, error: str) -> None:
-        """Abort every request in the engine (shutdown): each ends with an output carrying `error`."""
+        """Abort every request in the engine (shutdown): each ends with an output of finish_reason
+        "abort" carrying `error` (a client's abort carries none), which a stream answers as a 503."""
         self._inbox.put(("abort_all", error, None))
         self._wake.set()
 

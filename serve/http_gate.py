@@ -6,10 +6,12 @@ them), and the access log — one `request` line per request (method, path, stat
 of its generations, the error message of a 4xx/5xx) on the `hy3c.access` logger, at INFO (DEBUG for
 `/health`, `/metrics`, `/version`, which scrapers poll). Errors use OpenAI's JSON shape.
 
-`limited_http_protocol`: uvicorn's httptools protocol with the two limits uvicorn lacks: a time limit on
+`limited_http_protocol`: uvicorn's httptools protocol with the limits uvicorn lacks — a time limit on
 the request line and headers (uvicorn and its parsers have none: a client sending half its headers
-would hold the connection forever) and a cap on open connections (uvicorn's `limit_concurrency`
-answers only once the headers are in, in plain text, and counts tasks too).
+would hold the connection forever), a cap on their size (httptools buffers a header of any length: a
+client sending one endless header grows the server's memory until the time limit) and a cap on open
+connections (uvicorn's `limit_concurrency` answers only once the headers are in, in plain text, and
+counts tasks too) — and OpenAI's error JSON where uvicorn answers a malformed request in plain text.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import hmac
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -26,6 +29,8 @@ from hy3c.serve.metrics import CURRENT_USAGE, RequestUsage
 from hy3c.serve.protocol import error_body
 
 OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key
+# httptools' reasons for a malformed request, where a plainer one helps (the rest are clear as they are)
+_PARSER_REASONS = {"Pause on PRI/Upgrade": "HTTP/2 is not supported; send HTTP/1.1"}
 _ERROR_CAPTURE_BYTES = 4096  # of an error response's body, for the access log's message
 
 log = logging.getLogger("hy3c.serve")
@@ -40,6 +45,7 @@ class HttpLimits:
     body_timeout: float = 30.0  # s from the headers to the whole body
     timeout_keep_alive: float = 5.0  # s an idle keep-alive connection stays open
     max_connections: int = 2048  # open connections; more are answered 503 and closed
+    max_header_bytes: int = 64 * 1024  # request line and headers; more are answered 431 and closed
 
 
 class RequestGate:
@@ -214,10 +220,10 @@ def _error_message(body: bytes) -> str:
         return body[:200].decode(errors="replace")
 
 
-def raw_error_response(status: int, reason: str, message: str) -> bytes:
+def raw_error_response(status: int, reason: str, message: str, kind: str = "invalid_request_error") -> bytes:
     """A whole HTTP/1.1 error response with OpenAI's error JSON that closes the connection (for the
     protocol layer, where no ASGI app runs)."""
-    body = json.dumps(error_body(message, "invalid_request_error", code=status)).encode()
+    body = json.dumps(error_body(message, kind, code=status)).encode()
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
@@ -225,14 +231,23 @@ def raw_error_response(status: int, reason: str, message: str) -> bytes:
     return head.encode() + body
 
 
-def limited_http_protocol(header_timeout: float, max_connections: int) -> type:
+def limited_http_protocol(limits: HttpLimits) -> type:
     """uvicorn's httptools protocol, closing a connection whose request line and headers are not in
-    within `header_timeout` seconds (of connecting, or of a keep-alive request's first byte; answered
-    408) and answering connections beyond `max_connections` with 503 before closing them."""
+    within `limits.header_timeout` seconds (of connecting, or of a keep-alive request's first byte;
+    answered 408) or exceed `limits.max_header_bytes` (answered 431 as soon as they do), answering
+    connections beyond `limits.max_connections` with 503 before closing them, and a request httptools
+    cannot parse with a 400 in OpenAI's error JSON."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    header_timeout, max_connections = limits.header_timeout, limits.max_connections
+    max_header_bytes = limits.max_header_bytes
 
     class LimitedHttpProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
+        # bytes received of the current request's line and headers; None from the end of its headers
+        # to the end of its body (a pipelined request's bytes that arrive with the previous one's end
+        # are not counted: at most one read's worth)
+        _head_bytes: int | None = 0
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -241,10 +256,39 @@ def limited_http_protocol(header_timeout: float, max_connections: int) -> type:
                     log, "connection_refused", logging.WARNING, limit=max_connections, client=self._peer()
                 )
                 message = f"too many open connections (the limit is {max_connections})"
-                transport.write(raw_error_response(503, "Service Unavailable", message))
+                transport.write(
+                    raw_error_response(503, "Service Unavailable", message, "service_unavailable")
+                )
                 transport.close()
                 return
             self._arm_header_timer()
+
+        def data_received(self, data: bytes) -> None:
+            """Parse `data`, but no more of a request's line and headers than `max_header_bytes`: the
+            first byte beyond them gets 431 and the connection closed, before httptools buffers it."""
+            if self._head_bytes is not None and self._head_bytes + len(data) > max_header_bytes:
+                room = max_header_bytes - self._head_bytes
+                self._feed(data[:room])
+                if self._head_bytes is not None:  # the headers did not end within the cap
+                    self._headers_too_large()
+                    return
+                data = data[room:]
+            self._feed(data)
+
+        def _feed(self, data: bytes) -> None:
+            if not data or self.transport.is_closing():
+                return
+            if self._head_bytes is not None:
+                self._head_bytes += len(data)
+            super().data_received(data)
+
+        def send_400_response(self, msg: str) -> None:
+            """A request httptools cannot parse: 400 in OpenAI's error JSON (uvicorn's is plain text),
+            naming the parser's reason; uvicorn calls this inside its `except HttpParserError`."""
+            reason = str(sys.exc_info()[1] or msg)
+            message = f"invalid HTTP request: {_PARSER_REASONS.get(reason, reason)}"
+            self.transport.write(raw_error_response(400, "Bad Request", message))
+            self.transport.close()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -253,7 +297,12 @@ def limited_http_protocol(header_timeout: float, max_connections: int) -> type:
 
         def on_headers_complete(self) -> None:
             self._cancel_header_timer()
+            self._head_bytes = None
             super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._head_bytes = 0  # what comes next is the next request's
+            super().on_message_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()
@@ -272,9 +321,19 @@ def limited_http_protocol(header_timeout: float, max_connections: int) -> type:
             if self.transport.is_closing():
                 return
             log_event(log, "header_timeout", seconds=header_timeout, client=self._peer())
-            if self.cycle is None or self.cycle.response_complete:  # no response of ours is underway
-                message = f"request headers not received within {header_timeout:g} s"
-                self.transport.write(raw_error_response(408, "Request Timeout", message))
+            message = f"request headers not received within {header_timeout:g} s"
+            self._refuse(408, "Request Timeout", message)
+
+        def _headers_too_large(self) -> None:
+            self._cancel_header_timer()
+            log_event(log, "header_too_large", limit=max_header_bytes, client=self._peer())
+            message = f"request line and headers exceed {max_header_bytes} bytes"
+            self._refuse(431, "Request Header Fields Too Large", message)
+
+        def _refuse(self, status: int, reason: str, message: str) -> None:
+            """Answer `status` (unless a response of ours is underway: a pipelined request) and close."""
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.write(raw_error_response(status, reason, message))
             self.transport.close()
 
         def _peer(self) -> str:

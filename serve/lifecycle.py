@@ -51,7 +51,7 @@ class HttpServer:
         self.shutdown_timeout = shutdown_timeout
         config = uvicorn.Config(
             gate,
-            http=limited_http_protocol(limits.header_timeout, limits.max_connections),
+            http=limited_http_protocol(limits),
             timeout_keep_alive=limits.timeout_keep_alive,
             timeout_graceful_shutdown=_CLOSE_GRACE_S,
             log_level="warning",

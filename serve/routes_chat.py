@@ -64,8 +64,10 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
                     role = {"role": "assistant", "content": ""}
                     yield chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
                 async for i, out in ctx.updates(requests, http, finals):
-                    if out.error:
-                        yield sse(error_body(out.error, "server_error", code=500))
+                    if out.error:  # "abort": the shutdown's (`Engine.abort_all`), retry elsewhere
+                        shutdown = out.finish_reason == "abort"
+                        kind = "service_unavailable" if shutdown else "server_error"
+                        yield sse(error_body(out.error, kind, code=503 if shutdown else 500))
                         continue
                     delta = {"content": out.text} if out.text else {}
                     yield chunk(

@@ -85,8 +85,10 @@ def add_completions_route(app: FastAPI, ctx: ApiContext) -> None:
                 offsets = [0] * len(requests)
                 opened = [False] * len(requests)
                 async for i, out in ctx.updates(requests, http, finals):
-                    if out.error:
-                        yield sse(error_body(out.error, "server_error", code=500))
+                    if out.error:  # "abort": the shutdown's (`Engine.abort_all`), retry elsewhere
+                        shutdown = out.finish_reason == "abort"
+                        kind = "service_unavailable" if shutdown else "server_error"
+                        yield sse(error_body(out.error, kind, code=503 if shutdown else 500))
                         continue
                     text, entries = out.text, list(out.logprobs)
                     if not opened[i]:

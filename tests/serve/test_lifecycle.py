@@ -1,6 +1,7 @@
 """The server's lifecycle and its limits on clients: SIGTERM drains then aborts and exits (a second
 signal exits at once), a busy port fails before the model loads, slow or idle clients are closed,
-open connections are capped, and nothing listens beyond loopback unless asked."""
+oversized headers are refused at once, malformed HTTP gets OpenAI's error JSON, open connections are
+capped, and nothing listens beyond loopback unless asked."""
 
 from __future__ import annotations
 
@@ -123,7 +124,12 @@ def test_sigterm_drains_in_flight_requests_then_aborts_the_rest_and_exits(tiny_a
     assert json.loads(short_stream[-2][6:])["choices"][0]["finish_reason"] == "length"
     assert not any('"error"' in line for line in short_stream)
     events = [json.loads(line[6:]) for line in long_stream[:-1]]
-    assert long_stream[-1] == "data: [DONE]" and events[-1]["error"]["message"] == "server is shutting down"
+    assert long_stream[-1] == "data: [DONE]" and events[-1]["error"] == {
+        "message": "server is shutting down",
+        "type": "service_unavailable",  # as every 503: retry elsewhere, not a server bug
+        "param": None,
+        "code": 503,
+    }
     assert len(events) > 2  # tokens streamed before the abort
     (response,) = plain  # the non-streaming one waited for its answer: 503
     assert response.status_code == 503 and response.json()["error"]["message"] == "server is shutting down"
@@ -192,17 +198,30 @@ def test_a_busy_port_fails_before_the_model_loads(tiny_artifact):
 
 def _raw(port: int, data: bytes = b"") -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    if data:
-        sock.sendall(data)
+    if data:  # the server may refuse and close before it has read all of it
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            sock.sendall(data)
     return sock
 
 
 def _read_until_closed(sock: socket.socket) -> bytes:
+    """What the server sent until it closed the connection (a reset after the response counts as the
+    close: the server drops unread bytes of a client it refused)."""
     chunks = []
-    while chunk := sock.recv(65536):
-        chunks.append(chunk)
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
     sock.close()
     return b"".join(chunks)
+
+
+def _error_reply(reply: bytes, status: int) -> dict:
+    """The `error` object of a whole HTTP response of `status` that closes the connection."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0].startswith(f"HTTP/1.1 {status} "), reply
+    assert "content-type: application/json" in lines and "connection: close" in lines, reply
+    return json.loads(body)["error"]
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +234,7 @@ def strict_server(tiny_artifact):
         body_timeout=1.0,
         timeout_keep_alive=1.0,
         max_connections=6,
+        max_header_bytes=16384,
     )
     with BackgroundServer(options) as srv:
         yield srv
@@ -269,12 +289,77 @@ def test_connections_beyond_the_cap_are_answered_503(strict_server):
         time.sleep(0.01)
     started = time.monotonic()
     reply = _read_until_closed(_raw(port))
-    assert reply.startswith(b"HTTP/1.1 503 ") and b"too many open connections (the limit is 6)" in reply
+    assert _error_reply(reply, 503) == {
+        "message": "too many open connections (the limit is 6)",
+        "type": "service_unavailable",
+        "param": None,
+        "code": 503,
+    }
     assert time.monotonic() - started < 0.9  # at once, not at the header timeout
     for sock in held:
         sock.close()
     _wait_no_connections(strict_server)
     assert httpx.get(f"{strict_server.base_url}/health", timeout=10).status_code == 200
+
+
+def test_headers_over_the_cap_get_431_at_once_and_others_are_still_served(strict_server):
+    port = int(strict_server.base_url.rsplit(":", 1)[1])
+    big = _raw(port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    started, sent = time.monotonic(), 0
+    with contextlib.suppress(ConnectionResetError, BrokenPipeError):  # an endless header: the server closes
+        while time.monotonic() - started < 10:
+            sent += big.send(b"a" * 65536)
+    closed = time.monotonic() - started
+    reply = _read_until_closed(big)
+    print(f"endless header: closed after {sent} bytes sent, {closed:.3f} s")
+    assert closed < 0.9  # refused at the cap, before the 1 s header timeout
+    assert _error_reply(reply, 431) == {
+        "message": "request line and headers exceed 16384 bytes",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": 431,
+    }
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    one_mib = _read_until_closed(_raw(port, head + b"X-Big: " + b"a" * (1 << 20) + b"\r\n\r\n"))
+    assert one_mib.startswith(b"HTTP/1.1 431 ")
+    under = _read_until_closed(_raw(port, head + b"X-Big: " + b"a" * 16000 + b"\r\n\r\n"))
+    assert under.startswith(b"HTTP/1.1 200 ")  # 16,000 bytes of header fit the 16,384 bytes
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    big_body = (  # a body does not count: only the line and headers do
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body) + 20000}\r\nConnection: close\r\n\r\n".encode()
+        + body
+        + b" " * 20000
+    )
+    assert _read_until_closed(_raw(port, big_body)).startswith(b"HTTP/1.1 200 ")
+    assert httpx.get(f"{strict_server.base_url}/health", timeout=10).status_code == 200
+
+
+MALFORMED = {
+    "content-length not a number": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    "negative content-length": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    "two content-lengths": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n"
+    b"Content-Length: 2\r\n\r\nab",
+    "content-length and chunked": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "garbage request line": b"HELLO THERE\r\n\r\n",
+    "TLS ClientHello": bytes.fromhex("16030100a5010000a10303") + bytes(32),
+    "HTTP/2 preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    "control bytes in a header": b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Type: \x01\x02\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("request_bytes", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_http_gets_openai_error_json_and_the_connection_closes(strict_server, request_bytes):
+    port = int(strict_server.base_url.rsplit(":", 1)[1])
+    started = time.monotonic()
+    error = _error_reply(_read_until_closed(_raw(port, request_bytes)), 400)
+    assert time.monotonic() - started < 0.9  # answered at once, not at the header timeout
+    assert error["message"].startswith("invalid HTTP request: "), error
+    assert error.keys() == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, 400)
+    if request_bytes.startswith(b"PRI "):
+        assert error["message"] == "invalid HTTP request: HTTP/2 is not supported; send HTTP/1.1"
 
 
 def _option_defaults(parser: argparse.ArgumentParser, dest: str) -> list:
