@@ -8,7 +8,11 @@ file hashes), `program/step.json` (the graph after passes, JSON), `weights/rank0
 `compile_report.json`, optional `graphs/` dumps and the tokenizer files. (Inductor's caches live in a
 per-user directory, never in the artifact: see `hy3c.runner`.)
 
-Everything read from an artifact is untrusted. Loading checks, before any weight is read:
+Everything read from an artifact is untrusted. Every file loading (or `hy3c inspect`, or the
+tokenizer) reads from it must be a regular file whose real path lies inside the artifact's real path
+(`artifact_file`): a symlink within the artifact is followed, one leading outside it (the file, or a
+directory on its way) is refused, and so are FIFOs and devices, whose reads could block or never end.
+Loading checks, before any weight is read:
 * the manifest: its format version, every field loading relies on (a missing or mistyped one is an
   error naming it), and its hashes: the model config, the recipe, the program, the weight list and the
   versions must match the cache key's parts, and the key its parts (`hy3c.compiler.manifest`), so a
@@ -25,6 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -128,6 +134,27 @@ class _Manifest(_Strict):
     cache_key: _CacheKey
 
 
+def artifact_file(path: Path, name: str | Path) -> Path:
+    """The real path of the file `name` of the artifact directory `path`, to read it by; ArtifactError
+    naming `path / name` when it is missing, resolves (through a symlink) outside the artifact, or is
+    not a regular file. Symlinks that stay inside the artifact are allowed (they can reach nothing that
+    a copy of the file could not). Checks the files as they lie, not a directory changed while loading."""
+    file = path / name
+    try:
+        root = path.resolve(strict=True)
+        real = file.resolve(strict=True)
+        mode = real.stat().st_mode
+    except FileNotFoundError:
+        raise ArtifactError(f"{file}: missing") from None
+    except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before Python 3.13), no permission
+        raise ArtifactError(f"{file}: unreadable ({exc})") from None
+    if not real.is_relative_to(root):
+        raise ArtifactError(f"{file}: is a link outside the artifact (to {real})")
+    if not stat.S_ISREG(mode):
+        raise ArtifactError(f"{file}: not a regular file (a FIFO, device or directory cannot be read safely)")
+    return real
+
+
 @dataclass
 class Artifact:
     path: Path
@@ -139,17 +166,22 @@ class Artifact:
     def has_weights(self) -> bool:
         return self.manifest.get("weights") is not None
 
+    def file(self, name: str | Path) -> Path:
+        """The real path of one of the artifact's files, checked by `artifact_file`."""
+        return artifact_file(self.path, name)
+
     def read_json(self, name: str) -> Any:
-        return _read_json(self.path / name)
+        return _read_json(self.path, name)
 
 
-def _read_json(file: Path) -> Any:
-    if not file.is_file():
-        raise ArtifactError(f"{file}: missing")
+def _read_json(path: Path, name: str) -> Any:
+    """The JSON file `name` of the artifact at `path`; any decoding failure (bad UTF-8, too deep, an
+    integer past Python's digit limit: all ValueError or RecursionError) is an ArtifactError naming it."""
+    real = artifact_file(path, name)
     try:
-        return json.loads(file.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise ArtifactError(f"{file}: corrupt JSON ({str(exc)[:200]})") from None
+        return json.loads(real.read_bytes())
+    except (ValueError, RecursionError) as exc:
+        raise ArtifactError(f"{path / name}: corrupt JSON ({str(exc)[:200]})") from None
 
 
 def _field_error(file: Path, exc: ValidationError, prefix: str = "") -> ArtifactError:
@@ -165,9 +197,9 @@ def open_artifact(path: str | Path) -> Artifact:
     """Read and validate manifest.json, its fields and its hashes (no program or weights are read)."""
     path = Path(path)
     file = path / "manifest.json"
-    if not file.is_file():
+    if not os.path.lexists(file):
         raise ArtifactError(f"{file}: missing (is {path} a hy3c artifact?)")
-    manifest = _read_json(file)
+    manifest = _read_json(path, "manifest.json")
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
         raise ArtifactError(
@@ -238,14 +270,12 @@ def _read_program(art: Artifact) -> Program:
     from hy3c.compiler.serialize import ProgramError, read_program  # the op registrations: not for inspect
 
     file = art.path / art.manifest["program"]["file"]
-    if not file.is_file():
-        raise ArtifactError(f"{file}: missing")
-    text = file.read_bytes()
+    text = art.file(art.manifest["program"]["file"]).read_bytes()
     if hashlib.sha256(text).hexdigest() != art.manifest["program"]["sha256"]:
         raise ArtifactError(f"{file}: sha256 differs from manifest.json (corrupt or edited program)")
     try:
         data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # see _read_json
         raise ArtifactError(f"{file}: corrupt JSON ({str(exc)[:200]})") from None
     try:
         program = read_program(data)
@@ -262,23 +292,22 @@ def _load_weights(art: Artifact, device: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     entries = art.manifest["weights"]["files"]
-    files = [art.path / entry["name"] for entry in entries]
-    for file, entry in zip(files, entries):
-        if not file.is_file():
-            raise ArtifactError(f"{file}: missing")
-        if file.stat().st_size != entry["bytes"]:
+    files = [art.path / entry["name"] for entry in entries]  # as named, for messages
+    reals = [art.file(entry["name"]) for entry in entries]  # every file checked before any is read
+    for file, real, entry in zip(files, reals, entries):
+        if real.stat().st_size != entry["bytes"]:
             raise ArtifactError(
-                f"{file}: {file.stat().st_size} bytes, manifest.json says {entry['bytes']} (truncated?)"
+                f"{file}: {real.stat().st_size} bytes, manifest.json says {entry['bytes']} (truncated?)"
             )
-    for file, entry, digest in zip(files, entries, files_sha256(files)):
+    for file, entry, digest in zip(files, entries, files_sha256(reals)):
         if digest != entry["sha256"]:
             raise ArtifactError(f"{file}: sha256 differs from manifest.json (corrupt weights)")
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file, real in zip(files, reals):
         if file.suffix != ".safetensors":
             continue
         try:
-            tensors.update(load_file(str(file), device=device))
+            tensors.update(load_file(str(real), device=device))
         except SafetensorError as exc:
             raise ArtifactError(f"{file}: unreadable safetensors ({exc})") from None
     return tensors

@@ -111,12 +111,13 @@ def _histogram_after(report: dict, after: str | None) -> dict[str, int]:
 
 def _dump(art: Artifact, report: dict, after: str) -> str:
     index, _ = (0, None) if after == "traced" else _find_pass(report, after)
-    file = art.path / "graphs" / f"{index:02d}_{after}.txt"
+    name = f"graphs/{index:02d}_{after}.txt"
+    file = art.path / name
     if not file.is_file():
         raise ArtifactError(
             f"{file}: no graph dump (compile with --dump-graphs to keep them; skipped passes write none)"
         )
-    return file.read_text()
+    return art.file(name).read_text()  # a link outside the artifact is refused
 
 
 def _layer_lines(dump: str, layer: int) -> str:

@@ -9,11 +9,13 @@
   encode / decode / apply_chat_template.
   A corrupt or empty `tokenizer.json`, `tokenizer_config.json` or chat template is a `TokenizerError`
   naming the file (`hy3c compile` loads the checkpoint's tokenizer this way before writing anything).
+  In an artifact (a directory with manifest.json) each of them must be a regular file inside it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from functools import cache, cached_property
 from pathlib import Path
@@ -116,6 +118,9 @@ def write_tokenizer_files(directory: Path, vocab_size: int, model_max_length: in
     return {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")  # what from_dir reads
+
+
 class TokenizerError(ValueError):
     """A tokenizer file that cannot be read; the message names the file."""
 
@@ -135,11 +140,22 @@ def _read_tokenizer_files(directory: Path) -> tuple[Tokenizer, dict[str, Any]]:
     if cfg_file.is_file():
         try:
             config = json.loads(cfg_file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:  # also an integer past Python's digit limit
             raise TokenizerError(f"{cfg_file}: corrupt JSON ({str(exc)[:200]})") from None
         if not isinstance(config, dict):
             raise TokenizerError(f"{cfg_file}: expected a JSON object, found {type(config).__name__}")
     return tokenizer, config
+
+
+def _check_artifact_files(directory: Path) -> None:
+    """An artifact's tokenizer files are untrusted like the rest of it: each one present must be a
+    regular file inside the artifact (`hy3c.artifact.artifact_file`, ArtifactError otherwise). A
+    checkpoint's are not checked so: a Hugging Face cache snapshot links its files to blobs elsewhere."""
+    from hy3c.artifact import artifact_file
+
+    for name in _TOKENIZER_FILES:
+        if os.path.lexists(directory / name):
+            artifact_file(directory, name)
 
 
 class Hy3Tokenizer:
@@ -157,6 +173,8 @@ class Hy3Tokenizer:
     @classmethod
     def from_dir(cls, directory: str | Path) -> Hy3Tokenizer:
         directory = Path(directory)
+        if (directory / "manifest.json").is_file():
+            _check_artifact_files(directory)
         tokenizer, config = _read_tokenizer_files(directory)
         template_file = directory / "chat_template.jinja"
         source = template_file if template_file.is_file() else directory / "tokenizer_config.json"

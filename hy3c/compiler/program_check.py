@@ -18,6 +18,11 @@ calls them, so that no kernel is handed arguments it would misread:
   table, sequence lengths and query starts are the step's own inputs, never computed values; an
   attention plan comes from `attention_plan` and expert ids from a router over no more experts than
   the expert weights hold.
+* **the ATen gathers' indices** (`check_shapes`, `GATHER_CONTRACTS`): an op that reads rows at index
+  values gathers with the step input the compiler gives it, whose values the engine bounds, from a
+  table that has those rows: `aten.embedding` the `input_ids` (token ids, within the vocabulary) from
+  a table of `vocab_size` rows, `aten.index_select` the `logits_indices` (within the step's tokens)
+  from the token rows. Any other index (the positions, say) could read past the table at run time.
 * **shapes through the whole graph** (`check_shapes`): every node runs on meta tensors (the ops' meta
   and fake kernels, as FakeTensor propagation does, without its per-op overhead) from the recorded
   parameter shapes and the step inputs, built from the model config, of two steps in which every
@@ -25,7 +30,8 @@ calls them, so that no kernel is handed arguments it would misread:
   fp32 logits [rows, vocab] and the hidden states [tokens, hidden] in the model dtype. Int arguments
   of the hy3 ops are constants of the program, never sizes read from a step's inputs.
 
-Every refusal is a `ProgramError` naming the node.
+Every refusal is a `ProgramError` naming the node; an exception none of the checks foresaw (a graph
+crafted to trip torch itself) is one too (`unexpected`).
 """
 
 from __future__ import annotations
@@ -78,6 +84,24 @@ _ATTENTION_PLAN = "attention_plan"
 
 class ProgramError(ValueError):
     """A program file that cannot be loaded (unknown op, bad structure or arguments); names the node."""
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """A value of the program as a message shows it: its repr, cut to `limit` characters (a crafted
+    value may be megabytes long or nested past what repr can recurse through)."""
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError):  # too deep; an int past Python's digit limit
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def unexpected(where: str, exc: Exception) -> ProgramError:
+    """An exception no check foresaw, raised while `where` (a node, a parameter) was processed, as the
+    one-line ProgramError that loading reports: a crafted program is refused, never a crash."""
+    text = str(exc).strip()
+    detail = f": {text.splitlines()[0][:200]}" if text else ""
+    return ProgramError(f"{where}: refused ({type(exc).__name__}{detail})")
 
 
 @dataclass(frozen=True)
@@ -196,7 +220,9 @@ def check_call(
         source, index = args if len(args) == 2 and not kwargs else (None, None)
         kind = kinds.get(source) if isinstance(source, fx.Node) else None
         if not isinstance(kind, Multi) or not _is_int(index):
-            raise ProgramError(f"node {node}: getitem needs (a multi-output node, an index), got {args}")
+            raise ProgramError(
+                f"node {node}: getitem needs (a multi-output node, an index), got {shown(args)}"
+            )
         if index < 0 or (kind.count is not None and index >= kind.count):
             raise ProgramError(f"node {node}: getitem index {index} is outside node {source.name}'s outputs")
         return TENSOR
@@ -221,7 +247,7 @@ def _describe(value: object, kinds: dict[fx.Node, Kind]) -> str:
         if isinstance(kind, Multi):
             kind = "a list of tensors" if kind.count is None else f"{kind.count} outputs"
         return f"node {value.name} ({kind})"
-    return f"{value!r} ({type(value).__name__})"
+    return f"{shown(value)} ({type(value).__name__})"
 
 
 # ---- the hy3 ops' contracts -------------------------------------------------------------------------
@@ -229,9 +255,11 @@ def _describe(value: object, kinds: dict[fx.Node, Kind]) -> str:
 
 @dataclass
 class _Env:
-    """What the contracts know beyond one call: the step's token count and the routers' expert counts."""
+    """What the contracts know beyond one call: the step's token count, the vocabulary size and the
+    routers' expert counts."""
 
     tokens: int
+    vocab: int
     routers: dict[fx.Node, int] = field(default_factory=dict)  # router node → experts it chooses from
     expert_ids: dict[fx.Node, int] = field(default_factory=dict)  # its ids output → the same count
 
@@ -297,6 +325,13 @@ class _Contract:
     def tokens(self) -> None:
         """Bind T to the step's token count (ops that index rows by the step's metadata)."""
         self.sizes["T"] = self.env.tokens
+
+    def step_input(self, arg: str, name: str) -> None:
+        """An index argument must be the step input `name` itself (values the engine bounds)."""
+        value = self.nodes[arg]
+        if not _is_step_input(value, name):
+            got = value.name if isinstance(value, fx.Node) else shown(value)
+            raise _Broken(f"argument '{arg}' must be the step input {name}, not {got}")
 
     def kv(self) -> None:
         """The KV cache, its scales and the layer an attention op reads or writes."""
@@ -489,6 +524,28 @@ CONTRACTS: dict[str, Callable[[_Contract], None]] = {
 }
 
 
+def _embedding(c: _Contract) -> None:
+    c.step_input("indices", "input_ids")
+    c.shape("weight", "V H")
+    if c["V"] != c.env.vocab:
+        raise _Broken(f"argument 'weight' has {c['V']} rows, expected the vocabulary's {c.env.vocab}")
+
+
+def _index_select(c: _Contract) -> None:
+    c.step_input("index", "logits_indices")
+    c.integer("dim", 0, 1)
+    c.tokens()
+    c.shape("self", "T H")
+
+
+# the ATen ops that read rows at the values of an index tensor → their contract (the allow-list's
+# ops with an index argument: tests/compiler/test_artifact_security.py checks that each has one)
+GATHER_CONTRACTS: dict[str, Callable[[_Contract], None]] = {
+    "aten.embedding.default": _embedding,
+    "aten.index_select.default": _index_select,
+}
+
+
 def _is_step_input(value: object, name: str) -> bool:
     return isinstance(value, fx.Node) and value.op == "placeholder" and value.target == name
 
@@ -513,21 +570,28 @@ def check_shapes(
 ) -> None:
     """Run the graph on meta tensors (parameters as recorded, the step inputs of each of `STEP_SIZES`),
     checking each hy3 op's contract first; the outputs must be the logits and hidden states."""
-    with torch.no_grad():
-        for sizes in STEP_SIZES:
-            inputs = dict(zip(STEP_INPUTS, step_inputs(config, kv_dtype, sizes)))
-            env = _Env(tokens=sizes.tokens)
-            values: dict[fx.Node, Any] = {}
-            for node in graph.nodes:
-                if node.op == "placeholder":
-                    values[node] = inputs[node.target]
-                elif node.op == "get_attr":
-                    shape, param_dtype = params[node.target]
-                    values[node] = torch.empty(shape, dtype=param_dtype, device="meta")
-                elif node.op == "call_function":
-                    values[node] = _run_node(node, values, env)
-                else:
-                    _check_outputs(node, values, config, dtype, sizes)
+    where = "the step inputs (from model_config)"
+    try:
+        with torch.no_grad():
+            for sizes in STEP_SIZES:
+                inputs = dict(zip(STEP_INPUTS, step_inputs(config, kv_dtype, sizes)))
+                env = _Env(tokens=sizes.tokens, vocab=config.vocab_size)
+                values: dict[fx.Node, Any] = {}
+                for node in graph.nodes:
+                    where = f"node {node.name}"
+                    if node.op == "placeholder":
+                        values[node] = inputs[node.target]
+                    elif node.op == "get_attr":
+                        shape, param_dtype = params[node.target]
+                        values[node] = torch.empty(shape, dtype=param_dtype, device="meta")
+                    elif node.op == "call_function":
+                        values[node] = _run_node(node, values, env)
+                    else:
+                        _check_outputs(node, values, config, dtype, sizes)
+    except ProgramError:
+        raise
+    except Exception as exc:  # anything the checks did not foresee: still a refusal naming the node
+        raise unexpected(where, exc) from None
 
 
 def _run_node(node: fx.Node, values: dict[fx.Node, Any], env: _Env) -> Any:
@@ -537,9 +601,11 @@ def _run_node(node: fx.Node, values: dict[fx.Node, Any], env: _Env) -> Any:
     short = _short_name(node.target)
     try:
         if short is not None:
-            contract = _contract(node, args, kwargs, env)
+            contract = _contract(node, args, kwargs, env, CONTRACTS[short])
             if short in _ROUTERS:
                 env.routers[node] = contract["E"]
+        elif name in GATHER_CONTRACTS:
+            _contract(node, args, kwargs, env, GATHER_CONTRACTS[name])
         elif name == GETITEM and node.args[0] in env.routers and node.args[1] == 1:
             env.expert_ids[node] = env.routers[node.args[0]]
         return node.target(*args, **kwargs)
@@ -550,8 +616,15 @@ def _run_node(node: fx.Node, values: dict[fx.Node, Any], env: _Env) -> Any:
         raise ProgramError(f"node {node.name} ({name}): inconsistent arguments ({message})") from None
 
 
-def _contract(node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any], env: _Env) -> _Contract:
-    """Check a hy3 op's call: step inputs passed as themselves, then the op's contract."""
+def _contract(
+    node: fx.Node,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    env: _Env,
+    check: Callable[[_Contract], None],
+) -> _Contract:
+    """Check a call of a hy3 op or an ATen gather: step inputs passed as themselves, int arguments
+    constants, then the op's contract `check`."""
     schema = node.target._schema
     nodes = bind_arguments(schema, node.args, dict(node.kwargs))
     for arg in STEP_INPUTS:
@@ -561,7 +634,7 @@ def _contract(node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any], env:
         if "Tensor" not in str(arg.real_type) and isinstance(nodes[arg.name], fx.Node):
             raise _Broken(f"argument '{arg.name}' must be a constant, not node {nodes[arg.name].name}")
     contract = _Contract(bind_arguments(schema, args, kwargs), nodes, env)
-    CONTRACTS[_short_name(node.target)](contract)
+    check(contract)
     return contract
 
 

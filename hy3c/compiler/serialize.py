@@ -12,8 +12,12 @@ non-finite floats as {"float": "inf"}; everything else is a JSON scalar or list.
 records each parameter's shape and dtype so the weights can be checked against the graph.
 
 A program file is untrusted: names must be plain identifiers (they end up in the Python code FX
-generates), the inputs are the step's eight inputs in order, each call's arguments must fit its op's
-schema (`hy3c.compiler.program_check`), and any other structure is a `ProgramError` naming the node.
+generates), the inputs are the step's eight inputs in order, arguments nest at most `MAX_NESTING`
+containers deep, parameter shapes are bounded (`MAX_DIMS`, `MAX_NUMEL`) before any tensor is made of
+them, each call's arguments must fit its op's schema (`hy3c.compiler.program_check`), and any other
+structure is a `ProgramError` naming the node. Reading, checking and binding turn any exception they
+did not foresee into a `ProgramError` naming the node or parameter at hand (`program_check.unexpected`),
+so a crafted program cannot surface as a bare RecursionError or RuntimeError.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from hy3c.compiler.program_check import (
     ProgramError,
     check_call,
     check_shapes,
+    shown,
+    unexpected,
 )
 from hy3c.config import Hy3Config
 
@@ -44,6 +50,9 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PARAMETER_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
 _NODE_KEYS = {"name", "op", "target", "args", "kwargs"}
 _NON_FINITE = {"inf", "-inf", "nan"}
+MAX_NESTING = 4  # containers in a node's arguments: the compiler writes 2 (the args tuple, a shape list)
+MAX_DIMS = 8  # a parameter's dims (the compiler writes at most 3: stacked expert weights)
+MAX_NUMEL = 2**40  # a parameter's elements (the full model's largest, the stacked experts: 2.4e9)
 
 __all__ = ["FORMAT", "Program", "ProgramError", "graph_to_json", "read_program"]
 
@@ -100,30 +109,34 @@ def graph_to_json(gm: fx.GraphModule) -> dict[str, Any]:
 def _check_name(value: object, what: str, node: str, pattern: re.Pattern = _IDENTIFIER) -> str:
     """Names end up in the Python code FX generates for the graph: only plain identifiers pass."""
     if not isinstance(value, str) or not pattern.fullmatch(value) or keyword.iskeyword(value):
-        raise ProgramError(f"node {node}: {what} {value!r} is not a plain identifier")
+        raise ProgramError(f"node {node}: {what} {shown(value)} is not a plain identifier")
     return value
 
 
-def _decode(value: Any, env: dict[str, fx.Node], node: str) -> Any:
+def _decode(value: Any, env: dict[str, fx.Node], node: str, depth: int = 0) -> Any:
+    """An argument's value from its JSON encoding; `depth` counts the lists and tuples around it."""
+    container = isinstance(value, list) or (isinstance(value, dict) and set(value) == {"tuple"})
+    if container and depth >= MAX_NESTING:
+        raise ProgramError(f"node {node}: arguments nested more than {MAX_NESTING} lists or tuples deep")
     if isinstance(value, list):
-        return [_decode(v, env, node) for v in value]
+        return [_decode(v, env, node, depth + 1) for v in value]
     if not isinstance(value, dict):
         return value
     if set(value) == {"node"}:
         if not isinstance(value["node"], str) or value["node"] not in env:
-            raise ProgramError(f"node {node}: refers to undefined node {value['node']!r}")
+            raise ProgramError(f"node {node}: refers to undefined node {shown(value['node'])}")
         return env[value["node"]]
     if set(value) == {"tuple"} and isinstance(value["tuple"], list):
-        return tuple(_decode(v, env, node) for v in value["tuple"])
+        return tuple(_decode(v, env, node, depth + 1) for v in value["tuple"])
     if set(value) == {"dtype"}:
         if not isinstance(value["dtype"], str) or value["dtype"] not in DTYPES:
-            raise ProgramError(f"node {node}: dtype {value['dtype']!r} is not one of {sorted(DTYPES)}")
+            raise ProgramError(f"node {node}: dtype {shown(value['dtype'])} is not one of {sorted(DTYPES)}")
         return DTYPES[value["dtype"]]
     if set(value) == {"float"}:
-        if value["float"] not in _NON_FINITE:
-            raise ProgramError(f"node {node}: {value['float']!r} is not a non-finite float")
+        if not isinstance(value["float"], str) or value["float"] not in _NON_FINITE:
+            raise ProgramError(f"node {node}: {shown(value['float'])} is not a non-finite float")
         return float(value["float"])
-    raise ProgramError(f"node {node}: unknown argument encoding {sorted(value)}")
+    raise ProgramError(f"node {node}: unknown argument encoding {shown(sorted(value))}")
 
 
 def _param_table(data: dict[str, Any]) -> dict[str, tuple[list[int], torch.dtype]]:
@@ -135,10 +148,18 @@ def _param_table(data: dict[str, Any]) -> dict[str, tuple[list[int], torch.dtype
         _check_name(fqn, "parameter name", fqn, _PARAMETER_PATH)
         shape = spec.get("shape") if isinstance(spec, dict) else None
         dtype = spec.get("dtype") if isinstance(spec, dict) else None
-        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**40 for d in shape):
-            raise ProgramError(f"parameter {fqn}: shape {shape!r} is not a list of sizes")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_DIMS
+            or not all(type(d) is int and 0 <= d <= MAX_NUMEL for d in shape)
+        ):
+            raise ProgramError(
+                f"parameter {fqn}: shape {shown(shape)} is not a list of at most {MAX_DIMS} sizes"
+            )
+        if math.prod(shape) > MAX_NUMEL:
+            raise ProgramError(f"parameter {fqn}: shape {shape} has more than {MAX_NUMEL} elements")
         if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise ProgramError(f"parameter {fqn}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+            raise ProgramError(f"parameter {fqn}: dtype {shown(dtype)} is not one of {sorted(DTYPES)}")
         params[fqn] = (shape, DTYPES[dtype])
     return params
 
@@ -182,62 +203,95 @@ class Program:
                     f"parameter {fqn}: weights hold {str(tensor.dtype).removeprefix('torch.')}"
                     f"{list(tensor.shape)}, the program expects {str(dtype).removeprefix('torch.')}{shape}"
                 )
-        gm = fx.GraphModule(_module_tree({fqn: parameters[fqn] for fqn in self.params}), self.graph)
-        gm.graph.lint()
+        try:  # FX generates and compiles the graph's Python code here
+            gm = fx.GraphModule(_module_tree({fqn: parameters[fqn] for fqn in self.params}), self.graph)
+            gm.graph.lint()
+        except ProgramError:
+            raise
+        except Exception as exc:
+            raise unexpected("the program's graph module", exc) from None
         return gm
 
 
 def read_program(data: object) -> Program:
     """Rebuild and check a program file's graph (see the module docstring); no op runs."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ProgramError(
-            f"program format {data.get('format') if isinstance(data, dict) else None!r}, expected {FORMAT}"
-        )
-    params = _param_table(data)
-    _module_tree({fqn: torch.empty(0, device="meta") for fqn in params})  # the names can be registered
-    entries = data.get("nodes")
-    if not isinstance(entries, list):
-        raise ProgramError("the program has no node list")
-    graph = fx.Graph()
-    env: dict[str, fx.Node] = {}
-    kinds: dict[fx.Node, Kind] = {}
-    inputs: list[str] = []
-    for entry in entries:
-        if not isinstance(entry, dict) or not set(entry) <= _NODE_KEYS:
-            raise ProgramError(
-                f"node entries must be objects with keys {sorted(_NODE_KEYS)}, found {entry!r:.80}"
-            )
-        name, op = _check_name(entry.get("name"), "name", "?"), entry.get("op")
-        if name in env:
-            raise ProgramError(f"node {name}: defined twice")
-        if env and next(reversed(env.values())).op == "output":
-            raise ProgramError(f"node {name}: comes after the output node")
-        target = _target(entry, name, params)  # before any argument is read
-        args = _decode(entry.get("args", {"tuple": []}), env, name)
-        raw_kwargs = entry.get("kwargs", {})
-        if not isinstance(args, tuple) or not isinstance(raw_kwargs, dict):
-            raise ProgramError(f"node {name}: args must be a tuple and kwargs an object")
-        kwargs = {_check_name(k, "keyword", name): _decode(v, env, name) for k, v in raw_kwargs.items()}
-        kind: Kind | None = TENSOR if op in ("placeholder", "get_attr") else None
-        if op == "placeholder":
-            if len(inputs) >= len(STEP_INPUTS) or target != STEP_INPUTS[len(inputs)] or args or kwargs:
-                raise ProgramError(f"node {name}: the program's inputs must be {', '.join(STEP_INPUTS)}")
-            inputs.append(target)
-        elif len(inputs) != len(STEP_INPUTS):
-            raise ProgramError(f"node {name}: the program's inputs must be {', '.join(STEP_INPUTS)}")
-        if op == "get_attr" and (args or kwargs):
-            raise ProgramError(f"node {name}: a parameter node takes no arguments")
-        if op == "call_function":
-            kind = check_call(name, target, args, kwargs, kinds)
-        elif op == "output":
-            _check_output(name, args, kwargs, kinds)
-        env[name] = graph.create_node(op, target, args, kwargs, name=name)
-        if kind is not None:
-            kinds[env[name]] = kind
-    if not env or next(reversed(env.values())).op != "output":
-        raise ProgramError("the program has no output node")
-    graph.lint()
+        found = data.get("format") if isinstance(data, dict) else None
+        raise ProgramError(f"program format {shown(found)}, expected {FORMAT}")
+    where = "the program's parameter table"
+    try:
+        params = _param_table(data)
+        _module_tree({fqn: torch.empty(0, device="meta") for fqn in params})  # the names can be registered
+        entries = data.get("nodes")
+        if not isinstance(entries, list):
+            raise ProgramError("the program has no node list")
+        graph = fx.Graph()
+        env: dict[str, fx.Node] = {}
+        kinds: dict[fx.Node, Kind] = {}
+        inputs: list[str] = []
+        for index, entry in enumerate(entries):
+            where = _label(entry, index)
+            _add_node(entry, graph, env, kinds, inputs, params)
+        if not env or next(reversed(env.values())).op != "output":
+            raise ProgramError("the program has no output node")
+        where = "the program's graph"
+        graph.lint()
+    except ProgramError:
+        raise
+    except Exception as exc:  # anything the checks did not foresee: still a refusal naming the node
+        raise unexpected(where, exc) from None
     return Program(graph, params)
+
+
+def _label(entry: object, index: int) -> str:
+    """How messages name a node entry: by its name once that is an identifier, else by its position."""
+    name = entry.get("name") if isinstance(entry, dict) else None
+    if isinstance(name, str) and _IDENTIFIER.fullmatch(name):
+        return f"node {name}"
+    return f"node #{index}"
+
+
+def _add_node(
+    entry: object,
+    graph: fx.Graph,
+    env: dict[str, fx.Node],
+    kinds: dict[fx.Node, Kind],
+    inputs: list[str],
+    params: dict[str, Any],
+) -> None:
+    """Check one node entry against the nodes before it and add it to `graph` (`env`: name → node,
+    `kinds`: what each node produces, `inputs`: the step inputs read so far)."""
+    if not isinstance(entry, dict) or not set(entry) <= _NODE_KEYS:
+        raise ProgramError(
+            f"node entries must be objects with keys {sorted(_NODE_KEYS)}, found {shown(entry)}"
+        )
+    name, op = _check_name(entry.get("name"), "name", "?"), entry.get("op")
+    if name in env:
+        raise ProgramError(f"node {name}: defined twice")
+    if env and next(reversed(env.values())).op == "output":
+        raise ProgramError(f"node {name}: comes after the output node")
+    target = _target(entry, name, params)  # before any argument is read
+    args = _decode(entry.get("args", {"tuple": []}), env, name)
+    raw_kwargs = entry.get("kwargs", {})
+    if not isinstance(args, tuple) or not isinstance(raw_kwargs, dict):
+        raise ProgramError(f"node {name}: args must be a tuple and kwargs an object")
+    kwargs = {_check_name(k, "keyword", name): _decode(v, env, name, 1) for k, v in raw_kwargs.items()}
+    kind: Kind | None = TENSOR if op in ("placeholder", "get_attr") else None
+    if op == "placeholder":
+        if len(inputs) >= len(STEP_INPUTS) or target != STEP_INPUTS[len(inputs)] or args or kwargs:
+            raise ProgramError(f"node {name}: the program's inputs must be {', '.join(STEP_INPUTS)}")
+        inputs.append(target)
+    elif len(inputs) != len(STEP_INPUTS):
+        raise ProgramError(f"node {name}: the program's inputs must be {', '.join(STEP_INPUTS)}")
+    if op == "get_attr" and (args or kwargs):
+        raise ProgramError(f"node {name}: a parameter node takes no arguments")
+    if op == "call_function":
+        kind = check_call(name, target, args, kwargs, kinds)
+    elif op == "output":
+        _check_output(name, args, kwargs, kinds)
+    env[name] = graph.create_node(op, target, args, kwargs, name=name)
+    if kind is not None:
+        kinds[env[name]] = kind
 
 
 def _target(entry: dict[str, Any], node: str, params: dict[str, Any]) -> object:
@@ -254,7 +308,7 @@ def _target(entry: dict[str, Any], node: str, params: dict[str, Any]) -> object:
         return _resolve(entry.get("target"), node)
     if op == "output":
         return "output"
-    raise ProgramError(f"node {node}: unsupported op kind {op!r}")
+    raise ProgramError(f"node {node}: unsupported op kind {shown(op)}")
 
 
 def _resolve(name: object, node: str) -> object:
@@ -266,7 +320,7 @@ def _resolve(name: object, node: str) -> object:
             f"node {node}: op '{name}' is not registered here (are its kernels installed, e.g. triton?)"
         ) from None
     if target is None:
-        raise ProgramError(f"node {node}: target {name!r} is not an op hy3c programs may call")
+        raise ProgramError(f"node {node}: target {shown(name)} is not an op hy3c programs may call")
     return target
 
 
