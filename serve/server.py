@@ -1,11 +1,13 @@
 """`hy3c serve ART`: bind the port, load a compiled artifact, size the KV cache, start the engine and the
 HTTP server (`lifecycle`: client limits, shutdown on SIGTERM).
 
-The port is bound before anything heavy is imported or loaded, so a busy port fails in a fraction of a
-second; this module imports torch, the artifact loader and the server only inside functions. The KV
-cache gets `--kv-memory` GiB (default: the recipe's `serving.kv_memory_fraction` of the free GPU
-memory on CUDA, 0.25 GiB on CPU); `--max-model-len` defaults to what that cache and the model allow. On
-CUDA, decode steps of up to `--max-num-seqs` requests are captured as CUDA graphs.
+The port is bound, then the artifact's manifest read, before anything heavy is imported or loaded, so a
+busy port or a missing artifact fails in a fraction of a second; this module imports torch, the
+artifact loader and the server only inside functions. The KV cache gets `--kv-memory` GiB (default: the
+recipe's `serving.kv_memory_fraction` of the free GPU memory on CUDA, 0.25 GiB on CPU);
+`--max-model-len` defaults to what that cache and the model allow, and may not exceed the model's
+`max_position_embeddings`. On CUDA, decode steps of up to `--max-num-seqs` requests are captured as
+CUDA graphs.
 """
 
 from __future__ import annotations
@@ -53,13 +55,18 @@ class ServeOptions:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     max_connections: int = 2048
+    max_header_bytes: int = 64 * 1024
 
     def limits(self) -> HttpLimits:
         """The limits on clients that the HTTP layer enforces."""
         from hy3c.serve.http_gate import HttpLimits
 
         return HttpLimits(
-            self.header_timeout, self.body_timeout, self.timeout_keep_alive, self.max_connections
+            self.header_timeout,
+            self.body_timeout,
+            self.timeout_keep_alive,
+            self.max_connections,
+            self.max_header_bytes,
         )
 
 
@@ -100,9 +107,18 @@ def page_bytes(runner, page_size: int) -> int:
 
 
 def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerConfig]:
+    """The engine, tokenizer and API settings of `options`. The artifact's manifest and
+    `--max-model-len` against the model's `max_position_embeddings` are checked before torch is
+    imported (a missing artifact is one error line at once, not after seconds of imports)."""
+    from hy3c.artifact import load, open_artifact
+
+    limit = open_artifact(options.artifact).config.max_position_embeddings
+    if options.max_model_len is not None and options.max_model_len > limit:
+        raise ValueError(
+            f"--max-model-len {options.max_model_len} exceeds the model's max_position_embeddings ({limit})"
+        )
     import torch
 
-    from hy3c.artifact import load
     from hy3c.serve.api import ServerConfig
     from hy3c.serve.engine import Engine, EngineConfig
     from hy3c.serve.kernel_builds import watch_kernel_builds
@@ -116,7 +132,7 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
     runner = load(options.artifact, device=device, compile=compile_)
     tokenizer = Hy3Tokenizer.from_dir(options.artifact)
     serving = runner.recipe.serving
-    page_size = options.page_size or serving.page_size
+    page_size = serving.page_size if options.page_size is None else options.page_size
     if options.kv_memory_gib is not None:
         budget = int(options.kv_memory_gib * 2**30)
     elif runner.device.type == "cuda":
@@ -130,9 +146,7 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
             f"--kv-memory: {budget} bytes hold fewer than 2 KV pages of {page_bytes(runner, page_size)} bytes"
         )
     capacity = (num_pages - 1) * page_size
-    max_model_len = min(
-        options.max_model_len or runner.config.max_position_embeddings, runner.config.max_position_embeddings
-    )
+    max_model_len = limit if options.max_model_len is None else options.max_model_len
     if max_model_len > capacity:
         if options.max_model_len is not None:
             raise ValueError(
@@ -142,8 +156,12 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
     config = EngineConfig(
         num_pages=num_pages,
         page_size=page_size,
-        max_num_seqs=options.max_num_seqs or serving.max_num_seqs,
-        max_num_batched_tokens=options.max_num_batched_tokens or serving.max_num_batched_tokens,
+        max_num_seqs=serving.max_num_seqs if options.max_num_seqs is None else options.max_num_seqs,
+        max_num_batched_tokens=(
+            serving.max_num_batched_tokens
+            if options.max_num_batched_tokens is None
+            else options.max_num_batched_tokens
+        ),
         max_model_len=max_model_len,
     )
     metrics = EngineMetrics(max_model_len)
@@ -180,14 +198,15 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
 
 
 def serve(options: ServeOptions) -> None:
-    """Serve until SIGTERM or Ctrl-C (`lifecycle`): the port first, then the model."""
+    """Serve until SIGTERM or Ctrl-C (`lifecycle`): the port first, then the artifact's manifest, then
+    the model (and torch and the API)."""
     sock = bind_socket(options.host, options.port)
     engine = None
     try:
+        engine, tokenizer, server = build_engine(options)
         from hy3c.serve.api import build_app
         from hy3c.serve.lifecycle import HttpServer
 
-        engine, tokenizer, server = build_engine(options)
         limits = options.limits()
         gate = build_app(engine, tokenizer, server, limits)
         engine.start()
