@@ -293,22 +293,61 @@ def _run_inspect(args: argparse.Namespace) -> None:
     print()
 
 
+def _port(text: str) -> int:
+    """argparse type of --port: 0 (any free port) to 65535; the socket layer would wrap a larger one."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0 to 65535)")
+    return port
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of a count or size of at least 1 (0 or less is no limit the server could keep)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {value})")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse type of a time in seconds or a size in GiB: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a compiled artifact over an OpenAI-compatible HTTP API")
     p.add_argument("artifact", type=Path)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--served-model-name", help="model id in the API (default: the artifact directory name)")
     p.add_argument(
         "--api-key", help="require 'Authorization: Bearer KEY' (all routes but /health, /metrics, /version)"
     )
-    p.add_argument("--max-num-seqs", type=int, help="requests in the running batch (default: the recipe's)")
     p.add_argument(
-        "--max-num-batched-tokens", type=int, help="tokens per engine step (default: the recipe's)"
+        "--max-num-seqs", type=_positive_int, help="requests in the running batch (default: the recipe's)"
     )
-    p.add_argument("--max-model-len", type=int, help="prompt + completion tokens per request")
-    p.add_argument("--kv-memory", type=float, metavar="GIB", help="KV cache size in GiB")
-    p.add_argument("--page-size", type=int, help="tokens per KV page (default: the recipe's)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, help="tokens per engine step (default: the recipe's)"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        help="prompt + completion tokens per request (at most the model's max_position_embeddings)",
+    )
+    p.add_argument("--kv-memory", type=_positive_float, metavar="GIB", help="KV cache size in GiB")
+    p.add_argument("--page-size", type=_positive_int, help="tokens per KV page (default: the recipe's)")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument(
         "--compile",
@@ -317,11 +356,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="run the program through torch.compile (default: off; it specializes on each step's token count)",
     )
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20)
-    p.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before 503")
+    p.add_argument("--max-request-bytes", type=_positive_int, default=1 << 20)
+    p.add_argument("--max-waiting", type=_positive_int, default=1024, help="waiting requests before 503")
     p.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_positive_float,
         default=30.0,
         metavar="S",
         help="on SIGTERM or Ctrl-C: seconds in-flight requests get to finish before they are aborted"
@@ -329,31 +368,38 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--timeout-keep-alive",
-        type=float,
+        type=_positive_float,
         default=5.0,
         metavar="S",
         help="seconds an idle keep-alive connection stays open (default: 5)",
     )
     p.add_argument(
         "--header-timeout",
-        type=float,
+        type=_positive_float,
         default=10.0,
         metavar="S",
         help="seconds from connecting to the end of the request headers; then 408 and close (default: 10)",
     )
     p.add_argument(
         "--body-timeout",
-        type=float,
+        type=_positive_float,
         default=30.0,
         metavar="S",
         help="seconds from the headers to the end of the request body; then 408 and close (default: 30)",
     )
     p.add_argument(
         "--max-connections",
-        type=int,
+        type=_positive_int,
         default=2048,
         metavar="N",
         help="open connections at most; more are answered 503 and closed (default: 2048)",
+    )
+    p.add_argument(
+        "--max-header-bytes",
+        type=_positive_int,
+        default=64 * 1024,
+        metavar="N",
+        help="bytes of a request line and headers at most; more are answered 431 and closed (default: 65536)",
     )
     p.set_defaults(func=_run_serve)
 
@@ -361,15 +407,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _run_serve(args: argparse.Namespace) -> None:
     from hy3c.serve.server import ServeOptions, serve
 
-    for name in (
-        "shutdown_timeout",
-        "timeout_keep_alive",
-        "header_timeout",
-        "body_timeout",
-        "max_connections",
-    ):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
     serve(
         ServeOptions(
             args.artifact,
@@ -392,6 +429,7 @@ def _run_serve(args: argparse.Namespace) -> None:
             header_timeout=args.header_timeout,
             body_timeout=args.body_timeout,
             max_connections=args.max_connections,
+            max_header_bytes=args.max_header_bytes,
         )
     )
 
@@ -404,8 +442,22 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--base-url", help="the server (default: http://HOST:PORT)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    s.add_argument("--port", type=_port, default=8000)
+    s.add_argument(
+        "--backend",
+        help="vLLM's: vllm, openai, sglang, lmdeploy, scalellm (completions) or openai-chat (chat);"
+        " sets the default --endpoint",
+    )
+    s.add_argument(
+        "--endpoint",
+        help="/v1/completions or /v1/chat/completions (default: the backend's, else completions)",
+    )
+    s.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="a tokenizer.json, or a directory holding one, to build the prompts with"
+        " (default: the server's /tokenize and /detokenize)",
+    )
     s.add_argument("--model", help="the model id to request (default: the server's first)")
     s.add_argument("--api-key", help="sent as a bearer token (default: $OPENAI_API_KEY)")
     s.add_argument("--label", help="the result's label and file name start (default: the backend)")
@@ -481,6 +533,8 @@ def _run_bench_serve(args: argparse.Namespace) -> None:
     config = BenchConfig(
         base_url=(args.base_url or f"http://{args.host}:{args.port}").rstrip("/"),
         endpoint=args.endpoint,
+        backend=args.backend,
+        tokenizer=args.tokenizer,
         model=args.model,
         api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
         dataset_name=args.dataset_name,

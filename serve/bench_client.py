@@ -12,11 +12,16 @@ valid for any vocabulary):
   prefixes of `--prefix-repetition-prefix-len` tokens, each shared by an equal part of the prompts,
   then `--prefix-repetition-suffix-len` random tokens; `--prefix-repetition-output-len` out.
 
+With `--tokenizer` (a local `tokenizer.json` or a directory holding one, as vLLM's flag points at a
+model's files; hub names are not fetched) the prompts are built with that tokenizer instead, so the
+server needs no /tokenize or /detokenize.
+
 Requests arrive all at once (`--request-rate inf`) or by a Poisson process (gamma intervals for
 `--burstiness` ≠ 1) seeded by `--seed`; at most `--max-concurrency` are in flight. Each streams from
-`--endpoint` (/v1/completions; /v1/chat/completions sends the prompt's text as a user message) with
-`ignore_eos` for `random` (as vLLM; `--ignore-eos` for the other dataset) and the usage chunk, which
-gives the token counts. A progress bar shows completed requests.
+`--endpoint` (/v1/completions; /v1/chat/completions sends the prompt's text as a user message; the
+default follows vLLM's `--backend`: `openai-chat` is the chat endpoint, the other OpenAI-compatible
+ones completions) with `ignore_eos` for `random` (as vLLM; `--ignore-eos` for the other dataset) and
+the usage chunk, which gives the token counts. A progress bar shows completed requests.
 
 The result has vLLM's keys — `duration`, `completed`, `failed`, `total_input_tokens`,
 `total_output_tokens`, `request_throughput`, `request_goodput` (requests meeting every `--goodput`
@@ -44,6 +49,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 _TEXT = (
@@ -52,6 +58,16 @@ _TEXT = (
 ) * 8
 DATASETS = ("random", "prefix_repetition", "prefix-repetition")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# vLLM's `--backend`s that speak OpenAI's API, and the endpoint each sends to (the others are not
+# OpenAI-compatible: TGI, TensorRT-LLM, DeepSpeed-MII, audio, embeddings)
+BACKENDS = {
+    "vllm": ENDPOINTS[0],
+    "openai": ENDPOINTS[0],
+    "openai-chat": ENDPOINTS[1],
+    "sglang": ENDPOINTS[0],
+    "lmdeploy": ENDPOINTS[0],
+    "scalellm": ENDPOINTS[0],
+}
 METRICS = ("ttft", "tpot", "itl", "e2el")
 _METRIC_TITLES = {
     "ttft": ("TTFT", "Time to First Token"),
@@ -69,7 +85,9 @@ class BenchConfig:
     """The run's settings, named and defaulted as `vllm bench serve`'s flags."""
 
     base_url: str = "http://127.0.0.1:8000"
-    endpoint: str = "/v1/completions"
+    endpoint: str | None = None  # None: the backend's (`route`)
+    backend: str | None = None  # one of BACKENDS; None: named after the endpoint in the result
+    tokenizer: str | None = None  # a tokenizer.json or its directory; None: the server's /tokenize
     model: str | None = None
     api_key: str | None = None
     dataset_name: str = "random"
@@ -100,8 +118,18 @@ class BenchConfig:
         """Each bad setting is a ValueError naming its flag."""
         if self.dataset_name not in DATASETS:
             raise ValueError(f"--dataset-name: {self.dataset_name!r} is not one of {', '.join(DATASETS[:2])}")
-        if self.endpoint not in ENDPOINTS:
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"--backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.endpoint is not None and self.endpoint not in ENDPOINTS:
             raise ValueError(f"--endpoint: {self.endpoint!r} is not one of {', '.join(ENDPOINTS)}")
+        if self.backend is not None and self.endpoint not in (None, BACKENDS[self.backend]):
+            raise ValueError(
+                f"--backend {self.backend} sends to {BACKENDS[self.backend]}, not --endpoint {self.endpoint}"
+            )
+        if self.tokenizer is not None and not self.tokenizer_file.is_file():
+            raise ValueError(
+                f"--tokenizer {self.tokenizer}: no tokenizer.json there (give a local file or directory)"
+            )
         positive = {
             "num-prompts": self.num_prompts,
             "random-input-len": self.random_input_len,
@@ -137,6 +165,21 @@ class BenchConfig:
     @property
     def dataset(self) -> str:
         return "prefix_repetition" if self.dataset_name == "prefix-repetition" else self.dataset_name
+
+    @property
+    def route(self) -> str:
+        """The endpoint requests go to: `endpoint`, else the backend's, else /v1/completions."""
+        return self.endpoint or BACKENDS.get(self.backend or "", ENDPOINTS[0])
+
+    @property
+    def chat(self) -> bool:
+        return self.route == "/v1/chat/completions"
+
+    @property
+    def tokenizer_file(self) -> Path:
+        """`tokenizer` itself, or the tokenizer.json inside that directory."""
+        path = Path(str(self.tokenizer))
+        return path / "tokenizer.json" if path.is_dir() else path
 
 
 def parse_goodput(pairs: list[str]) -> dict[str, float]:
@@ -212,12 +255,11 @@ async def _request(
     client: httpx.AsyncClient, config: BenchConfig, body: dict, prompt_len: int, headers: dict
 ) -> RequestResult:
     result = RequestResult(prompt_len=prompt_len)
-    chat = config.endpoint == "/v1/chat/completions"
     start = last = time.perf_counter()
     result.start_time = start
     first, text = True, []
     try:
-        async with client.stream("POST", config.endpoint, json=body, headers=headers) as response:
+        async with client.stream("POST", config.route, json=body, headers=headers) as response:
             if response.status_code != 200:
                 result.error = (
                     f"HTTP {response.status_code}: {(await response.aread())[:200].decode(errors='replace')}"
@@ -239,7 +281,7 @@ async def _request(
                     last = now
                     choice = chunk["choices"][0]
                     text.append(
-                        (choice.get("delta", {}).get("content") if chat else choice.get("text")) or ""
+                        (choice.get("delta", {}).get("content") if config.chat else choice.get("text")) or ""
                     )
                 elif chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
@@ -305,6 +347,7 @@ def _engine_report(before: dict | None, after: dict | None) -> dict:
 async def run_benchmark(config: BenchConfig) -> dict:
     """Send the workload and return the result (see the module docstring for its keys)."""
     config.check()
+    local = _local_tokenizer(config)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     rng = np.random.default_rng(config.seed)
     limits = httpx.Limits(max_connections=(config.max_concurrency or config.num_prompts) + 4)
@@ -312,10 +355,13 @@ async def run_benchmark(config: BenchConfig) -> dict:
         base_url=config.base_url, timeout=httpx.Timeout(6 * 3600.0), limits=limits
     ) as client:
         model = config.model or (await _get_json(client, "GET", "/v1/models", headers))["data"][0]["id"]
-        tokens = await _get_json(client, "POST", "/tokenize", headers, {"prompt": _TEXT})
-        workload = make_prompts(config, sorted(set(tokens["tokens"])), rng)
+        if local is None:
+            pool = (await _get_json(client, "POST", "/tokenize", headers, {"prompt": _TEXT}))["tokens"]
+        else:
+            pool = local.encode(_TEXT, add_special_tokens=False).ids
+        workload = make_prompts(config, sorted(set(pool)), rng)
         arrivals = arrival_times(config.num_prompts, config.request_rate, config.burstiness, rng)
-        bodies = [await _body(client, config, model, prompt, out, headers) for prompt, out in workload]
+        bodies = [await _body(client, config, model, prompt, out, headers, local) for prompt, out in workload]
         gate = (
             asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else contextlib.nullcontext()
         )
@@ -338,11 +384,11 @@ async def run_benchmark(config: BenchConfig) -> dict:
         r.start_time -= start
     report = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "endpoint_type": "openai-chat" if config.endpoint == "/v1/chat/completions" else "openai",
-        "backend": "openai-chat" if config.endpoint == "/v1/chat/completions" else "openai",
+        "endpoint_type": "openai-chat" if config.chat else "openai",
+        "backend": config.backend or ("openai-chat" if config.chat else "openai"),
         "label": config.label,
         "model_id": model,
-        "tokenizer_id": None,
+        "tokenizer_id": config.tokenizer,
         "num_prompts": config.num_prompts,
         "dataset_name": config.dataset,
         "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
@@ -354,8 +400,25 @@ async def run_benchmark(config: BenchConfig) -> dict:
     return report
 
 
+def _local_tokenizer(config: BenchConfig) -> Tokenizer | None:
+    """`--tokenizer`'s tokenizer, or None for the server's; a file `tokenizers` cannot read is a
+    ValueError naming the flag."""
+    if config.tokenizer is None:
+        return None
+    try:
+        return Tokenizer.from_file(str(config.tokenizer_file))
+    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"--tokenizer {config.tokenizer}: not a tokenizer.json: {exc}") from None
+
+
 async def _body(
-    client: httpx.AsyncClient, config: BenchConfig, model: str, prompt: list[int], out: int, headers: dict
+    client: httpx.AsyncClient,
+    config: BenchConfig,
+    model: str,
+    prompt: list[int],
+    out: int,
+    headers: dict,
+    local: Tokenizer | None,
 ) -> dict:
     body: dict = {
         "model": model,
@@ -364,8 +427,11 @@ async def _body(
         "stream_options": {"include_usage": True},
         "ignore_eos": config.ignore_eos or config.dataset == "random",
     }
-    if config.endpoint == "/v1/chat/completions":
-        text = (await _get_json(client, "POST", "/detokenize", headers, {"tokens": prompt}))["prompt"]
+    if config.chat:
+        if local is None:
+            text = (await _get_json(client, "POST", "/detokenize", headers, {"tokens": prompt}))["prompt"]
+        else:
+            text = local.decode(prompt)
         body["messages"] = [{"role": "user", "content": text}]
     else:
         body["prompt"] = prompt

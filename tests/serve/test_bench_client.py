@@ -4,6 +4,7 @@ tiny model; the arrival process, the statistics and the goodput checked on their
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import numpy as np
@@ -97,6 +98,50 @@ def test_chat_endpoint(server, tmp_path):
     assert result["backend"] == "openai-chat" and result["total_input_tokens"] > 3 * 6  # the chat template
 
 
+class _AccessLines(logging.Handler):
+    """The paths of the server's access log lines while installed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.paths.append(record.getMessage().split(" path=", 1)[1].split(" ", 1)[0])
+
+
+@pytest.fixture
+def access_paths():
+    logger, lines = logging.getLogger("hy3c.access"), _AccessLines()
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    yield lines.paths
+    logger.removeHandler(lines)
+    logger.setLevel(level)
+
+
+def test_vllm_backends_pick_the_endpoint_and_a_local_tokenizer_builds_the_prompts(
+    server, tiny_artifact, tmp_path, access_paths
+):
+    flags = ["--num-prompts", "2", "--random-input-len", "6", "--random-output-len", "2", "--disable-tqdm"]
+    assert bench(server, "--backend", "vllm", *flags, "--save-result", "--result-dir", str(tmp_path)) == 0
+    (path,) = tmp_path.glob("vllm-*.json")  # the file is named after the backend, as vLLM's
+    result = json.loads(path.read_text())
+    assert result["backend"] == "vllm" and result["endpoint_type"] == "openai" and result["completed"] == 2
+    assert "/v1/completions" in access_paths and "/tokenize" in access_paths  # the server's tokenizer
+    access_paths.clear()
+    saved = ["--save-result", "--result-filename", str(tmp_path / "chat.json")]
+    assert bench(server, "--backend", "openai-chat", "--tokenizer", str(tiny_artifact), *flags, *saved) == 0
+    result = json.loads((tmp_path / "chat.json").read_text())
+    assert result["backend"] == "openai-chat" and result["completed"] == 2
+    assert result["tokenizer_id"] == str(tiny_artifact)
+    # the chat endpoint without --endpoint; prompts from the local tokenizer, not /tokenize, /detokenize
+    assert set(access_paths) == {"/v1/models", "/v1/chat/completions"}, access_paths
+    access_paths.clear()
+    assert bench(server, "--tokenizer", str(tiny_artifact / "tokenizer.json"), *flags) == 0
+    assert set(access_paths) == {"/v1/models", "/v1/completions"}, access_paths
+
+
 def test_arrivals_follow_the_rate_and_the_seed():
     def draw(seed: int, burstiness: float = 1.0) -> np.ndarray:
         return arrival_times(2000, 50.0, burstiness, np.random.default_rng(seed))
@@ -145,9 +190,26 @@ def test_statistics_and_goodput():
         ),
         (["--request-rate", "0"], "error: --request-rate must be positive (got 0.0)"),
         (["--endpoint", "/v1/embeddings"], "error: --endpoint: '/v1/embeddings' is not one of"),
+        (
+            ["--backend", "tgi"],
+            "error: --backend: 'tgi' is not one of vllm, openai, openai-chat, sglang, lmdeploy, scalellm",
+        ),
+        (
+            ["--backend", "openai-chat", "--endpoint", "/v1/completions"],
+            "error: --backend openai-chat sends to /v1/chat/completions, not --endpoint /v1/completions",
+        ),
+        (["--tokenizer", "/nonexistent"], "error: --tokenizer /nonexistent: no tokenizer.json there"),
+        (["--tokenizer", "{bad}"], "error: --tokenizer {bad}: not a tokenizer.json"),
+        (["--port", "70000"], "argument --port: 70000 is not a port number (0 to 65535)"),
     ],
 )
-def test_bad_flags_are_one_line_errors(flags, message, capsys):
-    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *flags]) == 2
+def test_bad_flags_are_one_line_errors(flags, message, capsys, tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{}")
+    flags, message = [f.format(bad=bad) for f in flags], message.format(bad=bad)
+    try:
+        status = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *flags])
+    except SystemExit as exc:  # argparse's
+        status = exc.code
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(message), err
+    assert status == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err

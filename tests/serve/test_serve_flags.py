@@ -1,0 +1,79 @@
+"""`hy3c serve`'s numeric flags are checked before anything loads (one `error:` line naming the flag),
+`--max-model-len` may not exceed the model's `max_position_embeddings`, and a missing artifact or a
+too long `--max-model-len` is answered without importing torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hy3c.cli import build_parser, main
+
+BAD = [
+    (["--port", "99999"], "argument --port: 99999 is not a port number (0 to 65535)"),
+    (["--port", "-1"], "argument --port: -1 is not a port number (0 to 65535)"),
+    (["--port", "http"], "argument --port: 'http' is not a port number"),
+    (["--max-model-len", "0"], "argument --max-model-len: must be a positive integer (got 0)"),
+    (["--max-model-len", "-5"], "argument --max-model-len: must be a positive integer (got -5)"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be a positive integer (got 0)"),
+    (["--max-num-batched-tokens", "0"], "argument --max-num-batched-tokens: must be a positive integer"),
+    (["--page-size", "0"], "argument --page-size: must be a positive integer (got 0)"),
+    (["--max-request-bytes", "0"], "argument --max-request-bytes: must be a positive integer (got 0)"),
+    (["--max-waiting", "0"], "argument --max-waiting: must be a positive integer (got 0)"),
+    (["--max-connections", "-3"], "argument --max-connections: must be a positive integer (got -3)"),
+    (["--max-header-bytes", "0"], "argument --max-header-bytes: must be a positive integer (got 0)"),
+    (["--max-num-seqs", "1.5"], "argument --max-num-seqs: '1.5' is not an integer"),
+    (["--kv-memory", "0"], "argument --kv-memory: must be a finite number above 0 (got 0)"),
+    (["--kv-memory", "nan"], "argument --kv-memory: must be a finite number above 0 (got nan)"),
+    (["--shutdown-timeout", "0"], "argument --shutdown-timeout: must be a finite number above 0"),
+    (["--header-timeout", "-1"], "argument --header-timeout: must be a finite number above 0 (got -1)"),
+    (["--body-timeout", "inf"], "argument --body-timeout: must be a finite number above 0 (got inf)"),
+    (["--timeout-keep-alive", "soon"], "argument --timeout-keep-alive: 'soon' is not a number"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD, ids=[" ".join(flags) for flags, _ in BAD])
+def test_bad_numbers_are_one_error_line_naming_the_flag(flags, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:  # argparse's: before the port is bound or anything loads
+        main(["serve", str(tmp_path / "art"), *flags])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert exited.value.code == 2 and len(errors) == 1 and message in errors[0], err
+    assert "--host" not in errors[0] and "Traceback" not in err
+
+
+def test_limit_defaults():
+    args = build_parser().parse_args(["serve", "art"])
+    assert (args.max_header_bytes, args.max_request_bytes, args.max_connections) == (65536, 1 << 20, 2048)
+    assert args.port == 8000 and args.max_model_len is None and args.max_num_seqs is None
+
+
+def _serve_in_a_process(*argv: str) -> tuple[int, list[str], bool]:
+    """`main(["serve", *argv])` in a fresh interpreter: its status, its stderr lines and whether torch
+    was imported."""
+    probe = (
+        "import json, sys\n"
+        "from hy3c.cli import main\n"
+        f"status = main(['serve', *{list(argv)!r}])\n"
+        "print(json.dumps([status, 'torch' in sys.modules]))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    status, torch_imported = json.loads(run.stdout.strip().splitlines()[-1])
+    return status, run.stderr.splitlines(), torch_imported
+
+
+def test_a_missing_artifact_fails_without_importing_torch(tmp_path):
+    status, err, torch_imported = _serve_in_a_process(str(tmp_path / "nope"), "--port", "0")
+    assert status == 2 and len(err) == 1
+    assert err[0].startswith(f"error: {tmp_path / 'nope' / 'manifest.json'}: missing"), err
+    assert not torch_imported  # torch costs seconds of CPU before the message
+
+
+def test_max_model_len_beyond_the_models_positions_is_refused_before_loading(tiny_artifact):
+    args = (str(tiny_artifact), "--port", "0", "--max-model-len", "100000000")
+    status, err, torch_imported = _serve_in_a_process(*args)
+    assert status == 2 and not torch_imported
+    assert err == ["error: --max-model-len 100000000 exceeds the model's max_position_embeddings (4096)"]
