@@ -269,6 +269,8 @@ def limited_http_protocol(limits: HttpLimits) -> type:
             if self._head_bytes is not None and self._head_bytes + len(data) > max_header_bytes:
                 room = max_header_bytes - self._head_bytes
                 self._feed(data[:room])
+                if self.transport.is_closing():  # e.g. answered 400: the bytes before the cap were bad
+                    return
                 if self._head_bytes is not None:  # the headers did not end within the cap
                     self._headers_too_large()
                     return
