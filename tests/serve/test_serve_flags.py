@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from hy3c.cli import build_parser, main
+from hy3c.serve.http_gate import HttpLimits
+from hy3c.serve.server import ServeOptions
 
 BAD = [
     (["--port", "99999"], "argument --port: 99999 is not a port number (0 to 65535)"),
@@ -49,6 +52,8 @@ def test_limit_defaults():
     args = build_parser().parse_args(["serve", "art"])
     assert (args.max_header_bytes, args.max_request_bytes, args.max_connections) == (65536, 1 << 20, 2048)
     assert args.port == 8000 and args.max_model_len is None and args.max_num_seqs is None
+    assert ServeOptions(Path("art")).limits() == HttpLimits()  # one default, whichever way one serves
+    assert HttpLimits().max_header_bytes == args.max_header_bytes
 
 
 def _serve_in_a_process(*argv: str) -> tuple[int, list[str], bool]:
