@@ -154,7 +154,8 @@ def _param_table(data: dict[str, Any]) -> dict[str, tuple[list[int], torch.dtype
             or not all(type(d) is int and 0 <= d <= MAX_NUMEL for d in shape)
         ):
             raise ProgramError(
-                f"parameter {fqn}: shape {shown(shape)} is not a list of at most {MAX_DIMS} sizes"
+                f"parameter {fqn}: shape {shown(shape)} is not a list of at most {MAX_DIMS} sizes "
+                f"in [0, {MAX_NUMEL}]"
             )
         if math.prod(shape) > MAX_NUMEL:
             raise ProgramError(f"parameter {fqn}: shape {shape} has more than {MAX_NUMEL} elements")

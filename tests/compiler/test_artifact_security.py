@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import random
+import re
 import shutil
 import sys
 
@@ -30,6 +31,7 @@ from hy3c.compiler.serialize import ProgramError, graph_to_json, read_program
 from hy3c.loader import load_model
 from hy3c.model import SeqChunk, build_step_batch
 from hy3c.recipe import load_recipe
+from hy3c.tokenizer import Hy3Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +61,13 @@ def _program(path):
 
 def _write_program(path, data):
     """Write a program and fix every hash over it: only the program checks can refuse it."""
+    _write_program_text(path, json.dumps(data))
+
+
+def _write_program_text(path, text):
+    """`_write_program` for a program file's text (JSON that json.dumps would not write)."""
     file = path / "program/step.json"
-    file.write_text(json.dumps(data))
+    file.write_text(text)
     manifest = _manifest(path)
     manifest["program"]["sha256"] = manifest["cache_key"]["parts"]["program"] = file_sha256(file)
     manifest["cache_key"]["key"] = json_sha256(manifest["cache_key"]["parts"])
@@ -437,6 +444,81 @@ def test_inconsistent_shapes_are_refused(art, edit, message):
         artifact.load(art, compile=False)
 
 
+# ---- the gathers' indices ------------------------------------------------------------------------
+
+
+def _computed_token_ids(data):
+    """The embedding's indices computed from the token ids (input_ids + input_ids: still int64 [T])."""
+    data["nodes"].insert(
+        _index(data, "embedding"),
+        _call("ids", "aten.add.Tensor", {"node": "input_ids"}, {"node": "input_ids"}),
+    )
+    _node(data, "embedding")["args"]["tuple"][1] = {"node": "ids"}
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            _arg("embedding", 1, {"node": "positions"}),
+            r"node embedding \(aten.embedding.default\): argument 'indices' must be the step input "
+            r"input_ids, not positions$",
+        ),
+        (_arg("embedding", 1, {"node": "slot_mapping"}), "'indices' must be the step input input_ids"),
+        (_computed_token_ids, "node embedding .*'indices' must be the step input input_ids, not ids"),
+        (
+            _arg("embedding", 0, {"node": "layers_1_mlp_router_weight"}),
+            r"node embedding .*'weight' has 8 rows, expected the vocabulary's 512",
+        ),
+        (
+            _arg("index_select", 2, {"node": "input_ids"}),
+            r"node index_select \(aten.index_select.default\): argument 'index' must be the step input "
+            "logits_indices, not input_ids",
+        ),
+        (_arg("index_select", 2, {"node": "positions"}), "'index' must be the step input logits_indices"),
+        (
+            _arg("index_select", 0, {"node": "embed_tokens_weight"}),
+            r"node index_select .*'self' has shape \[512, 64\], expected \[T H\]",
+        ),
+        (_arg("index_select", 1, 1), r"node index_select .*'dim' is 1, outside \[0, 1\)"),
+    ],
+)
+def test_gathers_index_with_what_the_compiler_passes(art, edit, message):
+    """aten.embedding and aten.index_select read rows at the values of their index tensor: only the step
+    input whose values the engine bounds (token ids, logits rows), over a table with those rows, passes
+    (positions, say, run past a 512-row table at a 600-token prompt)."""
+    data = _program(art)
+    edit(data)
+    _write_program(art, data)
+    with pytest.raises(ArtifactError, match=message):
+        artifact.load(art, compile=False)
+
+
+def test_the_positions_swap_reads_past_the_table_when_unchecked(art, monkeypatch):
+    """The swap is real: with the gather checks off, it loads and a 600-token prompt fails at run time
+    (on CUDA it could read out of bounds instead)."""
+    data = _program(art)
+    _arg("embedding", 1, {"node": "positions"})(data)
+    _write_program(art, data)
+    monkeypatch.setattr(program_check, "GATHER_CONTRACTS", {})
+    runner = artifact.load(art, compile=False)
+    batch = build_step_batch([SeqChunk([1] * 600, 0, list(range(38)), "last")], 16)
+    with pytest.raises(IndexError):
+        runner(*batch.model_args(torch.zeros(4, 2, 38, 16, 2, 32)))
+
+
+def test_every_listed_gather_has_a_contract():
+    """An ATen op of the allow-list with an index tensor argument has a gather contract (so an op
+    added to the list later cannot gather unchecked)."""
+    gathers = {
+        name
+        for name in op_allowlist.ALLOWED_OPS
+        if name.startswith("aten.")
+        and any(a.name in ("index", "indices") for a in op_allowlist.resolve_op(name)._schema.arguments)
+    }
+    assert gathers == set(program_check.GATHER_CONTRACTS)
+
+
 # ---- the manifest's hashes -----------------------------------------------------------------------
 
 
@@ -524,6 +606,232 @@ def test_files_are_hashed_concurrently_in_order(tmp_path):
         paths.append(tmp_path / f"f{i}")
         paths[-1].write_bytes(os.urandom(1000 + i))
     assert files_sha256(paths) == [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
+
+
+# ---- files outside the artifact ------------------------------------------------------------------
+
+
+def _link_out(art, name, outside):
+    """Move the artifact's file or directory `name` to `outside` and link it back (its content is what
+    was compiled, so every hash matches: only the link check stands in the way)."""
+    outside.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(art / name, outside)
+    (art / name).symlink_to(outside)
+
+
+@pytest.mark.parametrize(
+    ("name", "refused"),
+    [
+        ("program/step.json", "program/step.json"),
+        ("program", "program/step.json"),
+        ("weights/rank0.safetensors", "weights/rank0.safetensors"),
+        ("weights", "weights/rank0.safetensors"),
+        ("manifest.json", "manifest.json"),
+    ],
+)
+def test_links_out_of_the_artifact_are_refused(art, tmp_path, name, refused):
+    _link_out(art, name, tmp_path / "outside" / name)
+    with pytest.raises(
+        ArtifactError, match=rf"art/{re.escape(refused)}: is a link outside the artifact \(to "
+    ):
+        artifact.load(art, compile=False)
+
+
+def test_a_weight_entry_linked_to_a_file_elsewhere_is_refused_before_any_read(art, tmp_path, monkeypatch):
+    """An extra weights entry `weights/extra.bin` → a file outside (/etc/passwd, say), its size and
+    sha256 right: refused before any weight file is hashed or read."""
+    secret = tmp_path / "passwd"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (art / "weights/extra.bin").symlink_to(secret)
+
+    def change(m):
+        entry = {"name": "weights/extra.bin", "bytes": secret.stat().st_size, "sha256": file_sha256(secret)}
+        m["weights"]["files"].append(entry)
+        m["cache_key"]["parts"]["weights"] = json_sha256([f["sha256"] for f in m["weights"]["files"]])
+        m["cache_key"]["key"] = json_sha256(m["cache_key"]["parts"])
+
+    _edit(art, change)
+    hashed = []
+    monkeypatch.setattr(artifact, "files_sha256", lambda paths: hashed.append(paths) or [])
+    with pytest.raises(
+        ArtifactError, match=r"weights/extra.bin: is a link outside the artifact \(to .*passwd\)"
+    ):
+        artifact.load(art, compile=False)
+    assert hashed == []
+
+
+def test_links_within_the_artifact_are_followed(art):
+    """Symlinks are allowed while they stay inside: they reach nothing a copy of the file could not
+    (the artifact's root may itself be a link, too)."""
+    (art / "program/step.json").rename(art / "program/real.json")
+    (art / "program/step.json").symlink_to("real.json")
+    (art / "shards").mkdir()
+    (art / "weights/rank0.safetensors").rename(art / "shards/rank0.safetensors")
+    (art / "weights/rank0.safetensors").symlink_to("../shards/rank0.safetensors")
+    (art.parent / "linked").symlink_to(art)
+    assert artifact.load(art.parent / "linked", compile=False).config.vocab_size == 512
+
+
+@pytest.mark.parametrize("name", ["program/step.json", "weights/rank0.safetensors", "manifest.json"])
+def test_fifos_and_directories_are_refused_without_reading(art, name):
+    """A FIFO would block the read forever; a directory is no file either."""
+    (art / name).unlink()
+    os.mkfifo(art / name)
+    with pytest.raises(ArtifactError, match=rf"{re.escape(name)}: not a regular file"):
+        artifact.load(art, compile=False)
+    (art / name).unlink()
+    (art / name).mkdir()
+    with pytest.raises(ArtifactError, match=rf"{re.escape(name)}: not a regular file"):
+        artifact.load(art, compile=False)
+
+
+def test_a_symlink_loop_is_named(art):
+    (art / "program/step.json").unlink()
+    (art / "program/step.json").symlink_to("step.json")
+    with pytest.raises(ArtifactError, match=r"program/step.json: unreadable \("):
+        artifact.load(art, compile=False)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+def test_tokenizer_files_linked_out_of_the_artifact_are_refused(art, tmp_path, name):
+    _link_out(art, name, tmp_path / "outside" / name)
+    with pytest.raises(ArtifactError, match=rf"{re.escape(name)}: is a link outside the artifact"):
+        Hy3Tokenizer.from_dir(art)
+
+
+def test_a_checkpoints_tokenizer_may_link_elsewhere(tiny_ckpt, tmp_path):
+    """A checkpoint is not an artifact: a Hugging Face cache snapshot links its files to blobs."""
+    snapshot = shutil.copytree(tiny_ckpt, tmp_path / "snapshot")
+    _link_out(snapshot, "tokenizer.json", tmp_path / "blobs" / "0123abcd")
+    assert Hy3Tokenizer.from_dir(snapshot).vocab_size > 0
+
+
+def test_inspect_reads_nothing_linked_out_of_the_artifact(art, tmp_path):
+    from hy3c.inspect_artifact import inspect_command
+
+    _link_out(art, "compile_report.json", tmp_path / "outside" / "report.json")
+    with pytest.raises(ArtifactError, match=r"compile_report.json: is a link outside the artifact"):
+        inspect_command(art, "passes")
+    shutil.move(tmp_path / "outside" / "report.json", art / "compile_report.json")
+    (tmp_path / "outside" / "dump.txt").write_text("secret\n")
+    (art / "graphs").mkdir()
+    (art / "graphs/00_traced.txt").symlink_to(tmp_path / "outside" / "dump.txt")
+    with pytest.raises(ArtifactError, match=r"graphs/00_traced.txt: is a link outside the artifact"):
+        inspect_command(art, "graph", after="traced")
+
+
+# ---- values past the limits ----------------------------------------------------------------------
+
+
+def _nested(value, depth):
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+_HUGE_DIGITS = "9" * 5000  # past Python's 4300-digit limit for int(str)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            _arg("reshape_3", 1, _nested(11, 600)),
+            r"step.json: node reshape_3: arguments nested more than 4 lists or tuples deep$",
+        ),
+        (_arg("reshape_3", 1, _nested(11, 4)), "node reshape_3: arguments nested more than 4"),
+        (
+            lambda d: d["params"]["norm.weight"].update(shape=[2**39, 2**39]),
+            r"step.json: parameter norm.weight: shape \[549755813888, 549755813888\] has more than "
+            r"1099511627776 elements$",
+        ),
+        (
+            lambda d: d["params"]["norm.weight"].update(shape=[2**41]),
+            r"parameter norm.weight: shape \[2199023255552\] is not a list of at most 8 sizes "
+            r"in \[0, 1099511627776\]",
+        ),
+        (lambda d: d["params"]["norm.weight"].update(shape=[1] * 9), "is not a list of at most 8 sizes"),
+        (
+            _arg("reshape_3", 1, [2**62, 2**62]),
+            r"node reshape_3 \(aten.reshape.default\): inconsistent arguments",
+        ),
+    ],
+)
+def test_values_past_the_limits_are_refused(art, edit, message):
+    """Limits checked before anything is made of the values: a RecursionError or a torch overflow
+    would otherwise surface as such, naming neither file nor node."""
+    data = _program(art)
+    edit(data)
+    _write_program(art, data)
+    with pytest.raises(ArtifactError, match=message):
+        artifact.load(art, compile=False)
+
+
+@pytest.mark.parametrize("name", ["program/step.json", "manifest.json"])
+def test_an_integer_past_the_digit_limit_is_corrupt_json(art, name):
+    """json.loads raises ValueError (not JSONDecodeError) for a 5000-digit integer."""
+    if name == "manifest.json":
+        text = (art / name).read_text().replace('"format_version": 2', f'"format_version": {_HUGE_DIGITS}')
+        (art / name).write_text(text)
+    else:
+        data = _program(art)
+        _arg("reshape_3", 1, "HUGE")(data)
+        _write_program_text(art, json.dumps(data).replace('"HUGE"', _HUGE_DIGITS))
+    with pytest.raises(ArtifactError, match=rf"{re.escape(name)}: corrupt JSON \(Exceeds the limit"):
+        artifact.load(art, compile=False)
+
+
+def test_an_overflow_from_the_model_config_is_named(art):
+    """A head_dim that overflows the KV cache's size (the config's validation bounds no size): the
+    step inputs of the shape check fail inside torch, refused as a ProgramError all the same."""
+
+    def change(m):
+        m["model_config"]["head_dim"] = 2**58
+        m["cache_key"]["parts"]["model"] = json_sha256(m["model_config"])
+        m["cache_key"]["key"] = json_sha256(m["cache_key"]["parts"])
+
+    _edit(art, change)
+    with pytest.raises(
+        ArtifactError, match=r"step.json: the step inputs \(from model_config\): refused \(RuntimeError: "
+    ):
+        artifact.load(art, compile=False)
+
+
+def test_unforeseen_exceptions_name_the_node(cpu_art, monkeypatch):
+    """Reading, checking and binding: whatever goes wrong inside is a ProgramError naming the node or
+    stage (the specific refusals keep their own messages)."""
+    from hy3c.compiler import serialize
+
+    data = _program(cpu_art)
+    real_check_call = serialize.check_call
+
+    def failing_check_call(node, *args):
+        if node == "linear":
+            raise KeyError("boom")
+        return real_check_call(node, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(serialize, "check_call", failing_check_call)
+        with pytest.raises(ProgramError, match=r"^node linear: refused \(KeyError: 'boom'\)$"):
+            read_program(data)
+    program = read_program(data)
+    with monkeypatch.context() as patch:
+        patch.setattr(program_check, "_check_outputs", lambda *a: 1 / 0)
+        with pytest.raises(
+            ProgramError, match=r"^node output: refused \(ZeroDivisionError: division by zero\)$"
+        ):
+            program.check_shapes(artifact.open_artifact(cpu_art).config, torch.float32, torch.float32)
+    params = {f: torch.empty(s, dtype=d, device="meta") for f, (s, d) in program.params.items()}
+
+    def failing_module_tree(tensors):
+        raise RuntimeError("torch says no")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(serialize, "_module_tree", failing_module_tree)
+        with pytest.raises(
+            ProgramError, match=r"^the program's graph module: refused \(RuntimeError: torch says no\)$"
+        ):
+            program.bind(params)
 
 
 # ---- the allow-list itself -----------------------------------------------------------------------
@@ -758,3 +1066,84 @@ def test_fuzzed_programs_are_refused_or_run_only_listed_ops(cpu_art, tiny_ckpt):
     assert outcome.get("listed: refused by the checks", 0) > 10, outcome
     assert outcome.get("argument: refused by the checks", 0) > 5, outcome
     assert sum(v for k, v in outcome.items() if k.endswith("accepted")) >= 5, outcome
+
+
+# a JSON text spliced in for a placeholder string: what json.dumps would not write
+_RAW = {
+    '"RAW_DIGITS"': _HUGE_DIGITS,
+    '"RAW_DEEP"': "[" * 5000 + "]" * 5000,  # past json.loads' recursion limit
+    '"RAW_INF"': "1e999",
+}
+
+
+def _odd_argument(rng):
+    """An argument value past some limit: deep lists, ints past int64, huge or odd shapes, long lists,
+    or a placeholder for raw JSON (`_RAW`)."""
+    return rng.choice(
+        [
+            lambda: _nested(rng.choice([0, 1, {"node": "input_ids"}]), rng.choice([3, 5, 60, 600])),
+            lambda: rng.choice([2**63, -(2**63) - 1, 2**64, 10**30, -(10**40), 2**62]),
+            lambda: rng.choice([1e308, -1e308, 5e-324]),
+            lambda: [rng.choice([2**39, 2**62, 2**63 - 1, -1, 0, 2**31]) for _ in range(rng.randint(1, 9))],
+            lambda: [1] * rng.choice([100, 10_000]),
+            lambda: [{"node": "input_ids"}] * 200,
+            lambda: rng.choice(list(_RAW)).strip('"'),
+        ]
+    )()
+
+
+def _mutate_value(data, rng):
+    """One argument of a random call (mostly a value, not a node), or a parameter's shape, replaced by
+    an odd value."""
+    if rng.random() < 0.15:
+        spec = rng.choice(list(data["params"].values()))
+        spec["shape"] = rng.choice(
+            [
+                [2**39, 2**39],
+                [2**62],
+                [2**20] * 3,
+                [1] * rng.randint(9, 64),
+                [-(2**63)],
+                _nested(1, 600),
+                "RAW_DIGITS",
+            ]
+        )
+        return
+    node = rng.choice([n for n in data["nodes"] if n["op"] in ("call_function", "output")])
+    args = node["args"]["tuple"]
+    values = [i for i, a in enumerate(args) if not (isinstance(a, dict) and "node" in a)]
+    if values and rng.random() < 0.7:  # mostly an int, float or list argument: the checks past the schema
+        args[rng.choice(values)] = _odd_argument(rng)
+    elif args:
+        args[rng.randrange(len(args))] = _odd_argument(rng)
+    else:
+        node["kwargs"]["x"] = _odd_argument(rng)
+
+
+def test_fuzzed_argument_values_raise_only_artifact_errors(art):
+    """Seeded argument and shape mutations past every limit, each written into the artifact with its
+    hashes fixed and loaded: each loads or is refused with a one-line ArtifactError naming the program
+    file and the node, parameter or JSON error; no other exception escapes `hy3c.artifact.load`."""
+    base = _program(art)
+    rng = random.Random(2024)
+    outcome: dict[str, int] = {}
+    for _ in range(150):
+        data = copy.deepcopy(base)
+        _mutate_value(data, rng)
+        text = json.dumps(data)
+        for placeholder, raw in _RAW.items():
+            text = text.replace(placeholder, raw)
+        _write_program_text(art, text)
+        try:
+            artifact.load(art, compile=False)
+        except ArtifactError as exc:
+            message = str(exc)
+            assert "\n" not in message and len(message) < 800, message[:800]
+            assert message.startswith(f"{art / 'program/step.json'}: "), message
+            what = re.match(r"\S+: (node|parameter|corrupt JSON|the step inputs)", message)
+            assert what is not None, message
+            outcome[what.group(1)] = outcome.get(what.group(1), 0) + 1
+            continue
+        outcome["accepted"] = outcome.get("accepted", 0) + 1
+    assert outcome.get("node", 0) > 50 and outcome.get("parameter", 0) > 5, outcome
+    assert outcome.get("corrupt JSON", 0) > 3, outcome
