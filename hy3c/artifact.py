@@ -137,8 +137,9 @@ class _Manifest(_Strict):
 def artifact_file(path: Path, name: str | Path) -> Path:
     """The real path of the file `name` of the artifact directory `path`, to read it by; ArtifactError
     naming `path / name` when it is missing, resolves (through a symlink) outside the artifact, or is
-    not a regular file. Symlinks that stay inside the artifact are allowed (they can reach nothing that
-    a copy of the file could not). Checks the files as they lie, not a directory changed while loading."""
+    not a regular file. Symlinks that stay inside the artifact are allowed (they reach nothing a copy of
+    the file could not). It checks the files as they lie: an artifact rewritten while it loads is not
+    what this guards against."""
     file = path / name
     try:
         root = path.resolve(strict=True)

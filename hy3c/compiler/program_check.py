@@ -525,6 +525,7 @@ CONTRACTS: dict[str, Callable[[_Contract], None]] = {
 
 
 def _embedding(c: _Contract) -> None:
+    """Token ids (bounded by the engine to the vocabulary) from a table of exactly the vocabulary's rows."""
     c.step_input("indices", "input_ids")
     c.shape("weight", "V H")
     if c["V"] != c.env.vocab:
@@ -532,6 +533,7 @@ def _embedding(c: _Contract) -> None:
 
 
 def _index_select(c: _Contract) -> None:
+    """The logits rows (token rows the engine picks) from the step's [tokens, hidden] rows."""
     c.step_input("index", "logits_indices")
     c.integer("dim", 0, 1)
     c.tokens()
@@ -569,7 +571,8 @@ def check_shapes(
     kv_dtype: torch.dtype,
 ) -> None:
     """Run the graph on meta tensors (parameters as recorded, the step inputs of each of `STEP_SIZES`),
-    checking each hy3 op's contract first; the outputs must be the logits and hidden states."""
+    checking each hy3 op's and ATen gather's contract first; the outputs must be the logits and hidden
+    states."""
     where = "the step inputs (from model_config)"
     try:
         with torch.no_grad():
