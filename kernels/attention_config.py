@@ -1,5 +1,5 @@
 """Launch configs of the Triton attention kernels (`attention_decode`, `attention_prefill`): the tunables
-and the choices the H200 sweeps made (bench/attention_bench.py, BENCHMARKS.md), picked per KV dtype,
+and the choices `bench/attention_bench.py --sweep` made on the H200 (BENCHMARKS.md), picked per KV dtype,
 batch size and page size on the host."""
 
 from __future__ import annotations
@@ -35,17 +35,17 @@ class LaunchConfig:
         return options | ({"maxnreg": self.max_registers} if self.max_registers else {})
 
 
-# best of the H200 sweep (BENCHMARKS.md): decode reaches 99% of copy bandwidth on bf16 KV
+# bf16 KV: 128-key pointer loads, 2 stages, 2 CTAs per SM (the best of `bench/attention_bench.py --sweep` on
+# the H200; decode near copy bandwidth, BENCHMARKS.md)
 DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=2)
 
 
 # FP8 KV: 64-key page slices by TMA, 5 stages — three K/V buffers (53 KB of shared memory): the copies'
 # coordinates come from a page-table load in the loop, and Triton 3.6 gives that load a stage of its own,
-# so 2-4 stages keep two buffers (attention run 44: the batch of 32 1.79× → 2.00× bf16 from CUDA graphs,
-# 92% → 103% of copy bandwidth; one 128K request 0.089 → 0.077 ms). A batch takes 6 CTAs per SM with ranges
-# of at least 16 tiles (4K keys) while 2 CTAs per SM stay busy, which keeps short requests from splitting
-# into many partials (attention runs 6 and 7, end to end runs 10 and 11); fewer requests take 3 CTAs per SM
-# and ranges of any size.
+# so 2-4 stages keep only two buffers and the next block's copy waits in the loop. A batch takes 6 CTAs
+# per SM with ranges of at least 16 tiles (4K keys) while 2 CTAs per SM stay busy, which keeps short
+# requests from splitting into many partials (each one more for the combine to merge); fewer requests
+# take 3 CTAs per SM and ranges of any size.
 FP8_BATCH_DECODE_CONFIG = LaunchConfig(
     block_n=64, num_warps=4, num_stages=5, ctas_per_sm=6, min_tiles_per_cta=16, min_ctas_per_sm=2, tma=True
 )
@@ -66,19 +66,17 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int, page_size: int = 64)
 # bf16 KV on an sm_90 GPU: the warp-specialized Gluon kernel (attention_prefill_gluon: a TMA producer warp,
 # two consumer warpgroups at 240 registers of the launch's 168 × 384, the next block's QKᵀ and this block's
 # P·V issued together, the softmax beside P·V): 128-key blocks (two 64-key page slices), a two-slot K/V
-# ring — 1.02-1.17× SDPA at 8K, 1.02× at 32K (attention run 49; Triton's kernel 0.84-0.86×).
+# ring; it is faster than the Triton kernel, which Triton 3.6 does not pipeline this way.
 # Elsewhere the Triton kernel, 64-key blocks as TMA bulk copies. Its copies' coordinates come from a
 # page-table load in the loop, and Triton 3.6 splits num_stages between that load and the copies: 2-4
-# stages keep two K/V buffers (the copy of block i+1 is issued at the end of block i, so its wait shows in
-# the profile: ncu, attention run 41), 5 stages three.
-# bf16 KV: 4 warps, 2 stages — 96 KB of shared memory, two CTAs per SM (5 stages: 128 KB, one CTA, 0.75×);
-# FP8 KV: 4 warps, 5 stages — three 16 KB buffers in 64 KB, still two CTAs per SM, and 4-8% faster than
-# 8 warps capped at 128 registers with 2 stages (attention run 42). Timed interleaved with SDPA round by
-# round (BENCHMARKS.md, attention runs 38-42): bf16 0.74-0.93× SDPA at 8K, 0.86-0.89× at 32K; FP8
-# 0.91-1.06× at 8K and 1.09-1.15× at 32K (run 42).
-# Pages that a 64-key block does not tile (a page size that 64 does not divide) take per-row pointer loads
-# (bf16 335, FP8 321 TFLOP/s; attention runs 8-14). Lazy rescaling measured slower for bf16 (attention
-# run 17) and, since P·V is an e4m3 product, for FP8 KV too (0.87× at 8K and 32K, attention run 25).
+# stages keep two K/V buffers (the copy of block i+1 is issued at the end of block i, so the next block
+# waits for it), 5 stages three.
+# bf16 KV: 4 warps, 2 stages — 96 KB of shared memory, two CTAs per SM (5 stages would take 128 KB: one
+# CTA per SM, slower); FP8 KV: 4 warps, 5 stages — three 16 KB buffers in 64 KB, still two CTAs per SM
+# (faster than 8 warps capped at 128 registers with 2 stages).
+# Pages that a 64-key block does not tile (a page size that 64 does not divide) take per-row pointer loads.
+# Rescaling is eager: lazy rescaling is slower for bf16 and, since P·V is an e4m3 product, for FP8 KV too.
+# The measured ratios to SDPA are in BENCHMARKS.md.
 GLUON_PREFILL_CONFIG = LaunchConfig(block_n=128, num_stages=2, tma=True, warp_specialized=True)
 PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, tma=True)
 FP8_PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=5, tma=True)

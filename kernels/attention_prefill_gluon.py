@@ -1,6 +1,7 @@
 """Chunked-prefill attention over a bf16 paged KV cache for Hopper, written in Gluon (Triton's
 explicit-layout language): the warp-specialized FlashAttention-3 schedule that Triton 3.6's pipeliner
-does not emit for `attention_prefill` (BENCHMARKS.md, attention runs 18, 40, 41).
+does not emit for `attention_prefill` (a producer warp ahead of the consumers, the softmax beside the
+products, below).
 
 One program = one query block (`attention_plan` row 1: 16 tokens × the 8 heads of a GQA group = 128
 rows) × one KV head, in the same grid order as `attention_prefill` (not persistent; its 180 KB of
@@ -25,8 +26,8 @@ query rows per program (`supported`); `attention_prefill.prefill_attention` runs
 elsewhere. Launched without programmatic dependent launch (it waits for the kernel before it; prefill
 runs for milliseconds). Gluon kernels cannot run under TRITON_INTERPRET: the CPU tests compile this one
 for sm_90 and fail if ptxas serializes its products (tests/kernels/sm90_compile.py); the GPU tests check
-it against the reference. Compiled by hand (session 14), not in CI: the same with Triton 3.7.1, 3.8.0
-and 3.9.0.
+it against the reference. It also compiles the same with Triton 3.7.1, 3.8.0 and 3.9.0 (checked by hand,
+not in CI).
 """
 
 from __future__ import annotations

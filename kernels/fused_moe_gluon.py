@@ -3,7 +3,7 @@
 At one token the MoE layer is a weight stream (8 experts × 3 · 4096 · 1536 weights; FP8: 151 MB) and
 every microsecond of DRAM left idle shows. The Triton kernels (`fused_moe`, config `pair_blocks`) start
 each GEMM's weight copies only after the kernel before it has finished, and FP8 with dynamic scales
-needs a quantization launch between the two GEMMs (BENCHMARKS.md, MoE runs 13–30). Here each GEMM is a
+needs a quantization launch between the two GEMMs. Here each GEMM is a
 warp-specialized kernel over (token, slot) pairs, one pair and 128 output columns per program:
 
     producer (1 warp): the program's weight tiles, [128 rows, 128 bytes of K] TMA boxes, into a ring of
@@ -26,11 +26,11 @@ kernel's consumer while its weights stream, so FP8 has no quantization launch be
 Same arithmetic as the Triton kernels (e4m3 values, scales, rounding to the model dtype; bf16 bit-equal,
 FP8 summed per 128-column K block where Triton sums per 256). Requires sm_90, hidden and intermediate
 widths that are multiples of 128 and of the K box, contiguous stacked weights (`supported`); elsewhere,
-and with `HY3C_GLUON=0`, `fused_moe` runs its Triton kernels. Measured in BENCHMARKS.md, MoE runs 31–35.
+and with `HY3C_GLUON=0`, `fused_moe` runs its Triton kernels. Timed against them in BENCHMARKS.md.
 Gluon kernels cannot run under TRITON_INTERPRET: the CPU tests compile these for sm_90
 (tests/kernels/sm90_compile.py: wgmma kept asynchronous, shared memory within budget); the GPU tests check
 each GEMM against its arithmetic in fp64 and the layer against the Triton path and the reference.
-Compiled by hand (session 15), not in CI: the same with Triton 3.7.1, 3.8.0 and 3.9.0.
+They also compile the same with Triton 3.7.1, 3.8.0 and 3.9.0 (checked by hand, not in CI).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ FP8 K/V go into the MMAs as loaded: q is quantized per row to e4m3 (scale absmax
 e4m3 × e4m3 product, and so is PV, with P scaled into e4m3's range and V read K-major (keys contiguous)
 from its pages, which FP8 caches store transposed ([kv_heads, head_dim, page], `hy3c.ops.attention`):
 Hopper's FP8 wgmma takes its B operand only K-major. No conversion or shared-memory round trip is left
-in the key loop, so FP8 decode streams its half-size KV like bf16 decode (BENCHMARKS.md, attention run
-25: 1.90× bf16 on the mixed batch, where widening K/V to f16 reached 1.49-1.53×). Decode has only 16
+in the key loop, so FP8 decode streams its half-size KV like bf16 decode (widening K/V to f16 in the
+loop instead was slower). Decode has only 16
 query rows (one KV head's 8, padded) — too few for a wgmma (64 rows), and Triton lowers an e4m3 dot
 with 16 rows to an f16 `mma.sync` with converted operands — so FP8 decode makes the keys, then the
 head dims, the MMA's rows: Sᵀ = K·qᵀ, accᵀ += Vᵀ·Pᵀ (both e4m3 wgmma m64n16k32). The cost is P's

@@ -31,9 +31,8 @@ from hy3c.ops.rope import hadamard_matrix
 
 MAX_Q_GROUP = 8
 # tokens and KV heads per V program (FP8 caches, V pages transposed), the heads stored one after the
-# other: the best of attention run 35 (16 × 2: 0.186 ms at 16K tokens; 16 × 1: 0.195; 16 × 4: 0.199;
-# 16 × 8: 0.237; 32 × 1: 0.241; 32 × 2: 0.230); the programs spread among the token blocks, not first
-# in the grid (0.229 against 0.246 before the aligned windows, run 30)
+# other: 16 × 2 is the fastest shape at 16K tokens (`bench/attention_bench.py --sweep`); the V programs
+# are spread among the token blocks rather than placed first in the grid (faster)
 V_TOKENS = 16
 V_HEADS = 2
 BLOCK_T = 4  # tokens per program, with NUM_WARPS warps (best of the H200 sweep)
