@@ -89,7 +89,7 @@ def prefill_slots(tokens: int, device: str = "cuda") -> torch.Tensor:
 def qknorm_bench(tokens: int) -> None:
     """The fused op at `tokens` tokens of a prefill (the issue's row); the same prefill after 5 decode
     tokens (a mixed batch: the V stores' runs no longer start at multiples of 16); every token at a
-    random slot (the rows before attention run 25; the worst case for FP8's transposed V stores)."""
+    random slot (the worst case for FP8's transposed V stores)."""
     d = "cuda"
     qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=d, dtype=torch.bfloat16)
     pos = torch.arange(tokens, device=d)
@@ -323,7 +323,7 @@ def prefill_bench(tokens: int) -> None:
 def sweep_prefill(tma_only: bool = False) -> None:
     """Prefill launch configs at 8K tokens, bf16 and FP8 KV: query rows per program, key block, warps,
     stages, a register cap for 8 warps, key blocks by TMA bulk copies (one per page slice) or per-row
-    pointer loads (tma_only: TMA blocks only, the default since run 14); eager rescaling (the default)."""
+    pointer loads (tma_only: TMA blocks only, as the shipped configs use); eager rescaling (the default)."""
     d = "cuda"
     q = torch.randn(8192, HEADS, HEAD_DIM, device=d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([8192], dtype=torch.int32, device=d)

@@ -213,10 +213,9 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
     bytes per K) and the activation quantization inside the GEMMs or as its own kernels; and the weights
     as the MMA's rows (`swap_ab`: a wgmma with 16 token columns, FP8 weights read from shared memory
     without widening); at one token, every config with one pair per M block (`pair_blocks`, no
-    alignment launch) and the combine in 256-column programs — measured against aligned blocks in MoE
-    runs 14 and 17 (BENCHMARKS.md), not re-timed here. Every size: weight tiles by pointer loads or by
-    TMA bulk copies. (Five stages, tried in session 5, and 64-row FP8 blocks at decode sizes, session 7,
-    never won.)"""
+    alignment launch) and the combine in 256-column programs (the aligned blocks they replace are not
+    re-timed here). Every size: weight tiles by pointer loads or by TMA bulk copies. (Five stages and
+    64-row FP8 blocks at decode sizes are not swept: they never won, bench/LOG.md.)"""
     if t <= 128:
         k_blocks = (128, 256) if fp8 else (64, 128)
         rows = [
@@ -238,7 +237,7 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
             )
         ]
         if t == 1:  # one token's experts are distinct: a block per pair, no alignment launch; the combine
-            # in 16 programs of 256 columns (0.4–0.9 µs faster than 4 of 1024: MoE run 17)
+            # in 16 programs of 256 columns (faster than 4 of 1024)
             return [dataclasses.replace(cfg, pair_blocks=True, combine_block=256) for cfg in rows + swapped]
         return rows + swapped
     block_ms = (32, 64) if t <= 1024 else (64, 128)
