@@ -29,16 +29,15 @@ K/V blocks are gathered through the page table either with per-row pointer loads
 when a block lies inside one page (its size divides the page size) — as one TMA bulk copy per operand
 from tensor descriptors over the layer's pages (`attention_blocks.page_descriptors`). A tail block's keys past the
 sequence then come from the page's unused slots: their V is zeroed and their scores masked. Prefill
-uses TMA where the page size allows (measured 1.14× the pointer loads at 8K, BENCHMARKS.md), FP8
-decode too (64-key page slices); bf16 decode uses 128-key pointer loads (TMA blocks of 64 keys
-measured 0.78-0.96×).
+uses TMA where the page size allows (faster than the pointer loads), FP8 decode too (64-key page
+slices); bf16 decode uses 128-key pointer loads (faster there than 64-key TMA blocks).
 
 Key blocks that every query row sees whole (all of a decode range but its tail; the keys before a
 prefill block's first query) take an unmasked path; only the tail / diagonal blocks pay for masks.
 The softmax runs in base 2 with the scale folded into the exponent. With `LaunchConfig.lazy_rescale`
 (a prefill option) the accumulator is rescaled only when some row's max grows by more than 2^8
-(1.06–1.07× for FP8 prefill while its P·V was an f16 product; slower for bf16 prefill, for decode and
-for FP8 prefill with the e4m3 P·V).
+(slower for bf16 prefill, for decode and for FP8 prefill with its e4m3 P·V, so it is off in every
+shipped config).
 
 The kernels live in `attention_decode` and `attention_prefill`, what they share in `attention_blocks`,
 their launch configs in `attention_config`; this module is the op and its provider.

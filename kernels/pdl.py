@@ -1,8 +1,7 @@
 """Programmatic dependent launch (PDL): a step's Triton kernels launch while the kernel before them ends.
 
 Without it, every kernel boundary of a decode step leaves the GPU idle for the launch of the next grid
-(H200, 4-layer FP8 slice, batch 1, CUDA graph: 0.755 ms per replay over 0.714 ms of kernels; with PDL
-0.729 ms, 2.9% idle — BENCHMARKS.md). On Hopper a kernel
+(BENCHMARKS.md has the A/B on a decode step's CUDA graph). On Hopper a kernel
 launched with the PDL attribute may start before its predecessor in the stream has finished: its CTAs
 are placed on free SMs and block in `griddepcontrol.wait` until the predecessor has completed and its
 writes are visible. CUDA-graph capture keeps the attribute as a programmatic edge.

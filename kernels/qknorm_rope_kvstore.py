@@ -10,7 +10,7 @@ An FP8 cache stores V pages transposed ([kv_heads, head_dim, page], `hy3c.ops.at
 key's values lie a page apart, so V gets programs of its own, spread evenly among the token blocks,
 V_TOKENS tokens of V_HEADS KV heads each, that store [head_dim, tokens] tiles head by head: a
 prefill's consecutive slots as aligned vectors of V_TOKENS bytes (`_store_v_transposed`), other tokens
-byte by byte (0.186 ms at 16K tokens over an FP8 cache, 80% of copy bandwidth; BENCHMARKS.md).
+byte by byte (79% of copy bandwidth at 16K tokens over an FP8 cache, BENCHMARKS.md).
 Angles are position × inv_freq with inv_freq computed on the host exactly like the reference (so long
 contexts rotate identically). Rounding follows the reference: normalized value rounded to the model
 dtype, times the weight, rounded again, rotated in fp32, rounded once more.
