@@ -26,7 +26,7 @@ from pathlib import Path
 STEP = """
 import time, sys, torch
 t0 = time.perf_counter()
-import hy3c.artifact as A
+import hy3c.runtime.artifact as A
 from hy3c.model import SeqChunk, build_step_batch
 runner = A.load(sys.argv[1], compile=True)
 t1 = time.perf_counter()

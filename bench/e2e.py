@@ -31,9 +31,9 @@ import time
 import torch
 
 import hy3c.kernels  # noqa: F401
+from hy3c.checkpoint.random_checkpoint import random_model
 from hy3c.compiler.driver import compile_model
 from hy3c.config import preset_config
-from hy3c.init_checkpoint import random_model
 from hy3c.kernels.pdl import launch_switch
 from hy3c.model.batch import SeqChunk, build_step_batch
 from hy3c.recipe import load_recipe

@@ -16,7 +16,7 @@ def reference_logits(
     """Eager hy3c logits [B, T, vocab] of a checkpoint over input_ids [B, T]; fp32 by default."""
     import torch
 
-    from hy3c.reference import reference_logits as _reference_logits
+    from hy3c.checkpoint.reference import reference_logits as _reference_logits
 
     return _reference_logits(model_dir, input_ids, dtype or torch.float32, device)
 

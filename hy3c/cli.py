@@ -72,7 +72,7 @@ def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
 
 
 def _run_init_checkpoint(args: argparse.Namespace) -> None:
-    from hy3c.init_checkpoint import init_checkpoint
+    from hy3c.checkpoint.random_checkpoint import init_checkpoint
 
     shard = int(args.max_shard_gib * 2**30)
     if args.fp8 is not None and args.scheme != "hub":
@@ -98,9 +98,9 @@ def _convert(
     with_mtp: bool,
     ignore_unexpected: list[str],
 ) -> None:
-    from hy3c.fp8_convert import convert_to_fp8
-    from hy3c.loader import load_model
-    from hy3c.safetensors_io import check_output_dir
+    from hy3c.checkpoint.fp8_convert import convert_to_fp8
+    from hy3c.checkpoint.loader import load_model
+    from hy3c.checkpoint.safetensors_io import check_output_dir
 
     check_output_dir(out, overwrite, inputs=[src])  # before loading and calibrating the model
     model = load_model(src, device=device, with_mtp=with_mtp, ignore_unexpected=ignore_unexpected)
@@ -173,14 +173,14 @@ def _run_generate(args: argparse.Namespace) -> None:
     else:
         _existing_dir(args.model, "--model")
 
+    from hy3c.checkpoint.loader import load_model
+    from hy3c.checkpoint.tokenizer import Hy3Tokenizer
     from hy3c.generate import generate_tokens
-    from hy3c.loader import load_model
     from hy3c.sampling import SamplingParams
-    from hy3c.tokenizer import Hy3Tokenizer
 
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
     if args.artifact is not None:
-        from hy3c.artifact import load
+        from hy3c.runtime.artifact import load
 
         model = load(args.artifact, device=args.device, compile=args.compile)
         tokenizer = Hy3Tokenizer.from_dir(args.artifact)
@@ -236,7 +236,7 @@ def _run_compile(args: argparse.Namespace) -> None:
     recipe = load_recipe(args.recipe, args.overrides)  # a wrong name or key fails before the compiler loads
 
     from hy3c.compiler.driver import compile_artifact
-    from hy3c.inspect_artifact import format_pass_table
+    from hy3c.compiler.inspect_artifact import format_pass_table
 
     summary = compile_artifact(
         recipe,
@@ -271,7 +271,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 def _run_inspect(args: argparse.Namespace) -> None:
     _existing_dir(args.artifact, "artifact")
-    from hy3c.inspect_artifact import inspect_command
+    from hy3c.compiler.inspect_artifact import inspect_command
 
     first = args.names[0] if args.names else None
     second = args.names[1] if len(args.names) > 1 else None

@@ -321,7 +321,7 @@ _TINY_OVERRIDES: dict[str, Any] = {
     "num_experts_per_tok": 2,
     "max_position_embeddings": 4096,
     "initializer_range": 0.05,
-    # ids of the special tokens of the tiny tokenizer (hy3c.tokenizer.SPECIAL_TOKENS order)
+    # ids of the special tokens of the tiny tokenizer (hy3c.checkpoint.tokenizer.SPECIAL_TOKENS order)
     "bos_token_id": 0,
     "eos_token_id": 1,
     "pad_token_id": 2,

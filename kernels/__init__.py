@@ -1,4 +1,6 @@
-"""Kernel providers for the hy3 ops (see `hy3c.kernels.registry`).
+"""`hy3c.kernels` (the top-level folder `kernels/`, mapped into the `hy3c` namespace: a top-level
+`kernels` would collide with Hugging Face's hub-kernels package, which transformers probes for): the
+kernel providers of the hy3 ops (see `hy3c.kernels.registry`).
 
 Importing this package registers the torch reference providers, the `cublas` providers (vendor GEMMs
 through torch) and, when Triton is installed, the Triton kernels (usable on CUDA; under TRITON_INTERPRET=1 they also run on CPU tensors for tests).

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 from hy3c.passes.base import Pass
+from hy3c.recipe import Recipe, RecipeError, describe_errors
 
 PASS_REGISTRY: dict[str, type[Pass]] = {}
 
@@ -30,3 +33,32 @@ def _load_builtin_passes() -> None:
 
 
 _load_builtin_passes()
+
+
+def check_recipe_passes(recipe: Recipe, source: str | None = None) -> None:
+    """Every pass of the recipe exists, its config validates, and the passes are in stage order;
+    RecipeError naming the pass otherwise (`source` labels the message, by default the recipe's name)."""
+    source = source or f"recipe '{recipe.name}'"
+    for spec in recipe.passes:
+        cls = PASS_REGISTRY.get(spec.name)
+        if cls is None:
+            raise RecipeError(
+                f"{source}: unknown pass '{spec.name}'; known passes: {', '.join(sorted(PASS_REGISTRY))}"
+            )
+        try:
+            cls.Config.model_validate(spec.config)
+        except ValidationError as exc:
+            raise RecipeError(
+                f"{source}: invalid config of pass '{spec.name}': " + "; ".join(describe_errors(exc))
+            ) from None
+    previous = None
+    for spec in recipe.passes:  # a pass may rely on every earlier stage having run (e.g. lower on fusion)
+        stage = PASS_REGISTRY[spec.name].stage
+        if spec.enabled and previous is not None and stage < previous[1]:
+            raise RecipeError(
+                f"{source}: pass '{spec.name}' ({stage.name} stage) comes after '{previous[0]}' "
+                f"({previous[1].name} stage); passes run in stage order "
+                "CANONICALIZE, SHARD, QUANT, FUSE, LOWER, CLEANUP"
+            )
+        if spec.enabled:
+            previous = (spec.name, stage)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 import hy3c
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.serve.api_context import ApiContext, APIError, ServerConfig
 from hy3c.serve.engine import Engine
 from hy3c.serve.http_gate import HttpLimits, RequestGate
@@ -25,7 +26,6 @@ from hy3c.serve.protocol import error_body
 from hy3c.serve.routes_chat import add_chat_route
 from hy3c.serve.routes_completions import add_completions_route
 from hy3c.serve.routes_info import add_info_routes
-from hy3c.tokenizer import Hy3Tokenizer
 
 __all__ = ["ServerConfig", "build_app"]
 

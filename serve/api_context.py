@@ -22,12 +22,12 @@ from typing import Any
 
 from fastapi import Request
 
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.logs import log_event
 from hy3c.serve.delivery import LoopSink, stream_outputs
 from hy3c.serve.engine import Engine, GenerationRequest, StepOutput
 from hy3c.serve.protocol import IGNORED, UNSUPPORTED, UNSUPPORTED_IN_CHAT, unsupported_param, valid_unicode
 from hy3c.serve.sampler import SamplingParams
-from hy3c.tokenizer import Hy3Tokenizer
 
 log = logging.getLogger("hy3c.api")
 

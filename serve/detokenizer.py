@@ -21,7 +21,7 @@ import codecs
 
 from tokenizers.decoders import DecodeStream
 
-from hy3c.tokenizer import Hy3Tokenizer
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 
 TRIM_CHARS = 1024
 

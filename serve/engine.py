@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.logs import log_event
 from hy3c.model.batch import SeqChunk, build_step_batch
 from hy3c.serve.detokenizer import IncrementalDetokenizer
@@ -33,7 +34,6 @@ from hy3c.serve.kv_pages import OutOfPages, PagePool
 from hy3c.serve.metrics import EngineMetrics
 from hy3c.serve.sampler import FusedInputs, History, SamplingParams, prepare_fused, sample
 from hy3c.serve.scheduler import Scheduler, Sequence, Work
-from hy3c.tokenizer import Hy3Tokenizer
 
 log = logging.getLogger("hy3c.engine")
 

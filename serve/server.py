@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 from hy3c.logs import log_event
 
 if TYPE_CHECKING:
+    from hy3c.checkpoint.tokenizer import Hy3Tokenizer
     from hy3c.serve.api import ServerConfig
     from hy3c.serve.engine import Engine
     from hy3c.serve.http_gate import HttpLimits
-    from hy3c.tokenizer import Hy3Tokenizer
 
 log = logging.getLogger("hy3c.serve")
 
@@ -110,7 +110,7 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
     """The engine, tokenizer and API settings of `options`. The artifact's manifest and
     `--max-model-len` against the model's `max_position_embeddings` are checked before torch is
     imported (a missing artifact is one error line at once, not after seconds of imports)."""
-    from hy3c.artifact import load, open_artifact
+    from hy3c.program.artifact import open_artifact
 
     limit = open_artifact(options.artifact).config.max_position_embeddings
     if options.max_model_len is not None and options.max_model_len > limit:
@@ -119,11 +119,12 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
         )
     import torch
 
+    from hy3c.checkpoint.tokenizer import Hy3Tokenizer
+    from hy3c.runtime.artifact import load
     from hy3c.serve.api import ServerConfig
     from hy3c.serve.engine import Engine, EngineConfig
     from hy3c.serve.kernel_builds import watch_kernel_builds
     from hy3c.serve.metrics import EngineMetrics
-    from hy3c.tokenizer import Hy3Tokenizer
 
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # off by default: Inductor adds nothing measurable over the fused kernels (BENCHMARKS.md) and

@@ -21,7 +21,7 @@ os.environ.setdefault("HY3C_CACHE_DIR", tempfile.mkdtemp(prefix="hy3c-test-cache
 
 import pytest
 
-from hy3c.init_checkpoint import init_checkpoint
+from hy3c.checkpoint.random_checkpoint import init_checkpoint
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,10 +1,10 @@
 import torch
 
 import hy3c
+from hy3c.checkpoint.loader import load_model
+from hy3c.checkpoint.reference import model_logits
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.cli import main
-from hy3c.loader import load_model
-from hy3c.reference import model_logits
-from hy3c.tokenizer import Hy3Tokenizer
 
 
 def test_init_checkpoint_then_generate(tmp_path, capsys):
@@ -99,8 +99,8 @@ def test_reference_logits_public_function(tiny_ckpt):
 
 
 def test_random_model_equals_the_written_checkpoint(tiny_ckpt):
+    from hy3c.checkpoint.random_checkpoint import random_model
     from hy3c.config import Hy3Config
-    from hy3c.init_checkpoint import random_model
 
     config = Hy3Config.from_dir(tiny_ckpt)
     built = random_model(config, torch.bfloat16, seed=0).state_dict()

@@ -7,7 +7,7 @@ import pytest
 
 from hy3c.cli import main
 from hy3c.compiler.driver import compile_artifact
-from hy3c.inspect_artifact import TABLE_WIDTH
+from hy3c.compiler.inspect_artifact import TABLE_WIDTH
 from hy3c.recipe import load_recipe
 
 

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
+from hy3c.checkpoint.loader import load_model
+from hy3c.checkpoint.reference import model_logits
 from hy3c.generate import generate_tokens
-from hy3c.loader import load_model
-from hy3c.reference import model_logits
 from hy3c.sampling import SamplingParams, filtered_probs
 
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hy3c.loader import load_model
+from hy3c.checkpoint.loader import load_model
+from hy3c.checkpoint.reference import model_logits
+from hy3c.checkpoint.safetensors_io import CheckpointError
 from hy3c.ops.quant import FP8_DTYPE
-from hy3c.reference import model_logits
-from hy3c.safetensors_io import CheckpointError
 
 
 def _copy(src, dst):
@@ -53,7 +53,7 @@ def test_transformers_naming_loads_the_same_model(make_ckpt):
 
 
 def test_fp8_checkpoint_keeps_fp8_weights_and_scales(tiny_ckpt, tmp_path):
-    from hy3c.fp8_convert import convert_to_fp8
+    from hy3c.checkpoint.fp8_convert import convert_to_fp8
 
     bf16 = load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False)
     out = convert_to_fp8(bf16, tiny_ckpt, tmp_path / "fp8")
@@ -189,7 +189,7 @@ def test_bad_kv_scales_file_is_named(tiny_ckpt, tmp_path):
 
 
 def test_static_kv_scales_must_be_complete_and_skip_an_unloaded_mtp_layer(tiny_ckpt, tmp_path):
-    from hy3c.fp8_convert import convert_to_fp8
+    from hy3c.checkpoint.fp8_convert import convert_to_fp8
 
     bf16 = load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False)
     c8 = convert_to_fp8(bf16, tiny_ckpt, tmp_path / "c8")
@@ -214,7 +214,7 @@ def test_peak_memory_is_the_model_plus_about_one_tensor(make_ckpt):
     script = textwrap.dedent(
         f"""
         import threading, time, torch
-        from hy3c.loader import load_model
+        from hy3c.checkpoint.loader import load_model
         def anon():
             for line in open('/proc/self/status'):
                 if line.startswith('RssAnon:'):

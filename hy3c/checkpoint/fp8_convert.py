@@ -27,16 +27,16 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from hy3c.checkpoint.safetensors_io import ShardedWriter, atomic_output_dir, check_output_dir
+from hy3c.checkpoint.weight_map import expected_tensors, kv_scale_tensors
 from hy3c.logs import log_event
 from hy3c.model.batch import SeqChunk, build_step_batch
 from hy3c.model.hy3 import Hy3ForCausalLM, allocate_kv_cache
 from hy3c.model.layers import Experts, Linear
 from hy3c.ops.moe import silu_and_mul_reference
 from hy3c.ops.quant import FP8_DTYPE, FP8_MAX, quantize_fp8
-from hy3c.safetensors_io import ShardedWriter, atomic_output_dir, check_output_dir
-from hy3c.weight_map import expected_tensors, kv_scale_tensors
 
-log = logging.getLogger("hy3c.fp8_convert")
+log = logging.getLogger("hy3c.checkpoint.fp8_convert")
 
 _COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 _MIN_SCALE = 1e-8

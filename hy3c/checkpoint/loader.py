@@ -3,7 +3,7 @@
     model = load_model("ckpt/", dtype=torch.float32)
 
 1. `config.json` → `Hy3Config`; the weight files' headers are read (no data).
-2. The naming scheme (hub or transformers, see `hy3c.weight_map`) and the FP8 layout (which linear
+2. The naming scheme (hub or transformers, see `hy3c.checkpoint.weight_map`) and the FP8 layout (which linear
    layers carry e4m3 weights, static or dynamic activation scales) are read off the headers.
 3. Every expected tensor is checked before any data is read: missing, unexpected (unless allow-listed)
    and mis-shaped or wrongly typed tensors are reported together, by name, in one `CheckpointError`.
@@ -25,12 +25,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hy3c.config import Hy3Config
-from hy3c.logs import log_event
-from hy3c.model.hy3 import Hy3ForCausalLM
-from hy3c.model.layers import QuantLayout
-from hy3c.safetensors_io import CheckpointError, CheckpointFiles, read_headers
-from hy3c.weight_map import (
+from hy3c.checkpoint.safetensors_io import CheckpointError, CheckpointFiles, read_headers
+from hy3c.checkpoint.weight_map import (
     Placement,
     Scheme,
     detect_scheme,
@@ -38,8 +34,12 @@ from hy3c.weight_map import (
     fp8_module_of,
     kv_scale_tensors,
 )
+from hy3c.config import Hy3Config
+from hy3c.logs import log_event
+from hy3c.model.hy3 import Hy3ForCausalLM
+from hy3c.model.layers import QuantLayout
 
-log = logging.getLogger("hy3c.loader")
+log = logging.getLogger("hy3c.checkpoint.loader")
 
 KV_SCALES_FILE = "kv_cache_scales.safetensors"
 _FLOAT_DTYPES = {"BF16", "F16", "F32"}

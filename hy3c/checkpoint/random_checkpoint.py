@@ -18,14 +18,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from hy3c.checkpoint.safetensors_io import ShardedWriter, atomic_output_dir
+from hy3c.checkpoint.tiny_tokenizer import write_tokenizer_files
+from hy3c.checkpoint.weight_map import Placement, Scheme, expected_tensors
 from hy3c.config import Hy3Config, preset_config
 from hy3c.logs import log_event
 from hy3c.model.hy3 import Hy3ForCausalLM
-from hy3c.safetensors_io import ShardedWriter, atomic_output_dir
-from hy3c.tokenizer import write_tokenizer_files
-from hy3c.weight_map import Placement, Scheme, expected_tensors
 
-log = logging.getLogger("hy3c.init_checkpoint")
+log = logging.getLogger("hy3c.checkpoint.random_checkpoint")
 
 NORM_NOISE = 0.1
 EXPERT_BIAS_STD = 0.02

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from hy3c.loader import load_model
+from hy3c.checkpoint.loader import load_model
 from hy3c.model.batch import SeqChunk, build_step_batch
 from hy3c.model.hy3 import Hy3ForCausalLM, allocate_kv_cache
 

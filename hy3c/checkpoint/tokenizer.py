@@ -1,10 +1,5 @@
-"""Tokenizer: a small real byte-level BPE for random checkpoints, and the runtime wrapper.
+"""The tokenizer of a checkpoint or an artifact (random checkpoints get theirs from `tiny_tokenizer`).
 
-* `train_tiny_tokenizer()` trains a byte-level BPE locally with `tokenizers` on a built-in corpus, with
-  the Hy3 special tokens first (ids 0..6), so demos and tests need no download. Any text round-trips
-  (byte-level), which is all a random checkpoint needs.
-* `write_tokenizer_files(dir)` writes `tokenizer.json`, `tokenizer_config.json` and
-  `chat_template.jinja` (the Hy3 chat format of HY3_SPEC §11).
 * `Hy3Tokenizer.from_dir(dir)` loads any checkpoint's `tokenizer.json` + chat template and offers
   encode / decode / apply_chat_template.
   A corrupt or empty `tokenizer.json`, `tokenizer_config.json` or chat template is a `TokenizerError`
@@ -23,8 +18,9 @@ from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders
 
+# Hy3's special tokens (HY3_SPEC §11), in the tiny tokenizer's id order
 BOS = "<｜hy_begin▁of▁sentence｜>"
 EOS = "<｜hy_eos｜>"
 PAD = "<｜hy_pad｜>"
@@ -33,90 +29,6 @@ ASSISTANT = "<｜hy_Assistant｜>"
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 SPECIAL_TOKENS = (BOS, EOS, PAD, USER, ASSISTANT, THINK_OPEN, THINK_CLOSE)
-
-# Hy3 chat format: <bos>{system}<User>{user}<Assistant>{assistant}<eos> (no role token for system).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] }}"
-    "{% elif message['role'] == 'user' %}" + USER + "{{ message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}" + ASSISTANT + "{{ message['content'] }}{{ eos_token }}"
-    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
-)
-
-_CORPUS = (
-    """
-Hy3 is a mixture-of-experts language model with grouped-query attention, sixty-four query heads and
-eight key-value heads, per-head RMSNorm on queries and keys before the rotary embedding, one hundred
-ninety-two routed experts of which eight are chosen for every token, and one shared expert.
-A compiler traces the model into a graph, rewrites patterns into fused kernels, and writes an artifact
-that a small server runs. The server batches requests continuously, keeps the key-value cache in pages,
-reuses prefixes, and drafts tokens with a multi-token prediction layer.
-The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
-Hello, world! How are you today? I am fine, thank you. What is the capital of France? Paris.
-Once upon a time there was a little model that wanted to answer every question quickly and well.
-def main():\n    print("hello")\n    return 0\nfor i in range(10):\n    total += i * i
-The numbers are 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828 42.
-Tokens, pages, experts, kernels, graphs, passes, recipes, artifacts, requests, responses.
-"""
-    * 4
-)
-
-
-def train_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
-    """Byte-level BPE with the Hy3 special tokens at ids 0..6; at most `vocab_size` entries."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
-    for i, token in enumerate(SPECIAL_TOKENS):
-        assert tok.token_to_id(token) == i, f"special token {token} got id {tok.token_to_id(token)}"
-    return tok
-
-
-def write_tokenizer_files(directory: Path, vocab_size: int, model_max_length: int) -> dict[str, int]:
-    """Write the tiny tokenizer into `directory`; return its special token ids.
-
-    Past its 512 trained entries, every id up to `vocab_size` is a placeholder token `<|t{id}|>`, so
-    whatever a random model emits decodes to text (as every id of a real checkpoint's tokenizer does):
-    a stream of random tokens at real shapes is then text, token by token.
-    """
-    tok = train_tiny_tokenizer(min(vocab_size, 512))
-    trained = tok.get_vocab_size()
-    tok.add_tokens([AddedToken(f"<|t{i}|>", normalized=False) for i in range(trained, vocab_size)])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": PAD,
-        "model_max_length": model_max_length,
-        "chat_template": CHAT_TEMPLATE,
-        "added_tokens_decoder": {
-            str(i): {
-                "content": t,
-                "special": True,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "single_word": False,
-            }
-            for i, t in enumerate(SPECIAL_TOKENS)
-        },
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
-    return {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
-
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")  # what from_dir reads
 
@@ -149,9 +61,9 @@ def _read_tokenizer_files(directory: Path) -> tuple[Tokenizer, dict[str, Any]]:
 
 def _check_artifact_files(directory: Path) -> None:
     """An artifact's tokenizer files are untrusted like the rest of it: each one present must be a
-    regular file inside the artifact (`hy3c.artifact.artifact_file`, ArtifactError otherwise). A
+    regular file inside the artifact (`hy3c.program.artifact.artifact_file`, ArtifactError otherwise). A
     checkpoint's are not checked so: a Hugging Face cache snapshot links its files to blobs elsewhere."""
-    from hy3c.artifact import artifact_file
+    from hy3c.program.artifact import artifact_file
 
     for name in _TOKENIZER_FILES:
         if os.path.lexists(directory / name):

@@ -27,29 +27,36 @@ from torch import fx
 from tqdm import tqdm
 
 import hy3c
-from hy3c.compiler.manifest import FORMAT_VERSION, cache_key_parts, json_sha256, kv_cache_dtype
+from hy3c.checkpoint.loader import CheckpointLayout, inspect_checkpoint
+from hy3c.checkpoint.safetensors_io import atomic_output_dir, check_output_dir
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.compiler.package import derive_weights, write_weights
-from hy3c.compiler.program_check import STEP_INPUTS, STEP_OUTPUTS
-from hy3c.compiler.serialize import graph_to_json
 from hy3c.compiler.trace import trace_step
 from hy3c.config import Hy3Config, preset_config
-from hy3c.loader import CheckpointLayout, inspect_checkpoint
 from hy3c.logs import log_event
 from hy3c.model.hy3 import Hy3ForCausalLM
 from hy3c.model.layers import NO_QUANT, QuantLayout
 from hy3c.passes.base import CompileCtx, PassResult
 from hy3c.passes.graph_utils import set_attr
 from hy3c.passes.manager import PassError, PassManager
-from hy3c.passes.registry import PASS_REGISTRY
+from hy3c.passes.registry import PASS_REGISTRY, check_recipe_passes
+from hy3c.program.check import STEP_INPUTS, STEP_OUTPUTS
+from hy3c.program.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    PROGRAM_FILE,
+    REPORT_FILE,
+    TOKENIZER_FILES,
+    Manifest,
+    cache_key_parts,
+    json_sha256,
+    kv_cache_dtype,
+)
+from hy3c.program.serialize import graph_to_json
 from hy3c.recipe import Recipe, RecipeError
-from hy3c.runner import Runner
-from hy3c.safetensors_io import atomic_output_dir, check_output_dir
-from hy3c.tokenizer import Hy3Tokenizer
+from hy3c.runtime.runner import Runner
 
 log = logging.getLogger("hy3c.compile")
-
-PROGRAM_FILE = "program/step.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 class CompileError(ValueError):
@@ -74,6 +81,7 @@ def pass_source_hashes(recipe: Recipe) -> dict[str, str]:
 
 
 def _check_supported(recipe: Recipe, layout: CheckpointLayout | None) -> None:
+    check_recipe_passes(recipe)
     par = recipe.parallel
     for key, value, default in (
         ("tp", par.tp, 1),
@@ -269,34 +277,38 @@ def compile_artifact(
             "passes": [r.model_dump(mode="json") for r in results],
             "timings": timings,
         }
-        (tmp / "compile_report.json").write_text(json.dumps(report, indent=2))
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "versions": versions,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "model_config": config.to_json_dict(),
-            "recipe": recipe.model_dump(mode="json"),
-            "source": {
-                "checkpoint": str(checkpoint) if checkpoint is not None else None,
-                "preset": preset,
-                "scheme": layout.scheme if layout is not None else None,
-                "fp8_checkpoint": bool(quant.fp8_modules),
-                "quant_layout": {
-                    "fp8_modules": sorted(quant.fp8_modules),
-                    "static_activations": quant.static_activations,
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
+        manifest = Manifest.model_validate(
+            {
+                "format_version": FORMAT_VERSION,
+                "versions": versions,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "model_config": config.to_json_dict(),
+                "recipe": recipe.model_dump(mode="json"),
+                "source": {
+                    "checkpoint": str(checkpoint) if checkpoint is not None else None,
+                    "preset": preset,
+                    "scheme": layout.scheme if layout is not None else None,
+                    "fp8_checkpoint": bool(quant.fp8_modules),
+                    "quant_layout": {
+                        "fp8_modules": sorted(quant.fp8_modules),
+                        "static_activations": quant.static_activations,
+                    },
                 },
-            },
-            "program": {
-                "file": PROGRAM_FILE,
-                "sha256": program_sha256,
-                "inputs": list(STEP_INPUTS),
-                "outputs": list(STEP_OUTPUTS),
-            },
-            "weights": {"files": weight_files} if layout is not None else None,
-            "kv_cache": {"dtype": kv_cache_dtype(recipe)},
-            "cache_key": {"key": json_sha256(parts), "parts": parts},
-        }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+                "program": {
+                    "file": PROGRAM_FILE,
+                    "sha256": program_sha256,
+                    "inputs": list(STEP_INPUTS),
+                    "outputs": list(STEP_OUTPUTS),
+                },
+                "weights": {"files": weight_files} if layout is not None else None,
+                "kv_cache": {"dtype": kv_cache_dtype(recipe)},
+                "cache_key": {"key": json_sha256(parts), "parts": parts},
+            }
+        )  # the reader's model: what it would refuse is never written
+        (tmp / MANIFEST_FILE).write_text(
+            json.dumps(manifest.model_dump(mode="json", by_alias=True), indent=2)
+        )
     weights_bytes = sum(int(f["bytes"]) for f in weight_files)
     log_event(
         log,

@@ -16,7 +16,7 @@ import re
 import textwrap
 from pathlib import Path
 
-from hy3c.artifact import Artifact, ArtifactError, open_artifact
+from hy3c.program.artifact import Artifact, ArtifactError, open_artifact
 
 _LAYER_MARK = re.compile(r"# layers\.(\d+)$")
 

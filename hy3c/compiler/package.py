@@ -1,6 +1,6 @@
 """Write the artifact's weights: stream checkpoint tensors, apply the passes' weight plan, write shards.
 
-Each graph parameter is assembled from the checkpoint one at a time (`hy3c.loader.assemble_tensors`);
+Each graph parameter is assembled from the checkpoint one at a time (`hy3c.checkpoint.loader.assemble_tensors`);
 weights listed in the quantize pass's plan are converted to FP8 with their scales; everything else is
 cast to the dtype the graph expects. Peak memory is one parameter plus one pending shard.
 """
@@ -14,11 +14,11 @@ import torch
 from torch import fx
 from tqdm import tqdm
 
-from hy3c.compiler.manifest import files_sha256
-from hy3c.loader import CheckpointLayout, assemble_tensors
+from hy3c.checkpoint.loader import CheckpointLayout, assemble_tensors
+from hy3c.checkpoint.safetensors_io import ShardedWriter
 from hy3c.ops.quant import quantize_weight, split_router_weight
 from hy3c.passes.weight_plan import weight_plan
-from hy3c.safetensors_io import ShardedWriter
+from hy3c.program.manifest import files_sha256
 
 WEIGHTS_DIR = "weights"
 WEIGHT_NAMES = ("rank0.safetensors.index.json", "rank0.safetensors")

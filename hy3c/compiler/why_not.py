@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from hy3c.artifact import Artifact, ArtifactError
 from hy3c.compiler.trace import trace_step
 from hy3c.model.layers import QuantLayout
 from hy3c.passes.base import CompileCtx
 from hy3c.passes.dump import format_node
 from hy3c.passes.manager import PassManager, build_pass
+from hy3c.program.artifact import Artifact, ArtifactError
 
 
 def why_not(art: Artifact, pass_name: str | None, node_name: str | None) -> str:

@@ -1,12 +1,13 @@
-"""Compiled artifacts: validation and loading (DESIGN §5).
+"""Reading a compiled artifact: its files, manifest, hashes and program, checked (docs/ARCHITECTURE.md,
+"The artifact contract"). The runtime loads the weights on top of this (`hy3c.runtime.artifact.load`).
 
-    runner = hy3c.artifact.load("art/", device="cuda")
-    logits, hidden = runner(*batch.model_args(runner.allocate_kv_cache(num_pages, page_size)))
+    art = open_artifact("art/")            # manifest.json validated, hashes recomputed; nothing else read
+    program = read_program_file(art)      # program/step.json rebuilt and checked node by node
 
 An artifact directory holds `manifest.json` (format version, versions, model config, recipe, cache key,
 file hashes), `program/step.json` (the graph after passes, JSON), `weights/rank0*.safetensors`,
 `compile_report.json`, optional `graphs/` dumps and the tokenizer files. (Inductor's caches live in a
-per-user directory, never in the artifact: see `hy3c.runner`.)
+per-user directory, never in the artifact: see `hy3c.runtime.runner`.)
 
 Everything read from an artifact is untrusted. Every file loading (or `hy3c inspect`, or the
 tokenizer) reads from it must be a regular file whose real path lies inside the artifact's real path
@@ -15,14 +16,14 @@ directory on its way) is refused, and so are FIFOs and devices, whose reads coul
 Loading checks, before any weight is read:
 * the manifest: its format version, every field loading relies on (a missing or mistyped one is an
   error naming it), and its hashes: the model config, the recipe, the program, the weight list and the
-  versions must match the cache key's parts, and the key its parts (`hy3c.compiler.manifest`), so a
+  versions must match the cache key's parts, and the key its parts (`hy3c.program.manifest`), so a
   config or recipe edited without recompiling is refused;
-* the program: its sha256, then every node (`hy3c.compiler.serialize.read_program`: only ops of the
+* the program: its sha256, then every node (`hy3c.program.serialize.read_program`: only ops of the
   allow-list, arguments that fit each op's schema) and the shapes through the whole graph on meta
   tensors from the config (`Program.check_shapes`);
-then the weights: each file's size and sha256 (streamed, several files at once), then the parameter
-shapes against the program. Any failure is an `ArtifactError` naming the file, field or node. Nothing
-is unpickled: JSON and safetensors only.
+then (in `hy3c.runtime.artifact`) the weights: each file's size and sha256 (streamed, several files at
+once), then the parameter shapes against the program. Any failure is an `ArtifactError` naming the
+file, field or node. Nothing is unpickled: JSON and safetensors only.
 """
 
 from __future__ import annotations
@@ -33,105 +34,27 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
-from hy3c.compiler.manifest import FORMAT_VERSION, cache_key_parts, files_sha256, json_sha256, kv_cache_dtype
 from hy3c.config import Hy3Config
+from hy3c.program.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    Manifest,
+    cache_key_parts,
+    json_sha256,
+    kv_cache_dtype,
+)
 from hy3c.recipe import Recipe
 
 if TYPE_CHECKING:
-    import torch
-
-    from hy3c.compiler.serialize import Program
-    from hy3c.runner import Runner
-
-_SHA256 = r"^[0-9a-f]{64}$"
-_Sha256 = Annotated[str, Field(pattern=_SHA256)]
+    from hy3c.program.serialize import Program
 
 
 class ArtifactError(ValueError):
     """A missing, corrupt or incompatible artifact; the message names the file (and field or node)."""
-
-
-def _inside(name: str) -> str:
-    """A file name of the manifest must stay inside the artifact directory."""
-    parts = Path(name).parts
-    if not parts or Path(name).is_absolute() or ".." in parts:
-        raise ValueError(f"{name!r} is not a path inside the artifact")
-    return name
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class _Versions(_Strict):
-    hy3c: str
-    torch: str
-    triton: str | None
-
-
-class _ProgramEntry(_Strict):
-    file: str
-    sha256: str = Field(pattern=_SHA256)
-    _inside = field_validator("file")(_inside)
-
-
-class _WeightFile(_Strict):
-    name: str
-    bytes: int = Field(ge=0)
-    sha256: str = Field(pattern=_SHA256)
-    _inside = field_validator("name")(_inside)
-
-
-class _Weights(_Strict):
-    files: list[_WeightFile] = Field(min_length=1)
-
-
-class _KvCache(_Strict):
-    dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3fn"]
-
-
-class _CacheKeyParts(_Strict):
-    model: str = Field(pattern=_SHA256)
-    recipe: str = Field(pattern=_SHA256)
-    passes: dict[str, _Sha256]
-    weights: str | None = Field(pattern=_SHA256)
-    program: str = Field(pattern=_SHA256)
-    hy3c: str
-    torch: str
-    triton: str | None
-
-
-class _CacheKey(_Strict):
-    key: str = Field(pattern=_SHA256)
-    parts: _CacheKeyParts
-
-
-class _QuantLayout(_Strict):
-    fp8_modules: list[str]
-    static_activations: bool
-
-
-class _Source(_Strict):
-    quant_layout: _QuantLayout
-
-
-class _Manifest(_Strict):
-    """The parts of manifest.json that loading and inspection rely on (config and recipe: their own
-    models)."""
-
-    format_version: int
-    versions: _Versions
-    config: dict[str, Any] = Field(alias="model_config")
-    recipe: dict[str, Any]
-    source: _Source
-    program: _ProgramEntry
-    weights: _Weights | None
-    kv_cache: _KvCache
-    cache_key: _CacheKey
 
 
 def artifact_file(path: Path, name: str | Path) -> Path:
@@ -197,17 +120,17 @@ def _field_error(file: Path, exc: ValidationError, prefix: str = "") -> Artifact
 def open_artifact(path: str | Path) -> Artifact:
     """Read and validate manifest.json, its fields and its hashes (no program or weights are read)."""
     path = Path(path)
-    file = path / "manifest.json"
+    file = path / MANIFEST_FILE
     if not os.path.lexists(file):
         raise ArtifactError(f"{file}: missing (is {path} a hy3c artifact?)")
-    manifest = _read_json(path, "manifest.json")
+    manifest = _read_json(path, MANIFEST_FILE)
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
         raise ArtifactError(
             f"{file}: artifact format version {version!r}; this hy3c reads version {FORMAT_VERSION} (recompile it)"
         )
     try:
-        checked = _Manifest.model_validate(manifest)
+        checked = Manifest.model_validate(manifest)
     except ValidationError as exc:
         raise _field_error(file, exc) from None
     try:
@@ -234,7 +157,7 @@ _PART_SOURCES = {
 }
 
 
-def _check_hashes(file: Path, manifest: dict[str, Any], checked: _Manifest, recipe: Recipe) -> None:
+def _check_hashes(file: Path, manifest: dict[str, Any], checked: Manifest, recipe: Recipe) -> None:
     """The cache key's parts recomputed from the manifest by the writer's function, and the key from
     its parts; the recorded pass-source hashes must cover the recipe's passes."""
     recorded = manifest["cache_key"]["parts"]
@@ -264,11 +187,11 @@ def _check_hashes(file: Path, manifest: dict[str, Any], checked: _Manifest, reci
         )
 
 
-def _read_program(art: Artifact) -> Program:
+def read_program_file(art: Artifact) -> Program:
     """The program file, its hash against the manifest, rebuilt and checked node by node and by shapes."""
     import torch
 
-    from hy3c.compiler.serialize import ProgramError, read_program  # the op registrations: not for inspect
+    from hy3c.program.serialize import ProgramError, read_program  # the op registrations: not for inspect
 
     file = art.path / art.manifest["program"]["file"]
     text = art.file(art.manifest["program"]["file"]).read_bytes()
@@ -285,56 +208,3 @@ def _read_program(art: Artifact) -> Program:
     except ProgramError as exc:
         raise ArtifactError(f"{file}: {exc}") from None
     return program
-
-
-def _load_weights(art: Artifact, device: str) -> dict[str, torch.Tensor]:
-    """Every weight file: size and sha256 checked (all files hashed concurrently), then loaded."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    entries = art.manifest["weights"]["files"]
-    files = [art.path / entry["name"] for entry in entries]  # as named, for messages
-    reals = [art.file(entry["name"]) for entry in entries]  # every file checked before any is read
-    for file, real, entry in zip(files, reals, entries):
-        if real.stat().st_size != entry["bytes"]:
-            raise ArtifactError(
-                f"{file}: {real.stat().st_size} bytes, manifest.json says {entry['bytes']} (truncated?)"
-            )
-    for file, entry, digest in zip(files, entries, files_sha256(reals)):
-        if digest != entry["sha256"]:
-            raise ArtifactError(f"{file}: sha256 differs from manifest.json (corrupt weights)")
-    tensors: dict[str, torch.Tensor] = {}
-    for file, real in zip(files, reals):
-        if file.suffix != ".safetensors":
-            continue
-        try:
-            tensors.update(load_file(str(real), device=device))
-        except SafetensorError as exc:
-            raise ArtifactError(f"{file}: unreadable safetensors ({exc})") from None
-    return tensors
-
-
-def load(path: str | Path, device: str | None = None, compile: bool = True) -> Runner:
-    """Load an artifact and return a `Runner` over its program (see the module docstring)."""
-    import torch
-
-    from hy3c.compiler.serialize import ProgramError
-    from hy3c.runner import Runner
-
-    art = open_artifact(path)
-    if not art.has_weights:
-        raise ArtifactError(
-            f"{art.path}: compiled from a config preset without weights; it can be inspected, not run"
-        )
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type != art.recipe.device_type:
-        raise ArtifactError(
-            f"{art.path}: compiled for target '{art.recipe.target}' ({art.recipe.device_type}); cannot run on {device}"
-        )
-    program = _read_program(art)
-    tensors = _load_weights(art, device)
-    try:
-        gm = program.bind(tensors)
-    except ProgramError as exc:
-        raise ArtifactError(f"{art.path / art.manifest['program']['file']}: {exc}") from None
-    return Runner(art.path, art.manifest, art.config, art.recipe, gm, torch.device(device), compile)

@@ -4,7 +4,7 @@
     check_shapes(graph, params, config, dtype, kv_dtype)                # once it is complete
 
 A program file is untrusted input: its call targets are already restricted to the ops the compiler
-emits (`hy3c.compiler.op_allowlist`); these checks make sure the ops are called the way the compiler
+emits (`hy3c.program.allowlist`); these checks make sure the ops are called the way the compiler
 calls them, so that no kernel is handed arguments it would misread:
 
 * **arguments against the op's schema** (`check_call`): tensor arguments are graph nodes that produce
@@ -43,8 +43,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import fx
 
-from hy3c.compiler.op_allowlist import DTYPES, GETITEM, op_name
 from hy3c.config import Hy3Config
+from hy3c.program.allowlist import DTYPES, GETITEM, op_name
 
 # the step function's calling convention: hy3c.compiler.trace traces exactly these, loading checks them
 STEP_INPUTS = (

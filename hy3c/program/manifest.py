@@ -1,5 +1,6 @@
-"""What the artifact writer (`hy3c.compiler.driver`) and reader (`hy3c.artifact`) share about manifest.json:
-the format version, the hashes and the cache key, computed by one set of functions so they cannot drift.
+"""What the artifact writer (`hy3c.compiler.driver`) and reader (`hy3c.program.artifact`) share about
+manifest.json: the format version, the file names, the `Manifest` model, the hashes and the cache key,
+computed by one set of functions so they cannot drift.
 
     parts = cache_key_parts(config_json, recipe_json, pass_hashes, weight_files, program_sha, versions)
     key = json_sha256(parts)
@@ -13,9 +14,10 @@ and the versions part says which hy3c wrote them.
 
 These are integrity checks (a corrupt or hand-edited artifact), not authenticity: whoever can write an
 artifact can also rewrite its hashes. What makes a crafted artifact harmless is the program check
-(`hy3c.compiler.program_check`), which does not trust the manifest's hashes.
+(`hy3c.program.check`), which does not trust the manifest's hashes.
 
-Only the standard library and the recipe model are imported: `hy3c inspect` and loading need no compiler.
+Only the standard library, pydantic and the recipe model are imported: `hy3c inspect` and loading need
+no compiler.
 """
 
 from __future__ import annotations
@@ -26,12 +28,111 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hy3c.recipe import Recipe
 
 FORMAT_VERSION = 2  # 2: hy3.fused_moe takes the norm's FP8 rows (x_q, x_q_scale)
+MANIFEST_FILE = "manifest.json"
+PROGRAM_FILE = "program/step.json"
+REPORT_FILE = "compile_report.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 HASH_THREADS = 8  # files hashed at once on load (hashlib and file reads release the GIL)
+
+
+_SHA256 = r"^[0-9a-f]{64}$"
+_Sha256 = Annotated[str, Field(pattern=_SHA256)]
+
+
+def _inside(name: str) -> str:
+    """A file name of the manifest must stay inside the artifact directory."""
+    parts = Path(name).parts
+    if not parts or Path(name).is_absolute() or ".." in parts:
+        raise ValueError(f"{name!r} is not a path inside the artifact")
+    return name
+
+
+class _Strict(BaseModel):
+    """Strict types (the reader takes no coercions); fields a newer writer adds are kept, not refused."""
+
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+
+
+class Versions(_Strict):
+    hy3c: str
+    torch: str
+    triton: str | None
+
+
+class ProgramEntry(_Strict):
+    file: str
+    sha256: str = Field(pattern=_SHA256)
+    inputs: list[str]
+    outputs: list[str]
+    _inside = field_validator("file")(_inside)
+
+
+class WeightFile(_Strict):
+    name: str
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=_SHA256)
+    _inside = field_validator("name")(_inside)
+
+
+class Weights(_Strict):
+    files: list[WeightFile] = Field(min_length=1)
+
+
+class KvCache(_Strict):
+    dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3fn"]
+
+
+class CacheKeyParts(_Strict):
+    model: str = Field(pattern=_SHA256)
+    recipe: str = Field(pattern=_SHA256)
+    passes: dict[str, _Sha256]
+    weights: str | None = Field(pattern=_SHA256)
+    program: str = Field(pattern=_SHA256)
+    hy3c: str
+    torch: str
+    triton: str | None
+
+
+class CacheKey(_Strict):
+    key: str = Field(pattern=_SHA256)
+    parts: CacheKeyParts
+
+
+class QuantLayoutEntry(_Strict):
+    fp8_modules: list[str]
+    static_activations: bool
+
+
+class Source(_Strict):
+    checkpoint: str | None
+    preset: str | None
+    scheme: str | None
+    fp8_checkpoint: bool
+    quant_layout: QuantLayoutEntry
+
+
+class Manifest(_Strict):
+    """manifest.json: the compiler writes it from this model (`model_dump(mode="json", by_alias=True)`)
+    and loading and inspection validate it with the same model (the config and the recipe have their own
+    models, `Hy3Config` and `Recipe`)."""
+
+    format_version: int
+    versions: Versions
+    created: str
+    config: dict[str, Any] = Field(alias="model_config")
+    recipe: dict[str, Any]
+    source: Source
+    program: ProgramEntry
+    weights: Weights | None
+    kv_cache: KvCache
+    cache_key: CacheKey
 
 
 def json_sha256(data: object) -> str:

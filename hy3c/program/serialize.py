@@ -6,7 +6,7 @@
     gm = program.bind(parameters)                     # parameters: fqn → tensor of the recorded shape
 
 Each node is {"name", "op", "target", "args", "kwargs"}. A call's target is an op name looked up in
-`hy3c.compiler.op_allowlist` (the ops the compiler emits; the writer refuses any other), plus `getitem`.
+`hy3c.program.allowlist` (the ops the compiler emits; the writer refuses any other), plus `getitem`.
 Arguments encode nodes as {"node": name}, tuples as {"tuple": [...]}, dtypes as {"dtype": "bfloat16"},
 non-finite floats as {"float": "inf"}; everything else is a JSON scalar or list. The `params` table
 records each parameter's shape and dtype so the weights can be checked against the graph.
@@ -14,7 +14,7 @@ records each parameter's shape and dtype so the weights can be checked against t
 A program file is untrusted: names must be plain identifiers (they end up in the Python code FX
 generates), the inputs are the step's eight inputs in order, arguments nest at most `MAX_NESTING`
 containers deep, parameter shapes are bounded (`MAX_DIMS`, `MAX_NUMEL`) before any tensor is made of
-them, each call's arguments must fit its op's schema (`hy3c.compiler.program_check`), and any other
+them, each call's arguments must fit its op's schema (`hy3c.program.check`), and any other
 structure is a `ProgramError` naming the node. Reading, checking and binding turn any exception they
 did not foresee into a `ProgramError` naming the node or parameter at hand (`program_check.unexpected`),
 so a crafted program cannot surface as a bare RecursionError or RuntimeError.
@@ -32,8 +32,9 @@ import torch
 from torch import fx
 
 import hy3c.kernels  # noqa: F401  (registers the hy3 ops and the kernel providers' ops a program may call)
-from hy3c.compiler.op_allowlist import DTYPES, OpNotRegisteredError, is_allowed, op_name, resolve_op
-from hy3c.compiler.program_check import (
+from hy3c.config import Hy3Config
+from hy3c.program.allowlist import DTYPES, OpNotRegisteredError, is_allowed, op_name, resolve_op
+from hy3c.program.check import (
     STEP_INPUTS,
     TENSOR,
     Kind,
@@ -43,7 +44,6 @@ from hy3c.compiler.program_check import (
     shown,
     unexpected,
 )
-from hy3c.config import Hy3Config
 
 FORMAT = 1
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -23,7 +23,7 @@ from hy3c.kernels.registry import provider_by_target
 from hy3c.logs import log_event
 from hy3c.model.batch import StepBatch
 
-log = logging.getLogger("hy3c.cuda_graphs")
+log = logging.getLogger("hy3c.runtime.cuda_graphs")
 
 
 def capture_blockers(gm: fx.GraphModule) -> list[str]:

@@ -27,13 +27,13 @@ from torch import fx
 from torch.fx.experimental import _config as fx_config
 
 from hy3c.config import Hy3Config
-from hy3c.cuda_graphs import DecodeGraphs
 from hy3c.logs import log_event
 from hy3c.model.batch import StepBatch
 from hy3c.model.hy3 import allocate_kv_cache
 from hy3c.recipe import Recipe
+from hy3c.runtime.cuda_graphs import DecodeGraphs
 
-log = logging.getLogger("hy3c.runner")
+log = logging.getLogger("hy3c.runtime.runner")
 
 # step input index → dims that vary from step to step
 _DYNAMIC_DIMS = {0: (0,), 1: (0,), 2: (2,), 3: (0, 1), 4: (0,), 5: (0,), 6: (0,), 7: (0,)}

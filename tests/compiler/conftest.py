@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hy3c.checkpoint.loader import assemble_tensors, inspect_checkpoint
 from hy3c.compiler.trace import trace_step
-from hy3c.loader import assemble_tensors, inspect_checkpoint
 from hy3c.passes.base import CompileCtx
 from hy3c.passes.graph_utils import set_attr
 from hy3c.recipe import load_recipe

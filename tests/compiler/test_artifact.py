@@ -10,17 +10,18 @@ import shutil
 import pytest
 import torch
 
-import hy3c.artifact as artifact
-from hy3c.artifact import ArtifactError
+import hy3c.runtime.artifact as artifact
+from hy3c.checkpoint.loader import load_model
+from hy3c.checkpoint.reference import model_logits
 from hy3c.cli import main
-from hy3c.compiler.driver import FORMAT_VERSION, CompileError, compile_artifact
-from hy3c.compiler.manifest import json_sha256
+from hy3c.compiler.driver import CompileError, compile_artifact
+from hy3c.compiler.inspect_artifact import inspect_command
 from hy3c.generate import generate_tokens
-from hy3c.inspect_artifact import inspect_command
-from hy3c.loader import load_model
 from hy3c.model import SeqChunk, allocate_kv_cache, build_step_batch
+from hy3c.passes.registry import check_recipe_passes
+from hy3c.program.artifact import ArtifactError, open_artifact
+from hy3c.program.manifest import FORMAT_VERSION, json_sha256
 from hy3c.recipe import RecipeError, load_recipe
-from hy3c.reference import model_logits
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def test_fp8_artifact_agrees_with_bf16_reference(tiny_ckpt, tmp_path):
 
 
 def test_static_fp8_checkpoint_compiles_with_fp8_kv(tiny_ckpt, tmp_path):
-    from hy3c.fp8_convert import convert_to_fp8
+    from hy3c.checkpoint.fp8_convert import convert_to_fp8
 
     fp8 = convert_to_fp8(
         load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False), tiny_ckpt, tmp_path / "ck"
@@ -143,7 +144,7 @@ def test_dynamic_recipe_keeps_an_fp8_checkpoints_bf16_layers(tiny_ckpt, tmp_path
     """An FP8 checkpoint's ignored_layers stay BF16: the dynamic rewrite only changes activation scales."""
     from safetensors.torch import load_file, save_file
 
-    from hy3c.fp8_convert import convert_to_fp8
+    from hy3c.checkpoint.fp8_convert import convert_to_fp8
 
     fp8 = convert_to_fp8(
         load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False), tiny_ckpt, tmp_path / "ck"
@@ -237,10 +238,10 @@ def test_bad_recipe_overrides(overrides, message):
     if (
         message is None
     ):  # valid recipe, rejected when the lower pass runs (see test_lower_rejects_unknown_provider)
-        load_recipe("cpu-reference", overrides)
+        check_recipe_passes(load_recipe("cpu-reference", overrides))
         return
     with pytest.raises(RecipeError, match=message):
-        load_recipe("cpu-reference", overrides)
+        check_recipe_passes(load_recipe("cpu-reference", overrides))
 
 
 def test_bad_recipe_files(tmp_path):
@@ -249,7 +250,7 @@ def test_bad_recipe_files(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ntarget: cpu\npasses:\n  - name: fuse_everything\n")
     with pytest.raises(RecipeError, match="unknown pass 'fuse_everything'"):
-        load_recipe(bad)
+        check_recipe_passes(load_recipe(bad))
     bad.write_text("name: x\ntarget: tpu\npasses: []\n")
     with pytest.raises(RecipeError, match="key 'target'"):
         load_recipe(bad)
@@ -257,11 +258,11 @@ def test_bad_recipe_files(tmp_path):
         load_recipe(tmp_path / "missing.yaml")
     bad.write_text("name: x\ntarget: cpu\npasses:\n  - name: fuse_moe\n  - name: quantize\n")
     with pytest.raises(RecipeError, match="pass 'quantize' \\(QUANT stage\\) comes after 'fuse_moe'"):
-        load_recipe(bad)
+        check_recipe_passes(load_recipe(bad))
     bad.write_text(
         "name: x\ntarget: cpu\npasses:\n  - {name: fuse_moe, enabled: false}\n  - name: quantize\n"
     )
-    load_recipe(bad)  # a disabled pass does not count
+    check_recipe_passes(load_recipe(bad))  # a disabled pass does not count
 
 
 def test_unsupported_parallelism_and_failed_compile_leave_nothing(tiny_ckpt, tmp_path):
@@ -405,7 +406,7 @@ def _interrupt(monkeypatch, step):
     old output ("rmtree": cut short after deleting the old manifest)."""
     import os
 
-    from hy3c import safetensors_io
+    from hy3c.checkpoint import safetensors_io
 
     real_replace, real_rmtree = os.replace, shutil.rmtree
 
@@ -438,14 +439,14 @@ def test_interrupted_overwrite_leaves_the_old_or_the_new_artifact(tmp_path, monk
     with pytest.raises(KeyboardInterrupt):
         compile_artifact(load_recipe("h200-bf16"), out, preset="tiny", overwrite=True)
     monkeypatch.undo()
-    assert artifact.open_artifact(out).recipe.name == survivor
+    assert open_artifact(out).recipe.name == survivor
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # the new one never lingers half-done
     leftovers = [p for p in tmp_path.iterdir() if ".old-" in p.name]
     assert len(leftovers) == (step == "rmtree")  # the old one, moved aside, where the delete was cut short
 
 
 def test_overwrite_replaces_a_file_and_leaves_nothing_beside_it(tmp_path):
-    from hy3c.safetensors_io import atomic_output_dir
+    from hy3c.checkpoint.safetensors_io import atomic_output_dir
 
     out = tmp_path / "out"
     out.write_text("a file in the way")
@@ -473,7 +474,7 @@ def _checkpoint_copy(tiny_ckpt, tmp_path):
 def test_corrupt_tokenizer_files_are_named_at_compile_and_load(
     tiny_ckpt, tmp_path, capsys, name, content, message
 ):
-    from hy3c.tokenizer import Hy3Tokenizer, TokenizerError
+    from hy3c.checkpoint.tokenizer import Hy3Tokenizer, TokenizerError
 
     ckpt = _checkpoint_copy(tiny_ckpt, tmp_path)
     if isinstance(content, bytes):
@@ -492,7 +493,7 @@ def test_corrupt_tokenizer_files_are_named_at_compile_and_load(
 
 
 def test_a_corrupt_tokenizer_in_an_artifact_is_named_on_load(cpu_art, tmp_path, capsys):
-    from hy3c.tokenizer import Hy3Tokenizer, TokenizerError
+    from hy3c.checkpoint.tokenizer import Hy3Tokenizer, TokenizerError
 
     path = _copy(cpu_art, tmp_path / "art")
     (path / "tokenizer.json").write_text("")

@@ -3,7 +3,7 @@ manifest is refused before anything of it runs, with an error naming the node or
 
 Each hostile program here is written into a copy of a real compiled artifact with every hash over it
 fixed (the program's sha256, its cache-key part, the key), so the integrity checks pass and only the
-program checks (`hy3c.compiler.op_allowlist`, `hy3c.compiler.program_check`) stand in the way.
+program checks (`hy3c.program.allowlist`, `hy3c.program.check`) stand in the way.
 """
 
 from __future__ import annotations
@@ -22,16 +22,17 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import hy3c.artifact as artifact
-from hy3c.artifact import ArtifactError
-from hy3c.compiler import op_allowlist, program_check
+import hy3c.runtime.artifact as artifact
+from hy3c.checkpoint.loader import load_model
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.compiler.driver import compile_artifact
-from hy3c.compiler.manifest import file_sha256, files_sha256, json_sha256
-from hy3c.compiler.serialize import ProgramError, graph_to_json, read_program
-from hy3c.loader import load_model
 from hy3c.model import SeqChunk, build_step_batch
+from hy3c.program import allowlist as op_allowlist
+from hy3c.program import check as program_check
+from hy3c.program.artifact import ArtifactError, open_artifact
+from hy3c.program.manifest import file_sha256, files_sha256, json_sha256
+from hy3c.program.serialize import ProgramError, graph_to_json, read_program
 from hy3c.recipe import load_recipe
-from hy3c.tokenizer import Hy3Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -707,7 +708,7 @@ def test_a_checkpoints_tokenizer_may_link_elsewhere(tiny_ckpt, tmp_path):
 
 
 def test_inspect_reads_nothing_linked_out_of_the_artifact(art, tmp_path):
-    from hy3c.inspect_artifact import inspect_command
+    from hy3c.compiler.inspect_artifact import inspect_command
 
     _link_out(art, "compile_report.json", tmp_path / "outside" / "report.json")
     with pytest.raises(ArtifactError, match=r"compile_report.json: is a link outside the artifact"):
@@ -800,7 +801,7 @@ def test_an_overflow_from_the_model_config_is_named(art):
 def test_unforeseen_exceptions_name_the_node(cpu_art, monkeypatch):
     """Reading, checking and binding: whatever goes wrong inside is a ProgramError naming the node or
     stage (the specific refusals keep their own messages)."""
-    from hy3c.compiler import serialize
+    from hy3c.program import serialize
 
     data = _program(cpu_art)
     real_check_call = serialize.check_call
@@ -820,7 +821,7 @@ def test_unforeseen_exceptions_name_the_node(cpu_art, monkeypatch):
         with pytest.raises(
             ProgramError, match=r"^node output: refused \(ZeroDivisionError: division by zero\)$"
         ):
-            program.check_shapes(artifact.open_artifact(cpu_art).config, torch.float32, torch.float32)
+            program.check_shapes(open_artifact(cpu_art).config, torch.float32, torch.float32)
     params = {f: torch.empty(s, dtype=d, device="meta") for f, (s, d) in program.params.items()}
 
     def failing_module_tree(tensors):
@@ -868,7 +869,7 @@ def _targets(program_data):
 def emitted(tiny_ckpt, tmp_path_factory):
     """recipe description → the call targets of its compiled program (each program also passes the
     load-time checks: the checks refuse nothing the compiler writes)."""
-    from hy3c.fp8_convert import convert_to_fp8
+    from hy3c.checkpoint.fp8_convert import convert_to_fp8
 
     root = tmp_path_factory.mktemp("emit")
     fp8 = convert_to_fp8(load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False), tiny_ckpt, root / "fp8")
@@ -877,7 +878,7 @@ def emitted(tiny_ckpt, tmp_path_factory):
         where = {"checkpoint": fp8} if source == "fp8" else {"preset": source}
         art_dir = compile_artifact(load_recipe(recipe, overrides), root / f"a{i}", **where).out
         data = _program(art_dir)
-        opened = artifact.open_artifact(art_dir)
+        opened = open_artifact(art_dir)
         dtype, kv = getattr(torch, opened.recipe.dtype), getattr(torch, opened.manifest["kv_cache"]["dtype"])
         read_program(data).check_shapes(opened.config, dtype, kv)
         out[f"{recipe} {overrides} ({source})"] = _targets(data)
@@ -934,9 +935,9 @@ def test_listed_custom_ops_are_the_ones_hy3c_registers():
 
 
 def test_step_convention_matches_the_trace():
-    from hy3c.compiler.program_check import STEP_INPUTS, STEP_OUTPUTS
     from hy3c.compiler.trace import example_step_inputs
     from hy3c.config import preset_config
+    from hy3c.program.check import STEP_INPUTS, STEP_OUTPUTS
 
     assert program_check.STEP_INPUTS == STEP_INPUTS and program_check.STEP_OUTPUTS == STEP_OUTPUTS
     config = preset_config("tiny")
@@ -1010,7 +1011,7 @@ def test_fuzzed_programs_are_refused_or_run_only_listed_ops(cpu_art, tiny_ckpt):
     torch-function mode that sees each op the graph's code calls, before any decomposition — calls
     nothing outside the list, and nothing dispatched below it touches files or storages."""
     base = _program(cpu_art)
-    opened = artifact.open_artifact(cpu_art)
+    opened = open_artifact(cpu_art)
     tensors = artifact._load_weights(opened, "cpu")
     allowed = {op_allowlist.resolve_op(n) for n in op_allowlist.ALLOWED_OPS}
     aten_ops = _all_aten_overloads()
@@ -1123,7 +1124,7 @@ def _mutate_value(data, rng):
 def test_fuzzed_argument_values_raise_only_artifact_errors(art):
     """Seeded argument and shape mutations past every limit, each written into the artifact with its
     hashes fixed and loaded: each loads or is refused with a one-line ArtifactError naming the program
-    file and the node, parameter or JSON error; no other exception escapes `hy3c.artifact.load`."""
+    file and the node, parameter or JSON error; no other exception escapes `hy3c.runtime.artifact.load`."""
     base = _program(art)
     rng = random.Random(2024)
     outcome: dict[str, int] = {}

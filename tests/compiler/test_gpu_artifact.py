@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hy3c.artifact as artifact
+import hy3c.runtime.artifact as artifact
+from hy3c.checkpoint.loader import load_model
 from hy3c.compiler.driver import compile_artifact
 from hy3c.generate import generate_tokens
-from hy3c.loader import load_model
 from hy3c.model import SeqChunk, build_step_batch
 from hy3c.recipe import load_recipe
 
@@ -58,7 +58,7 @@ def test_h200_artifact_with_cuda_graphs_matches_eager(tiny_ckpt, tmp_path):
 def test_fp8_conversion_calibrates_on_the_gpu_and_compiles_with_the_static_recipe(tiny_ckpt, tmp_path):
     """`hy3c init-checkpoint --fp8 static --device cuda` → `hy3c compile --recipe h20-w8a8c8` (the path
     bench/serve_bench.sh takes at real shapes)."""
-    from hy3c.fp8_convert import convert_to_fp8
+    from hy3c.checkpoint.fp8_convert import convert_to_fp8
 
     model = load_model(tiny_ckpt, device="cuda", progress=False)
     fp8 = convert_to_fp8(model, tiny_ckpt, tmp_path / "fp8", "static")

@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
+from hy3c.checkpoint.loader import load_model
 from hy3c.compiler.trace import trace_step
 from hy3c.config import preset_config
-from hy3c.loader import load_model
 from hy3c.model import SeqChunk, build_step_batch
 from hy3c.passes.graph_utils import set_attr
 from hy3c.passes.manager import PassError, PassManager
@@ -153,7 +153,7 @@ def test_lower_records_providers_and_honours_priority(traced, monkeypatch):
 def test_lower_reports_ops_that_fall_back_for_a_missing_provider(traced):
     """Without Triton (the context says so) a GPU recipe's ops lower to torch, each counted as a fallback
     with the reason; the pass table summarises the lower row within 120 columns."""
-    from hy3c.inspect_artifact import TABLE_WIDTH, format_pass_table
+    from hy3c.compiler.inspect_artifact import TABLE_WIDTH, format_pass_table
 
     gm, _ = traced
     ctx = make_ctx(preset_config("tiny"), unavailable_providers=(("triton", "Triton is not installed"),))
@@ -290,7 +290,7 @@ def test_fuse_moe_one_site_per_moe_layer(traced):
         for k, v in gm.named_parameters()
         if "weight_hi" not in k and "weight_lo" not in k
     }
-    from hy3c.loader import assemble_tensors, inspect_checkpoint
+    from hy3c.checkpoint.loader import assemble_tensors, inspect_checkpoint
     from hy3c.ops.quant import split_router_weight
     from hy3c.passes.graph_utils import set_attr
 

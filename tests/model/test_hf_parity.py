@@ -7,8 +7,8 @@ import torch
 from transformers import HYV3ForCausalLM
 from transformers import logging as hf_logging
 
-from hy3c.loader import load_model
-from hy3c.reference import model_logits
+from hy3c.checkpoint.loader import load_model
+from hy3c.checkpoint.reference import model_logits
 
 hf_logging.set_verbosity_error()
 

@@ -1,6 +1,6 @@
 import torch
 
-from hy3c.loader import load_model
+from hy3c.checkpoint.loader import load_model
 from hy3c.model import SeqChunk, allocate_kv_cache, build_step_batch
 
 from .spec_impl import load_hub_tensors, main_model, mtp

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from hy3c.loader import load_model
+from hy3c.checkpoint.loader import load_model
+from hy3c.checkpoint.reference import model_logits
 from hy3c.model import PagePool, SeqChunk, allocate_kv_cache, build_step_batch
-from hy3c.reference import model_logits
 
 
 @pytest.mark.parametrize(("page_size", "chunk"), [(4, 64), (16, 64), (5, 7), (7, 3)])

@@ -13,13 +13,13 @@ import httpx
 import pytest
 import torch
 
+from hy3c.checkpoint.loader import load_model
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.compiler.driver import compile_artifact
 from hy3c.generate import generate_tokens
-from hy3c.loader import load_model
 from hy3c.recipe import load_recipe
 from hy3c.serve.demo import BackgroundServer, free_port
 from hy3c.serve.server import ServeOptions
-from hy3c.tokenizer import Hy3Tokenizer
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 GOOD_PROMPT, GOOD_TOKENS = "Hello world", 6

@@ -191,7 +191,7 @@ def test_a_busy_port_fails_before_the_model_loads(tiny_artifact):
     assert result.returncode == 2
     assert lines == [f"error: --port {port}: 127.0.0.1:{port} is already in use (pick another --port)"]
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
-    heavy = ("hy3c.artifact", "hy3c.compiler", "hy3c.passes", "hy3c.serve.engine", "torch._inductor")
+    heavy = ("hy3c.program.artifact", "hy3c.compiler", "hy3c.passes", "hy3c.serve.engine", "torch._inductor")
     assert "hy3c.serve.server" in imported and not [m for m in imported if m.startswith(heavy)]
     assert took < 5  # a process start and the CLI's imports; the model would take longer still
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import hy3c
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.compiler.driver import compile_artifact
 from hy3c.recipe import load_recipe
 from hy3c.serve.demo import BackgroundServer, free_port
 from hy3c.serve.server import ServeOptions
-from hy3c.tokenizer import Hy3Tokenizer
 
 openai = pytest.importorskip("openai", reason="the official openai client drives these tests")
 

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.serve.detokenizer import IncrementalDetokenizer
 from hy3c.serve.sampler import History, SamplingParams, apply_penalties, filter_mask, sample
-from hy3c.tokenizer import Hy3Tokenizer
 
 
 def test_penalties():
@@ -107,7 +107,7 @@ def test_top_k_and_top_p_keep_every_token_tied_at_the_cut_off():
 def test_every_id_of_a_larger_vocabulary_decodes_to_its_own_text(tmp_path):
     """Real-shape checkpoints (vocab 120832) get placeholder tokens past the 512 trained entries, so a
     random model's tokens stream as text one by one."""
-    from hy3c.tokenizer import write_tokenizer_files
+    from hy3c.checkpoint.tiny_tokenizer import write_tokenizer_files
 
     write_tokenizer_files(tmp_path, 2000, 4096)
     tok = Hy3Tokenizer.from_dir(tmp_path)

@@ -1,0 +1,64 @@
+"""Loading a compiled artifact into a `Runner`: the checks of `hy3c.program.artifact` (manifest, hashes,
+program), then every weight file's size and sha256, then the weights bound to the program.
+
+    runner = hy3c.runtime.artifact.load("art/", device="cuda")
+    logits, hidden = runner(*batch.model_args(runner.allocate_kv_cache(num_pages, page_size)))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from hy3c.program.artifact import Artifact, ArtifactError, open_artifact, read_program_file
+from hy3c.program.manifest import files_sha256
+from hy3c.program.serialize import ProgramError
+from hy3c.runtime.runner import Runner
+
+
+def _load_weights(art: Artifact, device: str) -> dict[str, torch.Tensor]:
+    """Every weight file: size and sha256 checked (all files hashed concurrently), then loaded."""
+    entries = art.manifest["weights"]["files"]
+    files = [art.path / entry["name"] for entry in entries]  # as named, for messages
+    reals = [art.file(entry["name"]) for entry in entries]  # every file checked before any is read
+    for file, real, entry in zip(files, reals, entries):
+        if real.stat().st_size != entry["bytes"]:
+            raise ArtifactError(
+                f"{file}: {real.stat().st_size} bytes, manifest.json says {entry['bytes']} (truncated?)"
+            )
+    for file, entry, digest in zip(files, entries, files_sha256(reals)):
+        if digest != entry["sha256"]:
+            raise ArtifactError(f"{file}: sha256 differs from manifest.json (corrupt weights)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file, real in zip(files, reals):
+        if file.suffix != ".safetensors":
+            continue
+        try:
+            tensors.update(load_file(str(real), device=device))
+        except SafetensorError as exc:
+            raise ArtifactError(f"{file}: unreadable safetensors ({exc})") from None
+    return tensors
+
+
+def load(path: str | Path, device: str | None = None, compile: bool = True) -> Runner:
+    """Load an artifact and return a `Runner` over its program (see the module docstring)."""
+    art = open_artifact(path)
+    if not art.has_weights:
+        raise ArtifactError(
+            f"{art.path}: compiled from a config preset without weights; it can be inspected, not run"
+        )
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type != art.recipe.device_type:
+        raise ArtifactError(
+            f"{art.path}: compiled for target '{art.recipe.target}' ({art.recipe.device_type}); cannot run on {device}"
+        )
+    program = read_program_file(art)
+    tensors = _load_weights(art, device)
+    try:
+        gm = program.bind(tensors)
+    except ProgramError as exc:
+        raise ArtifactError(f"{art.path / art.manifest['program']['file']}: {exc}") from None
+    return Runner(art.path, art.manifest, art.config, art.recipe, gm, torch.device(device), compile)
