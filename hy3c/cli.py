@@ -2,7 +2,7 @@
 
     hy3c init-checkpoint --preset tiny --seed 0 --out ckpt/        random Hy3 checkpoint (HF layout)
     hy3c convert-fp8 --model ckpt/ --out ckpt-fp8/                 BF16 → FP8 W8A8C8 hub format
-    hy3c generate --model ckpt/ --prompt "Hello" --max-tokens 32   eager paged-KV generation
+    hy3c generate --model ckpt/ --prompt "Hello" --max-tokens 32   offline, through the serving engine
     hy3c compile --model ckpt/ --recipe h20-w8a8c8 --out art/       trace + passes + package
     hy3c inspect art/ passes|ops|graph|diff|why-not|cache-key      what every pass did
     hy3c serve art/ --port 8000                                    OpenAI-compatible server
@@ -138,7 +138,9 @@ def _run_convert_fp8(args: argparse.Namespace) -> None:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text eagerly with the paged-KV model")
+    p = sub.add_parser(
+        "generate", help="generate text offline through the serving engine (eager model or compiled artifact)"
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path, help="checkpoint directory (eager model)")
     source.add_argument("--artifact", type=Path, help="compiled artifact directory (hy3c compile)")
@@ -152,20 +154,31 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int)
+    p.add_argument(
+        "--temperature",
+        type=_non_negative_float,
+        default=1.0,
+        help="default 1.0, as the API's (OpenAI's and vLLM's); 0 = greedy",
+    )
+    p.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1 = off")
+    p.add_argument("--top-k", type=_non_negative_int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=_probability, default=0.0, help="in [0, 1]; 0 = off")
+    p.add_argument("--seed", type=int, help="seed of each prompt's draws (as the API's `seed`)")
     p.add_argument("--dtype", choices=_DTYPES, help="default: the checkpoint's dtype")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--page-size",
+        type=_positive_int,
+        help="tokens per KV page (default: the artifact recipe's; a recipe's default, 64, for --model)",
+    )
     p.add_argument("--show-ids", action="store_true", help="print the generated token ids too")
     _add_checkpoint_options(p)
     p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> None:
+    """The prompts through the serving engine on this thread (`hy3c.serve.offline`): the same loop,
+    scheduler, page pool and sampler as `hy3c serve`, so a seeded request prints the server's text."""
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
     if args.artifact is not None:
@@ -175,15 +188,17 @@ def _run_generate(args: argparse.Namespace) -> None:
 
     from hy3c.checkpoint.loader import load_model
     from hy3c.checkpoint.tokenizer import Hy3Tokenizer
-    from hy3c.generate import generate_tokens
-    from hy3c.sampling import SamplingParams
+    from hy3c.recipe import ServingSpec
+    from hy3c.serve.engine import GenerationRequest
+    from hy3c.serve.offline import generate
+    from hy3c.serve.sampler import SamplingParams
 
-    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
     if args.artifact is not None:
         from hy3c.runtime.artifact import load
 
         model = load(args.artifact, device=args.device, compile=args.compile)
         tokenizer = Hy3Tokenizer.from_dir(args.artifact)
+        serving = model.recipe.serving
     else:
         import torch
 
@@ -196,16 +211,27 @@ def _run_generate(args: argparse.Namespace) -> None:
             with_mtp=not args.no_mtp,
             ignore_unexpected=args.ignore_unexpected,
         )
+        serving = ServingSpec()  # the eager model has no recipe: a recipe's defaults
+    # as the API builds them: an oversized top_k is the whole vocabulary
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=min(args.top_k, model.config.vocab_size),
+        min_p=args.min_p,
+        seed=args.seed,
+    )
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
         for p in args.prompt
     ]
-    prompts = [tokenizer.encode(t) for t in texts]
-    outputs = generate_tokens(model, prompts, args.max_tokens, params, page_size=args.page_size)
-    for ids in outputs:
-        print(tokenizer.decode(ids))
+    requests = [
+        GenerationRequest(f"prompt-{i}", tokenizer.encode(text), params, args.max_tokens)
+        for i, text in enumerate(texts)
+    ]
+    for result in generate(model, tokenizer, requests, serving, args.page_size):
+        print(result.text)
         if args.show_ids:
-            print(" ".join(map(str, ids)))
+            print(" ".join(map(str, result.token_ids)))
 
 
 def _add_compile(sub: argparse._SubParsersAction) -> None:
@@ -312,6 +338,52 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer (got {value})")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    """argparse type of a count where 0 means off (--top-k)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {value})")
+    return value
+
+
+def _finite(text: str) -> float:
+    """A number argparse reads, refusing inf and NaN (the sampling flags' common check)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not abs(value) < float("inf"):  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a finite number (got {text})")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    """argparse type of --temperature: a finite number, 0 or more."""
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def _top_p(text: str) -> float:
+    """argparse type of --top-p: the probability mass kept, in (0, 1]."""
+    value = _finite(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1] (got {text})")
+    return value
+
+
+def _probability(text: str) -> float:
+    """argparse type of --min-p: in [0, 1]."""
+    value = _finite(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1] (got {text})")
     return value
 
 

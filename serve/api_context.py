@@ -27,7 +27,7 @@ from hy3c.logs import log_event
 from hy3c.serve.delivery import LoopSink, stream_outputs
 from hy3c.serve.engine import Engine, GenerationRequest, StepOutput
 from hy3c.serve.protocol import IGNORED, UNSUPPORTED, UNSUPPORTED_IN_CHAT, unsupported_param, valid_unicode
-from hy3c.serve.sampler import SamplingParams
+from hy3c.serve.sampler import DEFAULT_TEMPERATURE, SamplingParams
 
 log = logging.getLogger("hy3c.api")
 
@@ -44,7 +44,6 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 1 << 20
     max_waiting: int = 1024
-    default_temperature: float = 1.0
 
 
 def printable(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
@@ -143,7 +142,7 @@ class ApiContext:
         """The body's sampling parameters (stop_token_ids and logit_bias ids checked)."""
         self.check_token_ids(body.stop_token_ids, "stop_token_ids")
         self.check_token_ids(list(body.logit_bias), "logit_bias")
-        temperature = self.config.default_temperature if body.temperature is None else body.temperature
+        temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
         return SamplingParams(
             temperature=temperature,
             top_p=body.top_p,

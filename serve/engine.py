@@ -1,4 +1,6 @@
-"""The serving engine: one thread owns the model and the KV cache; the API talks to it through queues.
+"""The serving engine: one loop owns the model and the KV cache. `hy3c serve` runs it on an engine
+thread that the API talks to through queues; `hy3c generate` drives the same loop on its own thread
+(`run_until_done`, through `hy3c.serve.offline`).
 
     engine = Engine(runner, tokenizer, EngineConfig(...)); engine.start()
     engine.submit(GenerationRequest(...), emit)      # emit(StepOutput) is called from the engine thread
@@ -10,8 +12,10 @@ it to wake its event loop once per step rather than once per request).
 
 Each loop iteration takes new requests and aborts from the inbox, asks the scheduler for a step, runs it
 (`runner.step`: a captured CUDA graph for decode batches on GPU), samples the rows that need a next
-token, detokenizes incrementally, checks stop conditions and emits one `StepOutput` per request. A
-failing step fails the requests in it (their pages are freed) and the engine keeps serving.
+token, detokenizes incrementally, checks stop conditions and emits one `StepOutput` per request. What a
+step did to the sequences it reports to the scheduler, which owns their state and their pages in the
+prefix cache. A failing step fails the requests in it (their pages are freed) and the engine keeps
+serving.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
+from hy3c.config import Hy3Config
 from hy3c.logs import log_event
-from hy3c.model.batch import SeqChunk, build_step_batch
+from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
 from hy3c.serve.detokenizer import IncrementalDetokenizer
 from hy3c.serve.kv_pages import OutOfPages, PagePool
 from hy3c.serve.metrics import EngineMetrics
@@ -36,6 +42,20 @@ from hy3c.serve.sampler import FusedInputs, History, SamplingParams, prepare_fus
 from hy3c.serve.scheduler import Scheduler, Sequence, Work
 
 log = logging.getLogger("hy3c.engine")
+
+
+class StepModel(Protocol):
+    """What the engine steps: a compiled artifact's `Runner` (`hy3c serve`, `hy3c generate --artifact`)
+    or the eager `Hy3ForCausalLM` (`hy3c generate --model`)."""
+
+    config: Hy3Config
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def allocate_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor: ...
+
+    def step(self, batch: StepBatch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -102,7 +122,11 @@ class _Live:
 
 class Engine:
     def __init__(
-        self, runner, tokenizer: Hy3Tokenizer, config: EngineConfig, metrics: EngineMetrics | None = None
+        self,
+        runner: StepModel,
+        tokenizer: Hy3Tokenizer,
+        config: EngineConfig,
+        metrics: EngineMetrics | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -167,7 +191,7 @@ class Engine:
                 admit(f"warm-up-sampler-{i}", min(64, longest), params)
             drain()
         finally:
-            self.pool.reset_prefix_cache()
+            self.scheduler.reset_prefix_cache()
             self.metrics = metrics
 
     # ---- API side (any thread) ---------------------------------------------------------------------
@@ -205,21 +229,35 @@ class Engine:
         """Requests and aborts handed to the engine thread and not yet taken in."""
         return self._inbox.qsize()
 
+    def run_until_done(self) -> None:
+        """Drive the engine loop on the calling thread until every submitted request has ended (offline
+        generation, `hy3c.serve.offline`): the same iterations the engine thread runs, without it."""
+        if self._thread.is_alive():
+            raise RuntimeError("the engine thread runs this engine's loop; submit to it instead")
+        while self._iterate():
+            pass
+
     # ---- engine thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_inbox()
-                if not self.scheduler.has_work:
+                if not self._iterate():
                     self._wake.wait(0.05)
                     self._wake.clear()
-                    continue
-                self._step()
         except BaseException as exc:  # the loop itself broke: report unhealthy, fail everything
             self.dead = f"{type(exc).__name__}: {exc}"
             log_event(log, "engine_dead", level=logging.ERROR, error=self.dead)
             for request_id in list(self._live):
                 self._fail(request_id, self.dead)
+
+    def _iterate(self) -> bool:
+        """One turn of the engine loop: take in what was submitted and aborted, then run a step if any
+        sequence has work. Returns whether there was work."""
+        self._drain_inbox()
+        if not self.scheduler.has_work:
+            return False
+        self._step()
+        return True
 
     def _drain_inbox(self) -> None:
         while True:
@@ -259,8 +297,9 @@ class Engine:
         live.emit(self._final(live, "abort", error))
 
     def _admit(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> None:
-        seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids))
-        seq.score_prompt = request.prompt_logprobs is not None and len(request.prompt_ids) > 1
+        prompt = list(request.prompt_ids)
+        scoring = request.prompt_logprobs is not None and len(prompt) > 1
+        seq = Sequence(request.request_id, prompt, len(prompt), score_prompt=scoring)
         generator = None
         if not request.params.greedy:
             generator = torch.Generator()  # on the host: drawing a step's seed needs no GPU sync
@@ -308,8 +347,7 @@ class Engine:
             )
             prepared = time.monotonic()
             logits, _ = self.runner.step(batch, self.kv_cache)
-            for w in work:
-                w.seq.computed = w.start + w.count
+            self.scheduler.advance(work)
             self._score_prompts(logits, scoring)
             sampled = self._sample_and_emit(lives, logits if pick is None else logits[pick], inputs)
             self._finish_scored(scored_only)
@@ -324,9 +362,7 @@ class Engine:
             for w in work:
                 self._fail(w.seq.request_id, f"engine error: {type(exc).__name__}: {exc}")
             return
-        for w in work:
-            if not w.seq.finished:
-                self.pool.publish(w.seq.tokens, w.seq.pages, w.seq.computed, w.seq.page_keys)
+        self.scheduler.publish(work)
         finished = time.monotonic()
         self.metrics.step(
             finished - started,
@@ -381,7 +417,7 @@ class Engine:
                     )
                 )
             if len(live.scored) == len(prompt) - 1:
-                live.seq.score_prompt = False
+                self.scheduler.stop_scoring(live.seq)
 
     def _prompt_logprobs_once(self, live: _Live) -> list | None:
         """The request's prompt logprobs for its first output (None if it did not ask, or later)."""
@@ -434,7 +470,7 @@ class Engine:
                 out = StepOutput(req.request_id, prompt_logprobs=self._prompt_logprobs_once(lv))
                 if not stop_token:
                     lv.output.append(token)
-                    lv.seq.tokens.append(token)
+                    self.scheduler.append_token(lv.seq, token)
                     out.token_ids = [token]
                     out.text = lv.detok.push(token)
                     if req.num_logprobs is not None:
@@ -488,9 +524,7 @@ class Engine:
     def _finish(self, live: _Live, out: StepOutput, reason: str) -> None:
         out.finished, out.finish_reason = True, reason
         self._usage(live, out)
-        live.seq.finished = True
-        self.pool.publish(live.seq.tokens, live.seq.pages, live.seq.computed, live.seq.page_keys)
-        self.scheduler.remove(live.request.request_id)
+        self.scheduler.finish(live.seq)
         del self._live[live.request.request_id]
         self._record_end(live, reason)
 

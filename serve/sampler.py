@@ -26,9 +26,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hy3c.sampling import SAMPLING_EPS
-
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (logits / 1e-40 overflow fp32 to inf)
 PENALISED_LOGIT_LIMIT = 1e30  # x 1 / SAMPLING_EPS = 1e35: far below fp32's 3.4e38
+# a request that names no temperature samples at 1.0, as OpenAI's API and vLLM do (the API's and `hy3c
+# generate --temperature`'s default; 0 is greedy)
+DEFAULT_TEMPERATURE = 1.0
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class SamplingParams:
     every consumer — the reference, the fused kernel's columns, the top-logprobs fallback — treats it
     alike. `logit_bias`: (token id, bias) pairs added to the logits before everything else."""
 
-    temperature: float = 1.0
+    temperature: float = DEFAULT_TEMPERATURE
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0

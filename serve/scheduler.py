@@ -9,6 +9,13 @@ Every step, `schedule()` decides which tokens each sequence feeds:
    prefix is reused (`PagePool.match_prefix`), the rest is prefilled in chunks.
 A step is a list of `Work` items (one per sequence) that the engine turns into a `StepBatch`.
 
+The scheduler owns the sequences' state and their pages in the prefix cache: the engine reports what a
+step did through its methods — `advance` (the step's tokens are in the KV cache), `append_token` (a
+sampled token joins its sequence), `stop_scoring` (every prompt position's logits are in), `publish`
+(the step's full pages become matchable), `finish` (a sequence ends: its pages are published, then
+released) and `remove` (abort or error: released unpublished) — and never writes into a `Sequence` or
+the pool itself.
+
 A sequence that scores its prompt (`score_prompt`: prompt logprobs) needs the logits of every prompt
 position, so it takes nothing from the prefix cache (cached pages skip those positions; vLLM does the
 same) and its prompt chunks ask for all their rows (`Work.all_logits`); the rows of such chunks are at
@@ -82,6 +89,40 @@ class Scheduler:
                 self._free(seq)
                 return seq
         return None
+
+    def advance(self, work: list[Work]) -> None:
+        """After a step ran: the tokens each item fed are in the KV cache."""
+        for w in work:
+            w.seq.computed = w.start + w.count
+
+    def append_token(self, seq: Sequence, token: int) -> None:
+        """A sampled token joins the sequence (the next step feeds it)."""
+        seq.tokens.append(token)
+
+    def stop_scoring(self, seq: Sequence) -> None:
+        """Every prompt position's logits are in: later chunks ask for their last row only, and a
+        recompute after a preemption may reuse the prefix cache."""
+        seq.score_prompt = False
+
+    def publish(self, work: list[Work]) -> None:
+        """After a step succeeded: the full pages its unfinished sequences computed become matchable."""
+        for w in work:
+            if not w.seq.finished:
+                self._publish(w.seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """The sequence is done: its computed full pages are published (a later request with the same
+        prefix reuses them), then it leaves the schedule and its pages are released."""
+        seq.finished = True
+        self._publish(seq)
+        self.remove(seq.request_id)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every published page no sequence holds; returns how many were dropped."""
+        return self.pool.reset_prefix_cache()
+
+    def _publish(self, seq: Sequence) -> None:
+        self.pool.publish(seq.tokens, seq.pages, seq.computed, seq.page_keys)
 
     def _free(self, seq: Sequence) -> None:
         self.pool.release(seq.pages)

@@ -19,9 +19,8 @@ def test_init_checkpoint_then_generate(tmp_path, capsys):
     ):
         assert (out / name).is_file()
     capsys.readouterr()
-    assert (
-        main(["generate", "--model", str(out), "--prompt", "Hello", "--max-tokens", "5", "--show-ids"]) == 0
-    )
+    greedy = ["--prompt", "Hello", "--max-tokens", "5", "--temperature", "0", "--show-ids"]
+    assert main(["generate", "--model", str(out), *greedy]) == 0
     stdout = capsys.readouterr().out
     assert stdout.endswith("\n")
     text, ids = stdout[:-1].rsplit("\n", 1)  # the generated text may itself hold newlines
@@ -189,12 +188,13 @@ def test_python_dash_m_hy3c_passes_the_exit_status_on(tmp_path):
 
 def test_generate_from_an_artifact_equals_the_eager_model(tiny_ckpt, tmp_path, capsys):
     """`hy3c compile` then `hy3c generate --artifact` (the program without Inductor, the default) prints
-    the same greedy ids as `hy3c generate --model`."""
+    the same greedy ids as `hy3c generate --model` (both through the serving engine)."""
     art = tmp_path / "art"
     assert main(["compile", "--model", str(tiny_ckpt), "--recipe", "cpu-reference", "--out", str(art)]) == 0
     outputs = []
     for source in (["--artifact", str(art)], ["--model", str(tiny_ckpt), "--dtype", "float32"]):
         capsys.readouterr()
-        assert main(["generate", *source, "--prompt", "Hello", "--max-tokens", "6", "--show-ids"]) == 0
+        greedy = ["--prompt", "Hello", "--max-tokens", "6", "--temperature", "0", "--show-ids"]
+        assert main(["generate", *source, *greedy]) == 0
         outputs.append(capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[1])
     assert outputs[0] == outputs[1] and len(outputs[0].split()) >= 1

@@ -25,14 +25,11 @@ ALLOWED = {
     "checkpoint": {"ops", "kernels", "model", "program"},
     "passes": {"ops", "kernels", "model"},
     "runtime": {"ops", "kernels", "model", "program", "checkpoint"},
-    "sampling": set(),
-    "generate": {"model", "sampling"},
     "compiler": {"ops", "kernels", "model", "program", "checkpoint", "passes", "runtime"},
-    "serve": {"ops", "kernels", "model", "program", "checkpoint", "runtime", "sampling"},
+    "serve": {"ops", "kernels", "model", "program", "checkpoint", "runtime"},
     "recipes": set(),
     "hy3c": {"checkpoint"},  # the package's reference_logits, imported when called
-    "cli": {"ops", "kernels", "model", "program", "checkpoint", "passes", "runtime", "compiler", "serve",
-            "generate", "sampling"},
+    "cli": {"ops", "kernels", "model", "program", "checkpoint", "passes", "runtime", "compiler", "serve"},
     "__main__": {"cli"},
 }  # fmt: skip
 

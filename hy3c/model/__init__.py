@@ -1,6 +1,6 @@
 """The Hy3 model written with the canonical hy3 ops."""
 
-from hy3c.model.batch import PagePool, SeqChunk, StepBatch, build_step_batch
+from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
 from hy3c.model.hy3 import Hy3ForCausalLM, allocate_kv_cache
 from hy3c.model.layers import NO_QUANT, AttnMetadata, QuantLayout
 
@@ -8,7 +8,6 @@ __all__ = [
     "NO_QUANT",
     "AttnMetadata",
     "Hy3ForCausalLM",
-    "PagePool",
     "QuantLayout",
     "SeqChunk",
     "StepBatch",

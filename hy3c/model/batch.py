@@ -137,29 +137,3 @@ def _packed_batch(
         logits_owner=owners,
         token_rows=token_rows,
     )
-
-
-class PagePool:
-    """A free list of KV pages (the eager generator's allocator; serving has its own LRU pool)."""
-
-    def __init__(self, num_pages: int) -> None:
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise RuntimeError(f"KV cache exhausted: need {count} pages, {len(self._free)} free")
-        return [self._free.pop() for _ in range(count)]
-
-    def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
-
-    def grow(self, pages: list[int], tokens: int, page_size: int) -> None:
-        """Append pages to `pages` until they hold `tokens` tokens."""
-        missing = -(-tokens // page_size) - len(pages)
-        if missing > 0:
-            pages.extend(self.allocate(missing))

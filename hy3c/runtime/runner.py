@@ -1,8 +1,8 @@
 """Runner: executes the compiled step program (eagerly, or through torch.compile / Inductor).
 
 A runner has the same calling convention as `Hy3ForCausalLM.forward` (the eight step inputs →
-(logits, hidden)) plus `config`, `device`, `kv_dtype` and `allocate_kv_cache`, so the generator and the
-serving engine drive either one.
+(logits, hidden)) plus `config`, `device`, `kv_dtype`, `allocate_kv_cache` and `step`, so the serving
+engine (`hy3c serve` and `hy3c generate`) drives either one.
 
 Compilation marks every batch-dependent dimension (tokens, requests, page-table width, KV page count,
 logits rows) as unbacked, so one compiled graph serves every batch shape: no recompilation, no 0/1

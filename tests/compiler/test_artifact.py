@@ -13,15 +13,16 @@ import torch
 import hy3c.runtime.artifact as artifact
 from hy3c.checkpoint.loader import load_model
 from hy3c.checkpoint.reference import model_logits
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.cli import main
 from hy3c.compiler.driver import CompileError, compile_artifact
 from hy3c.compiler.inspect_artifact import inspect_command
-from hy3c.generate import generate_tokens
 from hy3c.model import SeqChunk, allocate_kv_cache, build_step_batch
 from hy3c.passes.registry import check_recipe_passes
 from hy3c.program.artifact import ArtifactError, open_artifact
 from hy3c.program.manifest import FORMAT_VERSION, json_sha256
 from hy3c.recipe import RecipeError, load_recipe
+from tests.greedy import greedy
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +64,17 @@ def test_artifact_layout_and_manifest(cpu_art):
     assert "hy3.add_rms_norm.default" in program and "pickle" not in program
 
 
+def _greedy_ids(model, tokenizer, prompts, max_tokens):
+    return [g.token_ids for g in greedy(model, tokenizer, prompts, max_tokens)]
+
+
 def test_eager_artifact_generates_what_hy3c_generate_does(cpu_art, tiny_ckpt):
+    """The engine over the artifact's program and over the eager model: the same greedy tokens."""
     model = load_model(tiny_ckpt, dtype=torch.float32, progress=False)
     runner = artifact.load(cpu_art, compile=False)
+    tok = Hy3Tokenizer.from_dir(cpu_art)
     prompts = [[5, 9, 100, 7], list(range(20, 51)), [3]]
-    assert generate_tokens(runner, prompts, 8, stop_ids=[]) == generate_tokens(model, prompts, 8, stop_ids=[])
+    assert _greedy_ids(runner, tok, prompts, 8) == _greedy_ids(model, tok, prompts, 8)
 
 
 def test_compiled_artifact_matches_eager_without_recompiling(cpu_art, tiny_ckpt):
@@ -131,7 +138,7 @@ def test_static_fp8_checkpoint_compiles_with_fp8_kv(tiny_ckpt, tmp_path):
     runner = artifact.load(summary.out, compile=False)
     assert runner.kv_dtype == torch.float8_e4m3fn
     reference = load_model(fp8, dtype=torch.bfloat16, progress=False)
-    assert generate_tokens(runner, [[1, 2, 3, 4]], 4, stop_ids=[]) != []
+    assert len(_greedy_ids(runner, Hy3Tokenizer.from_dir(summary.out), [[1, 2, 3, 4]], 4)[0]) == 4
     batch = build_step_batch([SeqChunk(list(range(1, 20)), 0, [0, 1], "all")], 16)
     ours = runner(*batch.model_args(runner.allocate_kv_cache(4, 16)))[0]
     fp8_kv = allocate_kv_cache(reference.config, 4, 16, torch.float8_e4m3fn)
@@ -398,7 +405,8 @@ def test_artifact_with_triton_kernels_generates_like_eager(tiny_ckpt, tmp_path, 
     runner = artifact.load(summary.out, compile=False)
     model = load_model(tiny_ckpt, dtype=torch.float32, progress=False)
     prompts = [[5, 9, 100, 7], list(range(20, 51)), [3]]
-    assert generate_tokens(runner, prompts, 6, stop_ids=[]) == generate_tokens(model, prompts, 6, stop_ids=[])
+    tok = Hy3Tokenizer.from_dir(summary.out)
+    assert _greedy_ids(runner, tok, prompts, 6) == _greedy_ids(model, tok, prompts, 6)
 
 
 def _interrupt(monkeypatch, step):
@@ -474,7 +482,7 @@ def _checkpoint_copy(tiny_ckpt, tmp_path):
 def test_corrupt_tokenizer_files_are_named_at_compile_and_load(
     tiny_ckpt, tmp_path, capsys, name, content, message
 ):
-    from hy3c.checkpoint.tokenizer import Hy3Tokenizer, TokenizerError
+    from hy3c.checkpoint.tokenizer import TokenizerError
 
     ckpt = _checkpoint_copy(tiny_ckpt, tmp_path)
     if isinstance(content, bytes):
@@ -493,7 +501,7 @@ def test_corrupt_tokenizer_files_are_named_at_compile_and_load(
 
 
 def test_a_corrupt_tokenizer_in_an_artifact_is_named_on_load(cpu_art, tmp_path, capsys):
-    from hy3c.checkpoint.tokenizer import Hy3Tokenizer, TokenizerError
+    from hy3c.checkpoint.tokenizer import TokenizerError
 
     path = _copy(cpu_art, tmp_path / "art")
     (path / "tokenizer.json").write_text("")

@@ -7,10 +7,11 @@ import torch
 
 import hy3c.runtime.artifact as artifact
 from hy3c.checkpoint.loader import load_model
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.compiler.driver import compile_artifact
-from hy3c.generate import generate_tokens
 from hy3c.model import SeqChunk, build_step_batch
 from hy3c.recipe import load_recipe
+from tests.greedy import greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +31,8 @@ def test_h200_artifact_with_cuda_graphs_matches_eager(tiny_ckpt, tmp_path):
     ref = model(*batch.model_args(model.allocate_kv_cache(16, 16)))[0].float()
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     assert (ours - ref).norm() / ref.norm() < 0.05
-    assert len(generate_tokens(runner, [[5, 9, 100, 7]], 8, stop_ids=[])[0]) == 8
+    tok = Hy3Tokenizer.from_dir(summary.out)
+    assert len(greedy(runner, tok, [[5, 9, 100, 7]], 8)[0].token_ids) == 8  # the engine drives it
 
     kv = runner.allocate_kv_cache(64, 16)
     assert runner.capture_decode_graphs(kv, max_pages=8, batch_sizes=[1, 2, 4]) is None
@@ -66,4 +68,4 @@ def test_fp8_conversion_calibrates_on_the_gpu_and_compiles_with_the_static_recip
     quantize = next(r for r in summary.results if r.name == "quantize")
     assert quantize.status == "skipped"  # the checkpoint is already FP8 with static scales
     runner = artifact.load(summary.out, device="cuda")
-    assert len(generate_tokens(runner, [[5, 9, 100, 7]], 4, stop_ids=[])[0]) == 4
+    assert len(greedy(runner, Hy3Tokenizer.from_dir(summary.out), [[5, 9, 100, 7]], 4)[0].token_ids) == 4

@@ -16,10 +16,10 @@ import torch
 from hy3c.checkpoint.loader import load_model
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.compiler.driver import compile_artifact
-from hy3c.generate import generate_tokens
 from hy3c.recipe import load_recipe
 from hy3c.serve.demo import BackgroundServer, free_port
 from hy3c.serve.server import ServeOptions
+from tests.greedy import greedy
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 GOOD_PROMPT, GOOD_TOKENS = "Hello world", 6
@@ -43,7 +43,7 @@ def expected(tiny_ckpt):
     tok = Hy3Tokenizer.from_dir(tiny_ckpt)
 
     def run(prompt: str, max_tokens: int) -> str:
-        return tok.decode(generate_tokens(model, [tok.encode(prompt)], max_tokens)[0])
+        return greedy(model, tok, [tok.encode(prompt)], max_tokens, ignore_eos=False)[0].text
 
     return run
 

@@ -13,10 +13,10 @@ import torch
 from hy3c.checkpoint.loader import load_model
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.compiler.driver import compile_artifact
-from hy3c.generate import generate_tokens
 from hy3c.recipe import load_recipe
 from hy3c.serve.demo import BackgroundServer, free_port
 from hy3c.serve.server import ServeOptions
+from tests.greedy import greedy
 
 # the test command installs the client; the GPU machine (which runs `-m gpu tests/`) has none
 openai = pytest.importorskip("openai", reason="the official openai client drives these tests")
@@ -50,7 +50,7 @@ def expected(tiny_ckpt):
 
     def run(prompt: str, max_tokens: int, chat: bool = False) -> str:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-        return tok.decode(generate_tokens(model, [tok.encode(text)], max_tokens)[0])
+        return greedy(model, tok, [tok.encode(text)], max_tokens, ignore_eos=False)[0].text
 
     return run
 
