@@ -36,9 +36,9 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import hy3c.kernels
 import hy3c.ops  # noqa: F401
-from hy3c.kernels import attention_plan as plan_mod
-from hy3c.kernels import qknorm_rope_kvstore
-from hy3c.kernels.attention_config import (
+from hy3c.kernels.attention import plan as plan_mod
+from hy3c.kernels.attention import qknorm_rope_kvstore
+from hy3c.kernels.attention.config import (
     DECODE_CONFIG,
     GLUON_PREFILL_CONFIG,
     LaunchConfig,
@@ -46,11 +46,13 @@ from hy3c.kernels.attention_config import (
     prefill_config,
     triton_prefill_config,
 )
-from hy3c.kernels.attention_decode import decode_attention_dynamic, decode_attention_static
-from hy3c.kernels.attention_prefill import prefill_attention
+from hy3c.kernels.attention.decode import decode_attention_dynamic
+from hy3c.kernels.attention.prefill import prefill_attention
 from hy3c.kernels.pdl import pdl_env
 from hy3c.ops.fused import qknorm_rope_quant_kvstore_reference
 from hy3c.ops.quant import FP8_DTYPE
+
+from baselines.split_kv import decode_attention_static, heuristic_static_splits
 
 BW = 4.25e12  # measured H200 copy bandwidth, bytes/s
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 64, 8, 128, 64
@@ -215,6 +217,10 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
         if len(lengths) <= 32:  # correctness against the torch reference on the same paged data
             ref = hy3.attention(q, cache, scales, 0, table, seq_lens, qsl, scale)
             RESULTS[f"decode_{label}_{dtype}_max_abs_err"] = (dyn.float() - ref.float()).abs().max().item()
+            static = decode_attention_static(q, cache, scales, 0, table, seq_lens, scale)
+            RESULTS[f"decode_{label}_{dtype}_static_max_abs_err"] = (
+                (static.float() - ref.float()).abs().max().item()
+            )
             RESULTS[f"decode_{label}_{dtype}_nan"] = {
                 "dynamic": dyn.isnan().any().item(),
                 "reference": ref.isnan().any().item(),
@@ -226,7 +232,7 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
         with pdl_env(False):
             t_no_pdl = bench(lambda kv=kv: decode_attention_dynamic(q, *kv, plan))
         t_static = bench(lambda kv=kv: decode_attention_static(q, *kv))
-        splits = plan_mod.heuristic_static_splits(
+        splits = heuristic_static_splits(
             len(lengths) * KV_HEADS, sms, plan_mod.cdiv(max(lengths), DECODE_CONFIG.block_n)
         )
         t_heuristic = bench(lambda kv=kv, n=splits: decode_attention_static(q, *kv, splits=n))

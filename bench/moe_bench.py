@@ -30,12 +30,12 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 import hy3c.kernels  # noqa: F401
-from hy3c.kernels.fused_moe import fused_moe_triton
-from hy3c.kernels.moe_align import moe_align_torch, moe_align_triton
-from hy3c.kernels.moe_config import CONFIG_FILE, MoeConfig, select_config
+from hy3c.kernels.moe.align import moe_align_torch, moe_align_triton
+from hy3c.kernels.moe.config import CONFIG_FILE, MoeConfig, select_config
+from hy3c.kernels.moe.fused_moe import fused_moe_triton
+from hy3c.kernels.moe.router import router_gemm_dual_bf16
 from hy3c.kernels.pdl import launch_switch
-from hy3c.kernels.quant import quant_fp8_per_token
-from hy3c.kernels.router import router_gemm_dual_bf16
+from hy3c.kernels.rowwise.quant import quant_fp8_per_token
 from hy3c.ops.quant import FP8_DTYPE, split_router_weight
 
 BW, PEAK = 4.25e12, 790e12

@@ -24,8 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench_cudagraph
 
 import hy3c.kernels  # noqa: F401
-from hy3c.kernels.fused_moe import fused_moe_triton
-from hy3c.kernels.moe_config import select_config
+from hy3c.kernels.moe.config import select_config
+from hy3c.kernels.moe.fused_moe import fused_moe_triton
 from hy3c.kernels.pdl import pdl_env
 from hy3c.ops.quant import FP8_DTYPE
 

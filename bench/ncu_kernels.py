@@ -37,7 +37,7 @@ def prefill_calls(tokens: int) -> list[Callable[[], object]]:
     import attention_bench as ab
     import torch
 
-    from hy3c.kernels.attention_prefill import prefill_attention
+    from hy3c.kernels.attention.prefill import prefill_attention
 
     q, seq_lens, qsl, plan, sdpa_call, _ = ab.prefill_case(tokens)
     cache, table, scales = ab.paged_cache([tokens], torch.bfloat16, 1.0)
@@ -52,7 +52,7 @@ def moe_calls(tokens: int) -> list[Callable[[], object]]:
     shipped configs: bf16 weights, FP8 with a static activation scale, FP8 with per-token scales."""
     import torch
 
-    from hy3c.kernels.fused_moe import fused_moe_triton
+    from hy3c.kernels.moe.fused_moe import fused_moe_triton
     from hy3c.ops.quant import FP8_DTYPE
 
     experts, top_k, hidden, inter, d = 192, 8, 4096, 1536, "cuda"

@@ -13,7 +13,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-from hy3c.kernels.sampler import fused_sample
+from hy3c.kernels.sampler.fused_sampler import fused_sample
 from hy3c.serve.sampler import History, SamplingParams, sample_reference
 
 V = 120832

@@ -1,12 +1,24 @@
 """`hy3c.kernels` (the top-level folder `kernels/`, mapped into the `hy3c` namespace: a top-level
 `kernels` would collide with Hugging Face's hub-kernels package, which transformers probes for): the
-kernel providers of the hy3 ops (see `hy3c.kernels.registry`).
+kernel providers of the hy3 ops (see `hy3c.kernels.registry`), by family.
 
-Importing this package registers the torch reference providers, the `cublas` providers (vendor GEMMs
-through torch) and, when Triton is installed, the Triton kernels (usable on CUDA; under TRITON_INTERPRET=1 they also run on CPU tensors for tests).
+    attention/   paged attention (decode, chunked prefill, its Gluon prefill), the per-step plan, and the
+                 attention input path: QK-norm + RoPE + FP8 + KV store
+    moe/         router GEMM and top-k routing, expert alignment, FusedMoE (Triton, one-token Gluon) and
+                 its tuned config tables (`moe/configs/`)
+    rowwise/     one pass over each row: RMSNorm (+ residual add, + FP8 quantization), SwiGLU (+ FP8
+                 quantization), FP8 activation quantization
+    sampler/     the fused token sampler (temperature, min-p, top-k, top-p, Gumbel-max draw)
+    cublas.py    vendor GEMMs through torch (`cublas` providers)
+    registry.py  providers and their lookup; pdl.py: programmatic dependent launch
+
+Importing this package registers the torch reference providers, the `cublas` providers and, when Triton
+is installed, the Triton kernels (usable on CUDA; under TRITON_INTERPRET=1 they also run on CPU
+tensors for tests). The family packages import nothing themselves, so their pure-Python modules (the
+attention plan's constants, the MoE configs) load without Triton.
 """
 
-from hy3c.kernels import torch_cuda  # noqa: F401
+from hy3c.kernels import cublas  # noqa: F401
 from hy3c.kernels.registry import Provider, provider_by_target, providers_for, register_provider
 
 try:
@@ -15,15 +27,8 @@ except ImportError:  # a CPU-only install without triton: the torch providers re
     HAVE_TRITON = False
 else:
     HAVE_TRITON = True
-    from hy3c.kernels import (  # noqa: F401
-        activation,
-        fused_moe,
-        paged_attention,
-        plan_kernel,
-        qknorm_rope_kvstore,
-        quant,
-        rms_norm,
-        router,
-    )
+    from hy3c.kernels.attention import paged_attention, plan_kernel, qknorm_rope_kvstore  # noqa: F401
+    from hy3c.kernels.moe import fused_moe, router  # noqa: F401
+    from hy3c.kernels.rowwise import activation, quant, rms_norm  # noqa: F401
 
 __all__ = ["HAVE_TRITON", "Provider", "provider_by_target", "providers_for", "register_provider"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from hy3c.kernels.attention_plan import KV_TILE, prefill_q_block
+from hy3c.kernels.attention.plan import KV_TILE, prefill_q_block
 from hy3c.passes.base import CompileCtx, Pass, PassConfig, Site, Stage
 from hy3c.passes.graph_utils import copy_meta, fake_mode_of, infer_val, layer_of
 from hy3c.passes.registry import register_pass

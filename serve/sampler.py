@@ -1,5 +1,5 @@
 """The token sampler of the serving engine: the pure-torch reference, and the dispatch to the Triton
-fused sampler (`hy3c.kernels.sampler`) on CUDA.
+fused sampler (`hy3c.kernels.sampler.fused_sampler`) on CUDA.
 
     inputs = prepare_fused(params, generators, device)     # before the model step (None off CUDA)
     result = sample(logits, params, history, generators, num_logprobs, noise=None, prepared=inputs)
@@ -209,7 +209,7 @@ def sample(
 
 def _triton_sampler():
     try:
-        from hy3c.kernels.sampler import fused_sample
+        from hy3c.kernels.sampler.fused_sampler import fused_sample
     except ImportError:
         return None
     return fused_sample

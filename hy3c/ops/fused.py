@@ -160,7 +160,7 @@ def attention_plan_reference(seq_lens: Tensor, query_start_loc: Tensor, kv_tile:
 @torch.library.custom_op("hy3::attention_plan", mutates_args=())
 def attention_plan(seq_lens: Tensor, query_start_loc: Tensor, kv_tile: int, q_block: int) -> Tensor:
     """Per-step attention work plan [2, B + 1] int32: prefix sums of KV tiles and of query blocks
-    (see hy3c.kernels.attention_plan)."""
+    (see hy3c.kernels.attention.plan)."""
     return attention_plan_reference(seq_lens, query_start_loc, kv_tile, q_block)
 
 

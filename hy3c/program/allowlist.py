@@ -71,7 +71,7 @@ ALLOWED_OPS: tuple[str, ...] = (
     "hy3_triton.silu_and_mul.default",
     "hy3_triton.silu_and_mul_quant.default",
     "hy3_triton.topk_routing.default",
-    # vendor GEMMs through torch (hy3c.kernels.torch_cuda)
+    # vendor GEMMs through torch (hy3c.kernels.cublas)
     "hy3_cublas.moe_experts.default",
     "hy3_cublas.scaled_mm.default",
 )

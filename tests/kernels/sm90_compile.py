@@ -24,16 +24,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from hy3c.kernels import (
-    attention_decode,
-    attention_prefill,
-    attention_prefill_gluon,
-    fused_moe,
-    fused_moe_gluon,
-    qknorm_rope_kvstore,
-    router,
-)
-from hy3c.kernels.attention_config import GLUON_PREFILL_CONFIG, decode_config, triton_prefill_config
+from hy3c.kernels.attention import decode, prefill, prefill_gluon, qknorm_rope_kvstore
+from hy3c.kernels.attention.config import GLUON_PREFILL_CONFIG, decode_config, triton_prefill_config
+from hy3c.kernels.moe import fused_moe, fused_moe_gluon, router
 from hy3c.ops.quant import FP8_DTYPE
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -96,7 +89,7 @@ def attention_variants() -> list[Variant]:
                 variants.append(
                     Variant(
                         f"prefill {kv} tma={tma} lazy={lazy}",
-                        attention_prefill._prefill_kernel,
+                        prefill._prefill_kernel,
                         {"q_ptr": "*bf16", "out_ptr": "*bf16", **cache},
                         dict(
                             GROUP=8, Q_BLOCK=16, HEAD_DIM=128, BLOCK_N=64, TMA=tma, LAZY=lazy, **fp8, **unused
@@ -112,13 +105,13 @@ def attention_variants() -> list[Variant]:
         variants.append(dataclasses.replace(eager, label=label, options=options))
         for block_n, tma in ((128, False), (64, True)):
             unused = {} if tma else {"k_desc": None, "v_desc": None}
-            decode = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1, BLOCK_N=block_n)
+            shape = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, KV_TILE=256, MIN_TILES=1, BLOCK_N=block_n)
             variants.append(
                 Variant(
                     f"decode {kv} block_n={block_n} tma={tma}",
-                    attention_decode._decode_dynamic_kernel,
+                    decode._decode_dynamic_kernel,
                     {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache},
-                    dict(**decode, TMA=tma, **fp8, **unused),
+                    dict(**shape, TMA=tma, **fp8, **unused),
                     _kv_descriptors(kv, block_n, tma),
                     ("sm_scale",),
                     options=decode_config(dtype, 1).launch_options(),  # the shipped warps and stages
@@ -133,15 +126,15 @@ def gluon_prefill_variant() -> Variant:
     config = GLUON_PREFILL_CONFIG
     layout = "NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
     layout += "fp4_padded=False, cga_layout=[])"
-    box = attention_prefill_gluon.PAGE_BOX
+    box = prefill_gluon.PAGE_BOX
     descriptor = f"tensordesc<bf16[{box}, 128],{layout}>"
     constexprs = dict(GROUP=8, Q_BLOCK=16, HEAD_DIM=128, BLOCK_N=config.block_n, PAGE_SIZE=64)
-    constexprs |= dict(NUM_BUF=config.num_stages, CONSUMER_REGS=attention_prefill_gluon.CONSUMER_REGISTERS)
-    constexprs |= dict(PRODUCER_REGS=attention_prefill_gluon.PRODUCER_REGISTERS)
-    options = attention_prefill_gluon.launch_options(config)
+    constexprs |= dict(NUM_BUF=config.num_stages, CONSUMER_REGS=prefill_gluon.CONSUMER_REGISTERS)
+    constexprs |= dict(PRODUCER_REGS=prefill_gluon.PRODUCER_REGISTERS)
+    options = prefill_gluon.launch_options(config)
     return Variant(
         f"prefill bf16 gluon warp-specialized shipped {options}",
-        attention_prefill_gluon._prefill_kernel,
+        prefill_gluon._prefill_kernel,
         {"q_ptr": "*bf16", "out_ptr": "*bf16"},
         constexprs,
         {"k_desc": descriptor, "v_desc": descriptor},

@@ -8,7 +8,7 @@ import torch
 
 import hy3c.kernels
 import hy3c.ops  # noqa: F401
-from hy3c.kernels.plan_kernel import MAX_PLAN_REQUESTS
+from hy3c.kernels.attention.plan_kernel import MAX_PLAN_REQUESTS
 
 hy3, tri = torch.ops.hy3, torch.ops.hy3_triton
 

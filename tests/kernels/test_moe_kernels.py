@@ -11,11 +11,11 @@ import torch
 
 import hy3c.kernels
 import hy3c.ops
-from hy3c.kernels import router
-from hy3c.kernels.fused_moe import fused_moe_triton
-from hy3c.kernels.moe_align import moe_align_torch, moe_align_triton
-from hy3c.kernels.moe_config import MoeConfig
-from hy3c.kernels.router import router_gemm_dual_bf16
+from hy3c.kernels.moe import router
+from hy3c.kernels.moe.align import moe_align_torch, moe_align_triton
+from hy3c.kernels.moe.config import MoeConfig
+from hy3c.kernels.moe.fused_moe import fused_moe_triton
+from hy3c.kernels.moe.router import router_gemm_dual_bf16
 from hy3c.ops.quant import FP8_DTYPE, split_router_weight
 
 hy3 = torch.ops.hy3
@@ -378,7 +378,7 @@ def test_static_fp8_configs_fall_back_to_dynamic_buckets(tmp_path, monkeypatch):
     """fp8_static buckets the file lacks come from the fp8 table, not from its largest own bucket."""
     import json
 
-    from hy3c.kernels import moe_config
+    from hy3c.kernels.moe import config as moe_config
 
     small, large = MoeConfig(16, 32, 128, 1, 4, 4), MoeConfig(128, 128, 64, 8, 8, 3)
     table = {"fp8": {"16": large.__dict__, "8192": large.__dict__}, "fp8_static": {"16": small.__dict__}}
@@ -396,7 +396,7 @@ def test_static_fp8_configs_fall_back_to_dynamic_buckets(tmp_path, monkeypatch):
 def test_gluon_moe_slots_and_support():
     """The Gluon one-token kernels' shared memory at Hy3's widths: five gate-up slots (one program per SM),
     six down slots with two programs per SM for FP8; never taken for CPU tensors or with HY3C_GLUON=0."""
-    from hy3c.kernels import fused_moe_gluon as mod
+    from hy3c.kernels.moe import fused_moe_gluon as mod
 
     for dtype, slots in ((FP8_DTYPE, (5, 6)), (torch.bfloat16, (4, 5))):
         w13 = torch.empty(2, 3072, 4096, dtype=dtype, device="meta")

@@ -1,19 +1,18 @@
-"""Triton paged attention (dynamic split-KV decode, static split-KV decode, chunked prefill) against the
+"""Triton paged attention (dynamic split-KV decode, chunked prefill) against the
 torch reference, under TRITON_INTERPRET=1 on CPU; the schedule as a pure function."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 
 import pytest
 import torch
 
 import hy3c.ops  # noqa: F401
-from hy3c.kernels import attention_plan as plan_mod
-from hy3c.kernels import attention_prefill_gluon
-from hy3c.kernels.attention_config import (
+from hy3c.kernels.attention import plan as plan_mod
+from hy3c.kernels.attention import prefill_gluon
+from hy3c.kernels.attention.config import (
     DECODE_CONFIG,
     FP8_BATCH_DECODE_CONFIG,
     FP8_BATCH_MIN_REQUESTS,
@@ -24,8 +23,8 @@ from hy3c.kernels.attention_config import (
     prefill_config,
     triton_prefill_config,
 )
-from hy3c.kernels.attention_decode import decode_attention_dynamic, decode_attention_static
-from hy3c.kernels.attention_prefill import prefill_attention
+from hy3c.kernels.attention.decode import decode_attention_dynamic
+from hy3c.kernels.attention.prefill import prefill_attention
 from hy3c.ops.quant import FP8_DTYPE
 from tests.kernels.attention_checks import assert_attention_close
 
@@ -90,7 +89,7 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize(("lengths", "page", "heads"), DECODE_CASES)
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
-def test_dynamic_and_static_decode_match_reference(lengths, page, heads, cache_dtype):
+def test_dynamic_decode_matches_reference(lengths, page, heads, cache_dtype):
     q, cache, scales, table, seq_lens, qsl = _case(
         lengths, [1] * len(lengths), page, *heads, cache_dtype=cache_dtype, unused=float("nan")
     )
@@ -99,14 +98,12 @@ def test_dynamic_and_static_decode_match_reference(lengths, page, heads, cache_d
     for num_ctas in (1, 3, 16):
         out = decode_attention_dynamic(q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=num_ctas)
         _assert_attention_close(out, q, *kv)
-    static = decode_attention_static(q, cache, scales, 1, table, seq_lens, 0.2, splits=4)
-    _assert_attention_close(static, q, *kv)
 
 
 @pytest.mark.parametrize(("page", "block_n"), [(16, 16), (64, 32)])
 def test_fp8_decode_by_tma_page_slices_matches_reference(page, block_n):
     """FP8 decode's 64-key TMA page slices (here smaller) of K and of the transposed V pages, whose unused
-    slots hold NaN, dynamic and static: tail keys must not reach the output."""
+    slots hold NaN: tail keys must not reach the output."""
     lengths = [1, 17, 300, 5, 1100]
     q, cache, scales, table, seq_lens, qsl = _case(
         lengths, [1] * 5, page, 8, 2, cache_dtype=FP8_DTYPE, unused=float("nan")
@@ -119,8 +116,6 @@ def test_fp8_decode_by_tma_page_slices_matches_reference(page, block_n):
             q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=num_ctas, config=config
         )
         _assert_attention_close(out, q, cache, scales, table, seq_lens, qsl)
-    static = decode_attention_static(q, cache, scales, 1, table, seq_lens, 0.2, splits=3, config=config)
-    _assert_attention_close(static, q, cache, scales, table, seq_lens, qsl)
 
 
 def test_fp8_bound_fails_a_kernel_that_ignores_the_transposed_v_layout():
@@ -170,8 +165,6 @@ def test_decode_refuses_lazy_rescaling():
         decode_attention_dynamic(
             q, cache, scales, 1, table, seq_lens, 0.2, _plan(seq_lens, qsl, 4), config=config
         )
-    with pytest.raises(ValueError, match="prefill option"):
-        decode_attention_static(q, cache, scales, 1, table, seq_lens, 0.2, config=config)
 
 
 def test_decode_config_by_kv_dtype_batch_and_page_size():
@@ -214,8 +207,6 @@ def test_combine_merges_more_partials_than_one_trip_loads():
     plan = _plan(seq_lens, qsl, 4)
     out = decode_attention_dynamic(q, cache, scales, 1, table, seq_lens, 0.2, plan, num_ctas=24)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    static = decode_attention_static(q, cache, scales, 1, table, seq_lens, 0.2, splits=18)
-    torch.testing.assert_close(static.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize(
@@ -290,7 +281,7 @@ def test_gluon_prefill_runs_only_on_hopper_with_bf16_and_falls_back_elsewhere():
     Triton kernel with the default config: the output matches the reference."""
     q, cache, scales, table, seq_lens, qsl = _case([70, 20], [1, 20], 64, 8, 1, head_dim=128)
     plan = _plan(seq_lens, qsl, 8)
-    assert not attention_prefill_gluon.supported(q, cache, plan_mod.prefill_q_block(8))
+    assert not prefill_gluon.supported(q, cache, plan_mod.prefill_q_block(8))
     out = prefill_attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2, plan)
     _assert_attention_close(out, q, cache, scales, table, seq_lens, qsl)
 
@@ -300,17 +291,13 @@ def test_gluon_prefill_checks_its_config_and_keeps_batch_sizes_out_of_its_compil
     field; the registers at launch are the partitions' shared budget (two consumer warpgroups at 240,
     the producer's at 24). The request count and search depth are runtime values, so a batch of 1 or of
     16 requests compiles no variant of its own during live traffic."""
-    options = attention_prefill_gluon.launch_options(GLUON_PREFILL_CONFIG)
+    options = prefill_gluon.launch_options(GLUON_PREFILL_CONFIG)
     assert options == {"num_warps": 4, "maxnreg": 168}
-    assert attention_prefill_gluon.launch_options(
-        dataclasses.replace(GLUON_PREFILL_CONFIG, block_n=64, num_stages=4)
-    )
+    assert prefill_gluon.launch_options(dataclasses.replace(GLUON_PREFILL_CONFIG, block_n=64, num_stages=4))
     for field, value in (("block_n", 96), ("block_n", 256), ("num_stages", 3), ("num_stages", 0)):
         with pytest.raises(ValueError, match=field):
-            attention_prefill_gluon.launch_options(
-                dataclasses.replace(GLUON_PREFILL_CONFIG, **{field: value})
-            )
-    kernel = attention_prefill_gluon._prefill_kernel
+            prefill_gluon.launch_options(dataclasses.replace(GLUON_PREFILL_CONFIG, **{field: value}))
+    kernel = prefill_gluon._prefill_kernel
     assert {p.name for p in kernel.params if p.do_not_specialize} == {"num_requests", "search_iters"}
 
 
@@ -409,8 +396,8 @@ def test_qknorm_rope_kvstore_kernel_matches_reference(cache_dtype, heads, kv_hea
     """Both program shapes (one head group per program; every group of a token block in one program,
     sharing the rotary angles), with and without the Hadamard rotation, against the reference: q, the K/V
     pages, padding slots left untouched."""
-    from hy3c.kernels.qknorm_rope_kvstore import launch as kvstore
-    from hy3c.kernels.qknorm_rope_kvstore import q_group
+    from hy3c.kernels.attention.qknorm_rope_kvstore import launch as kvstore
+    from hy3c.kernels.attention.qknorm_rope_kvstore import q_group
 
     dim, page = 32, 4
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
@@ -458,7 +445,7 @@ def test_qknorm_rope_kvstore_kernel_stores_prefill_runs_like_the_reference(
     offsets that are multiples of 16 in the second case, at others in the first), the rest token by
     token; V programs of 16 and of 32 tokens. Pages of 32 slots hold whole aligned windows; pages of 24
     also have aligned windows that run into the next page (stored token by token)."""
-    from hy3c.kernels.qknorm_rope_kvstore import launch as kvstore
+    from hy3c.kernels.attention.qknorm_rope_kvstore import launch as kvstore
 
     heads, kv_heads, dim, tokens = 8, 2, 32, 150
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
@@ -495,7 +482,7 @@ def test_qknorm_rope_kvstore_kernel_stores_prefill_runs_like_the_reference(
     ],
 )
 def test_qknorm_rope_kvstore_refuses_v_program_shapes_it_cannot_run(tunables, message):
-    from hy3c.kernels.qknorm_rope_kvstore import launch as kvstore
+    from hy3c.kernels.attention.qknorm_rope_kvstore import launch as kvstore
 
     qkv, norm = torch.randn(3, 12 * 32).to(torch.bfloat16), torch.ones(32, dtype=torch.bfloat16)
     cache = torch.zeros(1, 2, 2, 16, 2, 32).to(FP8_DTYPE)
@@ -520,7 +507,7 @@ def check_far_layer(device: str) -> None:
 
 
 def _check_far_layer() -> None:
-    from hy3c.kernels.qknorm_rope_kvstore import launch as kvstore
+    from hy3c.kernels.attention.qknorm_rope_kvstore import launch as kvstore
 
     layers, pages, page, kv_heads, dim, heads, layer = 3, 8192, 64, 8, 128, 64, 2
     cache = torch.empty((layers, 2, pages, page, kv_heads, dim), dtype=torch.bfloat16)
@@ -547,22 +534,3 @@ def _check_far_layer() -> None:
     kvstore(qkv, torch.arange(3), norm, norm, 1e-5, 1e6, cache, scales, layer, slots, heads, kv_heads)
     after = cache[:, :, used[0], :3]
     assert torch.equal(after[:layer], before[:layer]) and not torch.equal(after[layer], before[layer])
-
-
-def test_fa2_style_static_splits_follow_the_grid_not_the_lengths():
-    """The static baseline's split count: none for a grid that fills the GPU (so one long request in a
-    batch of 32 stays on one CTA per head), more for a small grid, never more than there are key
-    blocks, and the fewest splits whose wave efficiency is within 85% of the best."""
-    splits = plan_mod.heuristic_static_splits
-    assert splits(32 * 8, 132, 1024) == 1
-    assert splits(8, 132, 3) == 3 and splits(8, 132, 1) == 1
-    n = splits(8, 132, 1024)
-    assert 1 < n <= 132
-
-    def efficiency(s):
-        return 8 * s / 132 / math.ceil(8 * s / 132)
-
-    shortening = [s for s in range(1, 129) if s == 1 or -(-1024 // s) != -(-1024 // (s - 1))]
-    assert n in shortening and efficiency(n) >= 0.85 * max(efficiency(s) for s in shortening)
-    assert all(efficiency(s) < 0.85 * max(efficiency(t) for t in shortening) for s in shortening if s < n)
-    assert splits(8, 132, 1024, keep=1.0) >= n

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hy3c.kernels.sampler import fused_sample
+from hy3c.kernels.sampler.fused_sampler import fused_sample
 from hy3c.serve.sampler import History, SamplingParams
 from hy3c.serve.sampler import sample_reference as sample
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
     ],
 )
 def test_fused_sampler_at_hy3_vocabulary_equals_reference(params):
-    from hy3c.kernels.sampler import fused_sample
+    from hy3c.kernels.sampler.fused_sampler import fused_sample
 
     rows, vocab = 8, 120832
     logits = torch.randn(rows, vocab, device="cuda") * 4

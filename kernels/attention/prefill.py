@@ -1,7 +1,7 @@
 """Chunked-prefill attention over the paged KV cache: causal flash attention over query blocks
-(`attention_plan` row 1) × KV heads, a block's tokens × the GQA group's heads forming the MMA rows, over
+(`plan`'s row 1) × KV heads, a block's tokens × the GQA group's heads forming the MMA rows, over
 the cached prefix and the new tokens (a query offset per request). `prefill_attention` runs the
-warp-specialized Gluon kernel (`attention_prefill_gluon`) where its config asks for it and it supports
+warp-specialized Gluon kernel (`prefill_gluon`) where its config asks for it and it supports
 the inputs (bf16 KV on sm_90), else the Triton kernel below."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hy3c.kernels import attention_prefill_gluon
-from hy3c.kernels.attention_blocks import (
+from hy3c.kernels.attention import prefill_gluon
+from hy3c.kernels.attention.blocks import (
     BATCH_ARGS,
     LOG2E,
     attend_range,
@@ -26,8 +26,8 @@ from hy3c.kernels.attention_blocks import (
     query_block,
     search_iterations,
 )
-from hy3c.kernels.attention_config import LaunchConfig, prefill_config, triton_prefill_config
-from hy3c.kernels.attention_plan import prefill_q_block
+from hy3c.kernels.attention.config import LaunchConfig, prefill_config, triton_prefill_config
+from hy3c.kernels.attention.plan import prefill_q_block
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 
 
@@ -155,9 +155,9 @@ def prefill_attention(
     if config.warp_specialized:
         if config.lazy_rescale:
             raise ValueError("lazy_rescale: the Triton prefill kernel only (warp_specialized=False)")
-        if attention_prefill_gluon.supported(q, kv_cache, q_block):
+        if prefill_gluon.supported(q, kv_cache, q_block):
             args = (q, kv_cache, layer, page_table, seq_lens, query_start_loc, sm_scale, plan, q_block)
-            return attention_prefill_gluon.prefill_attention_gluon(*args, config)
+            return prefill_gluon.prefill_attention_gluon(*args, config)
         config = triton_prefill_config(kv_cache.dtype, kv_cache.shape[3])
     out = torch.empty_like(q)
     max_tiles = triton.cdiv(q.shape[0], q_block) + num_requests

@@ -1,8 +1,9 @@
 """Triton decode attention (one query per request) over the paged KV cache: dynamic split-KV — the
 step's KV tiles dealt in equal ranges to a fixed grid of CTAs × KV heads, a partial softmax result per
-(CTA, request) it touches, then a combine kernel — and the static split-KV baseline (every request cut
-into the same number of splits). All 8 query heads of a KV head share each K/V load (GQA); FP8 caches
-make the keys, then the head dims, the MMA's rows (see `paged_attention`)."""
+(CTA, request) it touches, then a combine kernel. All 8 query heads of a KV head share each K/V load
+(GQA); FP8 caches make the keys, then the head dims, the MMA's rows (see `paged_attention`). The key
+loop (`decode_keys`), a partial's store (`store_partial`) and the merge (`merge_partials`) are also what
+the static split-KV baseline of the benchmarks runs (`bench/baselines/split_kv.py`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hy3c.kernels.attention_blocks import (
+from hy3c.kernels.attention.blocks import (
     BATCH_ARGS,
     LOG2E,
     attend_range,
@@ -25,16 +26,15 @@ from hy3c.kernels.attention_blocks import (
     quantize_rows_e4m3,
     search_iterations,
 )
-from hy3c.kernels.attention_config import DECODE_CONFIG, LaunchConfig, decode_config
-from hy3c.kernels.attention_plan import KV_TILE
+from hy3c.kernels.attention.config import DECODE_CONFIG, LaunchConfig, decode_config
+from hy3c.kernels.attention.plan import KV_TILE
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 
-DECODE_SPLITS_STATIC = 16
 COMBINE_SLOTS = 16  # partial results the combine kernel loads per trip
 
 
 @triton.jit
-def _store_partial(
+def store_partial(
     o_ptr,
     lse_ptr,
     acc,
@@ -55,7 +55,7 @@ def _store_partial(
 
 
 @triton.jit
-def _decode_keys(
+def decode_keys(
     q_ptr,
     r,
     head,
@@ -166,12 +166,12 @@ def _decode_dynamic_kernel(
         seg_end = tl.minimum(t_end, tl.load(plan_ptr + r + 1))
         key_begin = (t - first_tile) * KV_TILE
         key_end = tl.minimum((seg_end - first_tile) * KV_TILE, tl.load(seq_lens_ptr + r))
-        acc, m_i, l_i = _decode_keys(
+        acc, m_i, l_i = decode_keys(
             q_ptr, r, head, cache_k, cache_v, page_table_ptr + r * stride_pt, key_begin, key_end,
             stride_qt, stride_qh, stride_cpage, stride_coff, stride_chead, qk_scale, GROUP, GROUP_PAD,
             HEAD_DIM, PAGE_SIZE, BLOCK_N, FP8, P_SCALE, TMA,
         )  # fmt: skip
-        _store_partial(
+        store_partial(
             part_o_ptr + (cta + r) * stride_po_slot + head * stride_po_head,
             part_lse_ptr + (cta + r) * stride_pl_slot + head * GROUP_PAD,
             acc,
@@ -187,7 +187,7 @@ def _decode_dynamic_kernel(
 
 @triton.jit
 def _tiles_per_cta(plan_ptr, num_requests, num_ctas, min_ctas, MIN_TILES: tl.constexpr):
-    """The dynamic schedule's range per CTA (attention_plan.tiles_per_cta)."""
+    """The dynamic schedule's range per CTA (plan.tiles_per_cta)."""
     total = tl.load(plan_ptr + num_requests)
     return tl.maximum(
         tl.maximum(tl.cdiv(total, num_ctas), tl.minimum(MIN_TILES, tl.cdiv(total, min_ctas))), 1
@@ -205,15 +205,15 @@ def _request_slots(plan_ptr, r, num_requests, num_ctas, min_ctas, MIN_TILES: tl.
     return first_slot, last_slot
 
 
-@triton.jit(do_not_specialize=["num_requests"])
-def _decode_combine_kernel(
+@triton.jit
+def merge_partials(
     out_ptr,
-    plan_ptr,
     part_o_ptr,
     part_lse_ptr,
-    num_requests,
-    num_ctas,
-    min_ctas,
+    r,
+    query_head,
+    first_slot,
+    last_slot,
     stride_ot,
     stride_oh,
     stride_po_slot,
@@ -222,24 +222,12 @@ def _decode_combine_kernel(
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    STATIC_SPLITS: tl.constexpr,
     COMBINE_SLOTS: tl.constexpr,
-    MIN_TILES: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    """Merge request r's partial (o, lse) results into one query head's output row. One program per
-    (request, query head) and COMBINE_SLOTS partials per trip (their loads issued together): a decode
-    step's requests usually have few slots, so most programs finish in one trip."""
-    wait_for_inputs(PDL)
-    r = tl.program_id(0)
-    query_head = tl.program_id(1)
+    """Merge request r's partial (o, lse) results in slots [first_slot, last_slot) into one query head's
+    output row, COMBINE_SLOTS partials per trip (their loads issued together)."""
     head = query_head // GROUP
     g = query_head % GROUP
-    if STATIC_SPLITS > 0:
-        first_slot = r * STATIC_SPLITS
-        last_slot = first_slot + STATIC_SPLITS
-    else:
-        first_slot, last_slot = _request_slots(plan_ptr, r, num_requests, num_ctas, min_ctas, MIN_TILES)
     d = tl.arange(0, HEAD_DIM)
     sl = tl.arange(0, COMBINE_SLOTS)
     m = tl.full([1], float("-inf"), tl.float32)
@@ -267,66 +255,38 @@ def _decode_combine_kernel(
     tl.store(out_ptr + r * stride_ot + query_head * stride_oh + d, result.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _decode_static_kernel(
-    q_ptr,
-    cache_ptr,
-    k_desc,
-    v_desc,
-    scales_ptr,
-    page_table_ptr,
-    seq_lens_ptr,
+@triton.jit(do_not_specialize=["num_requests"])
+def _decode_combine_kernel(
+    out_ptr,
+    plan_ptr,
     part_o_ptr,
     part_lse_ptr,
-    sm_scale,
-    stride_qt,
-    stride_qh,
-    stride_ckv,
-    stride_cpage,
-    stride_coff,
-    stride_chead,
-    stride_pt,
+    num_requests,
+    num_ctas,
+    min_ctas,
+    stride_ot,
+    stride_oh,
     stride_po_slot,
     stride_po_head,
     stride_pl_slot,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    FP8: tl.constexpr,
-    P_SCALE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    TMA: tl.constexpr,
+    COMBINE_SLOTS: tl.constexpr,
+    MIN_TILES: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Merge request r's partials under the dynamic schedule into one query head's output row. One
+    program per (request, query head): a decode step's requests usually have few slots, so most
+    programs finish in one trip."""
     wait_for_inputs(PDL)
     r = tl.program_id(0)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
-    length = tl.load(seq_lens_ptr + r)
-    per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
-    key_begin = split * per_split
-    key_end = tl.minimum(key_begin + per_split, length)
-    k_scale, v_scale = dequant_scales(scales_ptr, FP8, P_SCALE)
-    cache_k, cache_v = kv_sources(cache_ptr, k_desc, v_desc, stride_ckv, TMA)
-    acc, m_i, l_i = _decode_keys(
-        q_ptr, r, head, cache_k, cache_v, page_table_ptr + r * stride_pt, key_begin, key_end, stride_qt,
-        stride_qh, stride_cpage, stride_coff, stride_chead, sm_scale * k_scale * LOG2E, GROUP, GROUP_PAD,
-        HEAD_DIM, PAGE_SIZE, BLOCK_N, FP8, P_SCALE, TMA,
+    query_head = tl.program_id(1)
+    first_slot, last_slot = _request_slots(plan_ptr, r, num_requests, num_ctas, min_ctas, MIN_TILES)
+    merge_partials(
+        out_ptr, part_o_ptr, part_lse_ptr, r, query_head, first_slot, last_slot, stride_ot, stride_oh,
+        stride_po_slot, stride_po_head, stride_pl_slot, GROUP, GROUP_PAD, HEAD_DIM, COMBINE_SLOTS,
     )  # fmt: skip
-    slot = r * SPLITS + split
-    _store_partial(
-        part_o_ptr + slot * stride_po_slot + head * stride_po_head,
-        part_lse_ptr + slot * stride_pl_slot + head * GROUP_PAD,
-        acc,
-        m_i,
-        l_i,
-        v_scale,
-        GROUP,
-        GROUP_PAD,
-        HEAD_DIM,
-    )
 
 
 def num_decode_ctas(
@@ -339,7 +299,7 @@ def num_decode_ctas(
     return max(ctas_per_sm * sms // num_kv_heads, 1)
 
 
-def _refuse_prefill_options(config: LaunchConfig) -> None:
+def refuse_prefill_options(config: LaunchConfig) -> None:
     if config.lazy_rescale:
         raise ValueError("LaunchConfig.lazy_rescale is a prefill option (decode measured slower with it)")
 
@@ -352,11 +312,10 @@ def combine_partials(
     num_ctas: int = 1,
     min_ctas: int = 1,
     min_tiles: int = 1,
-    static_splits: int = 0,
 ) -> Tensor:
     """Merge the split-KV partials (part_o [slots, kv_heads, group, head_dim], part_lse [slots, kv_heads,
     group_pad]) into out [requests, heads, head_dim]: the dynamic schedule's slots (from the plan, the
-    grid and min_tiles) or `static_splits` slots per request (plan unread)."""
+    grid and min_tiles)."""
     num_requests, heads, head_dim = out.shape
     group = part_o.shape[2]
     _decode_combine_kernel[(num_requests, heads)](
@@ -375,7 +334,6 @@ def combine_partials(
         GROUP=group,
         GROUP_PAD=part_lse.shape[2],
         HEAD_DIM=head_dim,
-        STATIC_SPLITS=static_splits,
         MIN_TILES=min_tiles,
         COMBINE_SLOTS=COMBINE_SLOTS,
         **pdl_launch(out.device),
@@ -401,7 +359,7 @@ def decode_attention_dynamic(
     group, num_kv_heads, head_dim = gqa_shape(q, kv_cache)
     num_requests = seq_lens.shape[0]
     config = config or decode_config(kv_cache.dtype, num_requests, kv_cache.shape[3])
-    _refuse_prefill_options(config)
+    refuse_prefill_options(config)
     num_ctas = num_ctas or num_decode_ctas(q.device, num_kv_heads, config.ctas_per_sm)
     min_ctas = min(min_ctas or num_decode_ctas(q.device, num_kv_heads, config.min_ctas_per_sm), num_ctas)
     group_pad = max(16, triton.next_power_of_2(group))
@@ -442,57 +400,3 @@ def decode_attention_dynamic(
         **pdl_launch(q.device),
     )
     return combine_partials(out, plan, part_o, part_lse, num_ctas, min_ctas, config.min_tiles_per_cta)
-
-
-def decode_attention_static(
-    q: Tensor,
-    kv_cache: Tensor,
-    kv_scales: Tensor,
-    layer: int,
-    page_table: Tensor,
-    seq_lens: Tensor,
-    sm_scale: float,
-    splits: int = DECODE_SPLITS_STATIC,
-    config: LaunchConfig | None = None,
-) -> Tensor:
-    """Baseline: every request split into `splits` equal KV ranges, whatever its length; the key blocks
-    as dynamic decode loads them (`decode_config`) unless config says otherwise."""
-    group, num_kv_heads, head_dim = gqa_shape(q, kv_cache)
-    num_requests = seq_lens.shape[0]
-    config = config or decode_config(kv_cache.dtype, num_requests, kv_cache.shape[3])
-    _refuse_prefill_options(config)
-    group_pad = max(16, triton.next_power_of_2(group))
-    part_o = torch.empty(
-        (num_requests * splits, num_kv_heads, group, head_dim), dtype=torch.float32, device=q.device
-    )
-    part_lse = torch.empty(
-        (num_requests * splits, num_kv_heads, group_pad), dtype=torch.float32, device=q.device
-    )
-    out = torch.empty_like(q)
-    common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim)
-    _decode_static_kernel[(num_requests, num_kv_heads, splits)](
-        q,
-        kv_cache[layer],
-        *kv_descriptors_or_none(kv_cache, layer, config),
-        kv_scales[layer],
-        page_table,
-        seq_lens,
-        part_o,
-        part_lse,
-        sm_scale,
-        q.stride(0),
-        q.stride(1),
-        *cache_strides(kv_cache),
-        page_table.stride(0),
-        part_o.stride(0),
-        part_o.stride(1),
-        part_lse.stride(0),
-        SPLITS=splits,
-        BLOCK_N=config.block_n,
-        **cache_flags(kv_cache),
-        TMA=config.tma,
-        **config.launch_options(),
-        **common,
-        **pdl_launch(q.device),
-    )
-    return combine_partials(out, seq_lens, part_o, part_lse, static_splits=splits)

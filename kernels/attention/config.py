@@ -1,4 +1,4 @@
-"""Launch configs of the Triton attention kernels (`attention_decode`, `attention_prefill`): the tunables
+"""Launch configs of the Triton attention kernels (`decode`, `prefill`): the tunables
 and the choices `bench/attention_bench.py --sweep` made on the H200 (BENCHMARKS.md), picked per KV dtype,
 batch size and page size on the host."""
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hy3c.kernels.attention_plan import PREFILL_ROWS
+from hy3c.kernels.attention.plan import PREFILL_ROWS
 from hy3c.ops.quant import FP8_DTYPE
 
 
@@ -26,7 +26,7 @@ class LaunchConfig:
     lazy_rescale: bool = False  # prefill: rescale acc only when a row's max grows by more than 2^8
     tma: bool = False  # K/V blocks by TMA bulk copies (block_n divides the page)
     max_registers: int = 0  # a cap on registers per thread (0: the compiler's choice), for more CTAs per SM
-    warp_specialized: bool = False  # prefill, bf16 KV on sm_90: the Gluon kernel (attention_prefill_gluon) —
+    warp_specialized: bool = False  # prefill, bf16 KV on sm_90: the Gluon kernel (prefill_gluon) —
     # block_n keys per block, num_stages K/V ring slots; its warps and registers are its own (Triton elsewhere)
 
     def launch_options(self) -> dict[str, int]:
@@ -63,7 +63,7 @@ def decode_config(kv_dtype: torch.dtype, num_requests: int, page_size: int = 64)
 
 
 # prefill: 128 query rows (16 tokens × 8 heads at Hy3's GQA; the plan's PREFILL_ROWS).
-# bf16 KV on an sm_90 GPU: the warp-specialized Gluon kernel (attention_prefill_gluon: a TMA producer warp,
+# bf16 KV on an sm_90 GPU: the warp-specialized Gluon kernel (prefill_gluon: a TMA producer warp,
 # two consumer warpgroups at 240 registers of the launch's 168 × 384, the next block's QKᵀ and this block's
 # P·V issued together, the softmax beside P·V): 128-key blocks (two 64-key page slices), a two-slot K/V
 # ring; it is faster than the Triton kernel, which Triton 3.6 does not pipeline this way.
@@ -85,7 +85,7 @@ PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 
 def prefill_config(kv_dtype: torch.dtype, page_size: int = 64) -> LaunchConfig:
     """The prefill launch config for a KV cache's dtype and page size (known on the host); a
-    warp-specialized one runs where `attention_prefill_gluon.supported`, else `triton_prefill_config`."""
+    warp-specialized one runs where `prefill_gluon.supported`, else `triton_prefill_config`."""
     if kv_dtype != FP8_DTYPE and page_size % 64 == 0:
         return GLUON_PREFILL_CONFIG
     return triton_prefill_config(kv_dtype, page_size)

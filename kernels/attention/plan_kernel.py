@@ -1,5 +1,5 @@
 """Triton per-step attention plan: `hy3_triton::attention_plan` implements `hy3::attention_plan` (see
-`hy3c.kernels.attention_plan`) in one launch, where the torch reference takes about a dozen kernels
+`hy3c.kernels.attention.plan`) in one launch, where the torch reference takes about a dozen kernels
 (ceil-divisions, cumsums, casts, concatenations) at the start of every step.
 """
 

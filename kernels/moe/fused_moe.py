@@ -3,7 +3,7 @@
     out = fused_moe(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale,
                     shared, x_q=None, x_q_scale=None)
 
-1. `moe_align` (one Triton program, or device-side torch ops above 1024 pairs; no host sync): the
+1. `align.moe_align` (one Triton program, or device-side torch ops above 1024 pairs; no host sync): the
    (token, slot) pairs sorted by expert and padded per expert to a multiple of BLOCK_M (`sorted_ids`,
    pad value = T·k), the expert of every M block, and the padded total. With the config's
    `pair_blocks` there is no alignment: M block i holds pair i alone (its expert read from the top-k
@@ -36,8 +36,8 @@ tokens its columns (accᵀ = W · aᵀ, transposed back in the epilogue): on Hop
 tile is a wgmma (m64nBLOCK_Mk32 for e4m3, reading the weights from shared memory as they are), where
 16 token rows × block_n weights lower to `mma.sync` with every FP8 weight widened in registers.
 
-Launch configs per token-count bucket: `moe_config` (from `configs/fused_moe_h200.json`, written by
-`bench/moe_bench.py --sweep`, or the built-in defaults); the alignment of step 1: `moe_align`.
+Launch configs per token-count bucket: `config` (from `configs/fused_moe_h200.json`, written by
+`bench/moe_bench.py --sweep`, or the built-in defaults); the alignment of step 1: `align`.
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from hy3c.kernels import fused_moe_gluon
-from hy3c.kernels.moe_align import moe_align
-from hy3c.kernels.moe_config import MoeConfig, config_kind, select_config
+from hy3c.kernels.moe import fused_moe_gluon
+from hy3c.kernels.moe.align import moe_align
+from hy3c.kernels.moe.config import MoeConfig, config_kind, select_config
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
-from hy3c.kernels.quant import quant_fp8, quant_fp8_per_token
 from hy3c.kernels.registry import Provider, register_provider
+from hy3c.kernels.rowwise.quant import quant_fp8, quant_fp8_per_token
 from hy3c.ops.fused import check_moe_input_quant
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -381,7 +381,7 @@ def _combine_kernel(
 def _quantize_activations(
     x: Tensor, static_scale: Tensor | None, on_load: bool
 ) -> tuple[Tensor, Tensor, bool]:
-    """(GEMM input, its scale, per-row scale?): one Triton pass per row (kernels/quant.py) with a static
+    """(GEMM input, its scale, per-row scale?): one Triton pass per row (kernels/rowwise/quant.py) with a static
     per-tensor or dynamic per-token scale — or, `on_load`, x itself for the GEMM to quantize."""
     if on_load:
         per_row = static_scale is None

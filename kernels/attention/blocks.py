@@ -10,7 +10,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from hy3c.kernels.attention_config import LaunchConfig
+from hy3c.kernels.attention.config import LaunchConfig
 from hy3c.ops.attention import v_pages_transposed
 
 E4M3_MAX = 448.0

@@ -16,7 +16,6 @@ writes (`cta + request`, unique because segments move monotonically through (CTA
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 KV_TILE = 256
@@ -88,27 +87,3 @@ def combine_slots(
     if first == last:
         return []
     return [cta + request for cta in range(first // quota, (last - 1) // quota + 1)]
-
-
-def heuristic_static_splits(
-    work_items: int, num_sms: int, key_blocks: int, max_splits: int = 128, keep: float = 0.85
-) -> int:
-    """KV splits per request as a FlashAttention-2-style static split-KV decode picks them: from the
-    grid alone (work_items = requests × KV heads) and the longest request's key blocks, never from the
-    mix of sequence lengths.
-
-    No split once the grid fills 80% of the SMs; otherwise the fewest splits whose wave efficiency (work
-    per wave over whole waves) is within `keep` of the best, among split counts that actually shorten
-    each split. The baseline the dynamic schedule is measured against (`bench/attention_bench.py`).
-    """
-    if work_items >= 0.8 * num_sms:
-        return 1
-    limit = max(1, min(max_splits, num_sms, key_blocks))
-    candidates = [s for s in range(1, limit + 1) if s == 1 or cdiv(key_blocks, s) != cdiv(key_blocks, s - 1)]
-
-    def efficiency(splits: int) -> float:
-        waves = work_items * splits / num_sms
-        return waves / math.ceil(waves)
-
-    best = max(efficiency(s) for s in candidates)
-    return next(s for s in candidates if efficiency(s) >= keep * best)

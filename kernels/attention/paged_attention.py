@@ -3,12 +3,12 @@
 `hy3_triton::paged_attention` implements `hy3::paged_attention` and picks, from shapes alone (no host
 sync, so CUDA graphs capture it):
   * a pure decode step (one query per request): **dynamic split-KV** decode. The step's KV tiles
-    (`attention_plan` row 0) are dealt in equal contiguous ranges to a fixed grid of CTAs × KV heads;
+    (`plan`'s row 0) are dealt in equal contiguous ranges to a fixed grid of CTAs × KV heads;
     each CTA walks its range, emitting one partial softmax result (o, lse) per request it touches into
     slot `cta + request`; a combine kernel merges each request's partials. All 8 query heads of a KV
     head share each K/V load (GQA).
   * anything else (prefill chunks over a cached prefix, mixed batches): a causal flash-attention
-    kernel over query blocks (`attention_plan` row 1) × KV heads, the query block's tokens × the
+    kernel over query blocks (`plan`'s row 1) × KV heads, the query block's tokens × the
     group's heads forming the MMA rows.
 `attention_decode.decode_attention_static` is the static split-KV baseline (every request cut into the
 same number of splits), kept for benchmarks.
@@ -27,7 +27,7 @@ quantization error (the FA3 / TensorRT-LLM FP8 attention choice).
 
 K/V blocks are gathered through the page table either with per-row pointer loads or — `LaunchConfig.tma`,
 when a block lies inside one page (its size divides the page size) — as one TMA bulk copy per operand
-from tensor descriptors over the layer's pages (`attention_blocks.page_descriptors`). A tail block's keys past the
+from tensor descriptors over the layer's pages (`blocks.page_descriptors`). A tail block's keys past the
 sequence then come from the page's unused slots: their V is zeroed and their scores masked. Prefill
 uses TMA where the page size allows (faster than the pointer loads), FP8 decode too (64-key page
 slices); bf16 decode uses 128-key pointer loads (faster there than 64-key TMA blocks).
@@ -39,8 +39,8 @@ The softmax runs in base 2 with the scale folded into the exponent. With `Launch
 (slower for bf16 prefill, for decode and for FP8 prefill with its e4m3 P·V, so it is off in every
 shipped config).
 
-The kernels live in `attention_decode` and `attention_prefill`, what they share in `attention_blocks`,
-their launch configs in `attention_config`; this module is the op and its provider.
+The kernels live in `decode` and `prefill` (`prefill_gluon`), what they share in `blocks`, their
+launch configs in `config`; this module is the op and its provider.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hy3c.kernels.attention_decode import decode_attention_dynamic
-from hy3c.kernels.attention_prefill import prefill_attention
+from hy3c.kernels.attention.decode import decode_attention_dynamic
+from hy3c.kernels.attention.prefill import prefill_attention
 from hy3c.kernels.registry import Provider, register_provider
 
 

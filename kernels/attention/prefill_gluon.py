@@ -1,10 +1,10 @@
 """Chunked-prefill attention over a bf16 paged KV cache for Hopper, written in Gluon (Triton's
 explicit-layout language): the warp-specialized FlashAttention-3 schedule that Triton 3.6's pipeliner
-does not emit for `attention_prefill` (a producer warp ahead of the consumers, the softmax beside the
+does not emit for `prefill` (a producer warp ahead of the consumers, the softmax beside the
 products, below).
 
-One program = one query block (`attention_plan` row 1: 16 tokens × the 8 heads of a GQA group = 128
-rows) × one KV head, in the same grid order as `attention_prefill` (not persistent; its 180 KB of
+One program = one query block (`plan`'s row 1: 16 tokens × the 8 heads of a GQA group = 128
+rows) × one KV head, in the same grid order as `prefill` (not persistent; its 180 KB of
 shared memory keep one program resident per SM), three roles:
 
     producer (1 warp, 24 registers): for each key block j, wait until both consumers have freed K_j's
@@ -22,7 +22,7 @@ V rows past the sequence in the last block are zeroed in shared memory by consum
 for it) before P·V, since a page's unused slots may hold anything (NaN × 0 = NaN).
 
 Requires an sm_90 GPU, bf16 q and cache, head_dim 128, a page size that is a multiple of 64 and 128
-query rows per program (`supported`); `attention_prefill.prefill_attention` runs the Triton kernel
+query rows per program (`supported`); `prefill.prefill_attention` runs the Triton kernel
 elsewhere. Launched without programmatic dependent launch (it waits for the kernel before it; prefill
 runs for milliseconds). Gluon kernels cannot run under TRITON_INTERPRET: the CPU tests compile this one
 for sm_90 and fail if ptxas serializes its products (tests/kernels/sm90_compile.py); the GPU tests check
@@ -49,8 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from hy3c.kernels.attention_blocks import BATCH_ARGS, LOG2E, query_block, search_iterations
-from hy3c.kernels.attention_config import LaunchConfig
+from hy3c.kernels.attention.blocks import BATCH_ARGS, LOG2E, query_block, search_iterations
+from hy3c.kernels.attention.config import LaunchConfig
 
 PAGE_BOX = 64  # keys per bulk copy (one page slice)
 # names that changed between Triton releases: a barrier over the calling partition's warps
@@ -358,7 +358,7 @@ def prefill_attention_gluon(
     config: LaunchConfig,
 ) -> Tensor:
     """Causal prefill attention (the module docstring); the inputs and output of
-    `attention_prefill.prefill_attention` for a bf16 cache. config: block_n keys per block (64 or 128)
+    `prefill.prefill_attention` for a bf16 cache. config: block_n keys per block (64 or 128)
     and num_stages ring slots (`launch_options` checks both)."""
     num_kv_heads = kv_cache.shape[4]
     num_requests = seq_lens.shape[0]

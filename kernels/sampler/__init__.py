@@ -1,0 +1,2 @@
+"""`hy3c.kernels.sampler`: the fused token sampler (`fused_sampler`): temperature, min-p, top-k, top-p
+and a Gumbel-max draw in two launches over the logits."""
