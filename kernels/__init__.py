@@ -8,7 +8,7 @@ kernel providers of the hy3 ops (see `hy3c.kernels.registry`), by family.
                  its tuned config tables (`moe/configs/`)
     rowwise/     one pass over each row: RMSNorm (+ residual add, + FP8 quantization), SwiGLU (+ FP8
                  quantization), FP8 activation quantization
-    sampler/     the fused token sampler (temperature, min-p, top-k, top-p, Gumbel-max draw)
+    sampler/     the fused token sampler (`hy3.sample`: temperature, min-p, top-k, top-p, Gumbel-max draw)
     cublas.py    vendor GEMMs through torch (`cublas` providers)
     registry.py  providers and their lookup; pdl.py: programmatic dependent launch
 
@@ -30,5 +30,6 @@ else:
     from hy3c.kernels.attention import paged_attention, plan_kernel, qknorm_rope_kvstore  # noqa: F401
     from hy3c.kernels.moe import fused_moe, router  # noqa: F401
     from hy3c.kernels.rowwise import activation, quant, rms_norm  # noqa: F401
+    from hy3c.kernels.sampler import fused_sampler  # noqa: F401
 
 __all__ = ["HAVE_TRITON", "Provider", "provider_by_target", "providers_for", "register_provider"]

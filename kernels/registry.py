@@ -64,6 +64,7 @@ _HOST_SYNCING = {
     "fused_moe",
     "kv_store",
     "qknorm_rope_quant_kvstore",
+    "sample",
 }
 for _op in (*L1_OPS, *L2_OPS):
     register_provider(

@@ -2,10 +2,11 @@
 
 Importing this package registers every op as `torch.ops.hy3.<name>` (a `torch.library.custom_op` with
 a fake implementation). Each op's eager implementation is its pure-torch reference; kernel providers
-are chosen later by the `lower` pass.
+are chosen later by the `lower` pass (`hy3.sample`'s by the serving sampler, which runs it after the
+step program).
 """
 
-from hy3c.ops import attention, fused, moe, norm, quant, rope
+from hy3c.ops import attention, fused, moe, norm, quant, rope, sample
 from hy3c.ops.quant import FP8_DTYPE, FP8_MAX
 
 L1_OPS = (
@@ -32,6 +33,9 @@ L2_OPS = (
     "topk_routing",
     "fused_moe",
     "silu_and_mul_quant",
+    "sample",  # the token sampler: after the step program, never in it
 )
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "L1_OPS", "L2_OPS", "attention", "fused", "moe", "norm", "quant", "rope"]
+__all__ = [
+    "FP8_DTYPE", "FP8_MAX", "L1_OPS", "L2_OPS", "attention", "fused", "moe", "norm", "quant", "rope", "sample",
+]  # fmt: skip

@@ -1,2 +1,3 @@
-"""`hy3c.kernels.sampler`: the fused token sampler (`fused_sampler`): temperature, min-p, top-k, top-p
-and a Gumbel-max draw in two launches over the logits."""
+"""`hy3c.kernels.sampler`: the fused token sampler (`fused_sampler`), the Triton provider of `hy3.sample`
+(`hy3c.ops.sample`): temperature, min-p, top-k, top-p and a Gumbel-max draw in two launches over the
+logits."""

@@ -1,9 +1,12 @@
 """Triton fused sampler: temperature, min-p, top-k, top-p and a Gumbel-max draw, rows split over CTAs.
 
+`hy3_triton::sample` implements `hy3::sample` (`hy3c.ops.sample`, the reference); `fused_sample` is the
+launch, with the tunables and the fallback flags the tests read:
+
     tokens, logprobs = fused_sample(logits, temperature, top_k, top_p, min_p, seeds, noise=None)
 
 Penalties are applied before (they touch only the tokens a request has seen). Filters follow
-`hy3c.serve.sampler.filter_mask`: min-p, then top-k, then top-p renormalised over what is left;
+`hy3c.ops.sample.filter_mask`: min-p, then top-k, then top-p renormalised over what is left;
 tokens tied at a cut-off are kept. Two launches; the logits are read once on the usual path:
 
 1. `_chunk_kernel`, one program per (row, chunk of CHUNK tokens): the chunk's max and sum of
@@ -32,6 +35,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from hy3c.kernels.registry import Provider, register_provider
+from hy3c.ops.sample import sample_outputs
 
 CHUNK = 4096  # tokens per program of the chunk kernel (held in registers)
 CANDIDATES = 32  # largest tokens each chunk hands to the merge
@@ -437,3 +443,34 @@ def fused_sample(
         num_warps=8,
     )
     return tokens, logprobs
+
+
+@torch.library.custom_op("hy3_triton::sample", mutates_args=())
+def sample(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    seeds: Tensor,
+    noise: Tensor | None,
+    num_logprobs: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    rows = logits.shape[0]
+    top = (
+        logits.new_empty((rows, num_logprobs), dtype=torch.int32),
+        logits.new_empty((rows, num_logprobs), dtype=torch.float32),
+        logits.new_empty(rows if num_logprobs else 0, dtype=torch.int32),
+    )
+    tokens, logprobs = fused_sample(
+        logits, temperature, top_k, top_p, min_p, seeds, noise, top=top if num_logprobs else None
+    )
+    return tokens, logprobs, *top
+
+
+@sample.register_fake
+def _(logits, temperature, top_k, top_p, min_p, seeds, noise, num_logprobs):
+    return sample_outputs(logits, num_logprobs)
+
+
+register_provider(Provider("triton", "sample", torch.ops.hy3_triton.sample.default, frozenset({"cuda"})))

@@ -929,7 +929,12 @@ def test_listed_custom_ops_are_the_ones_hy3c_registers():
                 if isinstance(value, CustomOpDef):
                     registered.add(value._qualname.replace("::", ".") + ".default")
     listed = {n for n in op_allowlist.ALLOWED_OPS if not n.startswith("aten.")}
-    assert registered - listed == {"hy3.dequant_fp8.default"}  # in the dialect, emitted by nothing
+    # in the dialect, emitted by nothing; the sampler runs after the program, which may not call it
+    assert registered - listed == {
+        "hy3.dequant_fp8.default",
+        "hy3.sample.default",
+        "hy3_triton.sample.default",
+    }
     assert listed - registered == set()
     assert {n.split(".")[1] for n in listed} == set(program_check.CONTRACTS)
 
