@@ -14,7 +14,7 @@ import torch
 from triton.testing import do_bench
 
 from hy3c.kernels.sampler.fused_sampler import fused_sample
-from hy3c.serve.sampler import History, SamplingParams, sample_reference
+from hy3c.serve.engine.sampler import History, SamplingParams, sample_reference
 
 V = 120832
 

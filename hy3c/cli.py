@@ -177,7 +177,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> None:
-    """The prompts through the serving engine on this thread (`hy3c.serve.offline`): the same loop,
+    """The prompts through the serving engine on this thread (`hy3c.serve.engine.offline`): the same loop,
     scheduler, page pool and sampler as `hy3c serve`, so a seeded request prints the server's text."""
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
@@ -189,9 +189,9 @@ def _run_generate(args: argparse.Namespace) -> None:
     from hy3c.checkpoint.loader import load_model
     from hy3c.checkpoint.tokenizer import Hy3Tokenizer
     from hy3c.recipe import ServingSpec
-    from hy3c.serve.engine import GenerationRequest
-    from hy3c.serve.offline import generate
-    from hy3c.serve.sampler import SamplingParams
+    from hy3c.serve.engine.core import GenerationRequest
+    from hy3c.serve.engine.offline import generate
+    from hy3c.serve.engine.sampler import SamplingParams
 
     if args.artifact is not None:
         from hy3c.runtime.artifact import load
@@ -477,7 +477,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> None:
-    from hy3c.serve.server import ServeOptions, serve
+    from hy3c.serve.http.server import ServeOptions, serve
 
     serve(
         ServeOptions(
@@ -581,7 +581,7 @@ def _run_bench_serve(args: argparse.Namespace) -> None:
     import asyncio
     import json
 
-    from hy3c.serve.bench_client import (
+    from hy3c.serve.http.bench_client import (
         DETAILED_KEYS,
         BenchConfig,
         format_report,
@@ -656,7 +656,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> None:
-    from hy3c.serve.demo import run_demo
+    from hy3c.serve.http.demo import run_demo
 
     with tempfile.TemporaryDirectory() as tmp:
         root = args.workdir or Path(tmp)

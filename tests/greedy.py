@@ -4,9 +4,9 @@ model — a compiled `Runner` or the eager `Hy3ForCausalLM` — over whole reque
 from __future__ import annotations
 
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
-from hy3c.serve.engine import GenerationRequest, StepModel
-from hy3c.serve.offline import Generation, generate
-from hy3c.serve.sampler import SamplingParams
+from hy3c.serve.engine.core import GenerationRequest, StepModel
+from hy3c.serve.engine.offline import Generation, generate
+from hy3c.serve.engine.sampler import SamplingParams
 
 
 def greedy(

@@ -141,7 +141,7 @@ def test_checkpoint_options_and_outputs_that_would_delete_the_input(tiny_ckpt, t
 
 
 def test_user_mistakes_get_one_line_errors(tiny_ckpt, tmp_path, capsys):
-    from hy3c.serve.demo import free_port
+    from hy3c.serve.http.demo import free_port
 
     def fails_with(argv, message):
         assert main(argv) == 2

@@ -13,11 +13,11 @@ from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.cli import build_parser, main
 from hy3c.compiler.driver import compile_artifact
 from hy3c.recipe import ServingSpec, load_recipe
-from hy3c.serve.demo import BackgroundServer, free_port
-from hy3c.serve.engine import GenerationRequest
-from hy3c.serve.offline import generate
-from hy3c.serve.sampler import DEFAULT_TEMPERATURE, SamplingParams
-from hy3c.serve.server import ServeOptions
+from hy3c.serve.engine.core import GenerationRequest
+from hy3c.serve.engine.offline import generate
+from hy3c.serve.engine.sampler import DEFAULT_TEMPERATURE, SamplingParams
+from hy3c.serve.http.demo import BackgroundServer, free_port
+from hy3c.serve.http.server import ServeOptions
 from tests.greedy import greedy
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hy3c.kernels.sampler.fused_sampler import fused_sample
-from hy3c.serve.sampler import History, SamplingParams
-from hy3c.serve.sampler import sample_reference as sample
+from hy3c.serve.engine.sampler import History, SamplingParams
+from hy3c.serve.engine.sampler import sample_reference as sample
 
 
 @pytest.mark.parametrize(
@@ -107,8 +107,9 @@ def test_top_logprobs_come_from_the_candidates_and_rows_they_cannot_vouch_for_ar
 
 
 def test_serving_sampler_through_the_kernels_equals_the_reference_with_logprobs():
-    """`hy3c.serve.sampler`'s CUDA path (run here by the interpreter): tokens, chosen and top logprobs."""
-    from hy3c.serve.sampler import _sample_fused, fused_inputs
+    """`hy3c.serve.engine.sampler`'s CUDA path (run here by the interpreter): tokens, chosen and top
+    logprobs."""
+    from hy3c.serve.engine.sampler import _sample_fused, fused_inputs
 
     rows, vocab = 4, 1500
     logits = torch.randn(rows, vocab) * 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hy3c.serve.sampler import History, SamplingParams, prepare_fused, sample, sample_reference
+from hy3c.serve.engine.sampler import History, SamplingParams, prepare_fused, sample, sample_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -71,8 +71,8 @@ def test_served_artifact_on_gpu(tiny_ckpt, tmp_path):
 
     from hy3c.compiler.driver import compile_artifact
     from hy3c.recipe import load_recipe
-    from hy3c.serve.demo import BackgroundServer, free_port
-    from hy3c.serve.server import ServeOptions
+    from hy3c.serve.http.demo import BackgroundServer, free_port
+    from hy3c.serve.http.server import ServeOptions
 
     art = compile_artifact(load_recipe("h200-bf16"), tmp_path / "art", checkpoint=tiny_ckpt).out
     options = ServeOptions(art, port=free_port(), kv_memory_gib=0.05, max_num_seqs=8, compile=False)

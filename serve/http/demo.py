@@ -9,9 +9,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from hy3c.serve.api import build_app
-from hy3c.serve.lifecycle import HttpServer
-from hy3c.serve.server import ServeOptions, bind_socket, build_engine
+from hy3c.serve.http.api import build_app
+from hy3c.serve.http.lifecycle import HttpServer
+from hy3c.serve.http.server import ServeOptions, bind_socket, build_engine
 
 
 def free_port() -> int:

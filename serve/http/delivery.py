@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from hy3c.serve.engine import Engine, GenerationRequest, StepOutput
+from hy3c.serve.engine.core import Engine, GenerationRequest, StepOutput
 
 DISCONNECT_POLL_S = 0.25
 

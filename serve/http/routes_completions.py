@@ -17,9 +17,9 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from hy3c.serve.api_context import ApiContext, APIError, sse, stream_event, usage
-from hy3c.serve.engine import StepOutput
-from hy3c.serve.protocol import MAX_CHOICES, CompletionRequest, error_body
+from hy3c.serve.engine.core import StepOutput
+from hy3c.serve.http.api_context import ApiContext, APIError, sse, stream_event, usage
+from hy3c.serve.http.protocol import MAX_CHOICES, CompletionRequest, error_body
 
 
 def add_completions_route(app: FastAPI, ctx: ApiContext) -> None:

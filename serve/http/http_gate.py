@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 
 from hy3c.logs import log_event
-from hy3c.serve.metrics import CURRENT_USAGE, RequestUsage
-from hy3c.serve.protocol import error_body
+from hy3c.serve.engine.metrics import CURRENT_USAGE, RequestUsage
+from hy3c.serve.http.protocol import error_body
 
 OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key
 # httptools' reasons for a malformed request, where a plainer one helps (the rest are clear as they are)

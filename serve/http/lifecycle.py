@@ -24,8 +24,8 @@ import time
 import uvicorn
 
 from hy3c.logs import log_event
-from hy3c.serve.engine import Engine
-from hy3c.serve.http_gate import HttpLimits, RequestGate, limited_http_protocol
+from hy3c.serve.engine.core import Engine
+from hy3c.serve.http.http_gate import HttpLimits, RequestGate, limited_http_protocol
 
 log = logging.getLogger("hy3c.serve")
 

@@ -11,9 +11,9 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from hy3c.serve.api_context import ApiContext, APIError, finite_logprob, sse, stream_event, usage
-from hy3c.serve.engine import StepOutput
-from hy3c.serve.protocol import ChatRequest, error_body
+from hy3c.serve.engine.core import StepOutput
+from hy3c.serve.http.api_context import ApiContext, APIError, finite_logprob, sse, stream_event, usage
+from hy3c.serve.http.protocol import ChatRequest, error_body
 
 
 def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:

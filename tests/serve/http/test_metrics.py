@@ -11,9 +11,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hy3c.serve.demo import BackgroundServer
-from hy3c.serve.metrics import EngineMetrics
-from hy3c.serve.server import ServeOptions
+from hy3c.serve.engine.metrics import EngineMetrics
+from hy3c.serve.http.demo import BackgroundServer
+from hy3c.serve.http.server import ServeOptions
 
 PROMPT = "a prompt long enough to fill a few pages of the KV cache, so that the prefix cache can hit " * 2
 

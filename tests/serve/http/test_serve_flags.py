@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from hy3c.cli import build_parser, main
-from hy3c.serve.http_gate import HttpLimits
-from hy3c.serve.server import ServeOptions
+from hy3c.serve.http.http_gate import HttpLimits
+from hy3c.serve.http.server import ServeOptions
 
 BAD = [
     (["--port", "99999"], "argument --port: 99999 is not a port number (0 to 65535)"),

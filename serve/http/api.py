@@ -19,13 +19,13 @@ from starlette.exceptions import HTTPException
 
 import hy3c
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
-from hy3c.serve.api_context import ApiContext, APIError, ServerConfig
-from hy3c.serve.engine import Engine
-from hy3c.serve.http_gate import HttpLimits, RequestGate
-from hy3c.serve.protocol import error_body
-from hy3c.serve.routes_chat import add_chat_route
-from hy3c.serve.routes_completions import add_completions_route
-from hy3c.serve.routes_info import add_info_routes
+from hy3c.serve.engine.core import Engine
+from hy3c.serve.http.api_context import ApiContext, APIError, ServerConfig
+from hy3c.serve.http.http_gate import HttpLimits, RequestGate
+from hy3c.serve.http.protocol import error_body
+from hy3c.serve.http.routes_chat import add_chat_route
+from hy3c.serve.http.routes_completions import add_completions_route
+from hy3c.serve.http.routes_info import add_info_routes
 
 __all__ = ["ServerConfig", "build_app"]
 

@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 import hy3c
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
-from hy3c.serve.api_context import ApiContext, APIError
-from hy3c.serve.protocol import DetokenizeRequest, TokenizeRequest, error_body
+from hy3c.serve.http.api_context import ApiContext, APIError
+from hy3c.serve.http.protocol import DetokenizeRequest, TokenizeRequest, error_body
 
 TOKENIZER_FILE_KEYS = ("vocab_file", "merges_file", "tokenizer_file")  # paths of the checkpoint's machine
 ADDED_TOKEN_KEYS = {"__type", "lstrip", "rstrip", "single_word", "normalized", "special"}

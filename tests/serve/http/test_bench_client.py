@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from hy3c.cli import main
-from hy3c.serve.bench_client import DETAILED_KEYS, BenchConfig, RequestResult, arrival_times, summarize
-from hy3c.serve.demo import BackgroundServer
-from hy3c.serve.server import ServeOptions
+from hy3c.serve.http.bench_client import DETAILED_KEYS, BenchConfig, RequestResult, arrival_times, summarize
+from hy3c.serve.http.demo import BackgroundServer
+from hy3c.serve.http.server import ServeOptions
 
 VLLM_KEYS = {
     "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
-from hy3c.serve.detokenizer import IncrementalDetokenizer
-from hy3c.serve.sampler import History, SamplingParams, apply_penalties, filter_mask, sample
+from hy3c.serve.engine.detokenizer import IncrementalDetokenizer
+from hy3c.serve.engine.sampler import History, SamplingParams, apply_penalties, filter_mask, sample
 
 
 def test_penalties():
@@ -149,7 +149,7 @@ def test_penalties_of_many_rows_at_once_match_row_by_row():
 def test_fused_sampler_columns_start_aligned_for_every_batch_size(rows):
     """Triton specializes on 16-byte pointer alignment: the per-row parameter columns must be aligned
     whatever the batch size, or a new batch size compiles new kernel variants on live traffic."""
-    from hy3c.serve.sampler import fused_inputs
+    from hy3c.serve.engine.sampler import fused_inputs
 
     params = [SamplingParams(temperature=0.5 + r, top_k=r, top_p=0.9, min_p=0.01 * r) for r in range(rows)]
     seeds = [7 * r + 1 for r in range(rows)]
@@ -165,7 +165,7 @@ def test_fused_sampler_columns_start_aligned_for_every_batch_size(rows):
 def test_prepared_inputs_are_the_ones_the_fused_sampler_uses(monkeypatch):
     """The engine uploads the columns before the model step; `sample` must use them as they are (and
     draw no second seed from the request's generator), and prepare them itself when not given."""
-    import hy3c.serve.sampler as sampler_mod
+    import hy3c.serve.engine.sampler as sampler_mod
 
     used = []
 
@@ -190,7 +190,7 @@ def test_prepared_inputs_are_the_ones_the_fused_sampler_uses(monkeypatch):
 def test_no_rows_sample_nothing_and_integer_parameters_stay_floats(monkeypatch):
     """A step whose chunks want no logits samples nothing (on the fused path too); parameters that are
     whole numbers still travel as fp32 columns."""
-    import hy3c.serve.sampler as sampler_mod
+    import hy3c.serve.engine.sampler as sampler_mod
 
     monkeypatch.setattr(sampler_mod, "_triton_sampler", lambda: None)
     empty = sample(torch.empty(0, 11), [], [], [])
@@ -286,7 +286,7 @@ def test_a_long_generation_keeps_a_short_buffer_and_finds_a_late_stop(tiny_ckpt,
 def _fused(logits, params, history, num_logprobs=0, noise=None):
     """The fused-sampler dispatch (`_sample_fused`: penalties and bias, then the Triton kernel, under
     TRITON_INTERPRET=1 on CPU) with the columns the engine would upload."""
-    import hy3c.serve.sampler as sampler_mod
+    import hy3c.serve.engine.sampler as sampler_mod
 
     inputs = sampler_mod.fused_inputs(params, [11 + r for r in range(len(params))], logits.device)
     return sampler_mod._sample_fused(logits, params, history, inputs, num_logprobs, noise)
@@ -296,7 +296,7 @@ def _fused(logits, params, history, num_logprobs=0, noise=None):
 def test_temperatures_below_the_epsilon_are_greedy_on_both_paths(temperature):
     """1 / 1e-40 overflows fp32: such temperatures are greedy (vLLM's 1e-5 epsilon), with finite
     logprobs, in the reference and through the fused kernel — and 1e-5 itself samples, finitely."""
-    from hy3c.serve.sampler import SAMPLING_EPS
+    from hy3c.serve.engine.sampler import SAMPLING_EPS
 
     logits = torch.randn(3, 300) * 4
     history = [History([1, 2], [3])] * 3
@@ -322,7 +322,7 @@ def test_an_extreme_repetition_penalty_keeps_logits_and_logprobs_finite():
     """A repetition penalty of 1e-300 is 0 in fp32: dividing a positive logit by it gives inf, and inf
     logits give NaN logprobs. Penalised logits are clamped to ±PENALISED_LOGIT_LIMIT (a -inf mask
     stays -inf), so both paths stay finite and agree."""
-    from hy3c.serve.sampler import PENALISED_LOGIT_LIMIT
+    from hy3c.serve.engine.sampler import PENALISED_LOGIT_LIMIT
 
     logits = torch.randn(2, 200)
     logits[:, 7] = 3.0

@@ -21,9 +21,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hy3c.cli import build_parser
-from hy3c.serve.bench_client import BenchConfig
-from hy3c.serve.demo import BackgroundServer, free_port
-from hy3c.serve.server import ServeOptions, bind_socket
+from hy3c.serve.http.bench_client import BenchConfig
+from hy3c.serve.http.demo import BackgroundServer, free_port
+from hy3c.serve.http.server import ServeOptions, bind_socket
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 LONG = {"prompt": "a long generation", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
@@ -191,8 +191,14 @@ def test_a_busy_port_fails_before_the_model_loads(tiny_artifact):
     assert result.returncode == 2
     assert lines == [f"error: --port {port}: 127.0.0.1:{port} is already in use (pick another --port)"]
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
-    heavy = ("hy3c.program.artifact", "hy3c.compiler", "hy3c.passes", "hy3c.serve.engine", "torch._inductor")
-    assert "hy3c.serve.server" in imported and not [m for m in imported if m.startswith(heavy)]
+    heavy = (
+        "hy3c.program.artifact",
+        "hy3c.compiler",
+        "hy3c.passes",
+        "hy3c.serve.engine.core",
+        "torch._inductor",
+    )
+    assert "hy3c.serve.http.server" in imported and not [m for m in imported if m.startswith(heavy)]
     assert took < 5  # a process start and the CLI's imports; the model would take longer still
 
 

@@ -24,10 +24,16 @@ from fastapi import Request
 
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.logs import log_event
-from hy3c.serve.delivery import LoopSink, stream_outputs
-from hy3c.serve.engine import Engine, GenerationRequest, StepOutput
-from hy3c.serve.protocol import IGNORED, UNSUPPORTED, UNSUPPORTED_IN_CHAT, unsupported_param, valid_unicode
-from hy3c.serve.sampler import DEFAULT_TEMPERATURE, SamplingParams
+from hy3c.serve.engine.core import Engine, GenerationRequest, StepOutput
+from hy3c.serve.engine.sampler import DEFAULT_TEMPERATURE, SamplingParams
+from hy3c.serve.http.delivery import LoopSink, stream_outputs
+from hy3c.serve.http.protocol import (
+    IGNORED,
+    UNSUPPORTED,
+    UNSUPPORTED_IN_CHAT,
+    unsupported_param,
+    valid_unicode,
+)
 
 log = logging.getLogger("hy3c.api")
 

@@ -1,7 +1,7 @@
 import pytest
 
-from hy3c.serve.kv_pages import OutOfPages, PagePool
-from hy3c.serve.scheduler import Scheduler, Sequence
+from hy3c.serve.engine.kv_pages import OutOfPages, PagePool
+from hy3c.serve.engine.scheduler import Scheduler, Sequence
 
 
 def test_prefix_pages_are_published_matched_and_evicted_lru():
@@ -89,7 +89,7 @@ def test_a_prompt_scoring_sequence_skips_the_prefix_cache_and_bounds_its_rows(mo
     """A sequence that scores its prompt takes no cached pages (their positions' logits are needed),
     asks for every row of its prompt chunks, at most PROMPT_LOGITS_ROWS of them per step, and returns
     to the prefix cache and single rows once the engine clears `score_prompt`."""
-    import hy3c.serve.scheduler as scheduler_mod
+    import hy3c.serve.engine.scheduler as scheduler_mod
 
     monkeypatch.setattr(scheduler_mod, "PROMPT_LOGITS_ROWS", 6)
     pool = PagePool(64, page_size=4)

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hy3c.serve.kernel_builds import watch_kernel_builds
-from hy3c.serve.metrics import EngineMetrics
+from hy3c.serve.engine.kernel_builds import watch_kernel_builds
+from hy3c.serve.engine.metrics import EngineMetrics
 
 knobs = pytest.importorskip("triton").knobs
 

@@ -12,8 +12,8 @@ import hy3c
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.compiler.driver import compile_artifact
 from hy3c.recipe import load_recipe
-from hy3c.serve.demo import BackgroundServer, free_port
-from hy3c.serve.server import ServeOptions
+from hy3c.serve.http.demo import BackgroundServer, free_port
+from hy3c.serve.http.server import ServeOptions
 
 openai = pytest.importorskip("openai", reason="the official openai client drives these tests")
 
@@ -175,10 +175,10 @@ def test_prompt_rows_per_step_are_bounded_and_a_preempted_scoring_resumes(
 ):
     """At most PROMPT_LOGITS_ROWS scored rows per step (a long prompt takes several), and a request
     preempted half-way through scoring recomputes its KV but scores each position once."""
-    import hy3c.serve.scheduler as scheduler_mod
-    from hy3c.serve.engine import GenerationRequest
-    from hy3c.serve.sampler import SamplingParams
-    from hy3c.serve.server import build_engine
+    import hy3c.serve.engine.scheduler as scheduler_mod
+    from hy3c.serve.engine.core import GenerationRequest
+    from hy3c.serve.engine.sampler import SamplingParams
+    from hy3c.serve.http.server import build_engine
 
     monkeypatch.setattr(scheduler_mod, "PROMPT_LOGITS_ROWS", 7)
     engine = build_engine(ServeOptions(artifact, kv_memory_gib=0.02, compile=False))[0]

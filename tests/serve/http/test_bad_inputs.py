@@ -17,8 +17,8 @@ from hy3c.checkpoint.loader import load_model
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.compiler.driver import compile_artifact
 from hy3c.recipe import load_recipe
-from hy3c.serve.demo import BackgroundServer, free_port
-from hy3c.serve.server import ServeOptions
+from hy3c.serve.http.demo import BackgroundServer, free_port
+from hy3c.serve.http.server import ServeOptions
 from tests.greedy import greedy
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

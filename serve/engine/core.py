@@ -1,6 +1,6 @@
 """The serving engine: one loop owns the model and the KV cache. `hy3c serve` runs it on an engine
 thread that the API talks to through queues; `hy3c generate` drives the same loop on its own thread
-(`run_until_done`, through `hy3c.serve.offline`).
+(`run_until_done`, through `hy3c.serve.engine.offline`).
 
     engine = Engine(runner, tokenizer, EngineConfig(...)); engine.start()
     engine.submit(GenerationRequest(...), emit)      # emit(StepOutput) is called from the engine thread
@@ -35,11 +35,11 @@ from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.config import Hy3Config
 from hy3c.logs import log_event
 from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
-from hy3c.serve.detokenizer import IncrementalDetokenizer
-from hy3c.serve.kv_pages import OutOfPages, PagePool
-from hy3c.serve.metrics import EngineMetrics
-from hy3c.serve.sampler import FusedInputs, History, SamplingParams, prepare_fused, sample
-from hy3c.serve.scheduler import Scheduler, Sequence, Work
+from hy3c.serve.engine.detokenizer import IncrementalDetokenizer
+from hy3c.serve.engine.kv_pages import OutOfPages, PagePool
+from hy3c.serve.engine.metrics import EngineMetrics
+from hy3c.serve.engine.sampler import FusedInputs, History, SamplingParams, prepare_fused, sample
+from hy3c.serve.engine.scheduler import Scheduler, Sequence, Work
 
 log = logging.getLogger("hy3c.engine")
 
@@ -231,7 +231,7 @@ class Engine:
 
     def run_until_done(self) -> None:
         """Drive the engine loop on the calling thread until every submitted request has ended (offline
-        generation, `hy3c.serve.offline`): the same iterations the engine thread runs, without it."""
+        generation, `hy3c.serve.engine.offline`): the same iterations the engine thread runs, without it."""
         if self._thread.is_alive():
             raise RuntimeError("the engine thread runs this engine's loop; submit to it instead")
         while self._iterate():

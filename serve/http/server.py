@@ -24,9 +24,9 @@ from hy3c.logs import log_event
 
 if TYPE_CHECKING:
     from hy3c.checkpoint.tokenizer import Hy3Tokenizer
-    from hy3c.serve.api import ServerConfig
-    from hy3c.serve.engine import Engine
-    from hy3c.serve.http_gate import HttpLimits
+    from hy3c.serve.engine.core import Engine
+    from hy3c.serve.http.api import ServerConfig
+    from hy3c.serve.http.http_gate import HttpLimits
 
 log = logging.getLogger("hy3c.serve")
 
@@ -59,7 +59,7 @@ class ServeOptions:
 
     def limits(self) -> HttpLimits:
         """The limits on clients that the HTTP layer enforces."""
-        from hy3c.serve.http_gate import HttpLimits
+        from hy3c.serve.http.http_gate import HttpLimits
 
         return HttpLimits(
             self.header_timeout,
@@ -121,10 +121,10 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
 
     from hy3c.checkpoint.tokenizer import Hy3Tokenizer
     from hy3c.runtime.artifact import load
-    from hy3c.serve.api import ServerConfig
-    from hy3c.serve.engine import Engine, EngineConfig
-    from hy3c.serve.kernel_builds import watch_kernel_builds
-    from hy3c.serve.metrics import EngineMetrics
+    from hy3c.serve.engine.core import Engine, EngineConfig
+    from hy3c.serve.engine.kernel_builds import watch_kernel_builds
+    from hy3c.serve.engine.metrics import EngineMetrics
+    from hy3c.serve.http.api import ServerConfig
 
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # off by default: Inductor adds nothing measurable over the fused kernels (BENCHMARKS.md) and
@@ -205,8 +205,8 @@ def serve(options: ServeOptions) -> None:
     engine = None
     try:
         engine, tokenizer, server = build_engine(options)
-        from hy3c.serve.api import build_app
-        from hy3c.serve.lifecycle import HttpServer
+        from hy3c.serve.http.api import build_app
+        from hy3c.serve.http.lifecycle import HttpServer
 
         limits = options.limits()
         gate = build_app(engine, tokenizer, server, limits)

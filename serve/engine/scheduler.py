@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hy3c.serve.kv_pages import OutOfPages, PagePool
+from hy3c.serve.engine.kv_pages import OutOfPages, PagePool
 
 PROMPT_LOGITS_ROWS = 512  # logits rows of prompt-scoring chunks per step
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.recipe import ServingSpec
-from hy3c.serve.engine import Engine, EngineConfig, GenerationRequest, StepModel, StepOutput
+from hy3c.serve.engine.core import Engine, EngineConfig, GenerationRequest, StepModel, StepOutput
 
 
 @dataclass

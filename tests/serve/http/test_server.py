@@ -14,8 +14,8 @@ from hy3c.checkpoint.loader import load_model
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.compiler.driver import compile_artifact
 from hy3c.recipe import load_recipe
-from hy3c.serve.demo import BackgroundServer, free_port
-from hy3c.serve.server import ServeOptions
+from hy3c.serve.http.demo import BackgroundServer, free_port
+from hy3c.serve.http.server import ServeOptions
 from tests.greedy import greedy
 
 # the test command installs the client; the GPU machine (which runs `-m gpu tests/`) has none
@@ -161,7 +161,7 @@ def test_tiny_page_pool_preempts_and_outputs_stay_identical(artifact, expected):
     with BackgroundServer(options) as srv:
         engine = srv.engine
     # a pool of 12 pages (4 tokens each) for 8 requests of ~24 tokens: preemption is unavoidable
-    from hy3c.serve.engine import Engine, EngineConfig
+    from hy3c.serve.engine.core import Engine, EngineConfig
 
     small = Engine(
         engine.runner,
@@ -170,8 +170,8 @@ def test_tiny_page_pool_preempts_and_outputs_stay_identical(artifact, expected):
     )
     small.start()
     try:
-        from hy3c.serve.engine import GenerationRequest
-        from hy3c.serve.sampler import SamplingParams
+        from hy3c.serve.engine.core import GenerationRequest
+        from hy3c.serve.engine.sampler import SamplingParams
 
         prompts = [f"prompt {i} with a few words" for i in range(8)]
         results: dict[str, list[int]] = {}
@@ -411,8 +411,8 @@ def test_overloaded_and_dead_engine_answer_503(artifact):
 
 
 def test_warm_up_prefills_each_token_count_class_then_samples_every_path(artifact):
-    from hy3c.serve.engine import WARM_UP_TOKENS
-    from hy3c.serve.server import build_engine
+    from hy3c.serve.engine.core import WARM_UP_TOKENS
+    from hy3c.serve.http.server import build_engine
 
     options = ServeOptions(artifact, kv_memory_gib=0.02, max_num_batched_tokens=512, compile=False)
     engine, _tokenizer, _server = build_engine(options)
@@ -432,9 +432,9 @@ def test_warm_up_prefills_each_token_count_class_then_samples_every_path(artifac
 def test_a_steps_outputs_reach_a_shared_sink_in_one_call(artifact):
     """Emits that share a `batch_sink` get each step's outputs in one call (the HTTP server's loop is
     woken once per step); a plain callable is still called per output."""
-    from hy3c.serve.engine import GenerationRequest
-    from hy3c.serve.sampler import SamplingParams
-    from hy3c.serve.server import build_engine
+    from hy3c.serve.engine.core import GenerationRequest
+    from hy3c.serve.engine.sampler import SamplingParams
+    from hy3c.serve.http.server import build_engine
 
     engine = build_engine(ServeOptions(artifact, kv_memory_gib=0.02, compile=False))[0]
     calls: list[list[str]] = []
@@ -467,9 +467,9 @@ def test_a_steps_outputs_reach_a_shared_sink_in_one_call(artifact):
 def test_a_failing_row_does_not_swallow_the_outputs_of_rows_done_before_it(artifact):
     """Request a finishes in the same step in which b's detokenizer raises: a still gets its final
     output (before the step's failure ends b), so its client does not wait forever."""
-    from hy3c.serve.engine import GenerationRequest
-    from hy3c.serve.sampler import SamplingParams
-    from hy3c.serve.server import build_engine
+    from hy3c.serve.engine.core import GenerationRequest
+    from hy3c.serve.engine.sampler import SamplingParams
+    from hy3c.serve.http.server import build_engine
 
     engine = build_engine(ServeOptions(artifact, kv_memory_gib=0.02, compile=False))[0]
     got: dict[str, list] = {"a": [], "b": []}
