@@ -122,3 +122,30 @@ def test_a_prompt_scoring_sequence_skips_the_prefix_cache_and_bounds_its_rows(mo
     step = sched.schedule()
     mine = next(w for w in step if w.seq is scoring)
     assert mine.start == 12 and not mine.all_logits
+
+
+def test_the_scheduler_records_what_a_step_did():
+    """advance → the fed tokens are computed; append_token → the next step feeds the sampled token;
+    stop_scoring → chunks ask for their last row only; publish → the step's full pages are matchable;
+    finish → the rest published, then every page released."""
+    pool = PagePool(16, page_size=4)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
+    seq = Sequence("a", list(range(1, 8)), 7, score_prompt=True)
+    sched.add(seq)
+    work = sched.schedule()
+    assert [(w.start, w.count, w.all_logits) for w in work] == [(0, 7, True)]
+    sched.advance(work)
+    sched.stop_scoring(seq)
+    sched.append_token(seq, 42)
+    sched.publish(work)
+    assert seq.computed == 7 and seq.tokens == [*range(1, 8), 42] and not seq.score_prompt
+    later = [*range(1, 8), 42, 0]  # a later request with this sequence's tokens as its prefix
+    pool.release(hit := pool.match_prefix(later))
+    assert hit == seq.pages[:1]  # the one full page computed so far
+    work = sched.schedule()
+    assert [(w.start, w.count, w.wants_logits, w.all_logits) for w in work] == [(7, 1, True, False)]
+    sched.advance(work)
+    pages = list(seq.pages)
+    sched.finish(seq)
+    assert seq.finished and not sched.has_work and pool.num_free == pool.usable
+    assert pool.match_prefix(later) == pages  # the second page, full now, published by finish
