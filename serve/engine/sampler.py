@@ -1,14 +1,14 @@
-"""The token sampler of the serving engine: the pure-torch reference, and the dispatch to the Triton
-fused sampler (`hy3c.kernels.sampler.fused_sampler`) on CUDA.
+"""The token sampler of the serving engine: the penalties, then the op `hy3.sample` (`hy3c.ops.sample`)
+— its Triton provider (`hy3c.kernels.sampler`) on CUDA, its reference elsewhere.
 
     inputs = prepare_fused(params, generators, device)     # before the model step (None off CUDA)
     result = sample(logits, params, history, generators, num_logprobs, noise=None, prepared=inputs)
 
 Per row: the logit bias, repetition penalty over the prompt and output tokens, presence and frequency
 penalties over the output tokens (`apply_penalties`, before either path), temperature, then min-p,
-top-k and top-p filtering (`filter_mask`), then a draw — greedy (temperature 0) or Gumbel-max over the
-kept logits with the request's seeded generator (`noise` injects the uniform draws, which makes
-sampling exactly reproducible in tests). Logprobs are those of the processed distribution (after bias,
+top-k and top-p filtering (`hy3c.ops.sample.filter_mask`), then a draw — greedy (temperature 0) or
+Gumbel-max over the kept logits with the request's seeded generator (`noise` injects the uniform
+draws, which makes sampling exactly reproducible in tests). Logprobs are those of the processed distribution (after bias,
 penalties and temperature, before filtering), for the chosen token and the top `num_logprobs`.
 
 Numbers that would overflow are kept out at this level, so that the reference and the fused kernel
@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+import hy3c.kernels  # noqa: F401  (registers hy3.sample and its providers)
+from hy3c.kernels.registry import providers_for
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (logits / 1e-40 overflow fp32 to inf)
 PENALISED_LOGIT_LIMIT = 1e30  # x 1 / SAMPLING_EPS = 1e35: far below fp32's 3.4e38
@@ -121,31 +124,6 @@ def apply_penalties(logits: Tensor, params: list[SamplingParams], history: list[
     return logits
 
 
-def filter_mask(probs: Tensor, p: SamplingParams) -> Tensor:
-    """Boolean mask [V] of the tokens min-p, then top-k, then top-p keep (the most likely is always kept).
-
-    The filters apply in vLLM's order, each to what the previous kept: min-p keeps tokens with
-    probability ≥ min_p · max; top-k the k most likely of those; top-p the most likely tokens whose
-    mass, renormalised over what is still kept, reaches top_p. Tokens tied with the last one top-k or
-    top-p keeps are kept too (as vLLM does), so the result does not depend on how a sort orders equal
-    values.
-    """
-    sorted_probs, order = probs.sort(descending=True, stable=True)
-    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-    if p.min_p > 0.0:
-        keep &= sorted_probs >= p.min_p * sorted_probs[0]
-    if 0 < p.top_k < sorted_probs.numel():
-        keep &= sorted_probs >= sorted_probs[p.top_k - 1]
-    if p.top_p < 1.0:
-        kept = torch.where(keep, sorted_probs, 0.0)
-        within = (kept.cumsum(-1) - kept < p.top_p * kept.sum()) & keep  # a prefix of the sorted order
-        keep &= sorted_probs >= sorted_probs[max(int(within.sum()) - 1, 0)]
-    keep[0] = True
-    mask = torch.zeros_like(keep)
-    mask[order] = keep
-    return mask
-
-
 @dataclass(frozen=True)
 class FusedInputs:
     """The fused sampler's per-row parameter columns, already on the device: temperature, top_k, top_p,
@@ -207,31 +185,20 @@ def sample(
     return sample_reference(logits, params, history, generators, num_logprobs, noise)
 
 
-def _triton_sampler():
-    try:
-        from hy3c.kernels.sampler.fused_sampler import fused_sample
-    except ImportError:
-        return None
-    return fused_sample
+def _triton_sampler() -> torch._ops.OpOverload | None:
+    """`hy3.sample`'s Triton provider; None where Triton is not installed."""
+    return next((p.target for p in providers_for("sample") if p.name == "triton"), None)
 
 
 def _sample_fused(logits, params, history, inputs: FusedInputs, num_logprobs, noise) -> SampleResult:
     logits = apply_penalties(logits.float(), params, history)
-    device = logits.device
-    rows = len(params)
-    top_out = None
-    if num_logprobs:  # the kernel's sorted candidates give the top logprobs too
-        top_out = (
-            torch.empty(rows, num_logprobs, dtype=torch.int32, device=device),
-            torch.empty(rows, num_logprobs, dtype=torch.float32, device=device),
-            torch.empty(rows, dtype=torch.int32, device=device),
-        )
-    tokens, chosen = _triton_sampler()(logits, *inputs.columns, noise, top=top_out)
+    outputs = _triton_sampler()(logits, *inputs.columns, noise, num_logprobs)
+    tokens, chosen = outputs[:2]
     token_list, chosen_list = torch.stack([tokens.double(), chosen.double()]).tolist()
     top: list[list[tuple[int, float]]] = [[] for _ in params]
-    if top_out is not None:
-        ids, values, exact = (t.tolist() for t in top_out)
-        for row in range(rows):
+    if num_logprobs:  # the kernel's sorted candidates give the top logprobs too
+        ids, values, exact = (t.tolist() for t in outputs[2:])
+        for row in range(len(params)):
             if not exact[row]:  # the candidates cannot vouch for the n-th token: the whole row
                 temperature = params[row].temperature or 1.0
                 values[row], ids[row] = torch.log_softmax(logits[row] / temperature, -1).topk(num_logprobs)
@@ -254,23 +221,15 @@ def sample_reference(
     num_logprobs: int = 0,
     noise: Tensor | None = None,
 ) -> SampleResult:
+    """The penalties, then `hy3.sample`'s reference with each sampled row's uniforms drawn from its
+    request's generator (or taken from `noise`); greedy rows draw nothing."""
     logits = apply_penalties(logits.float(), params, history)
-    tokens, chosen, top = [], [], []
-    for row, p in enumerate(params):
-        scaled = logits[row] if p.greedy else logits[row] / p.temperature
-        logprobs = torch.log_softmax(scaled, dim=-1)
-        if p.greedy:
-            token = int(scaled.argmax())
-        else:
-            mask = filter_mask(logprobs.exp(), p)
-            u = noise[row] if noise is not None else _uniforms(scaled, generators[row])
-            gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
-            token = int(torch.where(mask, scaled + gumbel, float("-inf")).argmax())
-        tokens.append(token)
-        chosen.append(float(logprobs[token]))
-        if num_logprobs:
-            values, ids = logprobs.topk(num_logprobs)
-            top.append(list(zip(ids.tolist(), values.tolist())))
-        else:
-            top.append([])
-    return SampleResult(tokens, chosen, top)
+    if noise is None:
+        noise = torch.empty_like(logits)  # unread in greedy rows
+        for row, (p, generator) in enumerate(zip(params, generators)):
+            if not p.greedy:
+                noise[row] = _uniforms(logits[row], generator)
+    columns = fused_inputs(params, [0] * len(params), logits.device).columns
+    tokens, chosen, ids, values, _ = torch.ops.hy3.sample(logits, *columns, noise, num_logprobs)
+    top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return SampleResult(tokens.tolist(), chosen.tolist(), top)

@@ -1,13 +1,21 @@
-"""The Triton fused sampler against the reference sampler, with injected noise (exact ids), on CPU."""
+"""The Triton fused sampler (`hy3_triton.sample`) against `hy3.sample`'s reference, with injected noise
+(exact ids), on CPU under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import hy3c.kernels  # noqa: F401
 from hy3c.kernels.sampler.fused_sampler import fused_sample
 from hy3c.serve.engine.sampler import History, SamplingParams
-from hy3c.serve.engine.sampler import sample_reference as sample
+
+hy3, tri = torch.ops.hy3, torch.ops.hy3_triton
+
+
+def _reference(logits, params, noise, num_logprobs=0):
+    """hy3.sample's reference over the columns of one SamplingParams for every row."""
+    return hy3.sample(logits, *_columns(params, logits.shape[0]), noise, num_logprobs)
 
 
 @pytest.mark.parametrize(
@@ -31,10 +39,10 @@ def test_fused_sampler_equals_reference_with_injected_noise(params, logits_kind)
         logits[:, ::7] = float("-inf")
         logits[:, 3] = -1e30
     noise = torch.rand(rows, vocab)
-    ref = sample(logits, [params] * rows, [History([], [])] * rows, [None] * rows, noise=noise)
+    ref_tokens, ref_logprobs, *_ = _reference(logits, params, noise)
     tokens, logprobs = fused_sample(logits, *_columns(params, rows), noise=noise)
-    assert tokens.tolist() == ref.tokens
-    torch.testing.assert_close(logprobs, torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
 
 
 def _columns(params: SamplingParams, rows: int) -> tuple[torch.Tensor, ...]:
@@ -69,14 +77,14 @@ def test_rows_split_over_chunks_merge_exactly_and_fall_back_only_when_needed(par
     logits[:, torch.randperm(vocab)[:12]] += 8.0  # a peaked head spread over the chunks
     logits[2:] = (logits[2:] * 2).round() / 2  # coarse rows: ties at the chunk floors and cut-offs
     noise = torch.rand(rows, vocab)
-    ref = sample(logits, [params] * rows, [History([], [])] * rows, [None] * rows, noise=noise)
+    ref_tokens, ref_logprobs, *_ = _reference(logits, params, noise)
     fallback = torch.full((rows,), -1, dtype=torch.int32)
     tokens, logprobs = fused_sample(
         logits, *_columns(params, rows), noise, chunk=256, candidates=16, merge_top=64, fallback=fallback
     )
     assert fallback.tolist() == [int(falls_back)] * rows
-    assert tokens.tolist() == ref.tokens
-    torch.testing.assert_close(logprobs, torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
 
 
 def test_fused_sampler_seeded_stream_is_reproducible_and_respects_top_k():
@@ -106,10 +114,35 @@ def test_top_logprobs_come_from_the_candidates_and_rows_they_cannot_vouch_for_ar
         torch.testing.assert_close(top[1][row], expected_values[row], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_logprobs", [0, 3])
+def test_triton_provider_of_hy3_sample_equals_the_reference(num_logprobs):
+    """`hy3_triton.sample` passes opcheck and returns what `hy3.sample`'s reference does for rows of
+    mixed parameters: tokens, logprobs and (where the kernel vouches for them) the top logprobs."""
+    rows, vocab = 5, 1500
+    logits = torch.randn(rows, vocab) * 3
+    logits[4] = 0.0  # flat: the kernel cannot vouch for its top logprobs
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9)]
+    mixed += [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.1, min_p=0.05)]
+    mixed.append(SamplingParams(temperature=0.9))
+    columns = [torch.cat(c) for c in zip(*(_columns(p, 1) for p in mixed))]
+    noise = torch.rand(rows, vocab)
+    args = (logits, *columns, noise, num_logprobs)
+    torch.library.opcheck(tri.sample.default, args)
+    ours, ref = tri.sample(*args), hy3.sample(*args)
+    assert torch.equal(ours[0], ref[0])
+    torch.testing.assert_close(ours[1], ref[1], atol=1e-4, rtol=1e-4)
+    assert ours[2].shape == ref[2].shape == (rows, num_logprobs)
+    assert ours[4].shape == ref[4].shape == (rows if num_logprobs else 0,)
+    if num_logprobs:
+        assert ours[4].tolist() == [1, 1, 1, 1, 0] and ref[4].tolist() == [1] * rows
+        assert torch.equal(ours[2][:4], ref[2][:4])
+        torch.testing.assert_close(ours[3][:4], ref[3][:4], atol=1e-5, rtol=1e-5)
+
+
 def test_serving_sampler_through_the_kernels_equals_the_reference_with_logprobs():
     """`hy3c.serve.engine.sampler`'s CUDA path (run here by the interpreter): tokens, chosen and top
     logprobs."""
-    from hy3c.serve.engine.sampler import _sample_fused, fused_inputs
+    from hy3c.serve.engine.sampler import _sample_fused, fused_inputs, sample_reference
 
     rows, vocab = 4, 1500
     logits = torch.randn(rows, vocab) * 3
@@ -120,7 +153,7 @@ def test_serving_sampler_through_the_kernels_equals_the_reference_with_logprobs(
     noise = torch.rand(rows, vocab)
     inputs = fused_inputs(params, [0] * rows, logits.device)
     ours = _sample_fused(logits, params, history, inputs, 4, noise)
-    ref = sample(logits, params, history, [None] * rows, 4, noise)
+    ref = sample_reference(logits, params, history, [None] * rows, 4, noise)
     assert ours.tokens == ref.tokens
     torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
     for got, want in zip(ours.top, ref.top):

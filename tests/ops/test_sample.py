@@ -33,11 +33,11 @@ def test_filters_apply_min_p_then_top_k_then_top_p():
 
 
 def test_top_k_and_top_p_keep_every_token_tied_at_the_cut_off():
-    probs = torch.tensor([0.3, 0.3, 0.3, 0.1])
-    tied = [True, True, True, False]
+    probs = torch.tensor([0.1, 0.2, 0.4, 0.2, 0.1])
+    tied = [False, True, True, True, False]
     assert filter_mask(probs, 0.0, 2, 1.0).tolist() == tied
     assert filter_mask(probs, 0.0, 0, 0.5).tolist() == tied
-    assert filter_mask(probs, 0.0, 1, 1.0).tolist() == tied
+    assert filter_mask(probs, 0.0, 1, 1.0).tolist() == [False, False, True, False, False]
 
 
 @pytest.mark.parametrize("num_logprobs", [0, 4])

@@ -5,7 +5,7 @@ import torch
 
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.serve.engine.detokenizer import IncrementalDetokenizer
-from hy3c.serve.engine.sampler import History, SamplingParams, apply_penalties, filter_mask, sample
+from hy3c.serve.engine.sampler import History, SamplingParams, apply_penalties, sample
 
 
 def test_penalties():
@@ -16,13 +16,6 @@ def test_penalties():
         logits, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], [History([0], [2, 2, 3])]
     )
     assert out.tolist() == [[2.0, -2.0, 0.0, -0.25]]
-
-
-def test_filters():
-    probs = torch.tensor([0.1, 0.5, 0.3, 0.1])
-    assert filter_mask(probs, SamplingParams(top_k=2)).tolist() == [False, True, True, False]
-    assert filter_mask(probs, SamplingParams(top_p=0.6)).tolist() == [False, True, True, False]
-    assert filter_mask(probs, SamplingParams(min_p=0.5)).tolist() == [False, True, True, False]
 
 
 def test_greedy_seeded_and_injected_noise():
@@ -90,20 +83,6 @@ def test_logprob_token_text_and_bytes_round_trip(tiny_ckpt):
     assert any(t.startswith("bytes:\\x") for t in texts) and " and" in "".join(texts)
 
 
-def test_top_k_and_top_p_keep_every_token_tied_at_the_cut_off():
-    probs = torch.tensor([0.1, 0.2, 0.4, 0.2, 0.1])
-    tied = [False, True, True, True, False]
-    assert filter_mask(probs, SamplingParams(temperature=1.0, top_k=2)).tolist() == tied
-    assert filter_mask(probs, SamplingParams(temperature=1.0, top_p=0.5)).tolist() == tied
-    assert filter_mask(probs, SamplingParams(temperature=1.0, top_k=1)).tolist() == [
-        False,
-        False,
-        True,
-        False,
-        False,
-    ]
-
-
 def test_every_id_of_a_larger_vocabulary_decodes_to_its_own_text(tmp_path):
     """Real-shape checkpoints (vocab 120832) get placeholder tokens past the 512 trained entries, so a
     random model's tokens stream as text one by one."""
@@ -169,9 +148,9 @@ def test_prepared_inputs_are_the_ones_the_fused_sampler_uses(monkeypatch):
 
     used = []
 
-    def fake_kernel(logits, *columns, top):
-        used.append(columns[:5])
-        return torch.zeros(logits.shape[0], dtype=torch.int64), torch.zeros(logits.shape[0])
+    def fake_kernel(logits, *columns_noise_and_num_logprobs):
+        used.append(columns_noise_and_num_logprobs[:5])
+        return torch.ops.hy3.sample(logits, *columns_noise_and_num_logprobs)
 
     monkeypatch.setattr(sampler_mod, "_triton_sampler", lambda: fake_kernel)
     logits = torch.randn(2, 11)
