@@ -36,6 +36,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import hy3c.kernels
 import hy3c.ops  # noqa: F401
+from hy3c.kernels import overrides
 from hy3c.kernels.attention import plan as plan_mod
 from hy3c.kernels.attention import qknorm_rope_kvstore
 from hy3c.kernels.attention.config import (
@@ -48,7 +49,6 @@ from hy3c.kernels.attention.config import (
 )
 from hy3c.kernels.attention.decode import decode_attention_dynamic
 from hy3c.kernels.attention.prefill import prefill_attention
-from hy3c.kernels.pdl import pdl_env
 from hy3c.ops.fused import qknorm_rope_quant_kvstore_reference
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -229,7 +229,7 @@ def decode_bench(lengths: list[int], label: str, sdpa_ms: float | None) -> None:
         name = "bf16" if dtype == torch.bfloat16 else "fp8"
         kv = (cache, scales, 0, table, seq_lens, scale)
         t_dyn = bench(lambda kv=kv: decode_attention_dynamic(q, *kv, plan))
-        with pdl_env(False):
+        with overrides.forced(overrides.PDL, False):
             t_no_pdl = bench(lambda kv=kv: decode_attention_dynamic(q, *kv, plan))
         t_static = bench(lambda kv=kv: decode_attention_static(q, *kv))
         splits = heuristic_static_splits(
@@ -545,7 +545,7 @@ def decode_spread(length: int, repeats: int = 6) -> None:
         for pages, page_table in (("random pages", table), ("pages in order", in_order)):
             kv = (cache, scales, 0, page_table, seq_lens, HEAD_DIM**-0.5, plan)
             for (timer_name, timer), pdl in itertools.product(timers.items(), (True, False)):
-                with pdl_env(pdl):
+                with overrides.forced(overrides.PDL, pdl):
                     times = [timer(lambda kv=kv: decode_attention_dynamic(q, *kv)) for _ in range(repeats)]
                 name = f"{dtype_name(dtype)} {pages}, {timer_name}, PDL {'on' if pdl else 'off'}"
                 show(name, times, kv_bytes)

@@ -34,7 +34,7 @@ import hy3c.kernels  # noqa: F401
 from hy3c.checkpoint.random_checkpoint import random_model
 from hy3c.compiler.driver import compile_model
 from hy3c.config import preset_config
-from hy3c.kernels.pdl import launch_switch
+from hy3c.kernels import overrides
 from hy3c.model.batch import SeqChunk, build_step_batch
 from hy3c.recipe import load_recipe
 
@@ -256,9 +256,9 @@ def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 50) -> float:
 
 
 def switch_ab(runner, sizes: list[int], context: int, variable: str, rounds: int = 3) -> dict:
-    """Decode steps captured with a switch off and on (HY3C_PDL: programmatic dependent launch;
-    HY3C_GLUON: the Gluon kernels), alternating in one process (the switch is read at launch, so each
-    capture takes the setting of its moment): graph replay ms and the whole step's wall ms (input
+    """Decode steps captured with an override off and on (HY3C_PDL: programmatic dependent launch;
+    HY3C_GLUON: the Gluon kernels; `hy3c.kernels.overrides`), alternating in one process (the override
+    is read at launch, so each capture takes the setting of its moment): graph replay ms and the whole step's wall ms (input
     staging included), medians over the rounds."""
     device = runner.device
     per = -(-(context + 1) // PAGE)
@@ -267,7 +267,7 @@ def switch_ab(runner, sizes: list[int], context: int, variable: str, rounds: int
     samples: dict[str, list[float]] = {}
     for _ in range(rounds):
         for on in (False, True):
-            with launch_switch(variable, on):
+            with overrides.forced(variable, on):
                 runner.capture_decode_graphs(kv, max_pages=per, batch_sizes=sizes)
                 for b in sizes:
                     batch = decode_batch(b, context, device)
@@ -302,9 +302,7 @@ def profile_decode(runner, config, batch_size: int, context: int) -> dict:
     sync(device)
     from torch.profiler import ProfilerActivity, profile
 
-    with launch_switch(
-        "HY3C_PDL", False
-    ):  # kernels launched with PDL would count their wait for the predecessor
+    with overrides.forced(overrides.PDL, False):  # kernels launched with PDL would count their wait
         runner(*batch.model_args(kv))
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             runner(*batch.model_args(kv))
@@ -372,7 +370,7 @@ def main() -> None:
         for recipe_name, overrides in (("h200-bf16", []), ("h20-w8a8c8", ["quant.activations=dynamic"])):
             runner, _ = compile_model(model, load_recipe(recipe_name, overrides), compile=False)
             ROWS.append((recipe_name, "", "", ""))
-            RESULTS[f"gluon_ab_{recipe_name}"] = switch_ab(runner, decode_sizes, context, "HY3C_GLUON")
+            RESULTS[f"gluon_ab_{recipe_name}"] = switch_ab(runner, decode_sizes, context, overrides.GLUON)
             del runner
     elif args.part == "main":
         recipe = load_recipe("cpu-reference" if cpu else "h200-bf16")
@@ -407,7 +405,7 @@ def main() -> None:
         if not cpu and not args.no_profile:
             RESULTS["profile_decode_B1"] = profile_decode(runner, config, 1, context)
             RESULTS["profile_decode_B32"] = profile_decode(runner, config, 32, context)
-            RESULTS["pdl_ab"] = switch_ab(runner, [1, 32], context, "HY3C_PDL")
+            RESULTS["pdl_ab"] = switch_ab(runner, [1, 32], context, overrides.PDL)
         del runner
         chosen = set(args.ablate.split(",")) if args.ablate else None
         for spec in [] if args.no_ablation else base.passes:

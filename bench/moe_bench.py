@@ -1,7 +1,7 @@
 """MoE-path benchmark on one GPU (H200): router GEMM, FusedMoE bf16/FP8, against peers in the same run.
 
     python bench/moe_bench.py [--sweep] [--parts router,align,moe]
-        # markdown table; $OUT/moe.json (+ $OUT/fused_moe_h200.json)
+        # markdown table; $OUT/moe.json (+ $OUT/fused_moe_<gpu>.json)
 
 * Router GEMM, N=192, K=4096: fp32 cuBLAS, TF32 cuBLAS, hy3c dual-BF16 Triton; max abs error vs fp64.
 * moe_align, E=192, top-8: one Triton program vs the device-side torch ops, both replayed in a CUDA
@@ -13,7 +13,8 @@
   per-token activation and per-channel weight scales); % of copy bandwidth on the active experts'
   weight bytes and % of bf16 peak.
 * --sweep: tries launch configs per token bucket (CUDA-graph replays at T ≤ 128) and writes the best
-  to $OUT/fused_moe_h200.json (the shipped configs for buckets not in --tokens); with the router part,
+  to $OUT/fused_moe_<gpu>.json, this GPU's table (`hy3c.kernels.moe.config.device_key`: h200 on an H200;
+  the shipped configs for buckets not in --tokens); with the router part,
   also sweeps the dual-BF16 kernel's tiles and K splits per M.
 """
 
@@ -31,10 +32,9 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import hy3c.kernels  # noqa: F401
 from hy3c.kernels.moe.align import moe_align_torch, moe_align_triton
-from hy3c.kernels.moe.config import CONFIG_FILE, MoeConfig, select_config
+from hy3c.kernels.moe.config import MoeConfig, device_key, select_config, table_file
 from hy3c.kernels.moe.fused_moe import fused_moe_triton
 from hy3c.kernels.moe.router import router_gemm_dual_bf16
-from hy3c.kernels.pdl import launch_switch
 from hy3c.kernels.rowwise.quant import quant_fp8_per_token
 from hy3c.ops.quant import FP8_DTYPE, split_router_weight
 
@@ -156,8 +156,7 @@ def grouped_mm_moe(x, ids, wt, w13, w2):
 
 def triton_kernels_only(args):
     """fused_moe_triton on the Triton kernels even where its config would take the Gluon ones."""
-    with launch_switch("HY3C_GLUON", False):
-        return fused_moe_triton(*args)
+    return fused_moe_triton(*args, gluon=False)
 
 
 def quant_rows_torch(x):
@@ -270,7 +269,7 @@ def sweep_bucket(x, ids, wt, variants: dict[str, tuple]) -> dict[str, MoeConfig]
         if best is None:  # nothing could be timed (every capture failed): keep the shipped config
             print(f"sweep {kind} T={t}: no config could be timed")
             continue
-        default = select_config(t, kind)
+        default = select_config(t, kind, torch.cuda.get_device_name())
         default_ms = timer(lambda c=default, w=weights: fused_moe_triton(x, wt, ids, *w, None, config=c))
         shipped = f"{default_ms:.4f} ms" if default_ms is not None else "not capturable"
         print(f"sweep {kind} T={t}: best {best[0]:.4f} ms with {best[1]}; shipped {shipped} {default}")
@@ -423,10 +422,11 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
             for kind, cfg in sweep_bucket(x, ids, wt, variants).items():
                 tuned[kind][t] = cfg
     if sweep and os.environ.get("OUT"):  # swept buckets replace theirs; the others keep the shipped configs
-        shipped = json.loads(CONFIG_FILE.read_text()) if CONFIG_FILE.is_file() else {}
+        file = table_file(device_key(torch.cuda.get_device_name()))  # this GPU's table
+        shipped = json.loads(file.read_text()) if file.is_file() else {}
         for kind, table in tuned.items():
             shipped.setdefault(kind, {}).update({str(t): cfg.__dict__ for t, cfg in table.items()})
-        with open(os.path.join(os.environ["OUT"], "fused_moe_h200.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], file.name), "w") as f:
             json.dump(shipped, f, indent=1)
 
 

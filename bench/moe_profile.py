@@ -24,9 +24,9 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench_cudagraph
 
 import hy3c.kernels  # noqa: F401
+from hy3c.kernels import overrides
 from hy3c.kernels.moe.config import select_config
 from hy3c.kernels.moe.fused_moe import fused_moe_triton
-from hy3c.kernels.pdl import pdl_env
 from hy3c.ops.quant import FP8_DTYPE
 
 E, K_TOP, H, INTER = 192, 8, 4096, 1536
@@ -87,14 +87,14 @@ def main() -> None:
         }
         for kind, weights in variants.items():
             layer = functools.partial(fused_moe_triton, x, wt, ids, *weights, None)
-            with pdl_env(True):
+            with overrides.forced(overrides.PDL, True):
                 replay_us = do_bench_cudagraph(layer, rep=50, return_mode="median") * 1e3
-            with pdl_env(False):  # serialized kernels: each one's time is its own
+            with overrides.forced(overrides.PDL, False):  # serialized kernels: each one's time is its own
                 serial_us = do_bench_cudagraph(layer, rep=50, return_mode="median") * 1e3
                 kernels = kernel_times(capture(layer))
             total = sum(kernels.values())
             short = ", ".join(f"{n.split('(')[0][:28]} {us:.1f}" for n, us in kernels.items())
-            cfg = select_config(t, kind)
+            cfg = select_config(t, kind, torch.cuda.get_device_name())
             print(
                 f"| {t} | {kind} | {cfg} | {replay_us:.1f} | {serial_us:.1f} | {total:.1f} | "
                 f"{serial_us - total:.1f} | {short} |"

@@ -35,12 +35,20 @@ class QuantSpec(_Strict):
     weight_scales: Literal["tensor", "channel"] = "channel"
     kv: Literal["auto", "bf16", "fp8"] = "auto"  # auto = the model dtype
 
+    def kv_dtype(self, model_dtype: str) -> str:
+        """The KV cache's dtype: fp8 → float8_e4m3fn, bf16 → bfloat16, auto → the model's."""
+        return {"fp8": "float8_e4m3fn", "bf16": "bfloat16"}.get(self.kv, model_dtype)
+
 
 class ParallelSpec(_Strict):
     tp: int = Field(1, ge=1)
     sp: bool = False
     ep: int = Field(1, ge=1)
     dp_attention: bool = False
+
+
+# the GPU architecture of each target (None: the CPU): `lower` turns on the kernel variants it runs
+TARGET_ARCH: dict[str, str | None] = {"h20": "sm_90", "h200": "sm_90", "cpu": None}
 
 
 class PassSpec(_Strict):

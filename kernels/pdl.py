@@ -14,21 +14,20 @@ Rules for a kernel that takes part (a `PDL: tl.constexpr` parameter, launched wi
     takes SMs from the kernel itself.
 Waiting is transitive: a kernel's predecessor itself waited for everything before it.
 
-`HY3C_PDL=0` launches without PDL (for A/B measurements); CPUs and GPUs before compute capability 9.0
-never use it (the interpreter ignores the launch option, and `PDL` is False there).
+Whether a kernel takes part is the program's choice (each kernel op's `pdl` argument, decided by the
+`lower` pass; `HY3C_PDL` overrides it, `hy3c.kernels.overrides`). CPUs and GPUs before compute
+capability 9.0 never use it (the interpreter ignores the launch option, and `PDL` is False there): a
+program compiled for a Hopper target that runs on an older GPU launches without it, logged once.
 """
 
 from __future__ import annotations
-
-import os
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
-from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from hy3c.kernels import devices, overrides
 
 
 @triton.jit
@@ -39,35 +38,11 @@ def wait_for_inputs(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@cache
-def _hopper_or_newer(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
-def pdl_launch(device: torch.device) -> dict[str, bool]:
-    """The `PDL` constexpr and Triton's `launch_pdl` option for a launch on `device`."""
-    on = (
-        device.type == "cuda"
-        and os.environ.get("HY3C_PDL", "1") != "0"
-        and _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())
-    )
+def pdl_launch(device: torch.device, pdl: bool) -> dict[str, bool]:
+    """The `PDL` constexpr and Triton's `launch_pdl` option for a launch on `device` of a kernel whose
+    program asks for PDL or not (`pdl`)."""
+    on = overrides.variant(overrides.PDL, pdl) and device.type == "cuda"
+    if on and devices.capability(device) < (9, 0):
+        devices.fall_back("pdl", device, "compute capability below 9.0", "launched without PDL")
+        on = False
     return {"PDL": on, "launch_pdl": on}
-
-
-@contextmanager
-def launch_switch(variable: str, on: bool) -> Iterator[None]:
-    """A switch read at kernel launch (HY3C_PDL; HY3C_GLUON: the Gluon kernels) set to on/off inside the
-    block and restored after it (for A/B measurements: launches and CUDA-graph captures inside take it)."""
-    previous = os.environ.get(variable)
-    os.environ[variable] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        os.environ.pop(variable, None)
-        if previous is not None:
-            os.environ[variable] = previous
-
-
-def pdl_env(on: bool) -> AbstractContextManager[None]:
-    """HY3C_PDL set to on/off inside the block and restored after it (`launch_switch`)."""
-    return launch_switch("HY3C_PDL", on)

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, ClassVar
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import fx
 
 from hy3c.config import Hy3Config
-from hy3c.recipe import ParallelSpec, QuantSpec
+from hy3c.recipe import TARGET_ARCH, ParallelSpec, QuantSpec
 
 
 class Stage(IntEnum):
@@ -46,6 +47,19 @@ class CompileCtx:
     # provider families that cannot be used by this install, with the reason (e.g. Triton not installed):
     # `lower` skips them and reports every node that falls back to a later provider
     unavailable_providers: tuple[tuple[str, str], ...] = ()
+    # debugging overrides of the kernel variants set while compiling (`hy3c.kernels.overrides`): variable
+    # → on/off; `lower` takes them over the recipe's choice and records them
+    variant_overrides: tuple[tuple[str, bool], ...] = ()
+
+    @property
+    def arch(self) -> str | None:
+        """The target's GPU architecture ("sm_90"), None for the CPU."""
+        return TARGET_ARCH[self.target]
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype at run time (the traced step's cache placeholder has the model dtype)."""
+        return getattr(torch, self.quant.kv_dtype(self.dtype))
 
 
 class Site(BaseModel):

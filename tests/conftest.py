@@ -61,3 +61,13 @@ def make_ckpt(tmp_path_factory):
 
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/*.json from this run")
+
+
+@pytest.fixture
+def hy3c_log(caplog, monkeypatch):
+    """caplog for hy3c's loggers, whose records `setup_logging` (run by CLI tests) keeps from the root."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("hy3c"), "propagate", True)
+    with caplog.at_level(logging.INFO, logger="hy3c"):
+        yield caplog

@@ -143,9 +143,11 @@ def decode_attention_static(
     sm_scale: float,
     splits: int = DECODE_SPLITS_STATIC,
     config: LaunchConfig | None = None,
+    pdl: bool = True,
 ) -> Tensor:
     """Every request split into `splits` equal KV ranges, whatever its length; the key blocks loaded as
-    dynamic decode loads them (`decode_config`) unless config says otherwise."""
+    dynamic decode loads them (`decode_config`) unless config says otherwise; launched as our decode
+    kernels are (`pdl`)."""
     group, num_kv_heads, head_dim = gqa_shape(q, kv_cache)
     num_requests = seq_lens.shape[0]
     config = config or decode_config(kv_cache.dtype, num_requests, kv_cache.shape[3])
@@ -179,7 +181,7 @@ def decode_attention_static(
         TMA=config.tma,
         **config.launch_options(),
         **common,
-        **pdl_launch(q.device),
+        **pdl_launch(q.device, pdl),
     )
     _static_combine_kernel[(num_requests, q.shape[1])](
         out,
@@ -193,7 +195,7 @@ def decode_attention_static(
         SPLITS=splits,
         COMBINE_SLOTS=COMBINE_SLOTS,
         **common,
-        **pdl_launch(q.device),
+        **pdl_launch(q.device, pdl),
     )
     return out
 

@@ -117,6 +117,8 @@ def unavailable_providers() -> tuple[tuple[str, str], ...]:
 
 
 def compile_context(config: Hy3Config, recipe: Recipe, quant: QuantLayout) -> CompileCtx:
+    from hy3c.kernels import overrides
+
     return CompileCtx(
         model=config,
         parallel=recipe.parallel,
@@ -128,21 +130,30 @@ def compile_context(config: Hy3Config, recipe: Recipe, quant: QuantLayout) -> Co
         checkpoint_static_scales=quant.static_activations,
         checkpoint_fp8=bool(quant.fp8_modules),
         unavailable_providers=unavailable_providers(),
+        variant_overrides=tuple(sorted(overrides.active().items())),
     )
 
 
 def trace_and_run_passes(
-    config: Hy3Config,
+    ctx: CompileCtx,
     recipe: Recipe,
     quant: QuantLayout,
     dump_dir: Path | None,
     timings: dict[str, float],
     progress: bool | None = None,
 ) -> tuple[fx.GraphModule, list[PassResult]]:
-    """Trace the step function on the meta device and run the recipe's passes over it, with one progress
-    bar over the trace and each pass (shown on a terminal; `progress` forces it on or off)."""
-    ctx = compile_context(config, recipe, quant)
+    """Trace the step function on the meta device and run the recipe's passes over it in `ctx`, with one
+    progress bar over the trace and each pass (shown on a terminal; `progress` forces it on or off)."""
+    config = ctx.model
     _warn_unavailable(recipe, ctx)
+    if ctx.variant_overrides:
+        log_event(
+            log,
+            "kernel_variant_overrides",
+            level=logging.WARNING,
+            overrides=" ".join(f"{name}={int(on)}" for name, on in ctx.variant_overrides),
+            effect="the lower pass takes them over the recipe (recorded in manifest.json)",
+        )
     with tqdm(
         total=1 + len(recipe.passes),
         desc="compile",
@@ -190,7 +201,8 @@ def compile_model(
     """Compile a model already in memory (e.g. random weights at real shapes for benchmarks) into a
     Runner, without writing an artifact: same trace, passes and weight derivation as `compile_artifact`."""
     _check_supported(recipe, None)
-    gm, results = trace_and_run_passes(model.config, recipe, model.quant, None, {})
+    ctx = compile_context(model.config, recipe, model.quant)
+    gm, results = trace_and_run_passes(ctx, recipe, model.quant, None, {})
     params = dict(model.named_parameters())
     device = model.device
 
@@ -245,8 +257,9 @@ def compile_artifact(
     quant = layout.quant if layout is not None else NO_QUANT
     out = Path(out)
     with atomic_output_dir(out, overwrite, inputs=[checkpoint] if checkpoint is not None else []) as tmp:
+        ctx = compile_context(config, recipe, quant)
         gm, results = trace_and_run_passes(
-            config, recipe, quant, tmp / "graphs" if dump_graphs else None, timings, progress
+            ctx, recipe, quant, tmp / "graphs" if dump_graphs else None, timings, progress
         )
         t0 = time.perf_counter()
         (tmp / "program").mkdir()
@@ -303,6 +316,7 @@ def compile_artifact(
                 },
                 "weights": {"files": weight_files} if layout is not None else None,
                 "kv_cache": {"dtype": kv_cache_dtype(recipe)},
+                "overrides": {name: str(int(on)) for name, on in ctx.variant_overrides},
                 "cache_key": {"key": json_sha256(parts), "parts": parts},
             }
         )  # the reader's model: what it would refuse is never written

@@ -40,7 +40,8 @@ TABLE_WIDTH = 120  # the pass table fits a terminal this wide; long cells wrap u
 
 
 def lowering_note(summary: dict) -> str:
-    """The lower pass's row note: providers by count, and the ops that fell back (details: `inspect ops`)."""
+    """The lower pass's row note: providers by count, the ops that fell back, the nodes each kernel variant
+    is on and off for, the config tables (details: `inspect ops`)."""
     providers: dict[str, int] = {}
     for choices in summary.get("providers", {}).values():
         for name, count in choices.items():
@@ -50,6 +51,13 @@ def lowering_note(summary: dict) -> str:
     if fallbacks:
         reasons = "; ".join(f"{name}: {why}" for name, why in summary.get("unavailable", {}).items())
         note += f"; {sum(fallbacks.values())} fell back ({reasons})"
+    for name, variant in summary.get("variants", {}).items():
+        on = sum(variant["on"].values())
+        off = sum(sum(why.values()) for why in variant["off"].values())
+        note += f"; {name} on×{on}" + (f" off×{off}" if off else "")
+    tables = sorted(set(summary.get("config_tables", {}).values()))
+    if tables:
+        note += f"; configs: {', '.join(tables)}"
     return note + " (inspect ops --after lower)"
 
 
@@ -83,18 +91,34 @@ def _is_lowered(report: dict, after: str | None) -> bool:
 
 
 def _providers_after_lower(report: dict) -> str:
-    """op → provider counts chosen by `lower`, with each fallback's reason (for `inspect ops`)."""
+    """op → provider counts chosen by `lower`, with each fallback's reason, the kernel variants each op
+    runs, and the config tables (for `inspect ops`)."""
     entry = next((p for p in report["passes"] if p["name"] == "lower" and p["status"] == "ran"), None)
     if entry is None or not entry.get("summary", {}).get("providers"):
         return ""
     summary = entry["summary"]
     fallbacks = summary.get("fallbacks", {})
+    variants = summary.get("variants", {})
+    tables = summary.get("config_tables", {})
     lines = ["", "providers (lower):"]
     for op, choices in summary["providers"].items():
         chosen = ", ".join(f"{name}×{count}" for name, count in choices.items())
         if op in fallbacks:
             chosen += f"  ({fallbacks[op]} fell back: {'; '.join(summary.get('unavailable', {}).values())})"
-        lines.append(f"  {op}: {chosen}")
+        runs = [f"{name}×{v['on'][op]}" for name, v in variants.items() if op in v["on"]]
+        runs += [
+            f"{name} off×{count}: {why}"
+            for name, v in variants.items()
+            for why, count in v["off"].get(op, {}).items()
+        ]
+        if op in tables:
+            runs.append(f"configs: {tables[op]}")
+        lines.append(f"  {op}: {chosen}" + (f"  [{'; '.join(runs)}]" if runs else ""))
+    if variants:
+        lines += ["", "kernel variants (lower):"]
+        lines += [f"  {name}: {v['rule']}" for name, v in variants.items()]
+    if tables:
+        lines.append("  configs: the target's table as shown; a launch takes the table of the GPU it runs on")
     return "\n".join(lines)
 
 

@@ -11,7 +11,9 @@ attribute path (`aten.__class__.__init__`) and no file, storage or I/O op (`aten
 The list is what the compiler emits, written out: the ATen ops of the traced Hy3 step (torch.export's
 ATen IR) that the passes keep, every op of the hy3 dialect that the model or a pass emits
 (`hy3c.ops`), and the kernel providers' ops that the `lower` pass picks (`hy3c.kernels`: `hy3_triton`,
-`hy3_cublas`). The compiler refuses to write a program calling anything else (so a new op is added here
+`hy3_cublas`). A Triton op's variant arguments (`pdl`, `gluon`: bools `lower` sets) choose among the
+kernels of that op, and each kernel checks at launch that it can run the inputs (else the op's plain
+Triton kernel runs), so no value of theirs reaches memory the op would not touch. The compiler refuses to write a program calling anything else (so a new op is added here
 in the same change that emits it), and `tests/compiler/test_artifact_security.py` checks that compiling
 the shipped recipes emits exactly these ops and that none of them touches files or storages.
 

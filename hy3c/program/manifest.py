@@ -132,6 +132,9 @@ class Manifest(_Strict):
     program: ProgramEntry
     weights: Weights | None
     kv_cache: KvCache
+    # debugging overrides of the kernel variants set while compiling (`hy3c.kernels.overrides`):
+    # variable → "0" / "1"; the program's kernel arguments already carry them
+    overrides: dict[str, Literal["0", "1"]] = Field(default_factory=dict)
     cache_key: CacheKey
 
 
@@ -181,8 +184,4 @@ def cache_key_parts(
 
 def kv_cache_dtype(recipe: Recipe) -> str:
     """The KV cache dtype a recipe compiles for (manifest.json `kv_cache.dtype`)."""
-    if recipe.quant.kv == "fp8":
-        return "float8_e4m3fn"
-    if recipe.quant.kv == "bf16":
-        return "bfloat16"
-    return recipe.dtype
+    return recipe.quant.kv_dtype(recipe.dtype)

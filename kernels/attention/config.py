@@ -83,10 +83,11 @@ FP8_PREFILL_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=5, tma=Tru
 PREFILL_CONFIG_ANY_PAGE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 
 
-def prefill_config(kv_dtype: torch.dtype, page_size: int = 64) -> LaunchConfig:
-    """The prefill launch config for a KV cache's dtype and page size (known on the host); a
-    warp-specialized one runs where `prefill_gluon.supported`, else `triton_prefill_config`."""
-    if kv_dtype != FP8_DTYPE and page_size % 64 == 0:
+def prefill_config(kv_dtype: torch.dtype, page_size: int = 64, gluon: bool = True) -> LaunchConfig:
+    """The prefill launch config for a KV cache's dtype and page size (known on the host) and whether the
+    program runs the Gluon kernel: the warp-specialized config where it may (the launch still checks
+    the inputs, `prefill_gluon.unsupported_launch`), else `triton_prefill_config`."""
+    if gluon and kv_dtype != FP8_DTYPE and page_size % 64 == 0:
         return GLUON_PREFILL_CONFIG
     return triton_prefill_config(kv_dtype, page_size)
 

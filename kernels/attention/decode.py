@@ -312,6 +312,7 @@ def combine_partials(
     num_ctas: int = 1,
     min_ctas: int = 1,
     min_tiles: int = 1,
+    pdl: bool = True,
 ) -> Tensor:
     """Merge the split-KV partials (part_o [slots, kv_heads, group, head_dim], part_lse [slots, kv_heads,
     group_pad]) into out [requests, heads, head_dim]: the dynamic schedule's slots (from the plan, the
@@ -336,7 +337,7 @@ def combine_partials(
         HEAD_DIM=head_dim,
         MIN_TILES=min_tiles,
         COMBINE_SLOTS=COMBINE_SLOTS,
-        **pdl_launch(out.device),
+        **pdl_launch(out.device, pdl),
     )
     return out
 
@@ -353,6 +354,7 @@ def decode_attention_dynamic(
     num_ctas: int | None = None,
     config: LaunchConfig | None = None,
     min_ctas: int | None = None,
+    pdl: bool = True,
 ) -> Tensor:
     """Dynamic split-KV decode; the launch config defaults by KV dtype and batch size (`decode_config`),
     the grid (num_ctas per KV head, of which at least min_ctas get work) from it and the device."""
@@ -397,6 +399,6 @@ def decode_attention_dynamic(
         TMA=config.tma,
         **config.launch_options(),
         **common,
-        **pdl_launch(q.device),
+        **pdl_launch(q.device, pdl),
     )
-    return combine_partials(out, plan, part_o, part_lse, num_ctas, min_ctas, config.min_tiles_per_cta)
+    return combine_partials(out, plan, part_o, part_lse, num_ctas, min_ctas, config.min_tiles_per_cta, pdl)

@@ -1,7 +1,8 @@
 """Triton paged GQA attention over the hy3c KV cache (bf16 or FP8 e4m3 with per-tensor scales).
 
 `hy3_triton::paged_attention` implements `hy3::paged_attention` and picks, from shapes alone (no host
-sync, so CUDA graphs capture it):
+sync, so CUDA graphs capture it), with the program's variants (`gluon`: the Gluon prefill kernel over
+bf16 KV; `pdl`: programmatic dependent launch):
   * a pure decode step (one query per request): **dynamic split-KV** decode. The step's KV tiles
     (`plan`'s row 0) are dealt in equal contiguous ranges to a fixed grid of CTAs × KV heads;
     each CTA walks its range, emitting one partial softmax result (o, lse) per request it touches into
@@ -10,8 +11,6 @@ sync, so CUDA graphs capture it):
   * anything else (prefill chunks over a cached prefix, mixed batches): a causal flash-attention
     kernel over query blocks (`plan`'s row 1) × KV heads, the query block's tokens × the
     group's heads forming the MMA rows.
-`attention_decode.decode_attention_static` is the static split-KV baseline (every request cut into the
-same number of splits), kept for benchmarks.
 
 FP8 K/V go into the MMAs as loaded: q is quantized per row to e4m3 (scale absmax / 448), QKᵀ is an
 e4m3 × e4m3 product, and so is PV, with P scaled into e4m3's range and V read K-major (keys contiguous)
@@ -48,9 +47,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hy3c.kernels.attention import prefill_gluon
 from hy3c.kernels.attention.decode import decode_attention_dynamic
+from hy3c.kernels.attention.plan import prefill_q_block
 from hy3c.kernels.attention.prefill import prefill_attention
-from hy3c.kernels.registry import Provider, register_provider
+from hy3c.kernels.registry import HOPPER, PDL, Provider, Target, Variant, register_provider
 
 
 @torch.library.custom_op("hy3_triton::paged_attention", mutates_args=())
@@ -64,18 +65,34 @@ def paged_attention(
     query_start_loc: Tensor,
     sm_scale: float,
     plan: Tensor,
+    *,
+    gluon: bool = True,
+    pdl: bool = True,
 ) -> Tensor:
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if q.shape[0] == seq_lens.shape[0]:  # one query per request: a decode step
-        return decode_attention_dynamic(q, kv_cache, kv_scales, layer, page_table, seq_lens, sm_scale, plan)
-    return prefill_attention(
-        q, kv_cache, kv_scales, layer, page_table, seq_lens, query_start_loc, sm_scale, plan
-    )
+        args = (q, kv_cache, kv_scales, layer, page_table, seq_lens, sm_scale, plan)
+        return decode_attention_dynamic(*args, pdl=pdl)
+    args = (q, kv_cache, kv_scales, layer, page_table, seq_lens, query_start_loc, sm_scale, plan)
+    return prefill_attention(*args, gluon=gluon, pdl=pdl)
 
 
 @paged_attention.register_fake
-def _(q, kv_cache, kv_scales, layer, page_table, seq_lens, query_start_loc, sm_scale, plan):
+def _(
+    q,
+    kv_cache,
+    kv_scales,
+    layer,
+    page_table,
+    seq_lens,
+    query_start_loc,
+    sm_scale,
+    plan,
+    *,
+    gluon=True,
+    pdl=True,
+):
     return torch.empty_like(q)
 
 
@@ -92,6 +109,18 @@ def _supports(node) -> str | None:
     return None
 
 
+def _gluon_supports(node, target: Target) -> str | None:
+    """The Gluon prefill's conditions on the node's shapes and the target's KV dtype
+    (`prefill_gluon.unsupported_inputs`)."""
+    q, cache = node.args[0].meta.get("val"), node.args[1].meta.get("val")
+    if q is None or cache is None:
+        return "no shapes recorded"
+    group = q.shape[1] // cache.shape[4]
+    return prefill_gluon.unsupported_inputs(
+        q.dtype, target.kv_dtype, q.shape[2], prefill_q_block(group) * group
+    )
+
+
 register_provider(
     Provider(
         "triton",
@@ -100,5 +129,6 @@ register_provider(
         frozenset({"cuda"}),
         cuda_graph_safe=True,
         supports=_supports,
+        variants=(PDL, Variant("gluon", HOPPER, _gluon_supports)),
     )
 )

@@ -11,7 +11,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
-from hy3c.kernels.registry import Provider, register_provider
+from hy3c.kernels.registry import PDL, Provider, register_provider
 
 MAX_PLAN_REQUESTS = 8192  # one program holds every request of the step
 PLAN_BLOCK = 256  # at least this many lanes: one compiled variant for every batch up to 256 requests
@@ -43,7 +43,9 @@ def _attention_plan_kernel(
 
 
 @torch.library.custom_op("hy3_triton::attention_plan", mutates_args=())
-def attention_plan(seq_lens: Tensor, query_start_loc: Tensor, kv_tile: int, q_block: int) -> Tensor:
+def attention_plan(
+    seq_lens: Tensor, query_start_loc: Tensor, kv_tile: int, q_block: int, *, pdl: bool = True
+) -> Tensor:
     num_requests = seq_lens.shape[0]
     if num_requests > MAX_PLAN_REQUESTS:
         raise ValueError(f"{num_requests} requests exceed the plan kernel's {MAX_PLAN_REQUESTS}")
@@ -56,16 +58,22 @@ def attention_plan(seq_lens: Tensor, query_start_loc: Tensor, kv_tile: int, q_bl
         kv_tile,
         q_block,
         BLOCK=max(triton.next_power_of_2(num_requests), PLAN_BLOCK),
-        **pdl_launch(seq_lens.device),
+        **pdl_launch(seq_lens.device, pdl),
     )
     return plan
 
 
 @attention_plan.register_fake
-def _(seq_lens: Tensor, query_start_loc: Tensor, kv_tile: int, q_block: int) -> Tensor:
+def _(seq_lens: Tensor, query_start_loc: Tensor, kv_tile: int, q_block: int, *, pdl: bool = True) -> Tensor:
     return seq_lens.new_empty((2, seq_lens.shape[0] + 1), dtype=torch.int32)
 
 
 register_provider(
-    Provider("triton", "attention_plan", torch.ops.hy3_triton.attention_plan.default, frozenset({"cuda"}))
+    Provider(
+        "triton",
+        "attention_plan",
+        torch.ops.hy3_triton.attention_plan.default,
+        frozenset({"cuda"}),
+        variants=(PDL,),
+    )
 )

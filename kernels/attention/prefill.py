@@ -1,8 +1,8 @@
 """Chunked-prefill attention over the paged KV cache: causal flash attention over query blocks
 (`plan`'s row 1) × KV heads, a block's tokens × the GQA group's heads forming the MMA rows, over
 the cached prefix and the new tokens (a query offset per request). `prefill_attention` runs the
-warp-specialized Gluon kernel (`prefill_gluon`) where its config asks for it and it supports
-the inputs (bf16 KV on sm_90), else the Triton kernel below."""
+warp-specialized Gluon kernel (`prefill_gluon`) where the program chose it (`gluon`) and the inputs
+allow it (bf16 KV on sm_90), else the Triton kernel below."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hy3c.kernels import devices, overrides
 from hy3c.kernels.attention import prefill_gluon
 from hy3c.kernels.attention.blocks import (
     BATCH_ARGS,
@@ -147,17 +148,28 @@ def prefill_attention(
     sm_scale: float,
     plan: Tensor,
     config: LaunchConfig | None = None,
+    gluon: bool = True,
+    pdl: bool = True,
 ) -> Tensor:
-    config = config or prefill_config(kv_cache.dtype, kv_cache.shape[3])
+    """Causal prefill over the cached prefix and the new tokens; `gluon`, `pdl`: the program's variants
+    (the Gluon kernel where the inputs allow it; programmatic dependent launch for the Triton one).
+    An explicit config decides the kernel itself (a warp-specialized one: Gluon where it can run)."""
+    gluon = overrides.variant(overrides.GLUON, gluon)
+    config = config or prefill_config(kv_cache.dtype, kv_cache.shape[3], gluon)
     group, num_kv_heads, head_dim = gqa_shape(q, kv_cache)
     num_requests = seq_lens.shape[0]
     q_block = prefill_q_block(group, config.q_rows)
     if config.warp_specialized:
         if config.lazy_rescale:
             raise ValueError("lazy_rescale: the Triton prefill kernel only (warp_specialized=False)")
-        if prefill_gluon.supported(q, kv_cache, q_block):
+        why_not = prefill_gluon.unsupported_inputs(
+            q.dtype, kv_cache.dtype, head_dim, q_block * group
+        ) or prefill_gluon.unsupported_launch(q, kv_cache)
+        if why_not is None and gluon:
             args = (q, kv_cache, layer, page_table, seq_lens, query_start_loc, sm_scale, plan, q_block)
             return prefill_gluon.prefill_attention_gluon(*args, config)
+        if gluon:
+            devices.fall_back("prefill_attention_gluon", q.device, why_not, "the Triton prefill kernel")
         config = triton_prefill_config(kv_cache.dtype, kv_cache.shape[3])
     out = torch.empty_like(q)
     max_tiles = triton.cdiv(q.shape[0], q_block) + num_requests
@@ -188,6 +200,6 @@ def prefill_attention(
         TMA=config.tma,
         LAZY=config.lazy_rescale,
         **config.launch_options(),
-        **pdl_launch(q.device),
+        **pdl_launch(q.device, pdl),
     )
     return out

@@ -22,18 +22,15 @@ V rows past the sequence in the last block are zeroed in shared memory by consum
 for it) before P·V, since a page's unused slots may hold anything (NaN × 0 = NaN).
 
 Requires an sm_90 GPU, bf16 q and cache, head_dim 128, a page size that is a multiple of 64 and 128
-query rows per program (`supported`); `prefill.prefill_attention` runs the Triton kernel
-elsewhere. Launched without programmatic dependent launch (it waits for the kernel before it; prefill
-runs for milliseconds). Gluon kernels cannot run under TRITON_INTERPRET: the CPU tests compile this one
+query rows per program (`unsupported_inputs`, `unsupported_launch`); `prefill.prefill_attention` runs
+the Triton kernel elsewhere, and where the program chose it (`gluon=False`). Launched without
+programmatic dependent launch (it waits for the kernel before it; prefill runs for milliseconds). Gluon kernels cannot run under TRITON_INTERPRET: the CPU tests compile this one
 for sm_90 and fail if ptxas serializes its products (tests/kernels/sm90_compile.py); the GPU tests check
 it against the reference. It also compiles the same with Triton 3.7.1, 3.8.0 and 3.9.0 (checked by hand,
 not in CI).
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import triton
@@ -49,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from hy3c.kernels import devices
 from hy3c.kernels.attention.blocks import BATCH_ARGS, LOG2E, query_block, search_iterations
 from hy3c.kernels.attention.config import LaunchConfig
 
@@ -311,26 +309,33 @@ def kv_page_descriptors(kv_cache: Tensor, layer: int) -> tuple[TensorDescriptor,
     return tuple(TensorDescriptor(layer_cache[i], [rows, width], [width, 1], box, layout) for i in (0, 1))
 
 
-@functools.cache
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def supported(q: Tensor, kv_cache: Tensor, q_block: int) -> bool:
-    """Whether this kernel runs these inputs (else the Triton kernel does); `HY3C_GLUON=0` turns it off
-    (for A/B measurements)."""
-    group = q.shape[1] // kv_cache.shape[4]
-    return (
-        os.environ.get("HY3C_GLUON", "1") != "0"
-        and q.is_cuda
-        and _sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        and q.dtype == kv_cache.dtype == torch.bfloat16
-        and q.shape[2] == kv_cache.shape[5] == 128
-        and q.stride(2) == 1
-        and kv_cache.shape[3] % PAGE_BOX == 0
-        and q_block * group == 128
-        and kv_cache[0].is_contiguous()
-    )
+def unsupported_inputs(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, rows: int) -> str | None:
+    """Why this kernel cannot take these inputs (None: it can): bf16 q and cache, head_dim 128, 128 query
+    rows (tokens × the GQA group's heads) per program. Dtypes and sizes only, so the `lower` pass asks it
+    of a node (the Gluon variant of `hy3.paged_attention`)."""
+    if not q_dtype == kv_dtype == torch.bfloat16:
+        return f"{_name(kv_dtype)} KV cache ({_name(q_dtype)} q): bf16 only"
+    if head_dim != 128:
+        return f"head_dim {head_dim}: 128 only"
+    if rows != 128:
+        return f"{rows} query rows per block: 128 only"
+    return None
+
+
+def unsupported_launch(q: Tensor, kv_cache: Tensor) -> str | None:
+    """What only a launch knows (None: it can run): an sm_90 GPU, pages of a multiple of 64 keys, head
+    dims adjacent in q and a contiguous cache."""
+    if devices.capability(q.device) != (9, 0):
+        return "not an sm_90 GPU"
+    if kv_cache.shape[3] % PAGE_BOX:
+        return f"page size {kv_cache.shape[3]} is not a multiple of {PAGE_BOX}"
+    if q.stride(2) != 1 or not kv_cache[0].is_contiguous():
+        return "strided q or KV cache"
+    return None
 
 
 def launch_options(config: LaunchConfig) -> dict[str, int]:

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
-from hy3c.kernels.registry import Provider, register_provider
+from hy3c.kernels.registry import PDL, Provider, register_provider
 from hy3c.ops.attention import v_pages_transposed
 from hy3c.ops.quant import FP8_DTYPE
 from hy3c.ops.rope import hadamard_matrix
@@ -403,6 +403,7 @@ def launch(
     groups_per_program: int | None = None,
     v_tokens: int = V_TOKENS,
     v_heads: int | None = None,
+    pdl: bool = True,
 ) -> Tensor:
     """q [tokens, heads, head_dim] (see the op). Tunables: block_t tokens per program with num_warps
     warps, groups_per_program head groups per program (default by the token count), v_tokens tokens (a
@@ -457,7 +458,7 @@ def launch(
         V_TOKENS=v_tokens,
         V_HEADS=v_heads,
         num_warps=num_warps,
-        **pdl_launch(qkv.device),
+        **pdl_launch(qkv.device, pdl),
     )
     return q
 
@@ -477,6 +478,8 @@ def qknorm_rope_quant_kvstore(
     num_heads: int,
     num_kv_heads: int,
     hadamard: bool = False,
+    *,
+    pdl: bool = True,
 ) -> Tensor:
     return launch(
         qkv,
@@ -492,6 +495,7 @@ def qknorm_rope_quant_kvstore(
         num_heads,
         num_kv_heads,
         hadamard,
+        pdl=pdl,
     )
 
 
@@ -510,6 +514,8 @@ def _(
     num_heads,
     num_kv_heads,
     hadamard=False,
+    *,
+    pdl=True,
 ):
     return qkv.new_empty((qkv.shape[0], num_heads, kv_cache.shape[-1]))
 
@@ -534,5 +540,6 @@ register_provider(
         frozenset({"cuda"}),
         cuda_graph_safe=True,
         supports=_supports,
+        variants=(PDL,),
     )
 )

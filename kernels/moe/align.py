@@ -112,7 +112,9 @@ ALIGN_TILES = (64, 512, 1024)
 MAX_ALIGN_PAIRS = ALIGN_TILES[-1]
 
 
-def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+def moe_align(
+    topk_ids: Tensor, num_experts: int, block_m: int, pdl: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
     """(sorted_ids [P] int32, expert of each M block [P / block_m] int32, padded total [1] int32).
 
     `sorted_ids` lists the (token, slot) pair ids grouped by expert in stable order, each expert padded
@@ -121,10 +123,12 @@ def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor,
     """
     if topk_ids.numel() > MAX_ALIGN_PAIRS:
         return moe_align_torch(topk_ids, num_experts, block_m)
-    return moe_align_triton(topk_ids, num_experts, block_m)
+    return moe_align_triton(topk_ids, num_experts, block_m, pdl)
 
 
-def moe_align_triton(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+def moe_align_triton(
+    topk_ids: Tensor, num_experts: int, block_m: int, pdl: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
     """`moe_align` as one Triton program (up to MAX_ALIGN_PAIRS pairs: all of them in one tile)."""
     pairs = topk_ids.numel()
     if pairs > MAX_ALIGN_PAIRS:
@@ -149,6 +153,6 @@ def moe_align_triton(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[
         P_POW2=tile,
         CHUNK=256,
         num_warps=4,
-        **pdl_launch(device),
+        **pdl_launch(device, pdl),
     )
     return sorted_ids, expert_ids, padded

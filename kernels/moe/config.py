@@ -1,15 +1,27 @@
 """FusedMoE launch configs: the tunables (`MoeConfig`) and the tuned choices per token-count bucket and
-variant (bf16, FP8 with dynamic or static activation scales), read from `configs/fused_moe_h200.json`
-(written by `bench/moe_bench.py --sweep`) or built-in defaults."""
+variant (bf16, FP8 with dynamic or static activation scales).
+
+Tuned tables are per GPU model, `configs/fused_moe_<key>.json` (written by `bench/moe_bench.py --sweep`
+on that GPU), the key from the GPU's name (`device_key`: "NVIDIA H200" → h200, "NVIDIA H20" → h20). A
+launch takes the table of the GPU it runs on; a GPU without one takes the built-in defaults (untuned,
+logged once) — never another GPU's tiles. The `lower` pass records which table a recipe's target gets
+(`table_for`), the recipe targets being GPU keys themselves.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-CONFIG_FILE = Path(__file__).parent / "configs" / "fused_moe_h200.json"
+from hy3c.logs import log_event
+
+log = logging.getLogger("hy3c.kernels")
+
+CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 @dataclass(frozen=True)
@@ -31,7 +43,7 @@ class MoeConfig:
             raise ValueError(f"combine_block must be a power of two, got {self.combine_block}")
 
 
-_DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless the file says otherwise)
+_DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless a table says otherwise)
     16: MoeConfig(16, 64, 128, 1, 4, 4),
     128: MoeConfig(16, 128, 128, 1, 4, 4),
     1024: MoeConfig(64, 128, 64, 8, 4, 3),
@@ -39,25 +51,52 @@ _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike 
 }
 
 
+def device_key(gpu_name: str) -> str:
+    """A GPU's table key: its name without the vendor, lower case, other characters as underscores
+    ("NVIDIA H200" → h200, "NVIDIA H100 80GB HBM3" → h100_80gb_hbm3)."""
+    return re.sub(r"[^a-z0-9]+", "_", gpu_name.removeprefix("NVIDIA ").lower()).strip("_")
+
+
+def table_file(key: str) -> Path:
+    """The tuned table of the GPU with this key (it may not exist)."""
+    return CONFIG_DIR / f"fused_moe_{key}.json"
+
+
+def table_for(key: str) -> str:
+    """What a GPU (by key) runs, as the compile report says it: its table's file name, or the defaults."""
+    file = table_file(key)
+    if file.is_file():
+        return file.name
+    tuned = sorted(p.stem.removeprefix("fused_moe_") for p in CONFIG_DIR.glob("fused_moe_*.json"))
+    return f"untuned defaults (no {file.name}; tuned: {', '.join(tuned) or 'none'})"
+
+
 @cache
-def _tuned() -> dict[str, dict[int, MoeConfig]]:
-    if not CONFIG_FILE.is_file():
+def _tuned(key: str | None) -> dict[str, dict[int, MoeConfig]]:
+    """The tuned table of a GPU (None: not a GPU), {} where it has none (logged once per GPU)."""
+    if key is None:
         return {}
-    data = json.loads(CONFIG_FILE.read_text())
+    file = table_file(key)
+    if not file.is_file():
+        log_event(log, "moe_configs_untuned", level=logging.WARNING, gpu=key, missing=file.name)
+        return {}
+    log_event(log, "moe_configs", gpu=key, table=file.name)
+    data = json.loads(file.read_text())
     return {kind: {int(t): MoeConfig(**c) for t, c in table.items()} for kind, table in data.items()}
 
 
 def config_kind(fp8: bool, static_activations: bool) -> str:
-    """The config file's table for a variant: bf16, fp8 (dynamic per-token activations), fp8_static."""
+    """A table's variant: bf16, fp8 (dynamic per-token activations), fp8_static."""
     if not fp8:
         return "bf16"
     return "fp8_static" if static_activations else "fp8"
 
 
-def select_config(num_tokens: int, kind: str) -> MoeConfig:
-    """The config of the smallest bucket holding num_tokens, from the file's `kind` table (buckets that
-    fp8_static lacks come from fp8's) or the built-in defaults."""
-    tuned = _tuned()
+def select_config(num_tokens: int, kind: str, gpu_name: str | None) -> MoeConfig:
+    """The config of the smallest bucket holding num_tokens, from the `kind` table of the GPU named
+    `gpu_name` (buckets that fp8_static lacks come from fp8's), or the built-in defaults where that GPU
+    has no table (None: not a GPU, the CPU interpreter)."""
+    tuned = _tuned(device_key(gpu_name) if gpu_name is not None else None)
     table = {**tuned.get(kind.removesuffix("_static"), {}), **tuned.get(kind, {})} or _DEFAULTS
     bound = min((t for t in table if t >= num_tokens), default=max(table))
     return table[bound]

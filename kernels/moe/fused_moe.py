@@ -17,7 +17,7 @@
 
 With a `pair_blocks` config (one token) on an sm_90 GPU, steps 2–3 run as the warp-specialized Gluon
 kernels of `fused_moe_gluon` (weight streams that start before the data they multiply, the intermediate
-quantized by the down kernel itself); `HY3C_GLUON=0` keeps the Triton kernels.
+quantized by the down kernel itself), unless the program chose the Triton kernels (`gluon=False`).
 
 FP8: weights e4m3 with per-channel ([E, rows]) or per-tensor ([E, 1]) scales; activations e4m3 with a
 static per-tensor scale or dynamic per-token scales; fp8 × fp8 tensor-core products, scales applied in
@@ -36,7 +36,7 @@ tokens its columns (accᵀ = W · aᵀ, transposed back in the epilogue): on Hop
 tile is a wgmma (m64nBLOCK_Mk32 for e4m3, reading the weights from shared memory as they are), where
 16 token rows × block_n weights lower to `mma.sync` with every FP8 weight widened in registers.
 
-Launch configs per token-count bucket: `config` (from `configs/fused_moe_h200.json`, written by
+Launch configs per token-count bucket: `config` (from the running GPU's table in `configs/`, written by
 `bench/moe_bench.py --sweep`, or the built-in defaults); the alignment of step 1: `align`.
 """
 
@@ -50,11 +50,12 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from hy3c.kernels import devices, overrides
 from hy3c.kernels.moe import fused_moe_gluon
 from hy3c.kernels.moe.align import moe_align
-from hy3c.kernels.moe.config import MoeConfig, config_kind, select_config
+from hy3c.kernels.moe.config import MoeConfig, config_kind, select_config, table_for
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
-from hy3c.kernels.registry import Provider, register_provider
+from hy3c.kernels.registry import HOPPER, PDL, Provider, Target, Variant, register_provider
 from hy3c.kernels.rowwise.quant import quant_fp8, quant_fp8_per_token
 from hy3c.ops.fused import check_moe_input_quant
 from hy3c.ops.quant import FP8_DTYPE
@@ -379,16 +380,16 @@ def _combine_kernel(
 
 
 def _quantize_activations(
-    x: Tensor, static_scale: Tensor | None, on_load: bool
+    x: Tensor, static_scale: Tensor | None, on_load: bool, pdl: bool
 ) -> tuple[Tensor, Tensor, bool]:
-    """(GEMM input, its scale, per-row scale?): one Triton pass per row (kernels/rowwise/quant.py) with a static
+    """(GEMM input, its scale, per-row scale?): one Triton pass per row (`rowwise.quant`) with a static
     per-tensor or dynamic per-token scale — or, `on_load`, x itself for the GEMM to quantize."""
     if on_load:
         per_row = static_scale is None
         return x, (x.new_empty(1, dtype=torch.float32) if per_row else static_scale.float()), per_row
     if static_scale is not None:
-        return quant_fp8(x, static_scale), static_scale.float(), False
-    q, scale = quant_fp8_per_token(x)
+        return quant_fp8(x, static_scale, pdl=pdl), static_scale.float(), False
+    q, scale = quant_fp8_per_token(x, pdl=pdl)
     return q, scale.reshape(-1), True
 
 
@@ -411,7 +412,7 @@ def _weight_descriptors(w13: Tensor, w2: Tensor, cfg: MoeConfig) -> tuple[Tensor
     )
 
 
-def _fit_to_widths(cfg: MoeConfig, w13: Tensor) -> MoeConfig:
+def fit_to_widths(cfg: MoeConfig, w13: Tensor) -> MoeConfig:
     """A tuned config (chosen for Hy3's widths) for these experts: TMA weight tiles only where block_n
     divides both expert widths (small test models take the same config with pointer loads)."""
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
@@ -439,7 +440,12 @@ def fused_moe_triton(
     x_q: Tensor | None = None,
     x_q_scale: Tensor | None = None,
     config: MoeConfig | None = None,
+    gluon: bool = True,
+    pdl: bool = True,
 ) -> Tensor:
+    """The layer (the module docstring) with the config of the token count's bucket from the running
+    GPU's table unless `config` is given; `gluon`, `pdl`: the program's variants (the one-token Gluon
+    GEMMs where a pair-block config and the experts allow them; programmatic dependent launch)."""
     check_moe_input_quant(x, w13, a13_scale, x_q, x_q_scale)
     # the kernels step rows by stride only
     x, shared, x_q = (_unit_column_stride(t) for t in (x, shared, x_q))
@@ -448,15 +454,16 @@ def fused_moe_triton(
     if num_tokens == 0:
         return out
     fp8 = w13.dtype == FP8_DTYPE
-    cfg = config or _fit_to_widths(select_config(num_tokens, config_kind(fp8, a13_scale is not None)), w13)
+    kind = config_kind(fp8, a13_scale is not None)
+    cfg = config or fit_to_widths(select_config(num_tokens, kind, devices.gpu_name(x.device)), w13)
     if cfg.quant_on_load and cfg.block_m > 32:  # the row-absmax pass holds BLOCK_M × 1024 values
         raise ValueError(f"quant_on_load needs block_m <= 32 (got {cfg.block_m})")
     weights = (w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)
     _check_scale_widths(w13, w2, w13_scale, w2_scale)
-    if cfg.pair_blocks and fused_moe_gluon.supported(w13, w2, x.dtype):
-        per_pair = _routed_pairs_gluon(x, x_q, x_q_scale, topk_weights, topk_ids, *weights)
+    if cfg.pair_blocks and _gluon_runs(x, w13, w2, overrides.variant(overrides.GLUON, gluon)):
+        per_pair = _routed_pairs_gluon(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, pdl)
     else:
-        per_pair = _routed_pairs_triton(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, cfg)
+        per_pair = _routed_pairs_triton(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, cfg, pdl)
     top_k = topk_ids.shape[1]
     _combine_kernel[(num_tokens, triton.cdiv(hidden, cfg.combine_block))](
         per_pair,
@@ -470,9 +477,22 @@ def fused_moe_triton(
         BLOCK=cfg.combine_block,
         HAS_SHARED=shared is not None,
         num_warps=4,
-        **pdl_launch(x.device),
+        **pdl_launch(x.device, pdl),
     )
     return out
+
+
+def _gluon_runs(x: Tensor, w13: Tensor, w2: Tensor, gluon: bool) -> bool:
+    """Whether a pair-block layer runs the Gluon GEMMs: the program chose them and these experts and
+    this GPU take them (a GPU that cannot is logged)."""
+    if not gluon:
+        return False
+    why_not = fused_moe_gluon.unsupported_inputs(w13, w2, x.dtype) or fused_moe_gluon.unsupported_launch(
+        w13, w2
+    )
+    if why_not is not None:
+        devices.fall_back("fused_moe_gluon", x.device, why_not, "the Triton pair-block kernels")
+    return why_not is None
 
 
 def _check_scale_widths(w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_scale: Tensor | None) -> None:
@@ -497,6 +517,7 @@ def _routed_pairs_gluon(
     w2_scale: Tensor | None,
     a13_scale: Tensor | None,
     a2_scale: Tensor | None,
+    pdl: bool,
 ) -> Tensor:
     """Each pair's weighted expert output by the Gluon kernels (`fused_moe_gluon`): the MoE input as the
     norm quantized it (x_q), or x — quantized on load with the static or a dynamic scale for FP8."""
@@ -522,7 +543,7 @@ def _routed_pairs_gluon(
         topk_ids,
         topk_weights,
         x.dtype,
-        pdl_launch(x.device)["PDL"],
+        pdl_launch(x.device, pdl)["PDL"],
     )
 
 
@@ -539,6 +560,7 @@ def _routed_pairs_triton(
     a13_scale: Tensor | None,
     a2_scale: Tensor | None,
     cfg: MoeConfig,
+    pdl: bool,
 ) -> Tensor:
     """Each pair's weighted expert output, [pairs, hidden] fp32, by the Triton kernels: alignment (unless
     pair blocks), gate-up, the intermediate's quantization (FP8 with dynamic scales, unless on load), down."""
@@ -552,14 +574,14 @@ def _routed_pairs_triton(
         expert_ids = topk_ids.to(torch.int32).contiguous().view(-1)
         sorted_ids = padded = expert_ids  # unread
     else:
-        sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, cfg.block_m)
+        sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, cfg.block_m, pdl)
     num_m_blocks = expert_ids.shape[0]
     dummy = x.new_empty(1, dtype=torch.float32)
     a, a_scale, a_per_row = (x, dummy, False)
     if x_q is not None:  # already quantized per token (the norm's FP8 rows)
         a, a_scale, a_per_row = x_q, x_q_scale.reshape(-1).contiguous(), True
     elif fp8:
-        a, a_scale, a_per_row = _quantize_activations(x, a13_scale, cfg.quant_on_load)
+        a, a_scale, a_per_row = _quantize_activations(x, a13_scale, cfg.quant_on_load, pdl)
     quant_h = fp8 and a2_scale is not None  # static: the gate-up epilogue quantizes the intermediate
     hidden_act = x.new_empty((pairs, inter), dtype=FP8_DTYPE if quant_h else x.dtype)
     h_scale_static = a2_scale.float().reshape(1) if quant_h else dummy
@@ -604,11 +626,11 @@ def _routed_pairs_triton(
         QUANT_H=quant_h,
         ACT_DTYPE=_TL_DTYPES[x.dtype],
         **common,
-        **pdl_launch(x.device),
+        **pdl_launch(x.device, pdl),
     )
     h, h_scale, h_per_row = (hidden_act, h_scale_static, False)
     if fp8 and not quant_h:
-        h, h_scale, h_per_row = _quantize_activations(hidden_act, None, cfg.quant_on_load)
+        h, h_scale, h_per_row = _quantize_activations(hidden_act, None, cfg.quant_on_load, pdl)
     per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
     w2_s = w2_scale if w2_scale is not None else dummy
     _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
@@ -635,7 +657,7 @@ def _routed_pairs_triton(
         W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
         **common,
-        **pdl_launch(x.device),
+        **pdl_launch(x.device, pdl),
     )
     return per_pair
 
@@ -654,17 +676,48 @@ def fused_moe(
     shared: Tensor | None,
     x_q: Tensor | None = None,
     x_q_scale: Tensor | None = None,
+    *,
+    gluon: bool = True,
+    pdl: bool = True,
 ) -> Tensor:
-    return fused_moe_triton(
-        x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, shared, x_q, x_q_scale
+    args = (
+        x,
+        topk_weights,
+        topk_ids,
+        w13,
+        w2,
+        w13_scale,
+        w2_scale,
+        a13_scale,
+        a2_scale,
+        shared,
+        x_q,
+        x_q_scale,
     )
+    return fused_moe_triton(*args, gluon=gluon, pdl=pdl)
 
 
 @fused_moe.register_fake
-def _(x, *inputs_that_do_not_shape_the_output):
+def _(x, *inputs_that_do_not_shape_the_output, gluon=True, pdl=True):
     return x.new_empty(x.shape)  # row-major, as the kernel writes it whatever x's strides
 
 
+def _gluon_supports(node, target: Target) -> str | None:
+    """The one-token Gluon GEMMs' conditions that a node's fake tensors show
+    (`fused_moe_gluon.unsupported_inputs`); they run where the config pairs blocks (one token)."""
+    x, w13, w2 = (node.args[i].meta.get("val") for i in (0, 3, 4))
+    if x is None or w13 is None or w2 is None:
+        return "no shapes recorded"
+    return fused_moe_gluon.unsupported_inputs(w13, w2, x.dtype)
+
+
 register_provider(
-    Provider("triton", "fused_moe", torch.ops.hy3_triton.fused_moe.default, frozenset({"cuda"}))
+    Provider(
+        "triton",
+        "fused_moe",
+        torch.ops.hy3_triton.fused_moe.default,
+        frozenset({"cuda"}),
+        variants=(PDL, Variant("gluon", HOPPER, _gluon_supports)),
+        config_table=table_for,
+    )
 )

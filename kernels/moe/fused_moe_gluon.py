@@ -25,8 +25,9 @@ kernel's consumer while its weights stream, so FP8 has no quantization launch be
 
 Same arithmetic as the Triton kernels (e4m3 values, scales, rounding to the model dtype; bf16 bit-equal,
 FP8 summed per 128-column K block where Triton sums per 256). Requires sm_90, hidden and intermediate
-widths that are multiples of 128 and of the K box, contiguous stacked weights (`supported`); elsewhere,
-and with `HY3C_GLUON=0`, `fused_moe` runs its Triton kernels. Timed against them in BENCHMARKS.md.
+widths that are multiples of 128 and of the K box, contiguous stacked weights (`unsupported_inputs`,
+`unsupported_launch`); elsewhere, and where the program chose it (`gluon=False`), `fused_moe` runs its
+Triton kernels. Timed against them in BENCHMARKS.md.
 Gluon kernels cannot run under TRITON_INTERPRET: the CPU tests compile these for sm_90
 (tests/kernels/sm90_compile.py: wgmma kept asynchronous, shared memory within budget); the GPU tests check
 each GEMM against its arithmetic in fp64 and the layer against the Triton path and the reference.
@@ -34,9 +35,6 @@ They also compile the same with Triton 3.7.1, 3.8.0 and 3.9.0 (checked by hand, 
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 from torch import Tensor
@@ -51,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from hy3c.kernels import devices
 from hy3c.ops.quant import FP8_DTYPE
 
 # Gluon's TMA load is `async_copy_global_to_shared` until Triton 3.8, `async_load` from 3.8 (the old name
@@ -467,33 +466,33 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}  # the mod
 _WEIGHT_DTYPES = {torch.bfloat16: gl.bfloat16, FP8_DTYPE: gl.float8e4nv}
 
 
-@functools.cache
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
-def supported(w13: Tensor, w2: Tensor, model_dtype: torch.dtype) -> bool:
-    """Whether these kernels run the layer's experts (else the Triton kernels do): an sm_90 GPU, bf16
-    weights for a bf16 model or e4m3 weights for a bf16 / fp16 one, stacked contiguously, expert widths
-    that tile into BLOCK_ROWS rows and 128-byte K boxes, at least two ring slots each; `HY3C_GLUON=0`
-    turns them off (for A/B measurements)."""
-    if os.environ.get("HY3C_GLUON", "1") == "0" or not w13.is_cuda or w2.dtype != w13.dtype:
-        return False
+def unsupported_inputs(w13: Tensor, w2: Tensor, model_dtype: torch.dtype) -> str | None:
+    """Why these kernels cannot run the layer's experts (None: they can): bf16 weights for a bf16 model
+    or e4m3 weights for a bf16 / fp16 one, expert widths that tile into BLOCK_ROWS rows and 128-byte K
+    boxes, at least two ring slots each. Shapes and dtypes only, so the `lower` pass asks it of a node's
+    fake tensors (the Gluon variant of `hy3.fused_moe`)."""
+    if w2.dtype != w13.dtype:
+        return f"w13 is {w13.dtype}, w2 {w2.dtype}"
     if not (
         w13.dtype == model_dtype == torch.bfloat16 or (w13.dtype == FP8_DTYPE and model_dtype in _GL_DTYPES)
     ):
-        return False
+        return f"{w13.dtype} experts in a {model_dtype} model: bf16 in bf16, or e4m3 in bf16 / fp16"
     hidden, inter = w13.shape[2], w2.shape[2]
-    return (
-        _sm90(w13.device.index if w13.device.index is not None else torch.cuda.current_device())
-        and w13.is_contiguous()
-        and w2.is_contiguous()
-        and hidden % BLOCK_ROWS.value == 0
-        and inter % BLOCK_ROWS.value == 0
-        and hidden % _box_k(w13.dtype) == 0
-        and inter % _box_k(w13.dtype) == 0
-        and min(gate_up_slots(w13), down_slots(w2)) >= 2
-    )
+    box_k = _box_k(w13.dtype)
+    if hidden % BLOCK_ROWS.value or inter % BLOCK_ROWS.value or hidden % box_k or inter % box_k:
+        return f"hidden {hidden} and intermediate {inter} must be multiples of {BLOCK_ROWS.value} and {box_k}"
+    if min(gate_up_slots(w13), down_slots(w2)) < 2:
+        return "fewer than two weight ring slots fit in shared memory"
+    return None
+
+
+def unsupported_launch(w13: Tensor, w2: Tensor) -> str | None:
+    """What only a launch knows (None: they can run): an sm_90 GPU and contiguously stacked weights."""
+    if devices.capability(w13.device) != (9, 0):
+        return "not an sm_90 GPU"
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        return "strided expert weights"
+    return None
 
 
 def _weight_descriptor(w: Tensor) -> TensorDescriptor:

@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
-from hy3c.kernels.registry import Provider, register_provider
+from hy3c.kernels.registry import PDL, Provider, register_provider
 from hy3c.ops.quant import split_router_weight
 
 __all__ = ["router_gemm_dual_bf16", "split_router_weight"]
@@ -117,6 +117,7 @@ def router_gemm_dual_bf16(
     splits: int | None = None,
     block_m: int | None = None,
     block_n: int = 64,
+    pdl: bool = True,
 ) -> Tensor:
     """fp32 X·Wᵀ from the split weight; tile and K-split chosen from M unless given (the bench sweeps)."""
     m, k = x.shape
@@ -154,20 +155,20 @@ def router_gemm_dual_bf16(
         BLOCK_K=block_k,
         num_warps=4,
         num_stages=3,
-        **pdl_launch(x.device),
+        **pdl_launch(x.device, pdl),
     )
     return out
 
 
 @torch.library.custom_op("hy3_triton::router_gemm", mutates_args=())
-def router_gemm(x: Tensor, weight: Tensor, w_hi: Tensor, w_lo: Tensor) -> Tensor:
+def router_gemm(x: Tensor, weight: Tensor, w_hi: Tensor, w_lo: Tensor, *, pdl: bool = True) -> Tensor:
     if x.dtype != torch.bfloat16:  # an fp32 (reference-precision) model: the plain fp32 GEMM
         return x.float() @ weight.t()
-    return router_gemm_dual_bf16(x, w_hi, w_lo)
+    return router_gemm_dual_bf16(x, w_hi, w_lo, pdl=pdl)
 
 
 @router_gemm.register_fake
-def _(x, weight, w_hi, w_lo):
+def _(x, weight, w_hi, w_lo, *, pdl=True):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
@@ -217,7 +218,9 @@ def _topk_routing_kernel(
 
 
 @torch.library.custom_op("hy3_triton::topk_routing", mutates_args=())
-def topk_routing(logits: Tensor, bias: Tensor, top_k: int, scale: float) -> tuple[Tensor, Tensor]:
+def topk_routing(
+    logits: Tensor, bias: Tensor, top_k: int, scale: float, *, pdl: bool = True
+) -> tuple[Tensor, Tensor]:
     m, n = logits.shape
     weights = logits.new_empty((m, top_k), dtype=torch.float32)
     ids = logits.new_empty((m, top_k), dtype=torch.int32)
@@ -237,20 +240,32 @@ def topk_routing(logits: Tensor, bias: Tensor, top_k: int, scale: float) -> tupl
             BLOCK_M=block_m,
             N_POW2=triton.next_power_of_2(n),
             num_warps=4,
-            **pdl_launch(logits.device),
+            **pdl_launch(logits.device, pdl),
         )
     return weights, ids
 
 
 @topk_routing.register_fake
-def _(logits, bias, top_k, scale):
+def _(logits, bias, top_k, scale, *, pdl=True):
     shape = (logits.shape[0], top_k)
     return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int32)
 
 
 register_provider(
-    Provider("triton", "router_gemm", torch.ops.hy3_triton.router_gemm.default, frozenset({"cuda"}))
+    Provider(
+        "triton",
+        "router_gemm",
+        torch.ops.hy3_triton.router_gemm.default,
+        frozenset({"cuda"}),
+        variants=(PDL,),
+    )
 )
 register_provider(
-    Provider("triton", "topk_routing", torch.ops.hy3_triton.topk_routing.default, frozenset({"cuda"}))
+    Provider(
+        "triton",
+        "topk_routing",
+        torch.ops.hy3_triton.topk_routing.default,
+        frozenset({"cuda"}),
+        variants=(PDL,),
+    )
 )

@@ -14,7 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
-from hy3c.kernels.registry import Provider, register_provider
+from hy3c.kernels.registry import PDL, Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
 BLOCK = 1024  # elements of one output row per program
@@ -74,7 +74,7 @@ def _silu_and_mul_quant_kernel(
 
 
 @torch.library.custom_op("hy3_triton::silu_and_mul_quant", mutates_args=())
-def silu_and_mul_quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+def silu_and_mul_quant(x: Tensor, scale: Tensor | None, *, pdl: bool = True) -> tuple[Tensor, Tensor]:
     if x.dim() != 2:
         raise ValueError(f"silu_and_mul_quant expects [T, 2I] activations, got {tuple(x.shape)}")
     inter = x.shape[-1] // 2
@@ -98,19 +98,19 @@ def silu_and_mul_quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]
             STATIC=scale is not None,
             BLOCK=block,
             num_warps=max(min(block // 512, 16), 1),
-            **pdl_launch(x.device),
+            **pdl_launch(x.device, pdl),
         )
     return q, q_scale
 
 
 @silu_and_mul_quant.register_fake
-def _(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+def _(x: Tensor, scale: Tensor | None, *, pdl: bool = True) -> tuple[Tensor, Tensor]:
     rows = x.shape[0]
     return x.new_empty((rows, x.shape[-1] // 2), dtype=FP8_DTYPE), x.new_empty((rows, 1), dtype=torch.float32)
 
 
 @torch.library.custom_op("hy3_triton::silu_and_mul", mutates_args=())
-def silu_and_mul(x: Tensor) -> Tensor:
+def silu_and_mul(x: Tensor, *, pdl: bool = True) -> Tensor:
     inter = x.shape[-1] // 2
     out = x.new_empty((*x.shape[:-1], inter))
     x2 = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, x.shape[-1])
@@ -125,13 +125,13 @@ def silu_and_mul(x: Tensor) -> Tensor:
             out2.stride(0),
             BLOCK=BLOCK,
             num_warps=4,
-            **pdl_launch(x.device),
+            **pdl_launch(x.device, pdl),
         )
     return out
 
 
 @silu_and_mul.register_fake
-def _(x: Tensor) -> Tensor:
+def _(x: Tensor, *, pdl: bool = True) -> Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
@@ -145,7 +145,13 @@ def _supports_quant(node) -> str | None:
 
 
 register_provider(
-    Provider("triton", "silu_and_mul", torch.ops.hy3_triton.silu_and_mul.default, frozenset({"cuda"}))
+    Provider(
+        "triton",
+        "silu_and_mul",
+        torch.ops.hy3_triton.silu_and_mul.default,
+        frozenset({"cuda"}),
+        variants=(PDL,),
+    )
 )
 register_provider(
     Provider(
@@ -154,5 +160,6 @@ register_provider(
         torch.ops.hy3_triton.silu_and_mul_quant.default,
         frozenset({"cuda"}),
         supports=_supports_quant,
+        variants=(PDL,),
     )
 )

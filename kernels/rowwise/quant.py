@@ -15,7 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
-from hy3c.kernels.registry import Provider, register_provider
+from hy3c.kernels.registry import PDL, Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
 MAX_ROW = 16384
@@ -48,7 +48,7 @@ def _quant_rows_kernel(
     tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch(x: Tensor, static: Tensor | None) -> tuple[Tensor, Tensor]:
+def _launch(x: Tensor, static: Tensor | None, pdl: bool) -> tuple[Tensor, Tensor]:
     rows, cols = x.shape
     if cols > MAX_ROW:
         raise ValueError(f"rows of {cols} elements exceed the kernel's {MAX_ROW}")
@@ -68,28 +68,28 @@ def _launch(x: Tensor, static: Tensor | None) -> tuple[Tensor, Tensor]:
             STATIC=static is not None,
             BLOCK=block,
             num_warps=max(min(block // 512, 16), 1),
-            **pdl_launch(x.device),
+            **pdl_launch(x.device, pdl),
         )
     return q, scale
 
 
 @torch.library.custom_op("hy3_triton::quant_fp8_per_token", mutates_args=())
-def quant_fp8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
-    return _launch(x, None)
+def quant_fp8_per_token(x: Tensor, *, pdl: bool = True) -> tuple[Tensor, Tensor]:
+    return _launch(x, None, pdl)
 
 
 @quant_fp8_per_token.register_fake
-def _(x: Tensor) -> tuple[Tensor, Tensor]:
+def _(x: Tensor, *, pdl: bool = True) -> tuple[Tensor, Tensor]:
     return torch.empty_like(x, dtype=FP8_DTYPE), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
 @torch.library.custom_op("hy3_triton::quant_fp8", mutates_args=())
-def quant_fp8(x: Tensor, scale: Tensor) -> Tensor:
-    return _launch(x, scale.float().reshape(1))[0]
+def quant_fp8(x: Tensor, scale: Tensor, *, pdl: bool = True) -> Tensor:
+    return _launch(x, scale.float().reshape(1), pdl)[0]
 
 
 @quant_fp8.register_fake
-def _(x: Tensor, scale: Tensor) -> Tensor:
+def _(x: Tensor, scale: Tensor, *, pdl: bool = True) -> Tensor:
     return torch.empty_like(x, dtype=FP8_DTYPE)
 
 
@@ -109,10 +109,16 @@ register_provider(
         torch.ops.hy3_triton.quant_fp8_per_token.default,
         frozenset({"cuda"}),
         supports=_supports,
+        variants=(PDL,),
     )
 )
 register_provider(
     Provider(
-        "triton", "quant_fp8", torch.ops.hy3_triton.quant_fp8.default, frozenset({"cuda"}), supports=_supports
+        "triton",
+        "quant_fp8",
+        torch.ops.hy3_triton.quant_fp8.default,
+        frozenset({"cuda"}),
+        supports=_supports,
+        variants=(PDL,),
     )
 )

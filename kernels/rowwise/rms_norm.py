@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
-from hy3c.kernels.registry import Provider, register_provider
+from hy3c.kernels.registry import PDL, Provider, register_provider
 from hy3c.ops.quant import FP8_DTYPE
 
 MAX_ROW = 16384
@@ -92,6 +92,7 @@ def launch(
     eps: float,
     quant: str | None = None,
     scale: Tensor | None = None,
+    pdl: bool = True,
 ) -> tuple[Tensor, ...]:
     """→ (out, total or None) — and (q, q_scale) after them when `quant` is "dynamic" or "static"."""
     cols = x.shape[-1]
@@ -131,46 +132,48 @@ def launch(
             QUANT={None: 0, "dynamic": 1, "static": 2}[quant],
             BLOCK=block,
             num_warps=max(min(block // 512, 16), 1),
-            **pdl_launch(x.device),
+            **pdl_launch(x.device, pdl),
         )
     return (out, total) if not quant else (out, total, q, q_scale)
 
 
 @torch.library.custom_op("hy3_triton::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return launch(x, None, weight, eps)[0]
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, pdl: bool = True) -> Tensor:
+    return launch(x, None, weight, eps, pdl=pdl)[0]
 
 
 @rms_norm.register_fake
-def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def _(x: Tensor, weight: Tensor, eps: float, *, pdl: bool = True) -> Tensor:
     return x.new_empty(x.shape)  # contiguous, as the kernel writes it
 
 
 @torch.library.custom_op("hy3_triton::add_rms_norm", mutates_args=())
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    out, total = launch(x, residual, weight, eps)
+def add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, pdl: bool = True
+) -> tuple[Tensor, Tensor]:
+    out, total = launch(x, residual, weight, eps, pdl=pdl)
     return out, total
 
 
 @add_rms_norm.register_fake
-def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, pdl: bool = True) -> tuple[Tensor, Tensor]:
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
 @torch.library.custom_op("hy3_triton::add_rms_norm_quant", mutates_args=())
 def add_rms_norm_quant(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor | None
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor | None, *, pdl: bool = True
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if x.dim() != 2:
         raise ValueError(f"add_rms_norm_quant expects [T, H] activations, got {tuple(x.shape)}")
     out, total, q, q_scale = launch(
-        x, residual, weight, eps, "static" if scale is not None else "dynamic", scale
+        x, residual, weight, eps, "static" if scale is not None else "dynamic", scale, pdl
     )
     return out, total, q, q_scale
 
 
 @add_rms_norm_quant.register_fake
-def _(x, residual, weight, eps, scale):
+def _(x, residual, weight, eps, scale, *, pdl=True):
     rows = x.new_empty((x.shape[0], 1), dtype=torch.float32)
     return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(x.shape, dtype=FP8_DTYPE), rows
 
@@ -193,7 +196,12 @@ def _supports_add(node) -> str | None:
 
 register_provider(
     Provider(
-        "triton", "rms_norm", torch.ops.hy3_triton.rms_norm.default, frozenset({"cuda"}), supports=_supports
+        "triton",
+        "rms_norm",
+        torch.ops.hy3_triton.rms_norm.default,
+        frozenset({"cuda"}),
+        supports=_supports,
+        variants=(PDL,),
     )
 )
 register_provider(
@@ -203,6 +211,7 @@ register_provider(
         torch.ops.hy3_triton.add_rms_norm_quant.default,
         frozenset({"cuda"}),
         supports=_supports_add,
+        variants=(PDL,),
     )
 )
 register_provider(
@@ -212,5 +221,6 @@ register_provider(
         torch.ops.hy3_triton.add_rms_norm.default,
         frozenset({"cuda"}),
         supports=_supports_add,
+        variants=(PDL,),
     )
 )

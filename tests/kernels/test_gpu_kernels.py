@@ -9,6 +9,7 @@ import torch
 
 import hy3c.kernels
 import hy3c.ops  # noqa: F401
+from hy3c.kernels import overrides
 from hy3c.kernels.attention import plan as plan_mod
 from hy3c.kernels.attention import prefill_gluon, qknorm_rope_kvstore
 from hy3c.kernels.attention.config import (
@@ -24,6 +25,15 @@ from hy3c.ops.quant import FP8_DTYPE
 from tests.kernels.attention_checks import assert_attention_close, fp8_reference_and_bound
 
 pytestmark = pytest.mark.gpu
+
+
+def _config(tokens: int, kind: str):
+    """The FusedMoE config this GPU's table has for a token count (`hy3c.kernels.moe.config`)."""
+    from hy3c.kernels.moe.config import select_config
+
+    return select_config(tokens, kind, torch.cuda.get_device_name())
+
+
 hy3 = torch.ops.hy3
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 64, 8, 128, 64
 
@@ -109,7 +119,8 @@ def test_gluon_prefill_matches_reference(lengths, new, page):
     kv = (cache, scales, 0, table, seq_lens, qsl, HEAD_DIM**-0.5)
     plan = hy3.attention_plan(seq_lens, qsl, plan_mod.KV_TILE, plan_mod.prefill_q_block(8))
     assert prefill_config(torch.bfloat16, page) == GLUON_PREFILL_CONFIG
-    assert prefill_gluon.supported(q, cache, plan_mod.prefill_q_block(8))
+    assert prefill_gluon.unsupported_inputs(q.dtype, cache.dtype, HEAD_DIM, 128) is None
+    assert prefill_gluon.unsupported_launch(q, cache) is None
     out = prefill_attention(q, *kv, plan)
     assert_attention_close(out, q, *kv)
     triton_out = prefill_attention(q, *kv, plan, config=triton_prefill_config(torch.bfloat16, page))
@@ -206,10 +217,9 @@ def test_grouped_moe_real_shapes():
 @pytest.mark.parametrize("fp8", [False, True])
 def test_fused_moe_real_shapes(tokens, fp8, monkeypatch):
     """The Triton kernels (the one-token Gluon ones have tests of their own below) and their configs."""
-    from hy3c.kernels.moe.config import select_config
     from hy3c.kernels.moe.fused_moe import fused_moe_triton
 
-    monkeypatch.setenv("HY3C_GLUON", "0")
+    monkeypatch.setenv(overrides.GLUON, "0")  # the override: the Triton kernels whatever a call says
 
     experts, top_k, hidden, inter = 192, 8, 4096, 1536
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -227,13 +237,11 @@ def test_fused_moe_real_shapes(tokens, fp8, monkeypatch):
     out = fused_moe_triton(*args).float()
     ref = hy3.fused_moe(*args).float()
     assert (out - ref).norm() / ref.norm() < 1e-2
-    tma = dataclasses.replace(
-        select_config(tokens, "fp8" if fp8 else "bf16"), tma=True
-    )  # weight tiles by TMA
+    tma = dataclasses.replace(_config(tokens, "fp8" if fp8 else "bf16"), tma=True)  # weight tiles by TMA
     assert (fused_moe_triton(*args, config=tma).float() - out).norm() / out.norm() < 1e-3
     kind = "fp8" if fp8 else "bf16"
-    if select_config(tokens, kind).block_m <= 32:  # decode sizes: the one-token config's options here too
-        cfg_pair = dataclasses.replace(select_config(1, kind), swap_ab=True, pair_blocks=True)
+    if _config(tokens, kind).block_m <= 32:  # decode sizes: the one-token config's options here too
+        cfg_pair = dataclasses.replace(_config(1, kind), swap_ab=True, pair_blocks=True)
         cfg_swap = dataclasses.replace(cfg_pair, pair_blocks=False)  # weights as the MMA's rows, aligned
         cfg_plain = dataclasses.replace(cfg_swap, swap_ab=False)  # the token rows as the MMA's rows
         out_swap = fused_moe_triton(*args, config=cfg_swap).float()
@@ -245,9 +253,9 @@ def test_fused_moe_real_shapes(tokens, fp8, monkeypatch):
             assert torch.equal(out_pair, out_swap)
         else:
             assert (out_pair - ref).norm() / ref.norm() < 1e-2
-    if fp8 and select_config(tokens, "fp8").block_m <= 32:  # activations quantized inside the GEMMs
+    if fp8 and _config(tokens, "fp8").block_m <= 32:  # activations quantized inside the GEMMs
         for on_load in (False, True):
-            cfg = dataclasses.replace(select_config(tokens, "fp8"), quant_on_load=on_load)
+            cfg = dataclasses.replace(_config(tokens, "fp8"), quant_on_load=on_load)
             other = fused_moe_triton(*args, config=cfg).float()
             assert (other - out).norm() / out.norm() < 1e-3
     if fp8:  # x handed over as the norm's FP8 rows (the Triton norm's quantization): the same output
@@ -256,8 +264,8 @@ def test_fused_moe_real_shapes(tokens, fp8, monkeypatch):
         )
         mine = (normed, *args[1:])
         for cfg in (
-            select_config(tokens, "fp8"),
-            dataclasses.replace(select_config(1, "fp8"), quant_on_load=True),
+            _config(tokens, "fp8"),
+            dataclasses.replace(_config(1, "fp8"), quant_on_load=True),
         ):
             inside = fused_moe_triton(*mine, config=cfg)
             assert torch.equal(fused_moe_triton(*mine, x_q, x_scale, config=cfg), inside)
@@ -336,7 +344,8 @@ def test_gluon_moe_gemms_match_emulation(variant):
     else:
         a, a_scale, mode = x, x.new_empty(1), modes[0]
         a_q, a_s = x, torch.ones(2, 1, device="cuda")
-    assert fused_moe_gluon.supported(w13, w2, x.dtype)
+    assert fused_moe_gluon.unsupported_inputs(w13, w2, x.dtype) is None
+    assert fused_moe_gluon.unsupported_launch(w13, w2) is None
     h = fused_moe_gluon.gate_up_rows(a, a_scale, mode.value, w13, s13, h_static, flat, top_k, x.dtype, True)
 
     token = torch.arange(flat.numel(), device="cuda") // top_k
@@ -371,17 +380,18 @@ def test_gluon_moe_gemms_match_emulation(variant):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gluon_moe_layer_matches_triton(fp8, monkeypatch):
-    """The one-token layer on the Gluon kernels (the default on sm_90): bf16 bit-equal to the Triton
-    pair-block kernels, FP8 as close to the reference as they are."""
-    from hy3c.kernels.moe.config import select_config
+def test_gluon_moe_layer_matches_triton(fp8):
+    """The one-token layer on the Gluon kernels (what an sm_90 target compiles): bf16 bit-equal to the
+    Triton pair-block kernels, FP8 as close to the reference as they are."""
     from hy3c.kernels.moe.fused_moe import fused_moe_triton
     from hy3c.kernels.rowwise.quant import quant_fp8_per_token
 
     w13, w2, s13, s2 = _moe_weights(fp8)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert fused_moe_gluon.unsupported_inputs(w13, w2, x.dtype) is None
     assert (
-        fused_moe_gluon.supported(w13, w2, x.dtype) and select_config(1, "fp8" if fp8 else "bf16").pair_blocks
+        fused_moe_gluon.unsupported_launch(w13, w2) is None
+        and _config(1, "fp8" if fp8 else "bf16").pair_blocks
     )
     ids = torch.randperm(192, device="cuda")[:8].int()[None]
     weights = torch.rand(1, 8, device="cuda")
@@ -389,10 +399,8 @@ def test_gluon_moe_layer_matches_triton(fp8, monkeypatch):
     args = (x, weights, ids, w13, w2, s13, s2, None, None, shared)
     if fp8:
         args = (*args, *quant_fp8_per_token(x))  # x from the norm, as the FP8 model runs the layer
-    out = fused_moe_triton(*args)
-    with monkeypatch.context() as triton_only:
-        triton_only.setenv("HY3C_GLUON", "0")
-        triton_out = fused_moe_triton(*args)
+    out = fused_moe_triton(*args, gluon=True)
+    triton_out = fused_moe_triton(*args, gluon=False)
     if fp8:
         ref = hy3.fused_moe(*args[:10]).float()
         error, triton_error = ((o.float() - ref).norm() / ref.norm() for o in (out, triton_out))
@@ -401,9 +409,9 @@ def test_gluon_moe_layer_matches_triton(fp8, monkeypatch):
         assert torch.equal(out, triton_out)
 
 
-@pytest.mark.parametrize("pdl", ["1", "0"])
+@pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gluon_moe_layer_in_a_graph_sees_each_replays_inputs(fp8, pdl, monkeypatch):
+def test_gluon_moe_layer_in_a_graph_sees_each_replays_inputs(fp8, pdl):
     """Routing (the Triton top-k kernel), the norm's FP8 rows and the layer captured in one CUDA graph,
     replayed 10 times on new router logits and x: each replay equals the same step run eagerly on those
     inputs — the down kernel reads the top-k ids and starts its weight copies before waiting for the
@@ -411,16 +419,17 @@ def test_gluon_moe_layer_in_a_graph_sees_each_replays_inputs(fp8, pdl, monkeypat
     from hy3c.kernels.moe.fused_moe import fused_moe_triton
     from hy3c.kernels.rowwise.quant import quant_fp8_per_token
 
-    monkeypatch.setenv("HY3C_PDL", pdl)
     w13, w2, s13, s2 = _moe_weights(fp8)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(1, 192, device="cuda")
     bias = 0.1 * torch.randn(192, device="cuda")
 
     def step() -> torch.Tensor:
-        weights, ids = torch.ops.hy3_triton.topk_routing(logits, bias, 8, 2.826)
-        rows = quant_fp8_per_token(x) if fp8 else ()
-        return fused_moe_triton(x, weights, ids, w13, w2, s13, s2, None, None, None, *rows)
+        weights, ids = torch.ops.hy3_triton.topk_routing(logits, bias, 8, 2.826, pdl=pdl)
+        rows = quant_fp8_per_token(x, pdl=pdl) if fp8 else ()
+        return fused_moe_triton(
+            x, weights, ids, w13, w2, s13, s2, None, None, None, *rows, gluon=True, pdl=pdl
+        )
 
     step()
     graph = torch.cuda.CUDAGraph()

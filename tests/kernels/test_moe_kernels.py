@@ -13,8 +13,8 @@ import hy3c.kernels
 import hy3c.ops
 from hy3c.kernels.moe import router
 from hy3c.kernels.moe.align import moe_align_torch, moe_align_triton
-from hy3c.kernels.moe.config import MoeConfig
-from hy3c.kernels.moe.fused_moe import fused_moe_triton
+from hy3c.kernels.moe.config import MoeConfig, config_kind, select_config
+from hy3c.kernels.moe.fused_moe import fit_to_widths, fused_moe_triton
 from hy3c.kernels.moe.router import router_gemm_dual_bf16
 from hy3c.ops.quant import FP8_DTYPE, split_router_weight
 
@@ -198,7 +198,8 @@ def test_fused_moe_fp8(static, per_channel):
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_fused_moe_tuned_configs_run_on_small_experts(tokens, fp8):
     """The H200 configs picked by token count (TMA tiles of 64–128 rows) on experts 32 / 64 wide: the
-    TMA option is dropped where block_n does not divide the widths, and the output is the reference's."""
+    TMA option is dropped where block_n does not divide the widths, and the output is the reference's
+    (the launch on the CPU takes the defaults: the H200's table is asked for by name)."""
     experts, top_k = 8, 2
     x = torch.randn(tokens, 64).to(torch.bfloat16)
     w13, w2, scales = _expert_weights(experts, 64, 32, fp8 != "bf16")
@@ -207,7 +208,10 @@ def test_fused_moe_tuned_configs_run_on_small_experts(tokens, fp8):
         act = (torch.tensor([x.float().abs().max() / 448]), torch.tensor([0.05 / 448 * 8]))
     ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
     args = (x, torch.rand(tokens, top_k), ids, w13, w2, *scales, *act, None)
-    out, ref = fused_moe_triton(*args).float(), hy3.fused_moe(*args).float()
+    kind = config_kind(fp8 != "bf16", fp8 == "static")
+    config = fit_to_widths(select_config(tokens, kind, "NVIDIA H200"), w13)
+    assert config.pair_blocks == (tokens == 1)  # the H200's one-token config (the defaults have none)
+    out, ref = fused_moe_triton(*args, config=config).float(), hy3.fused_moe(*args).float()
     assert (out - ref).norm() / ref.norm() < 2e-2
 
 
@@ -375,27 +379,51 @@ def test_opcheck_moe_l2_ops():
 
 
 def test_static_fp8_configs_fall_back_to_dynamic_buckets(tmp_path, monkeypatch):
-    """fp8_static buckets the file lacks come from the fp8 table, not from its largest own bucket."""
+    """fp8_static buckets the table lacks come from the fp8 table, not from its largest own bucket."""
     import json
 
     from hy3c.kernels.moe import config as moe_config
 
     small, large = MoeConfig(16, 32, 128, 1, 4, 4), MoeConfig(128, 128, 64, 8, 8, 3)
     table = {"fp8": {"16": large.__dict__, "8192": large.__dict__}, "fp8_static": {"16": small.__dict__}}
-    (tmp_path / "moe.json").write_text(json.dumps(table))
-    monkeypatch.setattr(moe_config, "CONFIG_FILE", tmp_path / "moe.json")
+    (tmp_path / "fused_moe_h200.json").write_text(json.dumps(table))
+    monkeypatch.setattr(moe_config, "CONFIG_DIR", tmp_path)
     moe_config._tuned.cache_clear()
     try:
-        assert moe_config.select_config(1, "fp8_static") == small
-        assert moe_config.select_config(4096, "fp8_static") == large
-        assert moe_config.select_config(1, "fp8") == large
+        assert moe_config.select_config(1, "fp8_static", "NVIDIA H200") == small
+        assert moe_config.select_config(4096, "fp8_static", "NVIDIA H200") == large
+        assert moe_config.select_config(1, "fp8", "NVIDIA H200") == large
     finally:
         moe_config._tuned.cache_clear()
 
 
+def test_config_tables_are_keyed_by_the_gpus_name_and_others_get_the_defaults(hy3c_log):
+    """An H200 takes fused_moe_h200.json; an H20, an H100 or the CPU (no GPU) take the untuned defaults —
+    never the H200's tiles — and a GPU without a table is logged once; the compile report's text for a
+    target says which it gets."""
+    from hy3c.kernels.moe import config as moe_config
+
+    assert moe_config.device_key("NVIDIA H200") == "h200" and moe_config.device_key("NVIDIA H20") == "h20"
+    assert moe_config.device_key("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
+    tuned = moe_config.select_config(1, "bf16", "NVIDIA H200")
+    assert tuned.pair_blocks and tuned == moe_config._tuned("h200")["bf16"][1]
+    defaults = moe_config._DEFAULTS[16]
+    moe_config._tuned.cache_clear()
+    try:
+        for gpu in ("NVIDIA H20", "NVIDIA H100 80GB HBM3", None, "NVIDIA H20"):
+            assert moe_config.select_config(1, "bf16", gpu) == defaults
+        untuned = [r.getMessage() for r in hy3c_log.records if "moe_configs_untuned" in r.getMessage()]
+        assert len(untuned) == 2 and "missing=fused_moe_h20.json" in untuned[0]
+    finally:
+        moe_config._tuned.cache_clear()
+    assert moe_config.table_for("h200") == "fused_moe_h200.json"
+    assert moe_config.table_for("h20") == "untuned defaults (no fused_moe_h20.json; tuned: h200)"
+
+
 def test_gluon_moe_slots_and_support():
     """The Gluon one-token kernels' shared memory at Hy3's widths: five gate-up slots (one program per SM),
-    six down slots with two programs per SM for FP8; never taken for CPU tensors or with HY3C_GLUON=0."""
+    six down slots with two programs per SM for FP8; the inputs they take (what `lower` checks) and the
+    launch they need (never on CPU tensors)."""
     from hy3c.kernels.moe import fused_moe_gluon as mod
 
     for dtype, slots in ((FP8_DTYPE, (5, 6)), (torch.bfloat16, (4, 5))):
@@ -404,9 +432,13 @@ def test_gluon_moe_slots_and_support():
         assert (mod.gate_up_slots(w13), mod.down_slots(w2)) == slots
         ring = mod.down_slots(w2) * mod.BLOCK_ROWS.value * mod.BOX_BYTES
         assert 2 * (ring + mod._row_bytes(1536, mod.BOX_BYTES // dtype.itemsize) + 1024) <= 228 * 1024
-        assert not mod.supported(w13, w2, torch.bfloat16)  # not on a GPU
+        assert mod.unsupported_inputs(w13, w2, torch.bfloat16) is None
+        assert "in a torch.float32 model" in mod.unsupported_inputs(w13, w2, torch.float32)
+    small = (torch.empty(2, 128, 64, dtype=FP8_DTYPE), torch.empty(2, 64, 64, dtype=FP8_DTYPE))
+    assert "multiples of 128" in mod.unsupported_inputs(*small, torch.bfloat16)
     fp8 = (torch.empty(2, 256, 128, dtype=FP8_DTYPE), torch.empty(2, 128, 128, dtype=FP8_DTYPE))
-    assert not mod.supported(*fp8, torch.bfloat16)
+    assert mod.unsupported_inputs(*fp8, torch.bfloat16) is None
+    assert mod.unsupported_launch(*fp8) == "not an sm_90 GPU"
 
 
 def test_fused_moe_rejects_weight_scales_of_other_widths():

@@ -268,21 +268,34 @@ def test_prefill_takes_tma_copies_where_the_page_size_allows():
 
 
 def test_prefill_takes_the_gluon_kernel_for_bf16_pages_of_64_keys():
-    """bf16 KV in pages of a multiple of 64 keys: the warp-specialized Gluon config; FP8 KV and other
-    pages: the Triton kernel's."""
+    """bf16 KV in pages of a multiple of 64 keys: the warp-specialized Gluon config where the program
+    chose the Gluon kernel; FP8 KV, other pages and `gluon=False`: the Triton kernel's."""
     assert prefill_config(torch.bfloat16, 64) == prefill_config(torch.bfloat16, 128) == GLUON_PREFILL_CONFIG
+    assert prefill_config(torch.bfloat16, 64, gluon=False) == triton_prefill_config(torch.bfloat16, 64)
     assert not prefill_config(torch.bfloat16, 16).warp_specialized
     assert not any(prefill_config(FP8_DTYPE, page).warp_specialized for page in (16, 64, 128))
     assert prefill_config(FP8_DTYPE, 64) == triton_prefill_config(FP8_DTYPE, 64)
 
 
-def test_gluon_prefill_runs_only_on_hopper_with_bf16_and_falls_back_elsewhere():
-    """On the CPU (and for FP8 KV, other head dims) `supported` is False and prefill_attention runs the
-    Triton kernel with the default config: the output matches the reference."""
+def test_gluon_prefill_inputs_and_launch_conditions_name_what_they_refuse():
+    """What `lower` checks on a node (dtypes, head_dim, rows per block) and what only a launch knows
+    (an sm_90 GPU, the page size, strides): each refusal names its reason."""
+    bf16 = torch.bfloat16
+    assert prefill_gluon.unsupported_inputs(bf16, bf16, 128, 128) is None
+    assert "float8_e4m3fn KV cache" in prefill_gluon.unsupported_inputs(bf16, FP8_DTYPE, 128, 128)
+    assert "head_dim 64" in prefill_gluon.unsupported_inputs(bf16, bf16, 64, 128)
+    assert "64 query rows" in prefill_gluon.unsupported_inputs(bf16, bf16, 128, 64)
+    q, cache, *_ = _case([70], [1], 64, 8, 1, head_dim=128)
+    assert prefill_gluon.unsupported_launch(q, cache) == "not an sm_90 GPU"
+
+
+@pytest.mark.parametrize("gluon", [False, True])
+def test_gluon_prefill_runs_only_on_hopper_with_bf16_and_falls_back_elsewhere(gluon):
+    """On the CPU the Gluon kernel cannot launch: prefill_attention runs the Triton kernel, whether the
+    program chose Gluon or not, and the output matches the reference."""
     q, cache, scales, table, seq_lens, qsl = _case([70, 20], [1, 20], 64, 8, 1, head_dim=128)
     plan = _plan(seq_lens, qsl, 8)
-    assert not prefill_gluon.supported(q, cache, plan_mod.prefill_q_block(8))
-    out = prefill_attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2, plan)
+    out = prefill_attention(q, cache, scales, 1, table, seq_lens, qsl, 0.2, plan, gluon=gluon)
     _assert_attention_close(out, q, cache, scales, table, seq_lens, qsl)
 
 
