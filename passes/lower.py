@@ -140,7 +140,7 @@ class Lower(Pass):
             if mode == "auto" and target.arch not in variant.archs:
                 why_not: str | None = f"target {target.name} is not {'/'.join(sorted(variant.archs))}"
             else:
-                why_not = "off" if mode == "off" else variant.supports(node, target)
+                why_not = rule if mode == "off" else variant.supports(node, target)
             node.update_kwarg(variant.name, why_not is None)
             if why_not is None:
                 self._variants_on[variant.name][op] += 1
