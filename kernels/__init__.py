@@ -10,7 +10,10 @@ kernel providers of the hy3 ops (see `hy3c.kernels.registry`), by family.
                  quantization), FP8 activation quantization
     sampler/     the fused token sampler (`hy3.sample`: temperature, min-p, top-k, top-p, Gumbel-max draw)
     cublas.py    vendor GEMMs through torch (`cublas` providers)
-    registry.py  providers and their lookup; pdl.py: programmatic dependent launch
+    registry.py  providers, their compile-time variants (`pdl`, `gluon`) and their lookup
+    pdl.py       programmatic dependent launch
+    overrides.py the HY3C_PDL / HY3C_GLUON debugging overrides (the one module reading the environment)
+    devices.py   what a launch asks of its GPU, and the log of launches that fall back from their variant
 
 Importing this package registers the torch reference providers, the `cublas` providers and, when Triton
 is installed, the Triton kernels (usable on CUDA; under TRITON_INTERPRET=1 they also run on CPU

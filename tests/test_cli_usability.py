@@ -3,6 +3,8 @@ table fits a terminal, long steps show progress."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from hy3c.cli import main
@@ -70,8 +72,16 @@ def test_pass_table_fits_the_terminal_and_lower_row_is_summarised(artifact, caps
     assert main(["inspect", str(artifact), "passes"]) == 0
     table = capsys.readouterr().out
     assert max(len(line) for line in table.splitlines()) <= TABLE_WIDTH
-    (lower,) = [line for line in table.splitlines() if line.startswith("lower")]
+    lines = table.splitlines()
+    (start,) = [i for i, line in enumerate(lines) if line.startswith("lower")]
+    row = [lines[start]]
+    for line in lines[start + 1 :]:  # the note wraps under its column
+        if not line.startswith(" "):
+            break
+        row.append(line)
+    lower = " ".join(line.strip() for line in row)
     assert "inspect ops --after lower" in lower and "hy3_triton." not in lower
+    assert re.search(r"configs: \S", lower)
     assert main(["inspect", str(artifact), "ops", "--after", "lower"]) == 0
     ops = capsys.readouterr().out
     assert "providers (lower):" in ops and "hy3.fused_moe: triton×2" in ops
