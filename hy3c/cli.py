@@ -76,7 +76,7 @@ def _run_init_checkpoint(args: argparse.Namespace) -> None:
 
     shard = int(args.max_shard_gib * 2**30)
     if args.fp8 is not None and args.scheme != "hub":
-        raise ValueError("--fp8 writes the hub naming (the FP8 format of HY3_SPEC §9); drop --scheme")
+        raise ValueError("--fp8 writes the hub naming (FP8: docs/ARCHITECTURE.md §1.7); drop --scheme")
     if args.fp8 is None:
         init_checkpoint(args.preset, args.out, args.seed, args.scheme, shard, args.overwrite, args.device)
     else:

@@ -31,7 +31,7 @@ class RopeParameters(BaseModel):
 
 
 class QuantizationConfig(BaseModel):
-    """The `quantization_config` block of an FP8 (W8A8[C8]) Hy3 checkpoint (HY3_SPEC §9)."""
+    """The `quantization_config` block of an FP8 (W8A8[C8]) Hy3 checkpoint (docs/ARCHITECTURE.md §1.7)."""
 
     model_config = ConfigDict(extra="allow")
     quant_method: Literal["fp8"]
@@ -41,7 +41,7 @@ class QuantizationConfig(BaseModel):
 
 
 class Hy3Config(BaseModel):
-    """Every field of the Hy3 config.json that influences inference (HY3_SPEC §2)."""
+    """Every field of the Hy3 config.json that influences inference (docs/ARCHITECTURE.md §1.1)."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
@@ -215,8 +215,8 @@ class Hy3Config(BaseModel):
         return out
 
 
-# config.json keys of architecture features Hy3 does not have (HY3_SPEC §2): a checkpoint that turns one
-# on is not a Hy3 model hy3c can run, so it is an error rather than an ignored key
+# config.json keys of architecture features Hy3 does not have (docs/ARCHITECTURE.md §1.1): a checkpoint
+# that turns one on is not a Hy3 model hy3c can run, so it is an error rather than an ignored key
 _UNSUPPORTED: dict[str, Any] = {
     "use_sliding_window": lambda v, d: v is True,
     "sliding_window": lambda v, d: v is not None and d.get("use_sliding_window") is not False,

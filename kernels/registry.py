@@ -1,4 +1,4 @@
-"""Kernel providers: which implementation runs each hy3 op (DESIGN §3).
+"""Kernel providers: which implementation runs each hy3 op (docs/ARCHITECTURE.md §4).
 
 Every `torch.ops.hy3.*` op has the `torch` provider (its own pure-torch reference, any device).
 Kernel modules register faster providers with `register_provider`; the `lower` pass picks, per graph

@@ -1,4 +1,4 @@
-"""The pass interface (DESIGN §4).
+"""The pass interface (docs/ARCHITECTURE.md §5).
 
 A pass is one class in one module: a `name`, a `stage`, a pydantic `Config` (extra="forbid"),
 `gate(ctx, config)` returning a skip reason or None, and `run(gm, ctx, config)` rewriting the graph in

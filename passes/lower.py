@@ -1,4 +1,5 @@
-"""lower: choose a kernel provider and its variants for every hy3 op node; record the choices (DESIGN §3).
+"""lower: choose a kernel provider and its variants for every hy3 op node; record the choices
+(docs/ARCHITECTURE.md §4).
 
 For each `hy3.*` node, the first provider in `priority` that runs on the target device and accepts the
 node (its `supports` check) wins; the node's target becomes that provider's op. Providers named in

@@ -1,4 +1,4 @@
-"""PassManager: runs the recipe's passes in order and reports on each (DESIGN §4).
+"""PassManager: runs the recipe's passes in order and reports on each (docs/ARCHITECTURE.md §5).
 
 For every pass it evaluates the gate, times `run`, eliminates dead code, lints and recompiles the
 graph, records op histograms before/after, optionally writes a dump, and produces one `PassResult`.

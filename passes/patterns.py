@@ -1,4 +1,4 @@
-"""Pattern helper over `torch._inductor.pattern_matcher`'s pattern language (DESIGN §4).
+"""Pattern helper over `torch._inductor.pattern_matcher`'s pattern language (docs/ARCHITECTURE.md §5).
 
     rewriter = PatternRewriter("fuse_add_rms_norm")
     rewriter.register(pattern, literals={"eps": ctx.model.rms_norm_eps}, rewrite=fn, check=same_shape)

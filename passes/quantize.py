@@ -1,4 +1,5 @@
-"""quantize: W8A8 FP8 at compile time (HY3_SPEC §9), with the weight conversion recorded as data.
+"""quantize: W8A8 FP8 at compile time (docs/ARCHITECTURE.md §1.7), with the weight conversion recorded
+as data.
 
 For a BF16 checkpoint and `quant.weights: fp8`, every linear layer except lm_head (and every routed
 expert stack) gets float8_e4m3fn weights with per-channel or per-tensor scales (`quant.weight_scales`)

@@ -1,4 +1,4 @@
-"""Convert a BF16 Hy3 checkpoint into the FP8 "W8A8C8" hub format (HY3_SPEC §9).
+"""Convert a BF16 Hy3 checkpoint into the FP8 "W8A8C8" hub format (docs/ARCHITECTURE.md §1.7).
 
     convert_to_fp8("ckpt-bf16/", "ckpt-fp8/", activation_scheme="static")
 

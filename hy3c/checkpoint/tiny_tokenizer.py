@@ -5,7 +5,7 @@ tokens and chat template, so demos and tests need no download.
   the Hy3 special tokens first (ids 0..6). Any text round-trips (byte-level), which is all a random
   checkpoint needs.
 * `write_tokenizer_files(dir)` writes `tokenizer.json`, `tokenizer_config.json` and
-  `chat_template.jinja` (the Hy3 chat format of HY3_SPEC §11).
+  `chat_template.jinja` (the Hy3 chat format of docs/ARCHITECTURE.md §1.8).
 """
 
 from __future__ import annotations

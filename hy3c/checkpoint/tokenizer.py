@@ -20,7 +20,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
 
-# Hy3's special tokens (HY3_SPEC §11), in the tiny tokenizer's id order
+# Hy3's special tokens (docs/ARCHITECTURE.md §1.8), in the tiny tokenizer's id order
 BOS = "<｜hy_begin▁of▁sentence｜>"
 EOS = "<｜hy_eos｜>"
 PAD = "<｜hy_pad｜>"

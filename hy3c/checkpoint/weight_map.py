@@ -1,9 +1,9 @@
 """Where every checkpoint tensor goes in the hy3c model.
 
-Two naming schemes are understood (HY3_SPEC §8):
+Two naming schemes are understood (docs/ARCHITECTURE.md §1.6):
   * `hub`          what tencent/Hy3 ships: per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`,
                    `mlp.router.gate.weight`, `mlp.expert_bias`, `mlp.shared_mlp.*`; FP8 checkpoints add
-                   `*.weight_scale` and `*.input_scale` (HY3_SPEC §9).
+                   `*.weight_scale` and `*.input_scale` (§1.7).
   * `transformers` what HF `HYV3ForCausalLM` holds after conversion: stacked `mlp.experts.gate_up_proj`
                    [E, 2I, H] and `mlp.experts.down_proj` [E, H, I], `mlp.gate.weight`,
                    `mlp.e_score_correction_bias`, `mlp.shared_experts.*`.

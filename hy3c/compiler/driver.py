@@ -1,4 +1,5 @@
-"""`hy3c compile`: checkpoint (or a config preset) + recipe → artifact directory (DESIGN §1, §5).
+"""`hy3c compile`: checkpoint (or a config preset) + recipe → artifact directory (docs/ARCHITECTURE.md
+§2, §6).
 
     summary = compile_artifact(recipe, out, checkpoint="ckpt/")       # or preset="full" (no weights)
 

@@ -4,7 +4,7 @@
 tokens of many requests. It returns the fp32 logits of the rows selected by `logits_indices` and the
 post-final-norm hidden states of every token (what the MTP layer consumes).
 
-`mtp_forward` runs MTP depth `depth` (HY3_SPEC §7): it embeds the *next* tokens, concatenates
+`mtp_forward` runs MTP depth `depth` (docs/ARCHITECTURE.md §1.5): it embeds the *next* tokens, concatenates
 enorm(embedding) with hnorm(previous hidden), projects with eh_proj, runs one MoE decoder layer with its
 own KV cache layer (num_hidden_layers + depth) and shares embed_tokens and lm_head with the main model.
 """
@@ -79,7 +79,7 @@ class Hy3ForCausalLM(nn.Module):
             return self(*batch.model_args(kv_cache))
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """lm_head in the model dtype, returned as fp32 (HY3_SPEC §12)."""
+        """lm_head in the model dtype, returned as fp32 (docs/ARCHITECTURE.md §1.9)."""
         return self.lm_head(hidden).float()
 
     def forward(

@@ -1,4 +1,4 @@
-"""Hy3 building blocks written with the canonical `hy3` ops (HY3_SPEC §3–§5).
+"""Hy3 building blocks written with the canonical `hy3` ops (docs/ARCHITECTURE.md §1.2–§1.4).
 
 Every block works on a flat token batch x [T, hidden]: tokens of many requests, prefill chunks and
 decodes mixed, described by `AttnMetadata`. Weights are parameters with requires_grad=False; a linear
@@ -202,7 +202,7 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """fp32 sigmoid router → routed experts → + shared expert (HY3_SPEC §4)."""
+    """fp32 sigmoid router → routed experts → + shared expert (docs/ARCHITECTURE.md §1.3)."""
 
     def __init__(self, config: Hy3Config, prefix: str, dtype, device, quant: QuantLayout) -> None:
         super().__init__()

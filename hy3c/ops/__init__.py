@@ -1,4 +1,4 @@
-"""The L1 canonical `hy3` op dialect (DESIGN §3).
+"""The L1 canonical `hy3` op dialect (docs/ARCHITECTURE.md §4).
 
 Importing this package registers every op as `torch.ops.hy3.<name>` (a `torch.library.custom_op` with
 a fake implementation). Each op's eager implementation is its pure-torch reference; kernel providers

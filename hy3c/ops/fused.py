@@ -1,5 +1,5 @@
-"""L2 fused ops (DESIGN §3). Each reference is the composition of the L1 references it replaces, so
-a fused op is always checkable against the unfused graph.
+"""L2 fused ops (docs/ARCHITECTURE.md §4). Each reference is the composition of the L1 references it
+replaces, so a fused op is always checkable against the unfused graph.
 """
 
 from __future__ import annotations

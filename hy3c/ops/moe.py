@@ -1,4 +1,4 @@
-"""MoE ops: `hy3::router`, `hy3::moe_experts`, `hy3::silu_and_mul` (HY3_SPEC §4).
+"""MoE ops: `hy3::router`, `hy3::moe_experts`, `hy3::silu_and_mul` (docs/ARCHITECTURE.md §1.3).
 
 Expert weights are stacked: w13 [E, 2I, H] (gate rows first, then up rows), w2 [E, H, I]. FP8 experts
 carry per-channel dequant scales w13_scale [E, 2I], w2_scale [E, H] and either static activation scales

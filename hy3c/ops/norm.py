@@ -1,7 +1,7 @@
 """RMSNorm ops: `hy3::rms_norm` (over the last dim) and `hy3::qk_norm` (per attention head).
 
-Numerics follow HF `HYV3RMSNorm` (HY3_SPEC §5): statistics in fp32, the normalised value cast back to
-the input dtype, then multiplied by the weight.
+Numerics follow HF `HYV3RMSNorm` (docs/ARCHITECTURE.md §1.4): statistics in fp32, the normalised value
+cast back to the input dtype, then multiplied by the weight.
 """
 
 from __future__ import annotations

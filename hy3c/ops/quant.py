@@ -1,5 +1,5 @@
 """FP8 (e4m3) quantization ops: `hy3::quant_fp8`, `hy3::quant_fp8_per_token`, `hy3::dequant_fp8`,
-`hy3::scaled_mm` (HY3_SPEC §9).
+`hy3::scaled_mm` (docs/ARCHITECTURE.md §1.7).
 
 Scales are dequant multipliers: `x ≈ q * scale`. Weight scales are per output channel ([N] fp32; a
 per-tensor checkpoint scale is expanded losslessly), activation scales are per tensor ([1], static,

@@ -1,4 +1,5 @@
-"""Rotary position embedding: `hy3::rope` (neox / rotate-half pairing, full rotary, HY3_SPEC §3).
+"""Rotary position embedding: `hy3::rope` (neox / rotate-half pairing, full rotary; docs/ARCHITECTURE.md
+§1.2).
 
 Angles are computed in fp32 exactly as HF does (`inv_freq = 1 / theta ** (arange(0, d, 2) / d)`,
 `angle = position * inv_freq`); the rotation itself is done in fp32 and rounded once to the input dtype.

@@ -1,5 +1,5 @@
-"""The token sampler as an op: `hy3::sample`, one token per row of logits (DESIGN §3: a pure-torch
-reference, kernel providers beside it — the Triton one is `hy3c.kernels.sampler`).
+"""The token sampler as an op: `hy3::sample`, one token per row of logits (docs/ARCHITECTURE.md §4: a
+pure-torch reference, kernel providers beside it — the Triton one is `hy3c.kernels.sampler`).
 
     tokens, logprobs, top_ids, top_logprobs, top_exact = torch.ops.hy3.sample(
         logits, temperature, top_k, top_p, min_p, seeds, noise, num_logprobs)

@@ -1,5 +1,6 @@
-"""An independent implementation of HY3_SPEC §6–§7 (whole sequences, no cache, hub tensor names),
-written from the spec's pseudocode with plain torch — the oracle for the MTP layer."""
+"""An independent implementation of the model of docs/ARCHITECTURE.md §1.2–§1.5 (whole sequences, no
+cache, the hub tensor names of §1.6), written from that description with plain torch — the oracle for
+the MTP layer."""
 
 from __future__ import annotations
 
