@@ -161,6 +161,7 @@ def test_serving_sampler_through_the_kernels_equals_the_reference_with_logprobs(
         torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]))
 
 
+@pytest.mark.slow  # ~55 s per case on 2 cores under TRITON_INTERPRET=1 (the chi-square needs many draws)
 @pytest.mark.parametrize("top_k", [0, 4])  # 0: drawn by the chunk kernel; 4: from the merged candidates
 def test_seeded_kernel_draws_follow_the_distribution(top_k):
     """Chi-square goodness of fit of the kernel's seeded stream (`tl.rand`, one seed per row) against
