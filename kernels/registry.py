@@ -21,7 +21,7 @@ import torch
 from torch.fx import Node
 
 import hy3c.ops  # noqa: F401
-from hy3c.ops import L1_OPS, L2_OPS
+from hy3c.ops import COLLECTIVE_OPS, L1_OPS, L2_OPS
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ _HOST_SYNCING = {
     "qknorm_rope_quant_kvstore",
     "sample",
 }
-for _op in (*L1_OPS, *L2_OPS):
+for _op in (*L1_OPS, *L2_OPS, *COLLECTIVE_OPS):  # the collectives' reference: torch.distributed
     register_provider(
         Provider(
             name="torch",

@@ -3,10 +3,11 @@
 Importing this package registers every op as `torch.ops.hy3.<name>` (a `torch.library.custom_op` with
 a fake implementation). Each op's eager implementation is its pure-torch reference; kernel providers
 are chosen later by the `lower` pass (`hy3.sample`'s by the serving sampler, which runs it after the
-step program).
+step program). The collectives (`hy3c.ops.collectives`, `COLLECTIVE_OPS`) run over the process groups
+bound at run time; their eager implementation is `torch.distributed`.
 """
 
-from hy3c.ops import attention, fused, moe, norm, quant, rope, sample
+from hy3c.ops import attention, collectives, fused, moe, norm, quant, rope, sample
 from hy3c.ops.quant import FP8_DTYPE, FP8_MAX
 
 L1_OPS = (
@@ -35,7 +36,17 @@ L2_OPS = (
     "silu_and_mul_quant",
     "sample",  # the token sampler: after the step program, never in it
 )
+# the communication of sharded programs (hy3c.ops.collectives): functional, over a group id
+COLLECTIVE_OPS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_reduce_add_rms_norm",  # L2: all_reduce → residual add → RMSNorm
+    "local_experts",  # expert parallelism: the router's top-k as this rank's experts see it
+)
 
 __all__ = [
-    "FP8_DTYPE", "FP8_MAX", "L1_OPS", "L2_OPS", "attention", "fused", "moe", "norm", "quant", "rope", "sample",
+    "COLLECTIVE_OPS", "FP8_DTYPE", "FP8_MAX", "L1_OPS", "L2_OPS",
+    "attention", "collectives", "fused", "moe", "norm", "quant", "rope", "sample",
 ]  # fmt: skip

@@ -10,12 +10,14 @@ attribute path (`aten.__class__.__init__`) and no file, storage or I/O op (`aten
 
 The list is what the compiler emits, written out: the ATen ops of the traced Hy3 step (torch.export's
 ATen IR) that the passes keep, every op of the hy3 dialect that the model or a pass emits
-(`hy3c.ops`), and the kernel providers' ops that the `lower` pass picks (`hy3c.kernels`: `hy3_triton`,
-`hy3_cublas`). A Triton op's variant arguments (`pdl`, `gluon`: bools `lower` sets) choose among the
-kernels of that op, and each kernel checks at launch that it can run the inputs (else the op's plain
+(`hy3c.ops`), the kernel providers' ops that the `lower` pass picks (`hy3c.kernels`: `hy3_triton`,
+`hy3_cublas`), and the collectives of sharded programs (`COLLECTIVES`, `hy3c.ops.collectives`). A
+Triton op's variant arguments (`pdl`, `gluon`: bools `lower` sets) choose among the kernels of that op, and each kernel checks at launch that it can run the inputs (else the op's plain
 Triton kernel runs), so no value of theirs reaches memory the op would not touch. The compiler refuses to write a program calling anything else (so a new op is added here
 in the same change that emits it), and `tests/compiler/test_artifact_security.py` checks that compiling
-the shipped recipes emits exactly these ops and that none of them touches files or storages.
+the shipped recipes emits exactly these ops — all but the collectives, which no shipped recipe emits
+until one shards the model (`tests/compiler/test_collective_programs.py` checks and runs a sharded
+program of them) — and that none of them touches files or storages.
 
 This module imports only torch: the runtime loads programs without the compiler's passes or Inductor.
 The hy3 and provider ops resolve once their modules are imported (`import hy3c.kernels`).
@@ -27,6 +29,16 @@ import operator
 from functools import cache
 
 import torch
+
+# the collectives (hy3c.ops.collectives, `hy3c.ops.COLLECTIVE_OPS`): only sharded programs call them
+COLLECTIVES: tuple[str, ...] = (
+    "hy3.all_gather.default",
+    "hy3.all_reduce.default",
+    "hy3.all_reduce_add_rms_norm.default",
+    "hy3.all_to_all.default",
+    "hy3.local_experts.default",
+    "hy3.reduce_scatter.default",
+)
 
 ALLOWED_OPS: tuple[str, ...] = (
     # ATen: the traced step (embedding → layers → norm → logits rows → lm_head) and what the passes keep
@@ -59,6 +71,7 @@ ALLOWED_OPS: tuple[str, ...] = (
     "hy3.silu_and_mul.default",
     "hy3.silu_and_mul_quant.default",
     "hy3.topk_routing.default",
+    *COLLECTIVES,
     # Triton kernels (hy3c.kernels)
     "hy3_triton.add_rms_norm.default",
     "hy3_triton.add_rms_norm_quant.default",

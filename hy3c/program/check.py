@@ -17,7 +17,11 @@ calls them, so that no kernel is handed arguments it would misread:
   `layer` within the KV cache, top-k within the experts; the KV cache, positions, slot mapping, page
   table, sequence lengths and query starts are the step's own inputs, never computed values; an
   attention plan comes from `attention_plan` and expert ids from a router over no more experts than
-  the expert weights hold.
+  the expert weights hold. The collectives' group arguments are within bounds and their shapes divide
+  as they split them; expert parallelism's `local_experts` takes a router's ids over exactly num_local ×
+  group_size experts and gives ids over num_local, which may be −1 ("no local expert"): only the
+  experts' torch references take those (they index within the weights at −1 and weigh it 0), never a
+  kernel that indexes memory with the id.
 * **the ATen gathers' indices** (`check_shapes`, `GATHER_CONTRACTS`): an op that reads rows at index
   values gathers with the step input the compiler gives it, whose values the engine bounds, from a
   table that has those rows: `aten.embedding` the `input_ids` (token ids, within the vocabulary) from
@@ -44,6 +48,7 @@ import torch
 from torch import fx
 
 from hy3c.config import Hy3Config
+from hy3c.ops.collectives import MAX_GROUP_SIZE, MAX_GROUPS
 from hy3c.program.allowlist import DTYPES, GETITEM, op_name
 
 # the step function's calling convention: hy3c.compiler.trace traces exactly these, loading checks them
@@ -78,7 +83,11 @@ STEP_SIZES = (StepSizes(11, 3, 5, 17, 16, 7), StepSizes(13, 2, 6, 19, 32, 5))
 
 TENSOR, INT, NONE = "tensor", "int", "none"
 _INT64 = (-(2**63), 2**63 - 1)
-_ROUTERS = ("router", "topk_routing")  # ops whose second output is expert ids
+_ROUTERS = ("router", "topk_routing", "local_experts")  # second output: ids over the contract's E experts
+_LOCAL_EXPERTS = "local_experts"  # its ids may be −1 (a token's expert held by another rank)
+# the ops that take ids of −1 (`local_experts`'): the experts' torch references, which index the stacked
+# weights in Python (−1 is the last expert, whose output is weighed 0); the kernels index memory with ids
+_TAKE_NO_EXPERT = ("hy3.moe_experts.default", "hy3.fused_moe.default")
 _ATTENTION_PLAN = "attention_plan"
 
 
@@ -262,6 +271,8 @@ class _Env:
     vocab: int
     routers: dict[fx.Node, int] = field(default_factory=dict)  # router node → experts it chooses from
     expert_ids: dict[fx.Node, int] = field(default_factory=dict)  # its ids output → the same count
+    no_expert: set[fx.Node] = field(default_factory=set)  # routers and ids that may hold −1 (local_experts)
+    group_sizes: dict[int, int] = field(default_factory=dict)  # a collective's group id → its size
 
 
 class _Broken(ValueError):
@@ -271,8 +282,8 @@ class _Broken(ValueError):
 class _Contract:
     """One call's bound arguments (values and nodes) and the sizes its shape patterns have bound."""
 
-    def __init__(self, values: dict[str, Any], nodes: dict[str, Any], env: _Env) -> None:
-        self.values, self.nodes, self.env = values, nodes, env
+    def __init__(self, values: dict[str, Any], nodes: dict[str, Any], env: _Env, op: str = "") -> None:
+        self.values, self.nodes, self.env, self.op = values, nodes, env, op
         self.sizes: dict[str, int] = {}
 
     def __getitem__(self, symbol: str) -> int:
@@ -357,6 +368,8 @@ class _Contract:
         experts = self.env.expert_ids.get(self.nodes["topk_ids"])
         if experts is None or experts > self["E"]:
             raise _Broken(f"topk_ids must be the ids of a router over at most {self['E']} experts")
+        if self.nodes["topk_ids"] in self.env.no_expert and self.op not in _TAKE_NO_EXPERT:
+            raise _Broken(f"topk_ids may be -1 (local_experts), which {self.op} does not take")
         if fp8 != (self.values["w13_scale"] is not None) or fp8 != (self.values["w2_scale"] is not None):
             raise _Broken("FP8 expert weights need their scales (and bf16 ones none)")
         self.optional("w13_scale", "E I2", "E 1", dtype=torch.float32)
@@ -499,6 +512,67 @@ def _add_rms_norm_quant(c: _Contract) -> None:
     c.optional("scale", "1", dtype=torch.float32)
 
 
+def _group(c: _Contract) -> None:
+    """A collective's group: an id the runtime binds, and its size (the fakes' shapes depend on it),
+    the same at every collective over that group."""
+    c.integer("group", 0, MAX_GROUPS)
+    c.integer("group_size", 1, MAX_GROUP_SIZE + 1)
+    group, size = c.values["group"], c.values["group_size"]
+    if c.env.group_sizes.setdefault(group, size) != size:
+        raise _Broken(
+            f"group {group} has {c.env.group_sizes[group]} ranks at an earlier collective, not {size}"
+        )
+
+
+def _split_dim(c: _Contract, dim: int) -> None:
+    """x splits into group_size equal chunks along `dim` (a token dim: the step pads its tokens)."""
+    size, parts = c.values["x"].shape[dim], c.values["group_size"]
+    if size % parts:
+        raise _Broken(f"argument 'x' has {size} rows along dim {dim}, not a multiple of group_size {parts}")
+
+
+def _all_reduce(c: _Contract) -> None:
+    _group(c)
+    c.shape("x", "*")
+
+
+def _all_gather(c: _Contract) -> None:
+    _group(c)
+    c.shape("x", "*")
+    c.integer("dim", 0, c.values["x"].dim())
+
+
+def _reduce_scatter(c: _Contract) -> None:
+    _all_gather(c)
+    _split_dim(c, c.values["dim"])
+
+
+def _all_to_all(c: _Contract) -> None:
+    _group(c)
+    c.shape("x", "* N")  # at least one dim: the split one is dim 0
+    _split_dim(c, 0)
+
+
+def _all_reduce_add_rms_norm(c: _Contract) -> None:
+    _group(c)
+    _add_rms_norm(c)
+
+
+def _local_experts(c: _Contract) -> None:
+    """A router's top-k over E = num_local × group_size experts → ids over the num_local local ones."""
+    _group(c)
+    c.shape("topk_weights", "T K", torch.float32)
+    c.shape("topk_ids", "T K", torch.int32)
+    experts = c.env.expert_ids.get(c.nodes["topk_ids"])
+    if experts is None:
+        raise _Broken("topk_ids must be the ids of a router")
+    local, parts = c.values["num_local"], c.values["group_size"]
+    c.integer("num_local", 1, experts + 1)
+    if local * parts != experts:
+        raise _Broken(f"num_local {local} × group_size {parts} is not the router's {experts} experts")
+    c.sizes["E"] = local  # its ids output ranges over the local experts (and −1)
+
+
 # op name (without namespace and overload) → contract; every hy3 op and provider op in the allow-list
 CONTRACTS: dict[str, Callable[[_Contract], None]] = {
     "rms_norm": _norm,
@@ -521,6 +595,12 @@ CONTRACTS: dict[str, Callable[[_Contract], None]] = {
     "topk_routing": _topk_routing,
     "fused_moe": _fused_moe,
     "silu_and_mul_quant": _silu_and_mul_quant,
+    "all_reduce": _all_reduce,
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "all_to_all": _all_to_all,
+    "all_reduce_add_rms_norm": _all_reduce_add_rms_norm,
+    "local_experts": _local_experts,
 }
 
 
@@ -607,10 +687,14 @@ def _run_node(node: fx.Node, values: dict[fx.Node, Any], env: _Env) -> Any:
             contract = _contract(node, args, kwargs, env, CONTRACTS[short])
             if short in _ROUTERS:
                 env.routers[node] = contract["E"]
+                if short == _LOCAL_EXPERTS:
+                    env.no_expert.add(node)
         elif name in GATHER_CONTRACTS:
             _contract(node, args, kwargs, env, GATHER_CONTRACTS[name])
         elif name == GETITEM and node.args[0] in env.routers and node.args[1] == 1:
             env.expert_ids[node] = env.routers[node.args[0]]
+            if node.args[0] in env.no_expert:
+                env.no_expert.add(node)
         return node.target(*args, **kwargs)
     except _Broken as exc:
         raise ProgramError(f"node {node.name} ({name}): {exc}") from None
@@ -636,7 +720,7 @@ def _contract(
     for arg in schema.arguments:  # a size read from an input varies per step: the check would not hold
         if "Tensor" not in str(arg.real_type) and isinstance(nodes[arg.name], fx.Node):
             raise _Broken(f"argument '{arg.name}' must be a constant, not node {nodes[arg.name].name}")
-    contract = _Contract(bind_arguments(schema, args, kwargs), nodes, env)
+    contract = _Contract(bind_arguments(schema, args, kwargs), nodes, env, op_name(node.target) or "")
     check(contract)
     return contract
 

@@ -888,13 +888,23 @@ def emitted(tiny_ckpt, tmp_path_factory):
 def test_the_allow_list_is_what_the_compiler_emits(emitted):
     every = set().union(*emitted.values())
     assert every - set(op_allowlist.ALLOWED_OPS) - {op_allowlist.GETITEM} == set()
-    never = set(op_allowlist.ALLOWED_OPS) - every
+    never = set(op_allowlist.ALLOWED_OPS) - every - set(op_allowlist.COLLECTIVES)
     assert never == set(), f"listed but emitted by no recipe (remove them to keep the list minimal): {never}"
+    # the collectives: listed for sharded programs, which none of these compiles (single-rank recipes);
+    # tests/compiler/test_collective_programs.py checks and runs a sharded program calling each of them
+    assert every & set(op_allowlist.COLLECTIVES) == set()
     full = next(v for k, v in emitted.items() if k.endswith("(full)"))
     tiny = next(
         v for k, v in emitted.items() if k.startswith("h20-w8a8c8 ['quant.activations=dynamic'] (tiny)")
     )
     assert full == tiny  # 80 layers call what 3 do
+
+
+def test_the_listed_collectives_are_the_dialects():
+    from hy3c.ops import COLLECTIVE_OPS
+
+    assert sorted(op_allowlist.COLLECTIVES) == sorted(f"hy3.{op}.default" for op in COLLECTIVE_OPS)
+    assert set(op_allowlist.COLLECTIVES) <= set(op_allowlist.ALLOWED_OPS)
 
 
 def test_listed_ops_are_specific_overloads_that_touch_no_files():
