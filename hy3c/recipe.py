@@ -18,6 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hy3c.config import Hy3Config
+
 
 class RecipeError(ValueError):
     """An invalid recipe, override or pass list; the message names the key."""
@@ -40,11 +42,86 @@ class QuantSpec(_Strict):
         return {"fp8": "float8_e4m3fn", "bf16": "bfloat16"}.get(self.kv, model_dtype)
 
 
+# process-group ids of the collectives a sharded program calls (`hy3.all_reduce(x, group, size)`, ...)
+TP_GROUP = 0  # the ranks that split one layer's heads and widths
+EP_GROUP = 1  # the ranks that split the routed experts: every rank of the world
+
+
 class ParallelSpec(_Strict):
+    """How the model is split over ranks (docs/ARCHITECTURE.md §9).
+
+    rank = dp_rank × tp + tp_rank: `dp_attention` groups of `tp` ranks each run their own requests
+    through replicated (dp) or head-split (tp) attention; the routed experts are split `ep` ways over
+    all ranks (ep is 1 or the world size; ep alone, with tp = dp_attention = 1, runs the same tokens
+    through whole attention on every rank). `sp` puts the residual stream of prefill on token shards.
+    """
+
     tp: int = Field(1, ge=1)
     sp: bool = False
     ep: int = Field(1, ge=1)
-    dp_attention: bool = False
+    dp_attention: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelSpec:
+        ranks = self.tp * self.dp_attention
+        if self.ep not in (1, ranks) and ranks != 1:
+            raise ValueError(f"ep={self.ep} must be 1 or tp × dp_attention = {ranks} (the world size)")
+        if self.sp and self.tp == 1:
+            raise ValueError("sp=true needs tp > 1 (it shards the residual stream over the TP ranks)")
+        if self.dp_attention > 1 and self.tp > 1:
+            raise ValueError("dp_attention > 1 with tp > 1 is not supported; use tp=1 with dp_attention")
+        if self.dp_attention > 1 and self.ep == 1:
+            raise ValueError("dp_attention > 1 needs ep = the world size (the MoE runs over all ranks)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return max(self.tp * self.dp_attention, self.ep)
+
+    def group_size(self, group: int) -> int:
+        return self.tp if group == TP_GROUP else self.world_size
+
+    def groups(self) -> dict[int, list[list[int]]]:
+        """group id → its rank sets (each rank is in exactly one set of each group)."""
+        tp_sets = [list(range(first, first + self.tp)) for first in range(0, self.world_size, self.tp)]
+        return {TP_GROUP: tp_sets, EP_GROUP: [list(range(self.world_size))]}
+
+    def group_rank(self, group: int, rank: int) -> int:
+        """`rank`'s index within its set of `group`."""
+        return rank % self.tp if group == TP_GROUP else rank
+
+    def check_model(self, config: Hy3Config) -> None:
+        """ValueError naming the recipe key when the model's layout cannot be split this way."""
+        tp, ep = self.tp, self.ep
+        kv = config.num_key_value_heads
+        widths = {
+            "attention heads": config.num_attention_heads,
+            "dense MLP width (intermediate_size)": config.intermediate_size,
+            "vocabulary rows": config.vocab_size,
+        }
+        if config.num_shared_experts:
+            widths["shared expert width"] = config.shared_intermediate_size
+        if ep == 1:
+            widths["routed expert width (moe_intermediate_size)"] = config.moe_intermediate_size
+        for what, size in widths.items():
+            if size % tp:
+                raise ValueError(f"parallel.tp={tp} does not divide the model's {size} {what}")
+        if kv % tp and tp % kv:
+            raise ValueError(
+                f"parallel.tp={tp}: the model's {kv} KV heads must split evenly (tp divides them) or be "
+                f"replicated evenly (they divide tp)"
+            )
+        if config.num_experts % ep:
+            raise ValueError(f"parallel.ep={ep} does not divide the model's {config.num_experts} experts")
+
+    def local_kv_heads(self, kv_heads: int) -> int:
+        """The KV heads each rank holds (and caches): split tp ways, or one each beyond kv_heads ranks."""
+        return local_kv_heads(kv_heads, self.tp)
+
+
+def local_kv_heads(kv_heads: int, parts: int) -> int:
+    """KV heads on each of `parts` ranks: split when they divide, else one each (replicated)."""
+    return kv_heads // parts if parts <= kv_heads else 1
 
 
 # the GPU architecture of each target (None: the CPU): `lower` turns on the kernel variants it runs

@@ -57,6 +57,16 @@ class CompileCtx:
         return TARGET_ARCH[self.target]
 
     @property
+    def heads_per_rank(self) -> int:
+        """The q heads one rank's attention runs (all of them without tensor parallelism)."""
+        return self.model.num_attention_heads // self.parallel.tp
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """The KV heads one rank holds and caches (`ParallelSpec.local_kv_heads`)."""
+        return self.parallel.local_kv_heads(self.model.num_key_value_heads)
+
+    @property
     def kv_dtype(self) -> torch.dtype:
         """The KV cache's dtype at run time (the traced step's cache placeholder has the model dtype)."""
         return getattr(torch, self.quant.kv_dtype(self.dtype))

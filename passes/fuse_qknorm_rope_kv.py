@@ -88,14 +88,16 @@ class FuseQkNormRopeKv(Pass):
 
     def rewriter(self, ctx: CompileCtx) -> PatternRewriter:
         c = ctx.model
-        self._heads = (c.num_attention_heads, c.num_key_value_heads)
+        heads, kv_heads = ctx.heads_per_rank, ctx.kv_heads_per_rank  # one rank's (shard_tp ran first)
+        q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
+        self._heads = (heads, kv_heads)
 
         def check(match: Match) -> str | None:
             kw = match.kwargs
             if kw["dim"] not in (-1, 1):
                 return f"split along dim {kw['dim']}"
-            if list(kw["k_shape"][1:]) != [c.num_key_value_heads, c.head_dim] or list(kw["v_shape"][1:]) != [
-                c.num_key_value_heads,
+            if list(kw["k_shape"][1:]) != [kv_heads, c.head_dim] or list(kw["v_shape"][1:]) != [
+                kv_heads,
                 c.head_dim,
             ]:
                 return "k/v head views do not have the model's [kv_heads, head_dim]"
@@ -104,7 +106,7 @@ class FuseQkNormRopeKv(Pass):
             if chain is None:
                 return "the q head view is not reshape → qk_norm → rope"
             reshape, norm, rope = chain
-            if list(reshape.args[1][1:]) != [c.num_attention_heads, c.head_dim]:
+            if list(reshape.args[1][1:]) != [heads, c.head_dim]:
                 return "the q head view does not have the model's [heads, head_dim]"
             if (
                 norm.args[2] != c.rms_norm_eps
@@ -117,7 +119,7 @@ class FuseQkNormRopeKv(Pass):
         rewriter = PatternRewriter(self.name)
         rewriter.register(
             KV_STORE_OF_NORMED_ROPED_K,
-            {"sizes": [c.q_size, c.kv_size, c.kv_size], "eps": c.rms_norm_eps, "theta": c.rope_theta},
+            {"sizes": [q_size, kv_size, kv_size], "eps": c.rms_norm_eps, "theta": c.rope_theta},
             self._rewrite,
             check,
         )

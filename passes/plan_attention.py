@@ -37,7 +37,7 @@ class PlanAttention(Pass):
         if not attentions:
             return []
         inputs = {n.name: n for n in graph.nodes if n.op == "placeholder"}
-        group = ctx.model.num_attention_heads // ctx.model.num_key_value_heads
+        group = ctx.heads_per_rank // ctx.kv_heads_per_rank  # q heads per KV head, on one rank
         with graph.inserting_before(attentions[0]):
             plan = graph.call_function(
                 hy3.attention_plan.default,

@@ -22,6 +22,7 @@ def _load_builtin_passes() -> None:
         cleanup,
         fuse_act_quant,
         fuse_add_rms_norm,
+        fuse_allreduce_add_rms_norm,
         fuse_moe,
         fuse_moe_input_quant,
         fuse_norm_quant,
@@ -29,6 +30,8 @@ def _load_builtin_passes() -> None:
         lower,
         plan_attention,
         quantize,
+        shard_ep,
+        shard_tp,
     )
 
 

@@ -199,7 +199,8 @@ class ShardedWriter:
         self.total_bytes += size
 
     def _flush(self) -> None:
-        path = self.directory / f"shard-{len(self._shards):05d}.tmp"
+        stem = self.single_name.removesuffix(".safetensors")  # writers may share a directory
+        path = self.directory / f"{stem}-shard-{len(self._shards):05d}.tmp"
         save_file(self._pending, str(path), metadata=self.metadata)
         self._shards.append((path, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0

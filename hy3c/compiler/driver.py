@@ -41,6 +41,7 @@ from hy3c.passes.base import CompileCtx, PassResult
 from hy3c.passes.graph_utils import set_attr
 from hy3c.passes.manager import PassError, PassManager
 from hy3c.passes.registry import PASS_REGISTRY, check_recipe_passes
+from hy3c.passes.shard_plan import shard_plan
 from hy3c.program.check import STEP_INPUTS, STEP_OUTPUTS
 from hy3c.program.manifest import (
     FORMAT_VERSION,
@@ -81,18 +82,18 @@ def pass_source_hashes(recipe: Recipe) -> dict[str, str]:
     return out
 
 
-def _check_supported(recipe: Recipe, layout: CheckpointLayout | None) -> None:
+def _check_supported(recipe: Recipe, config: Hy3Config, layout: CheckpointLayout | None) -> None:
     check_recipe_passes(recipe)
     par = recipe.parallel
-    for key, value, default in (
-        ("tp", par.tp, 1),
-        ("ep", par.ep, 1),
-        ("sp", par.sp, False),
-        ("dp_attention", par.dp_attention, False),
-    ):
-        if value != default:
+    try:
+        par.check_model(config)
+    except ValueError as exc:
+        raise CompileError(f"recipe key {exc}") from None
+    for key, active, name in (("tp", par.tp > 1, "shard_tp"), ("ep", par.ep > 1, "shard_ep")):
+        spec = recipe.pass_spec(name)
+        if active and (spec is None or not spec.enabled):
             raise CompileError(
-                f"recipe key parallel.{key}={value}: multi-GPU sharding is not implemented yet (use {default})"
+                f"recipe key parallel.{key}={getattr(par, key)}: the recipe's passes must include {name}"
             )
     if layout is not None and layout.quant.fp8_modules and recipe.quant.weights == "none":
         raise CompileError(
@@ -201,7 +202,11 @@ def compile_model(
 ) -> tuple[Runner, list[PassResult]]:
     """Compile a model already in memory (e.g. random weights at real shapes for benchmarks) into a
     Runner, without writing an artifact: same trace, passes and weight derivation as `compile_artifact`."""
-    _check_supported(recipe, None)
+    _check_supported(recipe, model.config, None)
+    if recipe.parallel.world_size > 1:
+        raise CompileError(
+            "compile_model builds one rank's runner; compile a sharded recipe with compile_artifact"
+        )
     ctx = compile_context(model.config, recipe, model.quant)
     gm, results = trace_and_run_passes(ctx, recipe, model.quant, None, {})
     params = dict(model.named_parameters())
@@ -253,7 +258,7 @@ def compile_artifact(
     config: Hy3Config = layout.config if layout is not None else preset_config(preset)
     if not with_mtp:
         config = config.model_copy(update={"num_nextn_predict_layers": 0})
-    _check_supported(recipe, layout)
+    _check_supported(recipe, config, layout)
     dtype = getattr(torch, recipe.dtype)
     quant = layout.quant if layout is not None else NO_QUANT
     out = Path(out)
@@ -268,7 +273,9 @@ def compile_artifact(
         (tmp / PROGRAM_FILE).write_text(program)
         weight_files: list[dict[str, Any]] = []
         if layout is not None:
-            weight_files = write_weights(gm, layout, Path(checkpoint), dtype, tmp, max_shard_bytes, progress)
+            weight_files = write_weights(
+                gm, layout, Path(checkpoint), dtype, tmp, recipe.parallel, max_shard_bytes, progress
+            )
             for name in TOKENIZER_FILES:
                 if (Path(checkpoint) / name).is_file():
                     shutil.copy2(Path(checkpoint) / name, tmp / name)
@@ -317,6 +324,11 @@ def compile_artifact(
                 },
                 "weights": {"files": weight_files} if layout is not None else None,
                 "kv_cache": {"dtype": kv_cache_dtype(recipe)},
+                "shard_plan": {
+                    "world_size": recipe.parallel.world_size,
+                    "kv_heads_per_rank": recipe.parallel.local_kv_heads(config.num_key_value_heads),
+                    "tensors": shard_plan(gm),
+                },
                 "overrides": {name: str(int(on)) for name, on in ctx.variant_overrides},
                 "cache_key": {"key": json_sha256(parts), "parts": parts},
             }

@@ -1,8 +1,13 @@
-"""Write the artifact's weights: stream checkpoint tensors, apply the passes' weight plan, write shards.
+"""Write the artifact's weights: stream checkpoint tensors, apply the passes' weight and shard plans,
+write each rank's files.
 
-Each graph parameter is assembled from the checkpoint one at a time (`hy3c.checkpoint.loader.assemble_tensors`);
-weights listed in the quantize pass's plan are converted to FP8 with their scales; everything else is
-cast to the dtype the graph expects. Peak memory is one parameter plus one pending shard.
+Each graph parameter is assembled whole from the checkpoint one at a time
+(`hy3c.checkpoint.loader.assemble_tensors`); weights listed in the quantize pass's plan are converted to
+FP8 with their scales (computed over the whole tensor, so every rank's slice carries the scales a
+single-rank program would use); everything else is cast to the dtype the graph expects. Then every
+rank gets its slice as the shard plan says (`hy3c.passes.shard_plan`), or the whole tensor where the
+parameter is replicated, into `weights/rank{r}*.safetensors`. Peak memory is one parameter plus one
+pending shard per rank.
 """
 
 from __future__ import annotations
@@ -17,11 +22,17 @@ from tqdm import tqdm
 from hy3c.checkpoint.loader import CheckpointLayout, assemble_tensors
 from hy3c.checkpoint.safetensors_io import ShardedWriter
 from hy3c.ops.quant import quantize_weight, split_router_weight
+from hy3c.passes.shard_plan import cut, derived_spec, shard_plan
 from hy3c.passes.weight_plan import weight_plan
 from hy3c.program.manifest import files_sha256
+from hy3c.recipe import ParallelSpec
 
 WEIGHTS_DIR = "weights"
-WEIGHT_NAMES = ("rank0.safetensors.index.json", "rank0.safetensors")
+
+
+def weight_names(rank: int) -> tuple[str, str]:
+    """The index and single-file names of one rank's weights."""
+    return f"rank{rank}.safetensors.index.json", f"rank{rank}.safetensors"
 
 
 def derive_weights(
@@ -34,12 +45,17 @@ def derive_weights(
 
     `sources(shapes)` yields (fqn, tensor) for the requested source shapes (fqn → meta tensor)."""
     params = dict(gm.named_parameters())
+    shards = shard_plan(gm)
     plan = weight_plan(gm)
     fp8 = {fqn: e for fqn, e in plan.items() if e["kind"] == "fp8"}
     splits = {e["source"]: (fqn, e["lo"]) for fqn, e in plan.items() if e["kind"] == "router_split"}
     derived = {e["scale"] for e in fp8.values()} | {name for pair in splits.values() for name in pair}
     shapes = {
-        fqn: torch.empty(p.shape, dtype=source_dtype if fqn in fp8 else p.dtype, device="meta")
+        fqn: torch.empty(
+            shards[fqn]["global_shape"] if fqn in shards else p.shape,
+            dtype=source_dtype if fqn in fp8 else p.dtype,
+            device="meta",
+        )
         for fqn, p in params.items()
         if fqn not in derived
     }
@@ -54,19 +70,44 @@ def derive_weights(
             yield from zip(splits[fqn], split_router_weight(tensor.float()))
 
 
+def rank_slices(
+    gm: fx.GraphModule, parallel: ParallelSpec
+) -> Callable[[str, torch.Tensor], list[torch.Tensor]]:
+    """fqn, whole tensor → the tensor of each rank (the same object where it is replicated)."""
+    shards = shard_plan(gm)
+    sources = {e["scale"]: fqn for fqn, e in weight_plan(gm).items() if e["kind"] == "fp8"}
+
+    def slices(fqn: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        spec = shards.get(fqn)
+        if spec is None and sources.get(fqn) in shards:
+            spec = derived_spec(shards[sources[fqn]], list(tensor.shape))
+        if spec is None:
+            return [tensor] * parallel.world_size
+        return [
+            cut(tensor, spec, parallel.group_rank(spec["group"], rank)) for rank in range(parallel.world_size)
+        ]
+
+    return slices
+
+
 def write_weights(
     gm: fx.GraphModule,
     layout: CheckpointLayout,
     checkpoint: Path,
     source_dtype: torch.dtype,
     out: Path,
+    parallel: ParallelSpec,
     max_shard_bytes: int = 4 << 30,
     progress: bool | None = None,
 ) -> list[dict[str, object]]:
-    """Write every parameter of gm into out/weights/; returns [{name, bytes, sha256}] per file."""
+    """Write every rank's parameters of gm into out/weights/; returns [{name, bytes, sha256, rank}] per
+    file."""
     directory = out / WEIGHTS_DIR
     directory.mkdir(parents=True)
-    writer = ShardedWriter(directory, max_shard_bytes, names=WEIGHT_NAMES)
+    world = parallel.world_size
+    per_rank_bytes = max(max_shard_bytes // world, 1 << 28) if world > 1 else max_shard_bytes
+    writers = [ShardedWriter(directory, per_rank_bytes, names=weight_names(r)) for r in range(world)]
+    slices = rank_slices(gm, parallel)
     disable = None if progress is None else not progress
     with tqdm(
         total=len(dict(gm.named_parameters())), desc="packaging weights", unit="tensor", disable=disable
@@ -74,11 +115,20 @@ def write_weights(
         for fqn, tensor in derive_weights(
             gm, lambda shapes: assemble_tensors(layout, shapes, checkpoint), source_dtype
         ):
-            writer.add(fqn, tensor)
+            for writer, part in zip(writers, slices(fqn, tensor)):
+                writer.add(fqn, part)
             del tensor
             bar.update(1)
-    paths = [directory / name for name in writer.close()]
-    return [
-        {"name": f"{WEIGHTS_DIR}/{path.name}", "bytes": path.stat().st_size, "sha256": digest}
-        for path, digest in zip(paths, files_sha256(paths))
-    ]
+    files = []
+    for rank, writer in enumerate(writers):
+        paths = [directory / name for name in writer.close()]
+        files += [
+            {
+                "name": f"{WEIGHTS_DIR}/{path.name}",
+                "bytes": path.stat().st_size,
+                "sha256": digest,
+                "rank": rank,
+            }
+            for path, digest in zip(paths, files_sha256(paths))
+        ]
+    return files

@@ -70,6 +70,11 @@ class Hy3ForCausalLM(nn.Module):
     def kv_dtype(self) -> torch.dtype:
         return self.dtype
 
+    @property
+    def kv_heads(self) -> int:
+        """The KV heads the cache holds (all of them: the eager model runs on one rank)."""
+        return self.config.num_key_value_heads
+
     def allocate_kv_cache(self, num_pages: int, page_size: int) -> Tensor:
         return allocate_kv_cache(self.config, num_pages, page_size, self.kv_dtype, self.device)
 
@@ -130,7 +135,10 @@ def allocate_kv_cache(
     page_size: int,
     dtype: torch.dtype,
     device: torch.device | str | None = None,
+    kv_heads: int | None = None,
 ) -> Tensor:
-    """Zeroed paged KV cache [num_kv_layers, 2, num_pages, page_size, num_kv_heads, head_dim]."""
-    shape = (config.num_kv_layers, 2, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    """Zeroed paged KV cache [num_kv_layers, 2, num_pages, page_size, kv_heads, head_dim] (`kv_heads`:
+    those of one rank of a sharded program; by default the model's)."""
+    heads = config.num_key_value_heads if kv_heads is None else kv_heads
+    shape = (config.num_kv_layers, 2, num_pages, page_size, heads, config.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -114,9 +114,12 @@ def moe_experts_reference(
     x_q: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """The routed experts' weighted sum. x_q: x already quantized per token (FP8 rows [T, H], scales
-    [T, 1]) — what the dynamic scheme would make of it — for the gate-up GEMMs to read."""
+    [T, 1]) — what the dynamic scheme would make of it — for the gate-up GEMMs to read. An id of −1 is
+    an expert this rank does not hold (`hy3.local_experts`): it adds nothing."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
+        if e < 0:
+            continue
         tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
         rows_q = None if x_q is None else (x_q[0][tokens], x_q[1][tokens])
         gate_up = _expert_linear(

@@ -90,6 +90,20 @@ class Artifact:
     def has_weights(self) -> bool:
         return self.manifest.get("weights") is not None
 
+    @property
+    def world_size(self) -> int:
+        """The ranks that run the program together (1: one process)."""
+        return self.recipe.parallel.world_size
+
+    @property
+    def kv_heads(self) -> int:
+        """The KV heads each rank's cache holds."""
+        return self.recipe.parallel.local_kv_heads(self.config.num_key_value_heads)
+
+    def weight_files(self, rank: int) -> list[dict[str, Any]]:
+        """The manifest entries of the weight files rank `rank` loads."""
+        return [e for e in self.manifest["weights"]["files"] if e.get("rank", 0) == rank]
+
     def file(self, name: str | Path) -> Path:
         """The real path of one of the artifact's files, checked by `artifact_file`."""
         return artifact_file(self.path, name)
@@ -142,7 +156,30 @@ def open_artifact(path: str | Path) -> Artifact:
     except ValidationError as exc:
         raise _field_error(file, exc, "recipe") from None
     _check_hashes(file, manifest, checked, recipe)
+    _check_ranks(file, checked, config, recipe)
     return Artifact(path, manifest, config, recipe)
+
+
+def _check_ranks(file: Path, checked: Manifest, config: Hy3Config, recipe: Recipe) -> None:
+    """The shard plan's world and KV heads are the recipe's; every weight file belongs to one of its
+    ranks and every rank has weights."""
+    world = recipe.parallel.world_size
+    if checked.shard_plan.world_size != world:
+        raise ArtifactError(
+            f"{file}: field 'shard_plan.world_size' is {checked.shard_plan.world_size}, the recipe's "
+            f"parallel layout needs {world}"
+        )
+    kv_heads = recipe.parallel.local_kv_heads(config.num_key_value_heads)
+    if checked.shard_plan.kv_heads_per_rank not in (None, kv_heads):
+        raise ArtifactError(f"{file}: field 'shard_plan.kv_heads_per_rank' is not {kv_heads}")
+    if checked.weights is None:
+        return
+    ranks = {entry.rank for entry in checked.weights.files}
+    if max(ranks) >= world:
+        raise ArtifactError(f"{file}: field 'weights.files' names rank {max(ranks)} of a world of {world}")
+    missing = sorted(set(range(world)) - ranks)
+    if missing:
+        raise ArtifactError(f"{file}: field 'weights.files' has no weights for rank {missing[0]}")
 
 
 # the manifest field each part of the cache key is computed from
@@ -204,7 +241,7 @@ def read_program_file(art: Artifact) -> Program:
     try:
         program = read_program(data)
         kv_dtype = getattr(torch, art.manifest["kv_cache"]["dtype"])
-        program.check_shapes(art.config, getattr(torch, art.recipe.dtype), kv_dtype)
+        program.check_shapes(art.config, getattr(torch, art.recipe.dtype), kv_dtype, art.kv_heads)
     except ProgramError as exc:
         raise ArtifactError(f"{file}: {exc}") from None
     return program

@@ -124,16 +124,20 @@ Kind = str | Multi
 
 
 def step_inputs(
-    config: Hy3Config, kv_dtype: torch.dtype, sizes: StepSizes = STEP_SIZES[0]
+    config: Hy3Config,
+    kv_dtype: torch.dtype,
+    sizes: StepSizes = STEP_SIZES[0],
+    kv_heads: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Meta tensors shaped and typed like the step inputs the engine passes."""
+    """Meta tensors shaped and typed like the step inputs the engine passes (a rank of a sharded
+    program caches `kv_heads` heads; by default the model's)."""
     i64, i32 = torch.int64, torch.int32
     kv = (
         config.num_kv_layers,
         2,
         sizes.kv_pages,
         sizes.page_size,
-        config.num_key_value_heads,
+        config.num_key_value_heads if kv_heads is None else kv_heads,
         config.head_dim,
     )
     shapes = (
@@ -649,6 +653,7 @@ def check_shapes(
     config: Hy3Config,
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
+    kv_heads: int | None = None,
 ) -> None:
     """Run the graph on meta tensors (parameters as recorded, the step inputs of each of `STEP_SIZES`),
     checking each hy3 op's and ATen gather's contract first; the outputs must be the logits and hidden
@@ -657,7 +662,7 @@ def check_shapes(
     try:
         with torch.no_grad():
             for sizes in STEP_SIZES:
-                inputs = dict(zip(STEP_INPUTS, step_inputs(config, kv_dtype, sizes)))
+                inputs = dict(zip(STEP_INPUTS, step_inputs(config, kv_dtype, sizes, kv_heads)))
                 env = _Env(tokens=sizes.tokens, vocab=config.vocab_size)
                 values: dict[fx.Node, Any] = {}
                 for node in graph.nodes:

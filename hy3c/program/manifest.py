@@ -78,11 +78,21 @@ class WeightFile(_Strict):
     name: str
     bytes: int = Field(ge=0)
     sha256: str = Field(pattern=_SHA256)
+    rank: int = Field(0, ge=0)  # the rank that loads it
     _inside = field_validator("name")(_inside)
 
 
 class Weights(_Strict):
     files: list[WeightFile] = Field(min_length=1)
+
+
+class ShardPlan(_Strict):
+    """How the program is split over ranks: the world it needs, the KV heads each rank caches, and for
+    every split parameter how each rank's slice was cut (`hy3c.passes.shard_plan`; others replicated)."""
+
+    world_size: int = Field(1, ge=1)
+    kv_heads_per_rank: int | None = Field(None, ge=1)
+    tensors: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
 class KvCache(_Strict):
@@ -132,6 +142,7 @@ class Manifest(_Strict):
     program: ProgramEntry
     weights: Weights | None
     kv_cache: KvCache
+    shard_plan: ShardPlan = Field(default_factory=ShardPlan)
     # debugging overrides of the kernel variants set while compiling (`hy3c.kernels.overrides`):
     # variable → "0" / "1"; the program's kernel arguments already carry them
     overrides: dict[str, Literal["0", "1"]] = Field(default_factory=dict)

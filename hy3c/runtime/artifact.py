@@ -19,9 +19,21 @@ from hy3c.program.serialize import ProgramError
 from hy3c.runtime.runner import Runner
 
 
-def _load_weights(art: Artifact, device: str) -> dict[str, torch.Tensor]:
-    """Every weight file: size and sha256 checked (all files hashed concurrently), then loaded."""
-    entries = art.manifest["weights"]["files"]
+def check_weight_files(art: Artifact) -> None:
+    """Every rank's weight files are there, regular files inside the artifact, of the recorded size (what
+    the process that starts the ranks checks before any of them loads anything)."""
+    for entry in art.manifest["weights"]["files"]:
+        real = art.file(entry["name"])
+        if real.stat().st_size != entry["bytes"]:
+            raise ArtifactError(
+                f"{art.path / entry['name']}: {real.stat().st_size} bytes, manifest.json says {entry['bytes']} "
+                "(truncated?)"
+            )
+
+
+def _load_weights(art: Artifact, device: str, rank: int = 0) -> dict[str, torch.Tensor]:
+    """Every weight file of `rank`: size and sha256 checked (all files hashed concurrently), then loaded."""
+    entries = art.weight_files(rank)
     files = [art.path / entry["name"] for entry in entries]  # as named, for messages
     reals = [art.file(entry["name"]) for entry in entries]  # every file checked before any is read
     for file, real, entry in zip(files, reals, entries):
@@ -43,22 +55,27 @@ def _load_weights(art: Artifact, device: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load(path: str | Path, device: str | None = None, compile: bool = True) -> Runner:
-    """Load an artifact and return a `Runner` over its program (see the module docstring)."""
+def load(path: str | Path, device: str | None = None, compile: bool = True, rank: int = 0) -> Runner:
+    """Load an artifact and return a `Runner` over its program (see the module docstring); for a sharded
+    artifact, over rank `rank`'s weights (only its files are read)."""
     art = open_artifact(path)
     if not art.has_weights:
         raise ArtifactError(
             f"{art.path}: compiled from a config preset without weights; it can be inspected, not run"
         )
+    if not 0 <= rank < art.world_size:
+        raise ArtifactError(f"{art.path}: rank {rank} of an artifact compiled for {art.world_size} rank(s)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type != art.recipe.device_type:
         raise ArtifactError(
             f"{art.path}: compiled for target '{art.recipe.target}' ({art.recipe.device_type}); cannot run on {device}"
         )
     program = read_program_file(art)
-    tensors = _load_weights(art, device)
+    tensors = _load_weights(art, device, rank)
     try:
         gm = program.bind(tensors)
     except ProgramError as exc:
         raise ArtifactError(f"{art.path / art.manifest['program']['file']}: {exc}") from None
-    return Runner(art.path, art.manifest, art.config, art.recipe, gm, torch.device(device), compile)
+    return Runner(
+        art.path, art.manifest, art.config, art.recipe, gm, torch.device(device), compile, art.kv_heads, rank
+    )

@@ -57,6 +57,8 @@ class Runner:
         gm: fx.GraphModule,
         device: torch.device,
         compile: bool,
+        kv_heads: int | None = None,
+        rank: int = 0,
     ) -> None:
         self.path = path
         self.manifest = manifest
@@ -66,6 +68,9 @@ class Runner:
         self.device = device
         self.dtype = getattr(torch, recipe.dtype)
         self.kv_dtype = getattr(torch, manifest["kv_cache"]["dtype"])
+        self.kv_heads = config.num_key_value_heads if kv_heads is None else kv_heads  # this rank's
+        self.rank = rank
+        self.world_size = recipe.parallel.world_size
         self.compiled = compile
         self.decode_graphs: DecodeGraphs | None = None
         self.compile_cache: Path | None = self._use_compile_cache() if compile else None
@@ -74,7 +79,7 @@ class Runner:
 
     def _cache_key(self) -> str:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        parts = [self.manifest["cache_key"]["key"], self.device.type, name, torch.__version__]
+        parts = [self.manifest["cache_key"]["key"], self.device.type, name, torch.__version__, str(self.rank)]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
     def _use_compile_cache(self) -> Path | None:
@@ -96,7 +101,7 @@ class Runner:
         return directory
 
     def allocate_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
-        return allocate_kv_cache(self.config, num_pages, page_size, self.kv_dtype, self.device)
+        return allocate_kv_cache(self.config, num_pages, page_size, self.kv_dtype, self.device, self.kv_heads)
 
     def capture_decode_graphs(
         self, kv_cache: torch.Tensor, max_pages: int, batch_sizes: list[int] | None = None

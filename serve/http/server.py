@@ -100,7 +100,7 @@ def page_bytes(runner, page_size: int) -> int:
         c.num_kv_layers
         * 2
         * page_size
-        * c.num_key_value_heads
+        * runner.kv_heads
         * c.head_dim
         * torch.empty((), dtype=runner.kv_dtype).element_size()
     )

@@ -44,7 +44,7 @@ def test_artifact_layout_and_manifest(cpu_art):
         "weights/rank0.safetensors",
         "compile_report.json",
         "graphs/00_traced.txt",
-        "graphs/07_cleanup.txt",
+        "graphs/10_cleanup.txt",
         "tokenizer.json",
     ):
         assert (cpu_art / name).is_file(), name
@@ -52,6 +52,9 @@ def test_artifact_layout_and_manifest(cpu_art):
     assert manifest["format_version"] == FORMAT_VERSION and manifest["versions"]["torch"] == torch.__version__
     assert manifest["recipe"]["name"] == "cpu-reference" and manifest["kv_cache"]["dtype"] == "float32"
     assert set(manifest["cache_key"]["parts"]["passes"]) == {
+        "shard_tp",
+        "shard_ep",
+        "fuse_allreduce_add_rms_norm",
         "quantize",
         "fuse_qknorm_rope_kv",
         "plan_attention",
@@ -62,6 +65,8 @@ def test_artifact_layout_and_manifest(cpu_art):
     }
     program = (cpu_art / "program/step.json").read_text()
     assert "hy3.add_rms_norm.default" in program and "pickle" not in program
+    assert manifest["shard_plan"] == {"world_size": 1, "kv_heads_per_rank": 2, "tensors": {}}
+    assert all(f["rank"] == 0 for f in manifest["weights"]["files"])
 
 
 def _greedy_ids(model, tokenizer, prompts, max_tokens):
@@ -133,7 +138,7 @@ def test_static_fp8_checkpoint_compiles_with_fp8_kv(tiny_ckpt, tmp_path):
         "cpu-reference", ["dtype=bfloat16", "quant.weights=fp8", "quant.activations=static", "quant.kv=fp8"]
     )
     summary = compile_artifact(recipe, tmp_path / "art", checkpoint=fp8)
-    quantize = summary.results[0]
+    quantize = next(r for r in summary.results if r.name == "quantize")
     assert quantize.status == "skipped" and "already FP8" in quantize.skip_reason
     runner = artifact.load(summary.out, compile=False)
     assert runner.kv_dtype == torch.float8_e4m3fn
@@ -170,7 +175,7 @@ def test_dynamic_recipe_keeps_an_fp8_checkpoints_bf16_layers(tiny_ckpt, tmp_path
         "cpu-reference", ["dtype=bfloat16", "quant.weights=fp8", "quant.activations=dynamic"]
     )
     summary = compile_artifact(recipe, tmp_path / "art", checkpoint=fp8)
-    details = [site.detail for site in summary.results[0].sites]
+    details = [site.detail for site in next(r for r in summary.results if r.name == "quantize").sites]
     assert details and all("static -> dynamic" in d for d in details)
     weights = load_file(summary.out / "weights/rank0.safetensors")
     assert weights["layers.0.mlp.gate_up_proj.weight"].dtype == torch.bfloat16
@@ -273,9 +278,9 @@ def test_bad_recipe_files(tmp_path):
 
 
 def test_unsupported_parallelism_and_failed_compile_leave_nothing(tiny_ckpt, tmp_path):
-    with pytest.raises(CompileError, match="parallel.tp=2"):
+    with pytest.raises(CompileError, match="parallel.tp=3 does not divide"):
         compile_artifact(
-            load_recipe("cpu-reference", ["parallel.tp=2"]), tmp_path / "a", checkpoint=tiny_ckpt
+            load_recipe("cpu-reference", ["parallel.tp=3"]), tmp_path / "a", checkpoint=tiny_ckpt
         )
     with pytest.raises(CompileError, match="quant.activations=static needs an FP8 checkpoint"):
         compile_artifact(load_recipe("h20-w8a8c8"), tmp_path / "b", checkpoint=tiny_ckpt)
