@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from hy3c.program.artifact import Artifact, ArtifactError, open_artifact, read_program_file
 from hy3c.program.manifest import files_sha256
 from hy3c.program.serialize import ProgramError
+from hy3c.runtime.random_weights import artifact_random_parameters
 from hy3c.runtime.runner import Runner
 
 
@@ -55,13 +56,28 @@ def _load_weights(art: Artifact, device: str, rank: int = 0) -> dict[str, torch.
     return tensors
 
 
-def load(path: str | Path, device: str | None = None, compile: bool = True, rank: int = 0) -> Runner:
+def load(
+    path: str | Path,
+    device: str | None = None,
+    compile: bool = True,
+    rank: int = 0,
+    random_weights: int | None = None,
+) -> Runner:
     """Load an artifact and return a `Runner` over its program (see the module docstring); for a sharded
-    artifact, over rank `rank`'s weights (only its files are read)."""
+    artifact, over rank `rank`'s weights (only its files are read). `random_weights=SEED` runs an
+    artifact compiled from a config preset (no weights) with seeded random weights built on `device`
+    (`hy3c.runtime.random_weights`; benchmarks of models larger than a disk); an artifact with weights
+    refuses it."""
     art = open_artifact(path)
-    if not art.has_weights:
+    if random_weights is not None and art.has_weights:
         raise ArtifactError(
-            f"{art.path}: compiled from a config preset without weights; it can be inspected, not run"
+            f"{art.path}: has weights; random weights are for an artifact compiled from a config preset "
+            "(drop --random-weights)"
+        )
+    if not art.has_weights and random_weights is None:
+        raise ArtifactError(
+            f"{art.path}: compiled from a config preset without weights; it can be inspected, not run "
+            "(or run with random weights: --random-weights SEED)"
         )
     if not 0 <= rank < art.world_size:
         raise ArtifactError(f"{art.path}: rank {rank} of an artifact compiled for {art.world_size} rank(s)")
@@ -71,7 +87,10 @@ def load(path: str | Path, device: str | None = None, compile: bool = True, rank
             f"{art.path}: compiled for target '{art.recipe.target}' ({art.recipe.device_type}); cannot run on {device}"
         )
     program = read_program_file(art)
-    tensors = _load_weights(art, device, rank)
+    if random_weights is None:
+        tensors = _load_weights(art, device, rank)
+    else:
+        tensors = artifact_random_parameters(art, program, random_weights, rank, device)
     try:
         gm = program.bind(tensors)
     except ProgramError as exc:
