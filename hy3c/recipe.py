@@ -114,6 +114,12 @@ class ParallelSpec(_Strict):
         if config.num_experts % ep:
             raise ValueError(f"parallel.ep={ep} does not divide the model's {config.num_experts} experts")
 
+    @property
+    def token_multiple(self) -> int:
+        """A step's token count must be a multiple of this (sequence parallelism splits the tokens over
+        the TP ranks; the engine pads)."""
+        return self.tp if self.sp else 1
+
     def local_kv_heads(self, kv_heads: int) -> int:
         """The KV heads each rank holds (and caches): split tp ways, or one each beyond kv_heads ranks."""
         return local_kv_heads(kv_heads, self.tp)

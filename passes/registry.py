@@ -31,6 +31,7 @@ def _load_builtin_passes() -> None:
         plan_attention,
         quantize,
         shard_ep,
+        shard_sp,
         shard_tp,
     )
 

@@ -164,7 +164,7 @@ def trace_and_run_passes(
     ) as bar:
         bar.set_postfix_str(f"trace ({config.num_hidden_layers} layers)")
         start = time.perf_counter()
-        gm = trace_step(config, getattr(torch, recipe.dtype), quant)
+        gm = trace_step(config, getattr(torch, recipe.dtype), quant, recipe.parallel.token_multiple)
         timings["trace_s"] = time.perf_counter() - start
         bar.update()
 

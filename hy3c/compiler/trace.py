@@ -23,10 +23,11 @@ from hy3c.model.layers import NO_QUANT, QuantLayout
 
 
 def example_step_inputs(
-    config: Hy3Config, dtype: torch.dtype, device: str = "meta"
+    config: Hy3Config, dtype: torch.dtype, device: str = "meta", token_multiple: int = 1
 ) -> tuple[torch.Tensor, ...]:
-    """Inputs with every dynamic dim distinct and >= 2 (so none is specialized while tracing)."""
-    tokens, seqs, pages, logits, kv_pages = 11, 3, 5, 3, 17
+    """Inputs with every dynamic dim distinct and >= 2 (so none is specialized while tracing); the token
+    count a multiple of `token_multiple` (a sequence-parallel program's steps are)."""
+    tokens, seqs, pages, logits, kv_pages = 11 * token_multiple, 3, 5, 3, 17
     i64, i32 = torch.int64, torch.int32
     kv_shape = (config.num_kv_layers, 2, kv_pages, 16, config.num_key_value_heads, config.head_dim)
     return (
@@ -91,10 +92,11 @@ def unlift(ep: torch.export.ExportedProgram) -> fx.GraphModule:
     return gm
 
 
-def trace_step(config: Hy3Config, dtype: torch.dtype, quant: QuantLayout = NO_QUANT) -> fx.GraphModule:
+def trace_step(
+    config: Hy3Config, dtype: torch.dtype, quant: QuantLayout = NO_QUANT, token_multiple: int = 1
+) -> fx.GraphModule:
     model = Hy3ForCausalLM(config, dtype=dtype, device="meta", quant=quant)
+    inputs = example_step_inputs(config, dtype, token_multiple=token_multiple)
     with torch.no_grad():
-        ep = torch.export.export(
-            model, example_step_inputs(config, dtype), dynamic_shapes=_dynamic_shapes(), strict=False
-        )
+        ep = torch.export.export(model, inputs, dynamic_shapes=_dynamic_shapes(), strict=False)
     return unlift(ep)

@@ -44,6 +44,7 @@ COLLECTIVE_OPS = (
     "all_to_all",
     "all_reduce_add_rms_norm",  # L2: all_reduce → residual add → RMSNorm
     "local_experts",  # expert parallelism: the router's top-k as this rank's experts see it
+    "shard_tokens",  # sequence parallelism: this rank's rows of a replicated tensor (no communication)
 )
 
 __all__ = [

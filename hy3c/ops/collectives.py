@@ -1,11 +1,11 @@
-"""Collectives of the `hy3` dialect (issue 26): the communication of a sharded program, as ops.
+"""Collectives of the `hy3` dialect: the communication of a sharded program, as ops.
 
     bind_groups({0: tp_group, 1: ep_group})   # once per process, before a sharded program runs
     y = torch.ops.hy3.all_reduce(x, 0, 2)      # x summed over the 2 ranks of group 0
     unbind_groups()
 
 A sharding pass emits these like any other op, so a sharded graph traces, serializes and is checked
-like an unsharded one (DESIGN §4: sharding is data). Each op is functional: it returns new tensors and
+like an unsharded one (docs/ARCHITECTURE.md §5: sharding is data). Each op is functional: it returns new tensors and
 never writes its inputs (the program checks allow no mutation but the KV store's). Two int arguments
 say where it communicates:
 
@@ -111,7 +111,11 @@ def _check_dim(op: str, x: Tensor, dim: int) -> None:
 
 def _check_divisible(op: str, x: Tensor, dim: int, group_size: int) -> None:
     _check_dim(op, x, dim)
-    if x.shape[dim] % group_size:
+    size = x.shape[dim]
+    if isinstance(size, torch.SymInt):  # tracing a dynamic token count: the step is padded to a multiple
+        torch._check(size % group_size == 0, lambda: f"hy3.{op}: dim {dim} must divide by {group_size}")
+        return
+    if size % group_size:
         raise ValueError(
             f"hy3.{op}: dim {dim} of shape {tuple(x.shape)} does not divide into {group_size} equal chunks"
         )
@@ -302,3 +306,28 @@ def _(
     if num_local < 1:
         raise ValueError(f"hy3.local_experts: num_local must be >= 1, got {num_local}")
     return topk_weights.new_empty(topk_weights.shape), topk_ids.new_empty(topk_ids.shape, dtype=torch.int32)
+
+
+# ---- shard_tokens ---------------------------------------------------------------------------------
+
+
+def shard_tokens_reference(x: Tensor, group: int, group_size: int) -> Tensor:
+    _check_divisible("shard_tokens", x, 0, group_size)
+    pg = process_group("shard_tokens", group, group_size)
+    rank = 0 if pg is None else dist.get_rank(pg)
+    rows = x.shape[0] // group_size
+    return x[rank * rows : (rank + 1) * rows].clone(memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("hy3::shard_tokens", mutates_args=())
+def shard_tokens(x: Tensor, group: int, group_size: int) -> Tensor:
+    """This rank's rows of a tensor every rank of the group holds whole: group rank g gets chunk g of
+    group_size equal chunks along dim 0 (sequence parallelism: the residual stream enters its token
+    shards). g comes from the process group; nothing is communicated."""
+    return shard_tokens_reference(x, group, group_size)
+
+
+@shard_tokens.register_fake
+def _(x: Tensor, group: int, group_size: int) -> Tensor:
+    _check_divisible("shard_tokens", x, 0, group_size)
+    return x.new_empty((x.shape[0] // group_size, *x.shape[1:]))

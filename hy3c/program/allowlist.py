@@ -38,6 +38,7 @@ COLLECTIVES: tuple[str, ...] = (
     "hy3.all_to_all.default",
     "hy3.local_experts.default",
     "hy3.reduce_scatter.default",
+    "hy3.shard_tokens.default",
 )
 
 ALLOWED_OPS: tuple[str, ...] = (

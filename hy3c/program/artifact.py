@@ -241,7 +241,13 @@ def read_program_file(art: Artifact) -> Program:
     try:
         program = read_program(data)
         kv_dtype = getattr(torch, art.manifest["kv_cache"]["dtype"])
-        program.check_shapes(art.config, getattr(torch, art.recipe.dtype), kv_dtype, art.kv_heads)
+        program.check_shapes(
+            art.config,
+            getattr(torch, art.recipe.dtype),
+            kv_dtype,
+            art.kv_heads,
+            art.recipe.parallel.token_multiple,
+        )
     except ProgramError as exc:
         raise ArtifactError(f"{file}: {exc}") from None
     return program

@@ -577,6 +577,12 @@ def _local_experts(c: _Contract) -> None:
     c.sizes["E"] = local  # its ids output ranges over the local experts (and −1)
 
 
+def _shard_tokens(c: _Contract) -> None:
+    _group(c)
+    c.shape("x", "T H")
+    _split_dim(c, 0)
+
+
 # op name (without namespace and overload) → contract; every hy3 op and provider op in the allow-list
 CONTRACTS: dict[str, Callable[[_Contract], None]] = {
     "rms_norm": _norm,
@@ -605,6 +611,7 @@ CONTRACTS: dict[str, Callable[[_Contract], None]] = {
     "all_to_all": _all_to_all,
     "all_reduce_add_rms_norm": _all_reduce_add_rms_norm,
     "local_experts": _local_experts,
+    "shard_tokens": _shard_tokens,
 }
 
 
@@ -654,6 +661,7 @@ def check_shapes(
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
     kv_heads: int | None = None,
+    token_multiple: int = 1,
 ) -> None:
     """Run the graph on meta tensors (parameters as recorded, the step inputs of each of `STEP_SIZES`),
     checking each hy3 op's and ATen gather's contract first; the outputs must be the logits and hidden
@@ -662,6 +670,8 @@ def check_shapes(
     try:
         with torch.no_grad():
             for sizes in STEP_SIZES:
+                # a sequence-parallel program splits the step's tokens: the engine pads them to a multiple
+                sizes = sizes._replace(tokens=sizes.tokens * token_multiple)
                 inputs = dict(zip(STEP_INPUTS, step_inputs(config, kv_dtype, sizes, kv_heads)))
                 env = _Env(tokens=sizes.tokens, vocab=config.vocab_size)
                 values: dict[fx.Node, Any] = {}

@@ -190,10 +190,15 @@ class Program:
     params: dict[str, tuple[list[int], torch.dtype]]  # fqn → recorded (shape, dtype)
 
     def check_shapes(
-        self, config: Hy3Config, dtype: torch.dtype, kv_dtype: torch.dtype, kv_heads: int | None = None
+        self,
+        config: Hy3Config,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        kv_heads: int | None = None,
+        token_multiple: int = 1,
     ) -> None:
         """Run the graph on meta tensors: shapes, the hy3 ops' contracts, the outputs (program_check)."""
-        check_shapes(self.graph, self.params, config, dtype, kv_dtype, kv_heads)
+        check_shapes(self.graph, self.params, config, dtype, kv_dtype, kv_heads, token_multiple)
 
     def bind(self, parameters: dict[str, torch.Tensor]) -> fx.GraphModule:
         """The runnable GraphModule; `parameters` must hold every parameter with its recorded shape/dtype."""

@@ -130,6 +130,14 @@ class Runner:
         return self._run(*args)
 
     def _run(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        multiple = self.recipe.parallel.token_multiple
+        tokens = args[0].shape[0]
+        if tokens % multiple:
+            logits, hidden = self._run_padded(*pad_tokens(args, multiple))
+            return logits, hidden[:tokens]
+        return self._run_padded(*args)
+
+    def _run_padded(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.compiled:
             with torch.no_grad():
                 return self._fn(*args)
@@ -148,3 +156,25 @@ class Runner:
             self._compiled_once = True
             log_event(log, "inductor_compile_done", seconds=round(time.monotonic() - started, 1))
         return out
+
+
+def pad_tokens(args: tuple[torch.Tensor, ...], multiple: int) -> tuple[torch.Tensor, ...]:
+    """The step inputs with tokens appended up to a multiple of `multiple` (a sequence-parallel program
+    splits the tokens over its ranks): token 0 at position 0, slot −1 (no KV written), in no sequence
+    (past query_start_loc's end: never attended, never a logits row)."""
+    input_ids, positions, kv_cache, page_table, seq_lens, query_start_loc, slot_mapping, rows = args
+    extra = -input_ids.shape[0] % multiple
+
+    def padded(values: torch.Tensor, fill: int) -> torch.Tensor:
+        return torch.cat([values, values.new_full((extra,), fill)])
+
+    return (
+        padded(input_ids, 0),
+        padded(positions, 0),
+        kv_cache,
+        page_table,
+        seq_lens,
+        query_start_loc,
+        padded(slot_mapping, -1),
+        rows,
+    )

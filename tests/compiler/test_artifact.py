@@ -44,7 +44,7 @@ def test_artifact_layout_and_manifest(cpu_art):
         "weights/rank0.safetensors",
         "compile_report.json",
         "graphs/00_traced.txt",
-        "graphs/10_cleanup.txt",
+        "graphs/11_cleanup.txt",
         "tokenizer.json",
     ):
         assert (cpu_art / name).is_file(), name
@@ -53,6 +53,7 @@ def test_artifact_layout_and_manifest(cpu_art):
     assert manifest["recipe"]["name"] == "cpu-reference" and manifest["kv_cache"]["dtype"] == "float32"
     assert set(manifest["cache_key"]["parts"]["passes"]) == {
         "shard_tp",
+        "shard_sp",
         "shard_ep",
         "fuse_allreduce_add_rms_norm",
         "quantize",

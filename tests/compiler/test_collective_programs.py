@@ -137,7 +137,8 @@ def program():
 
 def test_the_sharded_program_passes_the_checks(program):
     targets = {n["target"] for n in program["nodes"] if n["op"] == "call_function"}
-    assert {f"hy3.{op}.default" for op in COLLECTIVE_OPS} <= targets
+    # (shard_tokens: in the sequence-parallel programs of tests/compiler/test_sharding.py)
+    assert {f"hy3.{op}.default" for op in COLLECTIVE_OPS if op != "shard_tokens"} <= targets
     _check(program)
 
 

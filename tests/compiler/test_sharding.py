@@ -19,6 +19,7 @@ TOKENS = 7
 LAYOUTS = {  # name → (overrides, world size)
     "tp2": (["parallel.tp=2"], 2),
     "tp4": (["parallel.tp=4"], 4),  # 2 KV heads: each replicated on 2 ranks
+    "tp2_sp": (["parallel.tp=2", "parallel.sp=true"], 2),  # 7 tokens: the step is padded to 8
     "ep2": (["parallel.ep=2"], 2),
     "tp2_ep2": (["parallel.tp=2", "parallel.ep=2"], 2),
     "dp2_ep2": (["parallel.dp_attention=2", "parallel.ep=2"], 2),
@@ -97,6 +98,14 @@ def test_pass_sites_are_a_formula_of_the_layer_count(artifacts, tiny_ckpt):
         "hy3.all_reduce": -2 * layers,
         "hy3.all_reduce_add_rms_norm": 2 * layers,
     }
+    sp = _result(artifacts["tp2_sp"][1], "shard_sp")
+    assert sp.matches == 2 * layers + 2  # every norm on the residual stream, the final one, the embedding
+    assert sp.ops_delta == {
+        "hy3.all_reduce": -2 * layers,
+        "hy3.reduce_scatter": 2 * layers,
+        "hy3.all_gather": 2 * layers + 1,
+        "hy3.shard_tokens": 1,
+    }
     ep = _result(artifacts["ep2"][1], "shard_ep")
     assert ep.matches == moe_layers
     assert ep.ops_delta == {
@@ -116,6 +125,7 @@ def test_pass_sites_are_a_formula_of_the_layer_count(artifacts, tiny_ckpt):
     single = artifacts["tp1"][1]
     assert {r.name: r.status for r in single if r.name.startswith(("shard", "fuse_allreduce"))} == {
         "shard_tp": "skipped",
+        "shard_sp": "skipped",
         "shard_ep": "skipped",
         "fuse_allreduce_add_rms_norm": "skipped",
     }

@@ -49,6 +49,7 @@ def _cases(x, w, ids, group, size):
         "all_to_all": (x, group, size),
         "all_reduce_add_rms_norm": (x, x.flip(0), torch.rand(x.shape[-1]), EPS, group, size),
         "local_experts": (w, ids, NUM_LOCAL, group, size),
+        "shard_tokens": (x, group, size),
     }
 
 
@@ -127,7 +128,7 @@ def test_collectives_trace_as_one_node_each():
             c = hy3.all_to_all(b, 1, 2)
             normed, total = hy3.all_reduce_add_rms_norm(c, x, torch.ones(x.shape[-1]), EPS, 0, 2)
             lw, lids = hy3.local_experts(w, ids, NUM_LOCAL, 1, 2)
-            return normed, total, lw, lids
+            return normed, total, lw, lids, hy3.shard_tokens(x, 0, 2)
 
     x, (w, ids) = torch.randn(8, 12), _router_out(8, 2 * NUM_LOCAL)
     graph = torch.export.export(Sharded(), (x, w, ids)).graph
@@ -239,6 +240,7 @@ def _run_every_op(rank: int, world_size: int, opcheck: bool) -> dict[str, object
         out[f"all_reduce_add_rms_norm {name}"] = hy3.all_reduce_add_rms_norm(*args)
     out["all_reduce random"] = hy3.all_reduce(inp["random"], GROUP, n)
     out["local_experts"] = hy3.local_experts(inp["topk_weights"], inp["topk_ids"], NUM_LOCAL, GROUP, n)
+    out["shard_tokens"] = hy3.shard_tokens(inp["x"], GROUP, n)
     out["x is unchanged"] = torch.equal(inp["x"], _rank_inputs(rank, world_size)["x"])
     for label, size in (("mismatched", 2 * n), ("group_size 1", 1)):
         try:
@@ -369,6 +371,12 @@ def test_a_group_of_another_size_is_refused(ranks):
             f"the program expects {2 * n}"
         )
         assert out["error group_size 1"].endswith(f"of {n} ranks, the program expects 1")
+
+
+def test_shard_tokens_is_each_ranks_chunk_of_rows(ranks):
+    n, inputs, results = ranks
+    for rank, out in enumerate(results):
+        assert torch.equal(out["shard_tokens"], inputs[rank]["x"].chunk(n)[rank])
 
 
 def test_opcheck_under_a_real_group(ranks):
