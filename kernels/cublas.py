@@ -2,7 +2,9 @@
 
 * `hy3_cublas::moe_experts`: routed experts as two `torch._grouped_mm` calls over tokens sorted by
   expert (counts by scatter-add, so no data-dependent output sizes), SwiGLU between them, the top-k
-  weighted combine in fp32 by index_add. BF16/FP16 weights.
+  weighted combine in fp32 by index_add. BF16/FP16 weights. Ids of −1 (expert parallelism: experts of
+  another rank) sort after the last expert's rows, past the groups' last offset: no GEMM computes them,
+  and their rows are combined into a spare output row that is left out.
 * `hy3_cublas::scaled_mm`: FP8 GEMM through `torch._scaled_mm` with per-tensor or row-wise
   (per-token × per-channel) scales, bf16 output.
 """
@@ -18,22 +20,28 @@ from hy3c.ops.quant import FP8_DTYPE
 
 
 def grouped_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """Σ_j topk_weights[:, j] · expert_{topk_ids[:, j]}(x), skipping ids of −1: the (token, slot) pairs
+    sorted by expert, −1 keyed as expert E so that those pairs come last, past the groups' last offset,
+    where the grouped GEMMs compute nothing (the rows there are left as they were allocated); the
+    combine adds those rows into the spare output row T, which is dropped."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     flat = topk_ids.reshape(-1).long()
-    order = flat.argsort(stable=True)
+    held = flat >= 0
+    key = torch.where(held, flat, num_experts)
+    order = key.argsort(stable=True)
     token = order // top_k
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = counts.cumsum(0, dtype=torch.int32)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offsets = counts[:num_experts].cumsum(0, dtype=torch.int32)
     gate_up = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
     inter = gate_up.shape[-1] // 2
     hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     down = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets)
     weighted = down.float() * topk_weights.reshape(-1)[order, None]
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, token, weighted)
-    return out.to(x.dtype)
+    out = torch.zeros(num_tokens + 1, x.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, torch.where(held[order], token, num_tokens), weighted)
+    return out[:num_tokens].to(x.dtype)
 
 
 @torch.library.custom_op("hy3_cublas::moe_experts", mutates_args=())

@@ -1,6 +1,11 @@
 """`moe_align`: the (token, slot) pairs of a MoE layer grouped by expert and padded per expert to a
 multiple of the GEMM's M block, on the device and without a host sync — one Triton program up to
-MAX_ALIGN_PAIRS pairs, device-side torch ops above."""
+MAX_ALIGN_PAIRS pairs, device-side torch ops above.
+
+A pair whose id is −1 has no expert on this rank (expert parallelism: `hy3.local_experts` gives −1 for
+the experts other ranks hold) and is dropped: it enters no expert's block list, so no GEMM computes or
+writes its row (the combine skips it too). Without −1 ids the test that drops them is the one that
+already masks the lanes past the last pair."""
 
 from __future__ import annotations
 
@@ -18,19 +23,27 @@ def align_capacity(pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def moe_align_torch(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
-    """`moe_align` as device-side torch ops (argsort, cumsum, searchsorted): for large pair counts."""
+    """`moe_align` as device-side torch ops (argsort, cumsum, searchsorted): for large pair counts.
+
+    Ids of −1 count in a bin of their own past the last expert (`num_experts`), sort after every held
+    pair, and are written to one spare row past the capacity, which the result leaves out."""
     pairs = topk_ids.numel()
     flat = topk_ids.reshape(-1).long()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    key = torch.where(flat >= 0, flat, num_experts)  # −1: the spare bin, sorted last
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
     padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0  # the spare bin takes no rows
     padded_end = padded.cumsum(0)
-    order = flat.argsort(stable=True)
-    sorted_expert = flat[order]
+    order = key.argsort(stable=True)
+    sorted_expert = key[order]
     rank = torch.arange(pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_expert]
     capacity = align_capacity(pairs, num_experts, block_m)
-    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids[(padded_end - padded)[sorted_expert] + rank] = order.to(torch.int32)
+    sorted_ids = torch.full((capacity + 1,), pairs, dtype=torch.int32, device=flat.device)
+    row = torch.where(sorted_expert < num_experts, (padded_end - padded)[sorted_expert] + rank, capacity)
+    sorted_ids[row] = order.to(torch.int32)
+    sorted_ids = sorted_ids[:capacity]
+    padded_end = padded_end[:num_experts]
     block_start = torch.arange(0, capacity, block_m, device=flat.device)
     expert_ids = (
         torch.searchsorted(padded_end, block_start, right=True).clamp_(max=num_experts - 1).to(torch.int32)
@@ -67,17 +80,21 @@ def _moe_align_kernel(
        it goes to row begin[expert] + rank of `sorted_ids` (the rest of the rows hold the pad value);
     3. the expert of each M block: every expert with pairs marks its first block, a running max over the
        blocks carries the mark forward; blocks past the padded total get the last expert.
+
+    Pairs with id −1 (no expert on this rank) and the lanes past the last pair are left out alike (`held`):
+    uncounted, sorted after the held pairs, never stored.
     """
     wait_for_inputs(PDL)
     experts = tl.arange(0, E_POW2)
     lane = tl.arange(0, P_POW2)
-    ok = lane < pairs
-    ids = tl.load(ids_ptr + lane, mask=ok, other=0)
-    counts = tl.histogram(ids, E_POW2, mask=ok)
+    ids = tl.load(ids_ptr + lane, mask=lane < pairs, other=-1)
+    held = ids >= 0
+    counts = tl.histogram(ids, E_POW2, mask=held)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     begin = tl.cumsum(padded, axis=0) - padded
     first = tl.cumsum(counts, axis=0) - counts
     total = tl.sum(padded, axis=0)
+    held_pairs = tl.sum(counts, axis=0)
     tl.store(padded_ptr, total)
     chunk = tl.arange(0, CHUNK)
     for start in range(0, capacity, CHUNK):
@@ -87,10 +104,10 @@ def _moe_align_kernel(
     for start in range(0, num_blocks, CHUNK):
         tl.store(expert_ptr + start + chunk, tl.zeros([CHUNK], tl.int32), mask=start + chunk < num_blocks)
     tl.debug_barrier()
-    keys = tl.sort(tl.where(ok, ids, E_POW2) * P_POW2 + lane)
+    keys = tl.sort(tl.where(held, ids, E_POW2) * P_POW2 + lane)
     expert = tl.minimum(keys // P_POW2, E_POW2 - 1)
     rank = lane - tl.gather(first, expert, 0)
-    tl.store(sorted_ptr + tl.gather(begin, expert, 0) + rank, keys % P_POW2, mask=ok)
+    tl.store(sorted_ptr + tl.gather(begin, expert, 0) + rank, keys % P_POW2, mask=lane < held_pairs)
     tl.store(expert_ptr + begin // BLOCK_M, experts, mask=padded > 0)
     tl.debug_barrier()
     carried = tl.zeros([1], tl.int32)
@@ -118,8 +135,9 @@ def moe_align(
     """(sorted_ids [P] int32, expert of each M block [P / block_m] int32, padded total [1] int32).
 
     `sorted_ids` lists the (token, slot) pair ids grouped by expert in stable order, each expert padded
-    to a multiple of block_m with the pad value T·k. Up to MAX_ALIGN_PAIRS pairs this is one Triton
-    launch; above it, device-side torch ops. Neither synchronizes with the host.
+    to a multiple of block_m with the pad value T·k; pairs with id −1 are in no expert's list. Up to
+    MAX_ALIGN_PAIRS pairs this is one Triton launch; above it, device-side torch ops. Neither
+    synchronizes with the host.
     """
     if topk_ids.numel() > MAX_ALIGN_PAIRS:
         return moe_align_torch(topk_ids, num_experts, block_m)

@@ -15,6 +15,13 @@
 3. down GEMM over the intermediate rows, scaled by each pair's routing weight in the epilogue.
 4. combine: each token's k rows summed in fp32 plus the shared expert's output, written once.
 
+Expert parallelism: an id of −1 (`hy3.local_experts`: the token's expert is held by another rank) is a
+pair with nothing to do here. The alignment drops it from every expert's block list, a pair block of it
+returns at once, the Gluon kernels' programs of it too, the quantization of the intermediate skips its
+row, and the combine leaves its row unread: no GEMM computes it, nothing writes its rows. Without −1 ids
+this costs one compare per program (and the combine's and the intermediate quantization's read of each
+pair's id).
+
 With a `pair_blocks` config (one token) on an sm_90 GPU, steps 2–3 run as the warp-specialized Gluon
 kernels of `fused_moe_gluon` (weight streams that start before the data they multiply, the intermediate
 quantized by the down kernel itself), unless the program chose the Triton kernels (`gluon=False`).
@@ -178,6 +185,9 @@ def _gate_up_kernel(
         if pid_m * BLOCK_M >= tl.load(padded_ptr):
             return
     pair, expert = _block_rows(pid_m, sorted_ptr, expert_ptr, pairs, BLOCK_M, PAIR_BLOCKS)
+    if PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: aligned blocks never hold a pair of id -1)
+        if expert < 0:  # no expert on this rank (expert parallelism): nothing to compute or write
+            return
     row_ok = pair < pairs
     token = pair // top_k
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -296,6 +306,9 @@ def _down_kernel(
         if pid_m * BLOCK_M >= tl.load(padded_ptr):
             return
     pair, expert = _block_rows(pid_m, sorted_ptr, expert_ptr, pairs, BLOCK_M, PAIR_BLOCKS)
+    if PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: aligned blocks never hold a pair of id -1)
+        if expert < 0:  # no expert on this rank (expert parallelism): nothing to compute or write
+            return
     row_ok = pair < pairs
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
@@ -351,6 +364,7 @@ def _down_kernel(
 @triton.jit
 def _combine_kernel(
     y_ptr,
+    ids_ptr,
     shared_ptr,
     out_ptr,
     hidden,
@@ -362,13 +376,17 @@ def _combine_kernel(
     HAS_SHARED: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """out[token] = Σ_j y[token · TOP_K + j] (+ shared[token]); a pair of id −1 (flat top-k ids at
+    ids_ptr) adds nothing: no kernel wrote its row of y, which is not read."""
     wait_for_inputs(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
     acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (token * TOP_K + j).to(tl.int64) * stride_ym + cols, mask=ok, other=0.0)
+        pair = token * TOP_K + j
+        held = tl.load(ids_ptr + pair) >= 0
+        acc += tl.load(y_ptr + pair.to(tl.int64) * stride_ym + cols, mask=ok & held, other=0.0)
     out_dtype = out_ptr.dtype.element_ty
     result = acc.to(out_dtype)
     if HAS_SHARED:
@@ -377,6 +395,50 @@ def _combine_kernel(
             + tl.load(shared_ptr + token.to(tl.int64) * stride_sm + cols, mask=ok, other=0.0).to(tl.float32)
         ).to(out_dtype)
     tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, result, mask=ok)
+
+
+@triton.jit
+def _quant_pair_rows_kernel(
+    h_ptr, ids_ptr, q_ptr, scale_ptr, width, stride_h, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    """The intermediate's row of one (token, slot) pair to e4m3 with its dynamic scale, as
+    `quant_fp8_per_token` does it (max(absmax / 448, 1e-12), x / scale clamped to ±448); a pair of id −1
+    (flat top-k ids at ids_ptr) has no row — the gate-up never wrote it — and is skipped."""
+    wait_for_inputs(PDL)
+    pair = tl.program_id(0)
+    if tl.load(ids_ptr + pair) < 0:
+        return
+    cols = tl.arange(0, BLOCK)
+    ok = cols < width
+    h = tl.load(h_ptr + pair.to(tl.int64) * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(h), axis=0) / 448.0, 1e-12)
+    tl.store(scale_ptr + pair, scale)
+    q = tl.clamp(h / scale, -448.0, 448.0)
+    tl.store(q_ptr + pair.to(tl.int64) * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+def _quantize_intermediate(h: Tensor, ids: Tensor, on_load: bool, pdl: bool) -> tuple[Tensor, Tensor]:
+    """(down GEMM input, its per-row scales) for dynamic FP8: h itself for the down GEMM to quantize on
+    load, or one `_quant_pair_rows_kernel` pass over the pairs' rows (those of id −1 left alone)."""
+    if on_load:
+        return h, h.new_empty(1, dtype=torch.float32)
+    pairs, width = h.shape
+    q = torch.empty((pairs, width), dtype=FP8_DTYPE, device=h.device)
+    scale = torch.empty(pairs, dtype=torch.float32, device=h.device)
+    block = triton.next_power_of_2(width)
+    _quant_pair_rows_kernel[(pairs,)](
+        h,
+        ids,
+        q,
+        scale,
+        width,
+        h.stride(0),
+        q.stride(0),
+        BLOCK=block,
+        num_warps=max(min(block // 512, 16), 1),
+        **pdl_launch(h.device, pdl),
+    )
+    return q, scale
 
 
 def _quantize_activations(
@@ -467,6 +529,7 @@ def fused_moe_triton(
     top_k = topk_ids.shape[1]
     _combine_kernel[(num_tokens, triton.cdiv(hidden, cfg.combine_block))](
         per_pair,
+        topk_ids.to(torch.int32).contiguous().view(-1),  # flat, as the GEMMs read them (a view if int32)
         shared if shared is not None else x,
         out,
         hidden,
@@ -563,15 +626,17 @@ def _routed_pairs_triton(
     pdl: bool,
 ) -> Tensor:
     """Each pair's weighted expert output, [pairs, hidden] fp32, by the Triton kernels: alignment (unless
-    pair blocks), gate-up, the intermediate's quantization (FP8 with dynamic scales, unless on load), down."""
+    pair blocks), gate-up, the intermediate's quantization (FP8 with dynamic scales, unless on load), down.
+    The rows of pairs with id −1 are left unwritten."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     pairs = num_tokens * top_k
     fp8 = w13.dtype == FP8_DTYPE
+    flat_ids = topk_ids.to(torch.int32).contiguous().view(-1)  # the kernels index the ids densely
     if cfg.pair_blocks:  # block i: pair i alone, its expert from the top-k ids (no alignment launch)
-        expert_ids = topk_ids.to(torch.int32).contiguous().view(-1)
+        expert_ids = flat_ids
         sorted_ids = padded = expert_ids  # unread
     else:
         sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, cfg.block_m, pdl)
@@ -629,8 +694,8 @@ def _routed_pairs_triton(
         **pdl_launch(x.device, pdl),
     )
     h, h_scale, h_per_row = (hidden_act, h_scale_static, False)
-    if fp8 and not quant_h:
-        h, h_scale, h_per_row = _quantize_activations(hidden_act, None, cfg.quant_on_load, pdl)
+    if fp8 and not quant_h:  # dynamic scales: per pair row, the rows of id −1 skipped
+        (h, h_scale), h_per_row = _quantize_intermediate(hidden_act, flat_ids, cfg.quant_on_load, pdl), True
     per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
     w2_s = w2_scale if w2_scale is not None else dummy
     _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](

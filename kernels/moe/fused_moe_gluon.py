@@ -23,6 +23,9 @@ copies at once, on SMs the gate-up leaves free and on each SM as the gate-up's p
 consumer waits for the gate-up's intermediate. The intermediate's dynamic scale is found by the down
 kernel's consumer while its weights stream, so FP8 has no quantization launch between the GEMMs.
 
+A pair whose id is −1 (expert parallelism: its expert is another rank's) has programs that return
+before any copy starts; its rows are left unwritten, and the combine does not read them.
+
 Same arithmetic as the Triton kernels (e4m3 values, scales, rounding to the model dtype; bf16 bit-equal,
 FP8 summed per 128-column K block where Triton sums per 256). Requires sm_90, hidden and intermediate
 widths that are multiples of 128 and of the K box, contiguous stacked weights (`unsupported_inputs`,
@@ -282,6 +285,8 @@ def _gate_up_kernel(
         _wait_for_inputs()
         _let_dependents_launch()
     expert = gl.load(ids_ptr + pair)
+    if expert < 0:  # no expert on this rank (expert parallelism): nothing to stream, compute or write
+        return
     token = pair // top_k
     x_row = x_ptr + token.to(gl.int64) * stride_xm
     xs = xs_ptr + token if A_PER_ROW else xs_ptr
@@ -405,6 +410,8 @@ def _down_kernel(
     pair = gl.program_id(0) // blocks_per_pair
     col0 = (gl.program_id(0) % blocks_per_pair) * BLOCK_ROWS
     expert = gl.load(ids_ptr + pair, volatile=True)
+    if expert < 0:  # no expert on this rank: no weights streamed, no row written (the combine skips it)
+        return
     hs = hs_ptr + pair if A_PER_ROW else hs_ptr
     act_dtype: gl.constexpr = w_desc.dtype
     act_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ACT_ROWS, BLOCK_K], act_dtype)
@@ -518,7 +525,8 @@ def routed_pairs(
     pdl: bool,
 ) -> Tensor:
     """Every (token, slot) pair's expert output times its routing weight, [pairs, hidden] fp32 (the
-    combine's input), by the two kernels of the module docstring (`gate_up_rows`, then `down_rows`)."""
+    combine's input), by the two kernels of the module docstring (`gate_up_rows`, then `down_rows`).
+    A pair of id −1 (no expert on this rank) has programs that return at once: its rows stay unwritten."""
     ids = topk_ids.to(torch.int32).contiguous().view(-1)
     h = gate_up_rows(
         a, a_scale, a_mode, w13, w13_scale, h_static_scale, ids, topk_ids.shape[1], model_dtype, pdl

@@ -32,6 +32,31 @@ def test_grouped_moe_all_tokens_to_one_expert():
     )
 
 
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "case"),
+    [(9, 8, 2, "some -1"), (5, 4, 1, "one slot"), (4, 4, 2, "every id -1"), (12, 4, 4, "one expert left")],
+)
+def test_grouped_moe_skips_ids_of_no_expert(tokens, experts, top_k, case):
+    """Ids of −1 (expert parallelism: experts of other ranks), with nonzero weights: the reference's
+    output, which skips them; tokens whose every id is −1 get zeros. The −1 pairs sort past the grouped
+    GEMMs' last offset, where torch leaves the rows as allocated (any values): they must not leak."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64)
+    w13, w2 = 0.1 * torch.randn(experts, 96, 64), 0.1 * torch.randn(experts, 64, 48)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).int()
+    ids[torch.rand(tokens, top_k, generator=gen) < 0.5] = -1
+    ids[0] = -1
+    if case == "every id -1":
+        ids.fill_(-1)
+    if case == "one expert left":  # only expert 2 held here: one group, all other rows past its offset
+        ids[ids != 2] = -1
+    w = torch.rand(tokens, top_k) + 0.5
+    ref = hy3.moe_experts(x, w, ids, w13, w2, None, None, None, None)
+    out = cublas.moe_experts(x, w, ids, w13, w2, None, None, None, None)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[0], torch.zeros(64))
+
+
 @pytest.mark.parametrize("per_token", [True, False])
 @pytest.mark.parametrize("per_channel", [True, False])
 def test_scaled_mm_matches_reference(per_token, per_channel):

@@ -105,6 +105,54 @@ def test_triton_moe_align_equals_torch_align(tokens, experts, top_k, block_m, ca
         assert torch.equal(got, want), name
 
 
+def _ids_with_no_expert(tokens, experts, top_k, seed):
+    """Top-k ids as `hy3.local_experts` gives them on one rank: distinct per token, about half −1
+    (experts of other ranks), token 0's row all −1 and, with more than two tokens, the last row too."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).int()
+    ids[torch.rand(tokens, top_k, generator=gen) < 0.5] = -1
+    ids[0] = -1
+    if tokens > 2:
+        ids[-1] = -1
+    return ids
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "block_m", "case"),
+    [
+        (1, 8, 2, 16, "one token, every id -1"),
+        (9, 8, 2, 4, "some -1"),
+        (128, 192, 8, 16, "1024 pairs, the one-program limit"),
+        (8, 4, 1, 4, "all to one expert, blocks full to the boundary"),
+        (9, 4, 1, 4, "all to one expert, one past the boundary"),
+        (6, 5, 5, 4, "every row -1"),
+    ],
+)
+def test_moe_align_drops_pairs_without_an_expert(tokens, experts, top_k, block_m, case):
+    """Ids of −1 (no expert on this rank): the Triton and the torch alignment equal each other, list
+    every other pair exactly once in its expert's blocks, and pad as if the −1 pairs did not exist."""
+    ids = _ids_with_no_expert(tokens, experts, top_k, tokens * experts)
+    if case.startswith("all to one expert"):  # block_m pairs of expert 2 (or one more), the rest −1
+        ids = torch.full((tokens + 3, top_k), -1, dtype=torch.int32)
+        ids[:tokens] = 2
+    if case == "every row -1":
+        ids.fill_(-1)
+    triton_out = moe_align_triton(ids, experts, block_m)
+    torch_out = moe_align_torch(ids, experts, block_m)
+    for name, got, want in zip(("sorted_ids", "expert_ids", "padded"), triton_out, torch_out):
+        assert torch.equal(got, want), name
+    sorted_ids, expert_ids, padded = torch_out
+    flat, pairs = ids.reshape(-1), ids.numel()
+    held = (flat >= 0).nonzero().reshape(-1).tolist()
+    counts = torch.bincount(flat[flat >= 0].long(), minlength=experts)
+    assert int(padded) == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert sorted(sorted_ids[sorted_ids < pairs].tolist()) == held
+    blocks = sorted_ids[: int(padded)].view(-1, block_m)
+    for block, expert in zip(blocks, expert_ids):
+        real = block[block < pairs]
+        assert len(real) and all(int(flat[p]) == int(expert) for p in real)
+
+
 def test_triton_moe_align_refuses_more_pairs_than_its_tile():
     with pytest.raises(ValueError, match="pairs exceed"):
         moe_align_triton(torch.zeros(129, 8, dtype=torch.int32), 192, 16)
@@ -236,6 +284,106 @@ def test_fused_moe_pair_blocks_equal_the_aligned_blocks_for_one_token(fp8, swap_
     pair_blocks = fused_moe_triton(*args, config=dataclasses.replace(CFG, swap_ab=swap_ab, pair_blocks=True))
     torch.testing.assert_close(pair_blocks, aligned, atol=0, rtol=0)
     assert (aligned.float() - hy3.fused_moe(*args).float()).norm() / aligned.float().norm() < 2e-2
+
+
+NO_EXPERT_CONFIGS = (
+    {},
+    {"swap_ab": True, "tma": True},
+    {"pair_blocks": True},
+    {"pair_blocks": True, "swap_ab": True},
+    {"block_m": 4},  # blocks of 4: experts with exactly 4 and with 5 pairs (the test's ids)
+)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "fp8 dynamic", "fp8 static"])
+def test_fused_moe_skips_pairs_without_an_expert(weights):
+    """Ids of −1 (expert parallelism: experts of other ranks) with nonzero routing weights: every
+    config (aligned blocks, block-size boundaries, pair blocks, weights as the MMA's rows, TMA tiles, the
+    alignment's torch ops) gives the reference's output, which skips them — tokens whose every id is −1
+    get only the shared expert's output."""
+    tokens, experts, top_k = 12, 8, 2
+    ids = _ids_with_no_expert(tokens, experts, top_k, 1)
+    ids[1:5, 0], ids[5, 0] = 3, 6  # expert 3: 4 pairs (one full block of 4), then the ones below
+    ids[6:11, 1] = torch.tensor([6, 6, 6, 6, 5], dtype=torch.int32)  # expert 6: 5 pairs (one past it)
+    assert (ids == -1).all(-1).sum() >= 2 and (ids == -1).any(-1).sum() > (ids == -1).all(-1).sum()
+    dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+    x, shared = torch.randn(tokens, 64).to(dtype), torch.randn(tokens, 64).to(dtype)
+    if weights.startswith("fp8"):
+        w13, w2, scales = _expert_weights(experts, 64, 32, fp8=True)
+    else:
+        w13, w2 = (w.to(dtype) for w in _weights(experts, 64, 32))
+        scales = (None, None)
+    act = (None, None)
+    if weights == "fp8 static":
+        act = (torch.tensor([x.float().abs().max() / 448]), torch.tensor([0.05 / 448 * 8]))
+    args = (x, torch.rand(tokens, top_k) + 0.5, ids, w13, w2, *scales, *act, shared)
+    ref = hy3.fused_moe(*args).float()
+    only_held = torch.where(ids >= 0, ids, 0), torch.where(ids >= 0, args[1], 0.0)  # −1 as weight 0
+    torch.testing.assert_close(ref, hy3.fused_moe(x, only_held[1], only_held[0], *args[3:]).float())
+    tol = {"fp32": 1e-5, "bf16": 2e-2}.get(weights)
+    for options in NO_EXPERT_CONFIGS:
+        out = fused_moe_triton(*args, config=dataclasses.replace(CFG, **options)).float()
+        if tol is None:
+            assert (out - ref).norm() / ref.norm() < 2e-2, options
+        else:
+            torch.testing.assert_close(out, ref, atol=tol, rtol=tol, msg=str(options))
+        torch.testing.assert_close(out[0], shared[0].float(), atol=0, rtol=0)  # no expert: the shared part
+
+
+def test_fused_moe_writes_no_row_of_a_pair_without_an_expert(monkeypatch):
+    """The pairs of id −1 are neither computed nor written, and the combine does not read them: with
+    every buffer allocated full of a marker value, their rows of the per-pair outputs still hold it
+    (aligned blocks, the alignment's torch ops, pair blocks — whose −1 programs would otherwise read the
+    weights before the first expert's) and the layer's output is the reference's."""
+    from hy3c.kernels.moe import align, fused_moe
+
+    marker, new_empty = 1000.0, torch.Tensor.new_empty
+
+    def marked(self, *args, **kwargs):
+        t = new_empty(self, *args, **kwargs)
+        return t.fill_(marker) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", marked)
+    tokens, experts, top_k = 6, 8, 2
+    ids = _ids_with_no_expert(tokens, experts, top_k, 2)
+    x, w = torch.randn(tokens, 64).bfloat16(), torch.rand(tokens, top_k)
+    w13, w2, scales = _expert_weights(experts, 64, 32, fp8=False)
+    held = (ids >= 0).reshape(-1)
+    ref = hy3.fused_moe(x, w, ids, w13, w2, *scales, None, None, None)
+    for options, torch_align in (({}, False), ({}, True), ({"pair_blocks": True}, False)):
+        monkeypatch.setattr(align, "MAX_ALIGN_PAIRS", 0 if torch_align else 1024)
+        cfg = dataclasses.replace(CFG, **options)
+        per_pair = fused_moe._routed_pairs_triton(
+            x, None, None, w, ids, w13, w2, *scales, None, None, cfg, False
+        )
+        assert (per_pair[~held] == marker).all(), (options, torch_align)
+        assert (per_pair[held].abs() < marker / 10).all(), (options, torch_align)
+        out = fused_moe_triton(x, w, ids, w13, w2, *scales, None, None, None, config=cfg)
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_fused_moe_quantizes_no_intermediate_row_of_a_pair_without_an_expert(monkeypatch):
+    """FP8 with dynamic scales: the intermediate's per-pair quantization gives the row-wise kernel's
+    bytes and scales for the held pairs and leaves the rows and scales of id −1 as allocated."""
+    from hy3c.kernels.moe.fused_moe import _quantize_intermediate
+    from hy3c.kernels.rowwise.quant import quant_fp8_per_token
+
+    marker, empty = 1000.0, torch.empty
+
+    def marked(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(marker) if t.dtype == torch.float32 else t.view(torch.uint8).fill_(0x7E).view(t.dtype)
+
+    ids = _ids_with_no_expert(5, 8, 2, 3).reshape(-1)
+    held = ids >= 0
+    h = torch.randn(ids.numel(), 96).bfloat16()
+    h[~held] = float("nan")  # never written by the gate-up: whatever the allocation held
+    want_q, want_scale = quant_fp8_per_token(h[held], pdl=False)
+    monkeypatch.setattr(torch, "empty", marked)
+    q, scale = _quantize_intermediate(h, ids, on_load=False, pdl=False)
+    assert torch.equal(q[held].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale[held], want_scale.reshape(-1))
+    assert (scale[~held] == marker).all() and (q[~held].view(torch.uint8) == 0x7E).all()
 
 
 def test_fused_moe_reads_column_strided_x_and_shared_rows():
