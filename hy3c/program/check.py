@@ -85,9 +85,14 @@ TENSOR, INT, NONE = "tensor", "int", "none"
 _INT64 = (-(2**63), 2**63 - 1)
 _ROUTERS = ("router", "topk_routing", "local_experts")  # second output: ids over the contract's E experts
 _LOCAL_EXPERTS = "local_experts"  # its ids may be −1 (a token's expert held by another rank)
-# the ops that take ids of −1 (`local_experts`'): the experts' torch references, which index the stacked
-# weights in Python (−1 is the last expert, whose output is weighed 0); the kernels index memory with ids
-_TAKE_NO_EXPERT = ("hy3.moe_experts.default", "hy3.fused_moe.default")
+# the ops that take ids of −1 (`local_experts`'): the experts' torch references and the MoE kernels,
+# all of which skip them (the Triton FusedMoE's alignment and pair blocks, the cuBLAS grouped GEMMs)
+_TAKE_NO_EXPERT = (
+    "hy3.moe_experts.default",
+    "hy3.fused_moe.default",
+    "hy3_triton.fused_moe.default",
+    "hy3_cublas.moe_experts.default",
+)
 _ATTENTION_PLAN = "attention_plan"
 
 
