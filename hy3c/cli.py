@@ -6,6 +6,7 @@
     hy3c compile --model ckpt/ --recipe h20-w8a8c8 --out art/       trace + passes + package
     hy3c inspect art/ passes|ops|graph|diff|why-not|cache-key      what every pass did
     hy3c serve art/ --port 8000                                    OpenAI-compatible server
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m hy3c serve art/  an artifact for 16 ranks on 2 hosts
     hy3c bench serve --base-url http://127.0.0.1:8000              load it; TTFT / TPOT / ITL / E2E
     hy3c demo                                                      end to end on a tiny model
 
@@ -172,8 +173,53 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="tokens per KV page (default: the artifact recipe's; a recipe's default, 64, for --model)",
     )
     p.add_argument("--show-ids", action="store_true", help="print the generated token ids too")
+    _add_rank_options(p)
     _add_checkpoint_options(p)
     p.set_defaults(func=_run_generate)
+
+
+def _add_rank_options(p: argparse.ArgumentParser) -> None:
+    """The flags of running an artifact on its ranks: the collectives' timeout, random weights."""
+    _add_collective_timeout(p)
+    p.add_argument(
+        "--random-weights",
+        type=int,
+        metavar="SEED",
+        help="an artifact compiled from a config preset (no weights): run it with seeded random weights"
+        " built on the device (benchmarks)",
+    )
+
+
+def _add_collective_timeout(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--collective-timeout",
+        type=_positive_float,
+        default=300.0,
+        metavar="S",
+        help="an artifact for several ranks: seconds the ranks' start, any collective and any wait for"
+        " rank 0 may take before the run fails (default: 300)",
+    )
+
+
+def _torchrun_worker(args: argparse.Namespace, artifact: Path) -> bool:
+    """Under torchrun, a rank other than 0 runs the worker loop instead of the command (every process
+    runs the same command line); True when it did. Outside torchrun nothing is imported (a bad
+    artifact or a busy port fails before torch loads)."""
+    args.torchrun = None
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        return False
+    from hy3c.runtime.distributed import torchrun_place
+
+    place = args.torchrun = torchrun_place()
+    if place is None or place.rank == 0:
+        return False
+    from datetime import timedelta
+
+    from hy3c.runtime.distributed import run_worker
+
+    timeout = timedelta(seconds=args.collective_timeout)
+    run_worker(artifact, place, args.device, args.compile, timeout, False, args.random_weights)
+    return True
 
 
 def _run_generate(args: argparse.Namespace) -> None:
@@ -183,6 +229,8 @@ def _run_generate(args: argparse.Namespace) -> None:
         raise ValueError("--max-tokens must be at least 1")
     if args.artifact is not None:
         _existing_dir(args.artifact, "--artifact")
+        if _torchrun_worker(args, args.artifact):
+            return
     else:
         _existing_dir(args.model, "--model")
 
@@ -194,9 +242,14 @@ def _run_generate(args: argparse.Namespace) -> None:
     from hy3c.serve.engine.sampler import SamplingParams
 
     if args.artifact is not None:
-        from hy3c.runtime.artifact import load
+        from datetime import timedelta
 
-        model = load(args.artifact, device=args.device, compile=args.compile)
+        from hy3c.runtime.distributed import start_ranks
+
+        timeout = timedelta(seconds=args.collective_timeout)
+        model = start_ranks(
+            args.artifact, args.device, args.compile, timeout, args.torchrun, args.random_weights
+        )
         tokenizer = Hy3Tokenizer.from_dir(args.artifact)
         serving = model.recipe.serving
     else:
@@ -228,7 +281,13 @@ def _run_generate(args: argparse.Namespace) -> None:
         GenerationRequest(f"prompt-{i}", tokenizer.encode(text), params, args.max_tokens)
         for i, text in enumerate(texts)
     ]
-    for result in generate(model, tokenizer, requests, serving, args.page_size):
+    try:
+        results = generate(model, tokenizer, requests, serving, args.page_size)
+    finally:
+        shutdown = getattr(model, "shutdown", None)  # an artifact's ranks: the workers stop
+        if shutdown is not None:
+            shutdown()
+    for result in results:
         print(result.text)
         if args.show_ids:
             print(" ".join(map(str, result.token_ids)))
@@ -473,10 +532,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="bytes of a request line and headers at most; more are answered 431 and closed (default: 65536)",
     )
+    _add_rank_options(p)
     p.set_defaults(func=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> None:
+    if _torchrun_worker(args, args.artifact):
+        return
     from hy3c.serve.http.server import ServeOptions, serve
 
     serve(
@@ -502,8 +564,38 @@ def _run_serve(args: argparse.Namespace) -> None:
             body_timeout=args.body_timeout,
             max_connections=args.max_connections,
             max_header_bytes=args.max_header_bytes,
+            collective_timeout=args.collective_timeout,
+            torchrun=args.torchrun,
+            random_weights=args.random_weights,
         )
     )
+
+
+def _add_worker(sub: argparse._SubParsersAction) -> None:
+    """`hy3c worker`: one rank other than 0 of a sharded artifact, started by `hy3c serve` / `hy3c
+    generate` on this host (hidden: not for people to type)."""
+    p = sub.add_parser("worker")
+    p.add_argument("artifact", type=Path)
+    p.add_argument("--rank", type=_positive_int, required=True)
+    p.add_argument("--world-size", type=_positive_int, required=True)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=_port, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--compile", action="store_true")
+    _add_rank_options(p)
+    p.set_defaults(func=_run_worker)
+
+
+def _run_worker(args: argparse.Namespace) -> None:
+    from datetime import timedelta
+
+    from hy3c.runtime.distributed import RankPlace, run_worker
+
+    if args.rank >= args.world_size:
+        raise ValueError(f"--rank {args.rank} is not a rank of --world-size {args.world_size}")
+    place = RankPlace(args.rank, args.world_size, args.rank, args.master_addr, args.master_port)
+    timeout = timedelta(seconds=args.collective_timeout)
+    run_worker(args.artifact, place, args.device, args.compile, timeout, True, args.random_weights)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -683,6 +775,7 @@ _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_bench,
     _add_demo,
 )
+_HIDDEN_COMMANDS = (_add_worker,)  # started by other commands, left out of --help
 
 
 class _Parser(argparse.ArgumentParser):
@@ -700,6 +793,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for add in _COMMANDS:
+        add(sub)
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # the public commands, before the hidden ones
+    for add in _HIDDEN_COMMANDS:
         add(sub)
     return parser
 

@@ -15,7 +15,9 @@ Each loop iteration takes new requests and aborts from the inbox, asks the sched
 token, detokenizes incrementally, checks stop conditions and emits one `StepOutput` per request. What a
 step did to the sequences it reports to the scheduler, which owns their state and their pages in the
 prefix cache. A failing step fails the requests in it (their pages are freed) and the engine keeps
-serving.
+serving — unless the runner reports a `failure` (a runner over several ranks that lost one): then
+every request fails with it and the engine is dead (`alive` false, `dead` says why). When it has
+nothing to do, the loop calls the runner's `idle` if it has one (the ranks' heartbeat).
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hy3c-engine", daemon=True)
-        self.dead: str | None = None
+        self._dead: str | None = None
+        self._idle = getattr(runner, "idle", None)  # a runner over several ranks: its heartbeat
 
     def warm_up(self) -> None:
         """Run throw-away requests through the engine before it serves (call before `start`).
@@ -207,6 +210,12 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.dead is None
 
+    @property
+    def dead(self) -> str | None:
+        """Why the engine cannot serve any more — its loop broke, or its runner lost a rank (a
+        runner's `failure`: `hy3c.runtime.distributed.ShardedRunner`) —, None while it can."""
+        return self._dead or getattr(self.runner, "failure", None)
+
     def submit(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> None:
         self.metrics.submitted(request.request_id)
         self._inbox.put(("add", request, emit))
@@ -242,13 +251,15 @@ class Engine:
         try:
             while not self._stop.is_set():
                 if not self._iterate():
+                    if self._idle is not None:
+                        self._idle()
                     self._wake.wait(0.05)
                     self._wake.clear()
         except BaseException as exc:  # the loop itself broke: report unhealthy, fail everything
-            self.dead = f"{type(exc).__name__}: {exc}"
-            log_event(log, "engine_dead", level=logging.ERROR, error=self.dead)
+            self._dead = f"{type(exc).__name__}: {exc}"
+            log_event(log, "engine_dead", level=logging.ERROR, error=self._dead)
             for request_id in list(self._live):
-                self._fail(request_id, self.dead)
+                self._fail(request_id, self._dead)
 
     def _iterate(self) -> bool:
         """One turn of the engine loop: take in what was submitted and aborted, then run a step if any
@@ -359,8 +370,12 @@ class Engine:
                 error=f"{type(exc).__name__}: {exc}",
                 trace=traceback.format_exc(limit=3),
             )
+            error = f"engine error: {type(exc).__name__}: {exc}"
             for w in work:
-                self._fail(w.seq.request_id, f"engine error: {type(exc).__name__}: {exc}")
+                self._fail(w.seq.request_id, error)
+            if self.dead is not None:  # the runner lost a rank: no request can run any more
+                for request_id in list(self._live):
+                    self._fail(request_id, error)
             return
         self.scheduler.publish(work)
         finished = time.monotonic()

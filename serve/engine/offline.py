@@ -4,8 +4,9 @@ sampler, and a seeded request gives the same tokens either way.
 
     results = generate(model, tokenizer, [GenerationRequest("0", ids, SamplingParams(seed=3), 32)])
 
-`model` is anything the engine steps (`StepModel`): a compiled artifact's `Runner` or the eager
-`Hy3ForCausalLM`. The page size and batch limits are `serving`'s — the artifact recipe's, as `hy3c
+`model` is anything the engine steps (`StepModel`): a compiled artifact's `Runner`, the
+`ShardedRunner` over an artifact's ranks (`hy3c.runtime.distributed.start_ranks`; the caller shuts it
+down) or the eager `Hy3ForCausalLM`. The page size and batch limits are `serving`'s — the artifact recipe's, as `hy3c
 serve` uses them; for the eager model, which has no recipe, a recipe's defaults (`ServingSpec()`). The
 KV cache holds every request at once (prompt + max_tokens each, and the scratch page), so nothing is
 preempted. No CUDA graph is captured and no warm-up runs: one short job would not earn their cost back.

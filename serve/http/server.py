@@ -7,7 +7,9 @@ artifact loader and the server only inside functions. The KV cache gets `--kv-me
 recipe's `serving.kv_memory_fraction` of the free GPU memory on CUDA, 0.25 GiB on CPU);
 `--max-model-len` defaults to what that cache and the model allow, and may not exceed the model's
 `max_position_embeddings`. On CUDA, decode steps of up to `--max-num-seqs` requests are captured as
-CUDA graphs.
+CUDA graphs. An artifact compiled for several ranks starts them (`hy3c.runtime.distributed.start_ranks`:
+worker processes on this host, or torchrun's) before rank 0 loads; this process is rank 0 and serves,
+and they stop with it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from hy3c.logs import log_event
 
 if TYPE_CHECKING:
     from hy3c.checkpoint.tokenizer import Hy3Tokenizer
+    from hy3c.runtime.distributed import RankPlace
     from hy3c.serve.engine.core import Engine
     from hy3c.serve.http.api import ServerConfig
     from hy3c.serve.http.http_gate import HttpLimits
@@ -56,6 +59,9 @@ class ServeOptions:
     body_timeout: float = 30.0
     max_connections: int = 2048
     max_header_bytes: int = 64 * 1024
+    collective_timeout: float = 300.0  # an artifact for several ranks: seconds any collective may take
+    torchrun: RankPlace | None = None  # rank 0's place when torchrun started the ranks (else: spawned here)
+    random_weights: int | None = None  # a config preset's artifact: seeded random weights (benchmarks)
 
     def limits(self) -> HttpLimits:
         """The limits on clients that the HTTP layer enforces."""
@@ -117,20 +123,36 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
         raise ValueError(
             f"--max-model-len {options.max_model_len} exceeds the model's max_position_embeddings ({limit})"
         )
+    from datetime import timedelta
+
+    from hy3c.runtime.distributed import start_ranks
+
+    # off by default: Inductor adds nothing measurable over the fused kernels (BENCHMARKS.md) and
+    # specializes on each step's token count, recompiling on live traffic
+    timeout = timedelta(seconds=options.collective_timeout)
+    runner = start_ranks(
+        options.artifact, options.device, options.compile, timeout, options.torchrun, options.random_weights
+    )
+    try:
+        return _engine_over(runner, options, limit)
+    except BaseException:
+        shutdown = getattr(runner, "shutdown", None)  # a sharded artifact's workers stop with it
+        if shutdown is not None:
+            shutdown()
+        raise
+
+
+def _engine_over(runner, options: ServeOptions, limit: int) -> tuple[Engine, Hy3Tokenizer, ServerConfig]:
+    """`build_engine` once the runner (all its ranks) is up: the tokenizer, the KV cache sized, the
+    engine, its CUDA graphs and warm-up."""
     import torch
 
     from hy3c.checkpoint.tokenizer import Hy3Tokenizer
-    from hy3c.runtime.artifact import load
     from hy3c.serve.engine.core import Engine, EngineConfig
     from hy3c.serve.engine.kernel_builds import watch_kernel_builds
     from hy3c.serve.engine.metrics import EngineMetrics
     from hy3c.serve.http.api import ServerConfig
 
-    device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # off by default: Inductor adds nothing measurable over the fused kernels (BENCHMARKS.md) and
-    # specializes on each step's token count, recompiling on live traffic
-    compile_ = options.compile
-    runner = load(options.artifact, device=device, compile=compile_)
     tokenizer = Hy3Tokenizer.from_dir(options.artifact)
     serving = runner.recipe.serving
     page_size = serving.page_size if options.page_size is None else options.page_size
@@ -190,6 +212,7 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
         "engine_ready",
         model=name,
         device=str(runner.device),
+        ranks=runner.world_size,
         pages=num_pages,
         page_size=page_size,
         max_model_len=max_model_len,
@@ -215,4 +238,7 @@ def serve(options: ServeOptions) -> None:
     finally:
         if engine is not None:
             engine.stop()
+            shutdown = getattr(engine.runner, "shutdown", None)  # a sharded artifact's workers stop
+            if shutdown is not None:
+                shutdown()
         sock.close()
