@@ -45,6 +45,8 @@ COLLECTIVE_OPS = (
     "all_reduce_add_rms_norm",  # L2: all_reduce → residual add → RMSNorm
     "local_experts",  # expert parallelism: the router's top-k as this rank's experts see it
     "shard_tokens",  # sequence parallelism: this rank's rows of a replicated tensor (no communication)
+    "gemm_reduce_scatter",  # L2: row-parallel GEMM → reduce-scatter of its token rows
+    "allgather_gemm",  # L2: all-gather of token shards → column-parallel GEMM
 )
 
 __all__ = [

@@ -331,3 +331,44 @@ def shard_tokens(x: Tensor, group: int, group_size: int) -> Tensor:
 def _(x: Tensor, group: int, group_size: int) -> Tensor:
     _check_divisible("shard_tokens", x, 0, group_size)
     return x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
+
+
+# ---- GEMM + collective fusions (sequence parallelism) ------------------------------------------------
+
+
+def gemm_reduce_scatter_reference(x: Tensor, weight: Tensor, group: int, group_size: int) -> Tensor:
+    process_group("gemm_reduce_scatter", group, group_size)  # its own name in a missing group's error
+    return reduce_scatter_reference(torch.nn.functional.linear(x, weight), 0, group, group_size)
+
+
+@torch.library.custom_op("hy3::gemm_reduce_scatter", mutates_args=())
+def gemm_reduce_scatter(x: Tensor, weight: Tensor, group: int, group_size: int) -> Tensor:
+    """A row-parallel GEMM and the reduce-scatter of its token rows: reduce_scatter(x Wᵀ, dim 0). One op
+    so a provider can start sending the finished tiles' rows while later tiles compute."""
+    return gemm_reduce_scatter_reference(x, weight, group, group_size)
+
+
+@gemm_reduce_scatter.register_fake
+def _(x: Tensor, weight: Tensor, group: int, group_size: int) -> Tensor:
+    _check_divisible("gemm_reduce_scatter", x, 0, group_size)
+    return x.new_empty((x.shape[0] // group_size, weight.shape[0]))
+
+
+def allgather_gemm_reference(x: Tensor, weight: Tensor, group: int, group_size: int) -> tuple[Tensor, Tensor]:
+    process_group("allgather_gemm", group, group_size)
+    gathered = all_gather_reference(x, 0, group, group_size)
+    return gathered, torch.nn.functional.linear(gathered, weight)
+
+
+@torch.library.custom_op("hy3::allgather_gemm", mutates_args=())
+def allgather_gemm(x: Tensor, weight: Tensor, group: int, group_size: int) -> tuple[Tensor, Tensor]:
+    """The all-gather of token shards and the column-parallel GEMM that reads them: (gathered rows,
+    gathered Wᵀ). One op so a provider can multiply each peer's rows as they arrive; the gathered
+    rows are returned for the other readers of the same input (a MoE's router and experts)."""
+    return allgather_gemm_reference(x, weight, group, group_size)
+
+
+@allgather_gemm.register_fake
+def _(x: Tensor, weight: Tensor, group: int, group_size: int) -> tuple[Tensor, Tensor]:
+    rows = x.shape[0] * group_size
+    return x.new_empty((rows, x.shape[1])), x.new_empty((rows, weight.shape[0]))

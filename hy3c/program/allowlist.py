@@ -39,6 +39,8 @@ COLLECTIVES: tuple[str, ...] = (
     "hy3.local_experts.default",
     "hy3.reduce_scatter.default",
     "hy3.shard_tokens.default",
+    "hy3.gemm_reduce_scatter.default",
+    "hy3.allgather_gemm.default",
 )
 
 ALLOWED_OPS: tuple[str, ...] = (

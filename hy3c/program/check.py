@@ -588,6 +588,17 @@ def _shard_tokens(c: _Contract) -> None:
     _split_dim(c, 0)
 
 
+def _allgather_gemm(c: _Contract) -> None:
+    _group(c)
+    c.shape("x", "T K")
+    c.shape("weight", "N K", c.values["x"].dtype)
+
+
+def _gemm_reduce_scatter(c: _Contract) -> None:
+    _allgather_gemm(c)
+    _split_dim(c, 0)
+
+
 # op name (without namespace and overload) → contract; every hy3 op and provider op in the allow-list
 CONTRACTS: dict[str, Callable[[_Contract], None]] = {
     "rms_norm": _norm,
@@ -617,6 +628,8 @@ CONTRACTS: dict[str, Callable[[_Contract], None]] = {
     "all_reduce_add_rms_norm": _all_reduce_add_rms_norm,
     "local_experts": _local_experts,
     "shard_tokens": _shard_tokens,
+    "gemm_reduce_scatter": _gemm_reduce_scatter,
+    "allgather_gemm": _allgather_gemm,
 }
 
 

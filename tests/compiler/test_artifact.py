@@ -44,7 +44,7 @@ def test_artifact_layout_and_manifest(cpu_art):
         "weights/rank0.safetensors",
         "compile_report.json",
         "graphs/00_traced.txt",
-        "graphs/11_cleanup.txt",
+        "graphs/13_cleanup.txt",
         "tokenizer.json",
     ):
         assert (cpu_art / name).is_file(), name
@@ -56,6 +56,8 @@ def test_artifact_layout_and_manifest(cpu_art):
         "shard_sp",
         "shard_ep",
         "fuse_allreduce_add_rms_norm",
+        "fuse_gemm_reduce_scatter",
+        "fuse_allgather_gemm",
         "quantize",
         "fuse_qknorm_rope_kv",
         "plan_attention",

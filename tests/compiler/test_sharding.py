@@ -106,6 +106,22 @@ def test_pass_sites_are_a_formula_of_the_layer_count(artifacts, tiny_ckpt):
         "hy3.all_gather": 2 * layers + 1,
         "hy3.shard_tokens": 1,
     }
+    dense = 1
+    overlap = _result(artifacts["tp2_sp"][1], "fuse_gemm_reduce_scatter")
+    assert overlap.matches == layers + dense  # o_proj everywhere, down_proj of the dense layers
+    assert overlap.ops_delta == {
+        "aten.linear": -(layers + dense),
+        "hy3.reduce_scatter": -(layers + dense),
+        "hy3.gemm_reduce_scatter": layers + dense,
+    }
+    gathered = _result(artifacts["tp2_sp"][1], "fuse_allgather_gemm")
+    assert gathered.matches == 2 * layers  # q|k|v and the (shared) gate|up of every layer
+    assert gathered.ops_delta == {
+        "aten.linear": -2 * layers,
+        "hy3.all_gather": -2 * layers,
+        "hy3.allgather_gemm": 2 * layers,
+        "getitem": 2 * layers + moe_layers,  # the gathered rows kept where the MoE reads them
+    }
     ep = _result(artifacts["ep2"][1], "shard_ep")
     assert ep.matches == moe_layers
     assert ep.ops_delta == {
@@ -123,9 +139,15 @@ def test_pass_sites_are_a_formula_of_the_layer_count(artifacts, tiny_ckpt):
         "hy3.reduce_scatter": moe_layers,
     }
     single = artifacts["tp1"][1]
-    assert {r.name: r.status for r in single if r.name.startswith(("shard", "fuse_allreduce"))} == {
+    assert {
+        r.name: r.status
+        for r in single
+        if r.name.startswith(("shard", "fuse_allreduce", "fuse_gemm", "fuse_allgather"))
+    } == {
         "shard_tp": "skipped",
         "shard_sp": "skipped",
+        "fuse_gemm_reduce_scatter": "skipped",
+        "fuse_allgather_gemm": "skipped",
         "shard_ep": "skipped",
         "fuse_allreduce_add_rms_norm": "skipped",
     }

@@ -50,6 +50,8 @@ def _cases(x, w, ids, group, size):
         "all_reduce_add_rms_norm": (x, x.flip(0), torch.rand(x.shape[-1]), EPS, group, size),
         "local_experts": (w, ids, NUM_LOCAL, group, size),
         "shard_tokens": (x, group, size),
+        "gemm_reduce_scatter": (x, x[:5], group, size),
+        "allgather_gemm": (x, x[:5], group, size),
     }
 
 
@@ -128,7 +130,10 @@ def test_collectives_trace_as_one_node_each():
             c = hy3.all_to_all(b, 1, 2)
             normed, total = hy3.all_reduce_add_rms_norm(c, x, torch.ones(x.shape[-1]), EPS, 0, 2)
             lw, lids = hy3.local_experts(w, ids, NUM_LOCAL, 1, 2)
-            return normed, total, lw, lids, hy3.shard_tokens(x, 0, 2)
+            shard = hy3.shard_tokens(x, 0, 2)
+            scattered = hy3.gemm_reduce_scatter(x, x[:5], 0, 2)
+            gathered, product = hy3.allgather_gemm(x, x[:5], 0, 2)
+            return normed, total, lw, lids, shard, scattered, gathered, product
 
     x, (w, ids) = torch.randn(8, 12), _router_out(8, 2 * NUM_LOCAL)
     graph = torch.export.export(Sharded(), (x, w, ids)).graph
@@ -241,6 +246,9 @@ def _run_every_op(rank: int, world_size: int, opcheck: bool) -> dict[str, object
     out["all_reduce random"] = hy3.all_reduce(inp["random"], GROUP, n)
     out["local_experts"] = hy3.local_experts(inp["topk_weights"], inp["topk_ids"], NUM_LOCAL, GROUP, n)
     out["shard_tokens"] = hy3.shard_tokens(inp["x"], GROUP, n)
+    weight = _rank_inputs(0, world_size)["x"][:5]  # the same weight on every rank
+    out["gemm_reduce_scatter"] = hy3.gemm_reduce_scatter(inp["x"], weight, GROUP, n)
+    out["allgather_gemm"] = hy3.allgather_gemm(inp["x"], weight, GROUP, n)
     out["x is unchanged"] = torch.equal(inp["x"], _rank_inputs(rank, world_size)["x"])
     for label, size in (("mismatched", 2 * n), ("group_size 1", 1)):
         try:
@@ -371,6 +379,18 @@ def test_a_group_of_another_size_is_refused(ranks):
             f"the program expects {2 * n}"
         )
         assert out["error group_size 1"].endswith(f"of {n} ranks, the program expects 1")
+
+
+def test_gemm_collectives_are_the_gemm_and_the_collective(ranks):
+    n, inputs, results = ranks
+    weight = inputs[0]["x"][:5]
+    gathered = torch.cat([inp["x"] for inp in inputs])
+    summed = sum(torch.nn.functional.linear(inp["x"], weight) for inp in inputs)
+    for rank, out in enumerate(results):
+        torch.testing.assert_close(out["gemm_reduce_scatter"], summed.chunk(n)[rank])
+        rows, product = out["allgather_gemm"]
+        assert torch.equal(rows, gathered)
+        torch.testing.assert_close(product, torch.nn.functional.linear(gathered, weight))
 
 
 def test_shard_tokens_is_each_ranks_chunk_of_rows(ranks):
