@@ -28,11 +28,23 @@ header of HEADER_LEN int64s (the op and its sizes), then the op's tensors.
     HEARTBEAT                   nothing: an idle rank 0 sends one every HEARTBEAT_S seconds, so a
                                 worker's wait for the next message stays under its timeout
     STOP                        the worker leaves its loop and exits
+    DP_STEP    T, S, L          an attention-DP step, each rank its own batch: scattered from rank 0,
+                                each rank's sizes (T, B, P, S), its int64 tensor (the same length on
+                                every rank) and its int32 tensor (zero-padded to L); after the step the
+                                S logits rows of every rank are gathered to rank 0
 
 Every rank computes the full logits (lm_head's are all-gathered); only rank 0's are sampled. All
 ranks run the same program on the same inputs, so they make the same choices (a captured graph or
-not) without telling each other. An attention-DP artifact (parallel.dp_attention > 1) runs the same
-batch on every rank for now: numerically right, but requests are not yet spread over the DP ranks.
+not) without telling each other.
+
+**Attention data parallelism** (parallel.dp_attention = D > 1, tp = 1: one DP rank per rank). The
+engine keeps a page pool per rank and schedules each rank's own requests (`DataParallelScheduler`);
+`ShardedRunner.step_data_parallel` takes the D batches. The MoE all-gathers every rank's tokens, so
+every rank's step has the same token count T = the largest batch's (`pad_step`: padding tokens are id
+0 at position 0 writing slot −1, in no sequence; a rank with no work gets one dummy sequence of length
+1 over the scratch page 0, as padded CUDA-graph rows do — a batch of zero sequences would launch
+empty kernel grids on the GPU) and the same S logits rows (extra rows read token 0). DP steps run
+uncaptured on every rank: a decode graph is chosen per batch, and the ranks' batches differ.
 
 **Failure.** The rendezvous, the init, every collective and every wait for a message have a timeout
 (`timeout`, `--collective-timeout`, 300 s by default). On rank 0 a thread watches the workers it
@@ -102,6 +114,7 @@ class Op(IntEnum):
     ALLOCATE = 2
     CAPTURE = 3
     HEARTBEAT = 4
+    DP_STEP = 5
 
 
 class RankFailure(RuntimeError):
@@ -333,6 +346,37 @@ def unpack_batch(sizes: list[int], wide: Tensor, narrow: Tensor) -> StepBatch:
     )
 
 
+def pad_step(batch: StepBatch, tokens: int, rows: int) -> StepBatch:
+    """`batch` grown to `tokens` tokens and `rows` logits rows (an attention-DP step: every rank feeds
+    the MoE the same token count). Padding tokens are id 0 at position 0 writing slot −1, past the last
+    sequence (never attended); padding rows read token 0. A batch without sequences gets one dummy
+    sequence of length 1 owning token 0, over the scratch page 0 (`tokens` must be at least 1)."""
+    extra = tokens - batch.input_ids.shape[0]
+    extra_rows = rows - batch.logits_indices.shape[0]
+    if extra < 0 or extra_rows < 0:
+        raise ValueError(f"cannot pad a step of {batch.input_ids.shape[0]} tokens to {tokens}")
+
+    def padded(values: Tensor, count: int, fill: int) -> Tensor:
+        return torch.cat([values, values.new_full((count,), fill)])
+
+    page_table, seq_lens, starts = batch.page_table, batch.seq_lens, batch.query_start_loc
+    if seq_lens.shape[0] == 0:
+        if tokens < 1:
+            raise ValueError("a step without sequences needs at least one (padding) token")
+        page_table = page_table.new_zeros((1, 1))
+        seq_lens = seq_lens.new_ones(1)
+        starts = starts.new_tensor([0, 1])
+    return StepBatch(
+        input_ids=padded(batch.input_ids, extra, 0),
+        positions=padded(batch.positions, extra, 0),
+        page_table=page_table,
+        seq_lens=seq_lens,
+        query_start_loc=starts,
+        slot_mapping=padded(batch.slot_mapping, extra, -1),
+        logits_indices=padded(batch.logits_indices, extra_rows, 0),
+    )
+
+
 def _empty_tensors(sizes: list[int], device: str | torch.device) -> tuple[Tensor, Tensor]:
     _, wide_len, _, _, narrow_len = _layout(*sizes)
     return (
@@ -478,6 +522,8 @@ class ShardedRunner:
         self.path, self.manifest = runner.path, runner.manifest
         self.rank, self.world_size = runner.rank, runner.world_size
         self.workers = workers
+        self.data_parallel = self.recipe.parallel.dp_attention  # > 1: the engine calls step_data_parallel
+        self.dp_tokens = [0] * self.data_parallel  # real (unpadded) tokens each DP rank has run
         self.failure: str | None = None
         self.heartbeat_s = min(HEARTBEAT_S, timeout.total_seconds() / 4)
         self._lock = threading.Lock()  # one message, and the work it announces, at a time
@@ -514,6 +560,37 @@ class ShardedRunner:
             self._send(Op.STEP, *sizes, tensors=[wide, narrow])
             return self._collective(lambda: self.runner.step(batch, kv_cache))
 
+    def step_data_parallel(self, batches: list[StepBatch], kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+        """An attention-DP step: `batches[r]` runs on rank r (see the module docstring: each padded to
+        the same tokens and logits rows, scattered, run uncaptured); returns every rank's logits rows
+        in rank order, padding rows dropped, and rank 0's hidden states."""
+        if len(batches) != self.world_size or self.data_parallel != self.world_size:
+            raise ValueError(f"{len(batches)} batches for {self.data_parallel} attention-DP ranks")
+        counts = [b.logits_indices.shape[0] for b in batches]
+        tokens, rows = max(1, *(b.input_ids.shape[0] for b in batches)), max(counts)
+        padded = [pad_step(b, tokens, rows) for b in batches]
+        packed = [pack_batch(b) for b in padded]
+        narrow_len = max(narrow.shape[0] for _, _, narrow in packed)
+        sizes = [torch.tensor(size, dtype=torch.int64, device=self.device) for size, _, _ in packed]
+        wides = [wide for _, wide, _ in packed]
+        narrows = [torch.nn.functional.pad(n, (0, narrow_len - n.shape[0])) for _, _, n in packed]
+        for r, batch in enumerate(batches):
+            self.dp_tokens[r] += batch.input_ids.shape[0]
+
+        def run() -> tuple[Tensor, Tensor]:
+            for mine, parts in ((sizes[0], sizes), (wides[0], wides), (narrows[0], narrows)):
+                dist.scatter(torch.empty_like(mine), parts, src=0)
+            logits, hidden = self.runner(*padded[0].model_args(kv_cache))
+            if rows:
+                parts = [torch.empty_like(logits) for _ in batches]
+                dist.gather(logits.contiguous(), parts, dst=0)
+                logits = torch.cat([part[:n] for part, n in zip(parts, counts)])
+            return logits, hidden[: batches[0].input_ids.shape[0]]
+
+        with self._lock:
+            self._send(Op.DP_STEP, tokens, rows, narrow_len)
+            return self._collective(run)
+
     def idle(self) -> None:
         """The engine has nothing to do: a heartbeat when nothing was sent for `heartbeat_s` seconds (a
         failure it meets is recorded in `failure`, not raised)."""
@@ -544,7 +621,8 @@ class ShardedRunner:
                 else:  # peers are gone: destroying the group could wait on them
                     unbind_groups()
                 self._lock.release()
-        log_event(log, "ranks_stopped", world_size=self.world_size, failure=self.failure or "none")
+        extra = {"dp_tokens": ",".join(map(str, self.dp_tokens))} if self.data_parallel > 1 else {}
+        log_event(log, "ranks_stopped", world_size=self.world_size, **extra, failure=self.failure or "none")
 
     # ---- internals ------------------------------------------------------------------------------------
     def _send(self, op: Op, *sizes: int, tensors: list[Tensor] | tuple = ()) -> None:
@@ -762,8 +840,29 @@ def _follow_rank0(runner: Runner, rank: int) -> int:
                     raise RankFailure("a step before any KV cache was allocated")
                 runner.step(unpack_batch(args[:4], wide, narrow), kv_cache)
                 steps += 1
+            elif op == Op.DP_STEP:
+                if kv_cache is None:
+                    raise RankFailure("a step before any KV cache was allocated")
+                _data_parallel_step(runner, kv_cache, *args[:3])
+                steps += 1
             else:
                 raise RankFailure(f"unknown message {op} from rank 0")
         except Exception as exc:
             what = Op(op).name.lower() if op in {o.value for o in Op} else "message"
             raise RankFailure(f"rank {rank}: {what} failed: {_short(exc)}") from exc
+
+
+def _data_parallel_step(runner: Runner, kv_cache: Tensor, tokens: int, rows: int, narrow_len: int) -> None:
+    """A worker's part of an attention-DP step: receive its own inputs (scattered by rank 0), run them
+    uncaptured, send its `rows` logits rows to rank 0."""
+    device = runner.device
+    sizes = torch.empty(4, dtype=torch.int64, device=device)
+    wide = torch.empty(_layout(tokens, 0, 0, rows)[1], dtype=torch.int64, device=device)
+    narrow = torch.empty(narrow_len, dtype=torch.int32, device=device)
+    for tensor in (sizes, wide, narrow):
+        dist.scatter(tensor, None, src=0)
+    mine = sizes.tolist()
+    batch = unpack_batch(mine, wide, narrow[: _layout(*mine)[4]])
+    logits, _ = runner(*batch.model_args(kv_cache))
+    if rows:
+        dist.gather(logits.contiguous(), None, dst=0)

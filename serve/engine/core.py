@@ -18,6 +18,12 @@ prefix cache. A failing step fails the requests in it (their pages are freed) an
 serving — unless the runner reports a `failure` (a runner over several ranks that lost one): then
 every request fails with it and the engine is dead (`alive` false, `dead` says why). When it has
 nothing to do, the loop calls the runner's `idle` if it has one (the ranks' heartbeat).
+
+Attention data parallelism (a runner with `data_parallel` = D > 1: the `ShardedRunner` of a
+`parallel.dp_attention` artifact): a page pool per DP rank and a `DataParallelScheduler` that places
+each request on one rank; a step builds one batch per rank from its requests' work and runs them all
+at once (`runner.step_data_parallel`), which returns their logits rows in rank order — the order of
+the scheduler's work — so sampling, detokenizing and emitting are the same as on one rank.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from hy3c.serve.engine.detokenizer import IncrementalDetokenizer
 from hy3c.serve.engine.kv_pages import OutOfPages, PagePool
 from hy3c.serve.engine.metrics import EngineMetrics
 from hy3c.serve.engine.sampler import FusedInputs, History, SamplingParams, prepare_fused, sample
-from hy3c.serve.engine.scheduler import Scheduler, Sequence, Work
+from hy3c.serve.engine.scheduler import DataParallelScheduler, Scheduler, Sequence, Work
 
 log = logging.getLogger("hy3c.engine")
 
@@ -134,11 +140,21 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics or EngineMetrics(config.max_model_len)
-        self.pool = PagePool(config.num_pages, config.page_size)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.metrics.watch(
-            lambda: len(self.scheduler.running), lambda: len(self.scheduler.waiting), self.pool.usage
-        )
+        # attention data parallelism (a ShardedRunner over a dp_attention artifact): a page pool and a
+        # scheduler per DP rank, each rank's step its own batch
+        self.data_parallel: int = getattr(runner, "data_parallel", 1)
+        self.pools = [PagePool(config.num_pages, config.page_size) for _ in range(self.data_parallel)]
+        self.pool = self.pools[0]
+        self.scheduler: Scheduler | DataParallelScheduler
+        if self.data_parallel > 1:
+            self.scheduler = DataParallelScheduler(
+                self.pools, config.max_num_seqs, config.max_num_batched_tokens
+            )
+            usage = self.scheduler.usage
+        else:
+            self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+            usage = self.pool.usage
+        self.metrics.watch(lambda: len(self.scheduler.running), lambda: len(self.scheduler.waiting), usage)
         self.kv_cache = runner.allocate_kv_cache(config.num_pages, config.page_size)
         self.eos_ids = set(runner.config.eos_token_ids)
         self._live: dict[str, _Live] = {}
@@ -327,8 +343,7 @@ class Engine:
         try:
             work = self.scheduler.schedule()
         except OutOfPages as exc:
-            seq = self.scheduler.waiting[0]
-            self._fail(seq.request_id, str(exc))
+            self._fail(exc.request_id or self.scheduler.waiting[0].request_id, str(exc))
             return
         if not work:
             return
@@ -346,18 +361,33 @@ class Engine:
                 )
                 for w in work
             ]
-            batch = build_step_batch(chunks, self.config.page_size, self.runner.device)
+            if self.data_parallel > 1:  # each DP rank's own batch; the logits rows come back in rank order
+                batches = [
+                    build_step_batch(
+                        [c for w, c in zip(work, chunks) if w.seq.dp_rank == r],
+                        self.config.page_size,
+                        self.runner.device,
+                    )
+                    for r in range(self.data_parallel)
+                ]
+                num_rows = sum(len(b.logits_owner) for b in batches)
+            else:
+                batch = build_step_batch(chunks, self.config.page_size, self.runner.device)
+                num_rows = len(batch.logits_owner)
             rows, lives, scoring, scored_only = self._logit_rows(work)
             # the logits rows to sample, when others (prompt rows to score) are among them
             pick = None
-            if len(rows) < len(batch.logits_owner):
+            if len(rows) < num_rows:
                 pick = torch.tensor(rows, dtype=torch.long).to(self.runner.device)
             # the sampler's parameters go up before the step, so its launches queue right behind it
             inputs = prepare_fused(
                 [lv.request.params for lv in lives], [lv.generator for lv in lives], self.runner.device
             )
             prepared = time.monotonic()
-            logits, _ = self.runner.step(batch, self.kv_cache)
+            if self.data_parallel > 1:
+                logits, _ = self.runner.step_data_parallel(batches, self.kv_cache)
+            else:
+                logits, _ = self.runner.step(batch, self.kv_cache)
             self.scheduler.advance(work)
             self._score_prompts(logits, scoring)
             sampled = self._sample_and_emit(lives, logits if pick is None else logits[pick], inputs)

@@ -37,7 +37,12 @@ def extend_page_keys(
 
 
 class OutOfPages(RuntimeError):
-    pass
+    """The pool cannot give the pages asked for; `request_id` names the request that can never fit
+    (the scheduler sets it when a request alone needs more pages than the pool has)."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 class PagePool:

@@ -9,6 +9,14 @@ Every step, `schedule()` decides which tokens each sequence feeds:
    prefix is reused (`PagePool.match_prefix`), the rest is prefilled in chunks.
 A step is a list of `Work` items (one per sequence) that the engine turns into a `StepBatch`.
 
+With attention data parallelism (an artifact's `parallel.dp_attention` = D > 1) the engine uses a
+`DataParallelScheduler`: one `Scheduler` and one page pool (and prefix cache) per DP rank, since each
+rank's KV cache holds only its own requests. A new request goes to the rank with the fewest requests
+(then the fewest tokens, then the lowest rank) and stays there for its life (`Sequence.dp_rank`; a
+preempted one waits on its rank). Every step each rank's scheduler plans its own batch under the full
+`max_num_batched_tokens` and `max_num_seqs`: the budgets are per rank (a rank's step runs on its own
+device; only the MoE sees all ranks' tokens at once).
+
 The scheduler owns the sequences' state and their pages in the prefix cache: the engine reports what a
 step did through its methods — `advance` (the step's tokens are in the KV cache), `append_token` (a
 sampled token joins its sequence), `stop_scoring` (every prompt position's logits are in), `publish`
@@ -45,6 +53,7 @@ class Sequence:
     admitted: bool = False
     finished: bool = False
     score_prompt: bool = False  # every prompt position's logits are wanted (cleared once they are in)
+    dp_rank: int = 0  # the attention-DP rank whose KV cache holds it (DataParallelScheduler)
 
     @property
     def pending(self) -> int:
@@ -190,7 +199,9 @@ class Scheduler:
                 self._free(seq)  # a waiting sequence holds no pages (they stay published, matchable later)
                 seq.computed = 0
                 if not self.running and not work:  # alone and still too large: the pool is too small
-                    raise OutOfPages(f"request {seq.request_id} needs more KV pages than the pool has")
+                    raise OutOfPages(
+                        f"request {seq.request_id} needs more KV pages than the pool has", seq.request_id
+                    )
                 break
             self.waiting.popleft()
             seq.admitted = True
@@ -199,3 +210,78 @@ class Scheduler:
             budget -= count
             logit_rows -= count if work[-1].all_logits else 0
         return work
+
+
+class DataParallelScheduler:
+    """One `Scheduler` per attention-DP rank behind the `Scheduler` interface the engine uses (see the
+    module docstring). `schedule()` returns every rank's work, rank 0's items first, then rank 1's, …;
+    each item's `seq.dp_rank` says whose batch it joins."""
+
+    def __init__(self, pools: list[PagePool], max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.ranks = [Scheduler(pool, max_num_seqs, max_num_batched_tokens) for pool in pools]
+        self.pools = pools
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return [seq for rank in self.ranks for seq in rank.waiting]
+
+    @property
+    def running(self) -> list[Sequence]:
+        return [seq for rank in self.ranks for seq in rank.running]
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(rank.num_preemptions for rank in self.ranks)
+
+    @property
+    def has_work(self) -> bool:
+        return any(rank.has_work for rank in self.ranks)
+
+    def usage(self) -> float:
+        """The share of all ranks' usable pages in use."""
+        return sum(pool.num_used for pool in self.pools) / sum(pool.usable for pool in self.pools)
+
+    def pick_rank(self) -> int:
+        """The rank a new request goes to: fewest requests, then fewest tokens, then the lowest."""
+
+        def load(r: int) -> tuple[int, int, int]:
+            seqs = [*self.ranks[r].running, *self.ranks[r].waiting]
+            return len(seqs), sum(len(seq.tokens) for seq in seqs), r
+
+        return min(range(len(self.ranks)), key=load)
+
+    def add(self, seq: Sequence) -> None:
+        seq.dp_rank = self.pick_rank()
+        self.ranks[seq.dp_rank].add(seq)
+
+    def remove(self, request_id: str) -> Sequence | None:
+        for rank in self.ranks:
+            seq = rank.remove(request_id)
+            if seq is not None:
+                return seq
+        return None
+
+    def advance(self, work: list[Work]) -> None:
+        for w in work:
+            self.ranks[w.seq.dp_rank].advance([w])
+
+    def append_token(self, seq: Sequence, token: int) -> None:
+        self.ranks[seq.dp_rank].append_token(seq, token)
+
+    def stop_scoring(self, seq: Sequence) -> None:
+        self.ranks[seq.dp_rank].stop_scoring(seq)
+
+    def publish(self, work: list[Work]) -> None:
+        for w in work:
+            self.ranks[w.seq.dp_rank].publish([w])
+
+    def finish(self, seq: Sequence) -> None:
+        self.ranks[seq.dp_rank].finish(seq)
+
+    def reset_prefix_cache(self) -> int:
+        return sum(rank.reset_prefix_cache() for rank in self.ranks)
+
+    def schedule(self) -> list[Work]:
+        """Every rank's step, in rank order. A request too large for its rank's pool raises OutOfPages
+        naming it; the work other ranks planned is planned again next step (nothing ran)."""
+        return [w for rank in self.ranks for w in rank.schedule()]
