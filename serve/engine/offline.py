@@ -8,8 +8,8 @@ sampler, and a seeded request gives the same tokens either way.
 `ShardedRunner` over an artifact's ranks (`hy3c.runtime.distributed.start_ranks`; the caller shuts it
 down) or the eager `Hy3ForCausalLM`. The page size and batch limits are `serving`'s — the artifact recipe's, as `hy3c
 serve` uses them; for the eager model, which has no recipe, a recipe's defaults (`ServingSpec()`). The
-KV cache holds every request at once (prompt + max_tokens each, and the scratch page), so nothing is
-preempted. No CUDA graph is captured and no warm-up runs: one short job would not earn their cost back.
+KV cache holds every request at once (prompt + max_tokens each, and the scratch page; with attention
+data parallelism, each DP rank's does), so nothing is preempted. No CUDA graph is captured and no warm-up runs: one short job would not earn their cost back.
 """
 
 from __future__ import annotations
