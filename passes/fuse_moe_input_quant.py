@@ -11,6 +11,13 @@ per-token activation scales and an input that is the normed output of a per-toke
 `hy3.add_rms_norm_quant` (one per MoE layer, with the `h20-w8a8c8` recipe's dynamic form; none with
 static scales, whose calibrated scale for the experts differs from the shared expert's).
 
+Sharded programs: with expert parallelism alone (tp = 1) the experts still read the norm's output —
+`fused_moe` over `hy3.local_experts`' ids, without the shared output, which is added after the
+all-reduce of the routed parts — and the pass applies as above (one site per MoE layer). With tp > 1
+the norm is fused with the TP all-reduce (`hy3.all_reduce_add_rms_norm`, which has no quantized form),
+and with attention data parallelism the experts read the all-gathered rows, not the norm's: no sites
+(gathering the e4m3 rows and their scales instead of the bf16 rows would be the next step there).
+
 Before:
     %add_rms_norm_quant: (bf16[s0, 4096], bf16[s0, 4096], f8e4m3[s0, 4096], f32[s0, 1]) =
         hy3.add_rms_norm_quant(%x, %residual, %layers.3.post_attention_layernorm.weight, 1e-05, None)

@@ -330,6 +330,44 @@ def test_fused_moe_skips_pairs_without_an_expert(weights):
         torch.testing.assert_close(out[0], shared[0].float(), atol=0, rtol=0)  # no expert: the shared part
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("options", [{}, {"pair_blocks": True}])
+def test_fused_moe_expert_parallel_parts_sum_to_the_whole_layer(fp8, options):
+    """ep = 2 in one process: each rank's FusedMoE over its half of the experts (weights and scales cut
+    along the expert dim), with the ids and weights `hy3.local_experts` gives that rank (the router's id
+    − rank · 4, −1 and weight 0 for the other half), sums to the whole layer's routed output."""
+    tokens, experts, top_k, ep = 9, 8, 2, 2
+    local = experts // ep
+    dtype = torch.bfloat16 if fp8 else torch.float32
+    x = torch.randn(tokens, 64).to(dtype)
+    if fp8:
+        w13, w2, scales = _expert_weights(experts, 64, 32, fp8=True)
+    else:
+        w13, w2 = _weights(experts, 64, 32)
+        scales = (None, None)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
+    ids[0] = torch.tensor([1, 2], dtype=torch.int32)  # token 0: both experts on rank 0, none on rank 1
+    w = torch.rand(tokens, top_k)
+    whole = hy3.fused_moe(x, w, ids, w13, w2, *scales, None, None, None).float()
+    parts = []
+    for rank in range(ep):
+        rows = slice(rank * local, (rank + 1) * local)
+        mine = (ids >= rank * local) & (ids < (rank + 1) * local)
+        local_ids = (ids - rank * local).masked_fill(~mine, -1)
+        local_w = w.masked_fill(~mine, 0)
+        cut = [None if s is None else s[rows] for s in scales]
+        cfg = dataclasses.replace(CFG, **options)
+        part = fused_moe_triton(
+            x, local_w, local_ids, w13[rows], w2[rows], *cut, None, None, None, config=cfg
+        )
+        parts.append(part.float())
+    assert torch.equal(parts[1][0], torch.zeros(64))  # rank 1 holds neither of token 0's experts
+    if fp8:
+        assert ((parts[0] + parts[1]) - whole).norm() / whole.norm() < 2e-2
+    else:
+        torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-5, rtol=1e-5)
+
+
 def test_fused_moe_writes_no_row_of_a_pair_without_an_expert(monkeypatch):
     """The pairs of id −1 are neither computed nor written, and the combine does not read them: with
     every buffer allocated full of a marker value, their rows of the per-pair outputs still hold it
