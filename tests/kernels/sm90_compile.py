@@ -26,6 +26,8 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from hy3c.kernels.attention import decode, prefill, prefill_gluon, qknorm_rope_kvstore
 from hy3c.kernels.attention.config import GLUON_PREFILL_CONFIG, decode_config, triton_prefill_config
+from hy3c.kernels.collectives import all_reduce
+from hy3c.kernels.collectives.symmetric import MAX_PROGRAMS, RESERVED_CHANNELS
 from hy3c.kernels.moe import fused_moe, fused_moe_gluon, router
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -339,10 +341,37 @@ def router_variants() -> list[Variant]:
     ]
 
 
+def collective_variants() -> list[Variant]:
+    """The fused all-reduce + residual add + RMSNorm over symmetric memory at Hy3's hidden size, one-shot
+    and two-shot, for 2, 4 and 8 ranks, with its barriers' timeout (inline PTX: %globaltimer, trap) and
+    the launch options `all_reduce.launch` gives it."""
+    pointers = {name: "*bf16" for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr")}
+    pointers |= {"bufs_ptr": "*i64", "pads_ptr": "*i64"}
+    hidden = 4096
+    variants = []
+    for world in (2, 4, 8):
+        for two_shot in (False, True):
+            constexprs = dict(WORLD=world, TWO_SHOT=two_shot, PHASE=all_reduce.ALL_PHASES, PDL=True)
+            constexprs |= dict(PROGRAMS=MAX_PROGRAMS, RESERVED=RESERVED_CHANNELS * world, BLOCK=hidden)
+            constexprs |= dict(TIMEOUT_NS=all_reduce.BARRIER_TIMEOUT_S * 10**9)
+            variants.append(
+                Variant(
+                    f"all_reduce_add_rms_norm {'two' if two_shot else 'one'}-shot world={world}",
+                    all_reduce._all_reduce_add_rms_norm_kernel,
+                    pointers,
+                    constexprs,
+                    fp32_scalars=("eps",),
+                    options={"num_warps": all_reduce.num_warps(hidden)},
+                    integers=("cols", "stride_x", "stride_r", "stride_o", "stride_s"),
+                )
+            )
+    return variants
+
+
 def main() -> int:
     failures = 0
     variants = attention_variants() + qknorm_variants() + moe_variants() + gluon_moe_variants()
-    for variant in variants + router_variants():
+    for variant in variants + router_variants() + collective_variants():
         source_type = GluonASTSource if variant.gluon else ASTSource
         source = source_type(
             variant.kernel, variant.signature(), constexprs=variant.constexprs, attrs=variant.attrs()
