@@ -17,7 +17,8 @@ Triton kernel runs), so no value of theirs reaches memory the op would not touch
 in the same change that emits it), and `tests/compiler/test_artifact_security.py` checks that compiling
 the shipped recipes emits exactly these ops — all but the collectives, which no shipped recipe emits
 until one shards the model (`tests/compiler/test_collective_programs.py` checks and runs a sharded
-program of them) — and that none of them touches files or storages.
+program of them), and their kernel providers (`SHARDED_KERNELS`: tests/kernels/test_collective_kernels.py
+compiles sharded programs that call them) — and that none of them touches files or storages.
 
 This module imports only torch: the runtime loads programs without the compiler's passes or Inductor.
 The hy3 and provider ops resolve once their modules are imported (`import hy3c.kernels`).
@@ -41,6 +42,14 @@ COLLECTIVES: tuple[str, ...] = (
     "hy3.shard_tokens.default",
     "hy3.gemm_reduce_scatter.default",
     "hy3.allgather_gemm.default",
+)
+
+# the collectives' kernel providers (hy3c.kernels.collectives) that `lower` picks on CUDA: only sharded
+# programs call them either (each is listed in its family's section below too)
+SHARDED_KERNELS: tuple[str, ...] = (
+    "hy3_triton.all_reduce_add_rms_norm.default",
+    "hy3_cublas.allgather_gemm.default",
+    "hy3_cublas.gemm_reduce_scatter.default",
 )
 
 ALLOWED_OPS: tuple[str, ...] = (
@@ -78,6 +87,7 @@ ALLOWED_OPS: tuple[str, ...] = (
     # Triton kernels (hy3c.kernels)
     "hy3_triton.add_rms_norm.default",
     "hy3_triton.add_rms_norm_quant.default",
+    "hy3_triton.all_reduce_add_rms_norm.default",  # sharded programs only (SHARDED_KERNELS)
     "hy3_triton.attention_plan.default",
     "hy3_triton.fused_moe.default",
     "hy3_triton.paged_attention.default",
@@ -89,7 +99,9 @@ ALLOWED_OPS: tuple[str, ...] = (
     "hy3_triton.silu_and_mul.default",
     "hy3_triton.silu_and_mul_quant.default",
     "hy3_triton.topk_routing.default",
-    # vendor GEMMs through torch (hy3c.kernels.cublas)
+    # vendor GEMMs through torch (hy3c.kernels.cublas, hy3c.kernels.collectives.micro_pipeline)
+    "hy3_cublas.allgather_gemm.default",  # sharded programs only (SHARDED_KERNELS)
+    "hy3_cublas.gemm_reduce_scatter.default",  # sharded programs only (SHARDED_KERNELS)
     "hy3_cublas.moe_experts.default",
     "hy3_cublas.scaled_mm.default",
 )

@@ -888,11 +888,15 @@ def emitted(tiny_ckpt, tmp_path_factory):
 def test_the_allow_list_is_what_the_compiler_emits(emitted):
     every = set().union(*emitted.values())
     assert every - set(op_allowlist.ALLOWED_OPS) - {op_allowlist.GETITEM} == set()
-    never = set(op_allowlist.ALLOWED_OPS) - every - set(op_allowlist.COLLECTIVES)
+    sharded = set(op_allowlist.COLLECTIVES) | set(op_allowlist.SHARDED_KERNELS)
+    never = set(op_allowlist.ALLOWED_OPS) - every - sharded
     assert never == set(), f"listed but emitted by no recipe (remove them to keep the list minimal): {never}"
-    # the collectives: listed for sharded programs, which none of these compiles (single-rank recipes);
-    # tests/compiler/test_collective_programs.py checks and runs a sharded program calling each of them
-    assert every & set(op_allowlist.COLLECTIVES) == set()
+    # the collectives and their kernel providers: listed for sharded programs, which none of these compiles
+    # (single-rank recipes); tests/compiler/test_collective_programs.py checks and runs a sharded program
+    # calling each collective, tests/kernels/test_collective_kernels.py compiles sharded programs that
+    # lower them to the providers
+    assert every & sharded == set()
+    assert set(op_allowlist.SHARDED_KERNELS) <= set(op_allowlist.ALLOWED_OPS)
     full = next(v for k, v in emitted.items() if k.endswith("(full)"))
     tiny = next(
         v for k, v in emitted.items() if k.startswith("h20-w8a8c8 ['quant.activations=dynamic'] (tiny)")
