@@ -19,9 +19,9 @@ calls them, so that no kernel is handed arguments it would misread:
   attention plan comes from `attention_plan` and expert ids from a router over no more experts than
   the expert weights hold. The collectives' group arguments are within bounds and their shapes divide
   as they split them; expert parallelism's `local_experts` takes a router's ids over exactly num_local ×
-  group_size experts and gives ids over num_local, which may be −1 ("no local expert"): only the
-  experts' torch references take those (they index within the weights at −1 and weigh it 0), never a
-  kernel that indexes memory with the id.
+  group_size experts and gives ids over num_local, which may be −1 ("no local expert"): only the ops
+  of `_TAKE_NO_EXPERT` take those (the experts' references and the MoE kernels that skip −1), never
+  an op that would index memory with the id.
 * **the ATen gathers' indices** (`check_shapes`, `GATHER_CONTRACTS`): an op that reads rows at index
   values gathers with the step input the compiler gives it, whose values the engine bounds, from a
   table that has those rows: `aten.embedding` the `input_ids` (token ids, within the vocabulary) from

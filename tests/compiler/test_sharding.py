@@ -171,7 +171,7 @@ def test_each_rank_holds_its_share_of_the_split_tensors_and_all_replicated_ones(
     assert split and all(spec["parts"] == world for spec in split.values())
     for rank in range(world):
         held = _safetensors_bytes(path / "weights" / f"rank{rank}.safetensors")
-        assert set(split) <= held.keys()  # (EP programs keep the router unsplit into hi | lo: no fuse_moe)
+        assert set(split) <= held.keys()
         for tensor, size in held.items():
             if tensor in whole:
                 assert size == _share(whole[tensor], split.get(tensor)), tensor
