@@ -245,12 +245,13 @@ def _run_generate(args: argparse.Namespace) -> None:
         from datetime import timedelta
 
         from hy3c.runtime.distributed import start_ranks
+        from hy3c.runtime.random_weights import artifact_tokenizer
 
+        tokenizer = artifact_tokenizer(args.artifact, args.random_weights)  # before any rank starts
         timeout = timedelta(seconds=args.collective_timeout)
         model = start_ranks(
             args.artifact, args.device, args.compile, timeout, args.torchrun, args.random_weights
         )
-        tokenizer = Hy3Tokenizer.from_dir(args.artifact)
         serving = model.recipe.serving
     else:
         import torch
@@ -297,7 +298,10 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compile", help="trace + passes + quantize + package into an artifact directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=Path, help="checkpoint directory")
-    src.add_argument("--preset", help="compile a config preset without weights (inspect only), e.g. full")
+    src.add_argument(
+        "--preset",
+        help="compile a config preset without weights (inspect it, or run it with --random-weights), e.g. full",
+    )
     p.add_argument("--recipe", required=True, help=f"shipped recipe ({', '.join(SHIPPED)}) or a YAML file")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument(

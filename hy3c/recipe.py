@@ -65,7 +65,10 @@ class ParallelSpec(_Strict):
     def _check(self) -> ParallelSpec:
         ranks = self.tp * self.dp_attention
         if self.ep not in (1, ranks) and ranks != 1:
-            raise ValueError(f"ep={self.ep} must be 1 or tp × dp_attention = {ranks} (the world size)")
+            raise ValueError(
+                f"ep={self.ep} must be 1 or tp × dp_attention = {ranks} (with tp = dp_attention = 1, any "
+                "ep: the experts split over that many ranks)"
+            )
         if self.sp and self.tp == 1:
             raise ValueError("sp=true needs tp > 1 (it shards the residual stream over the TP ranks)")
         if self.dp_attention > 1 and self.tp > 1:

@@ -44,7 +44,9 @@ class FuseAllReduceAddRmsNorm(Pass):
 
     def gate(self, ctx: CompileCtx, config: FuseAllReduceAddRmsNormConfig) -> str | None:
         if ctx.parallel.tp == 1:
-            return "parallel.tp is 1 (no all-reduce to fuse)"
+            return "parallel.tp is 1 (no TP all-reduce before a residual add)"
+        if ctx.parallel.sp:
+            return "parallel.sp: the TP all-reduces are reduce-scatters (fuse_gemm_reduce_scatter)"
         if config.max_tokens is not None and ctx.token_range[0] > config.max_tokens:
             return f"token_range starts at {ctx.token_range[0]} > max_tokens {config.max_tokens}"
         return None

@@ -27,7 +27,7 @@ def why_not(art: Artifact, pass_name: str | None, node_name: str | None) -> str:
         raise ArtifactError(f"no pass '{pass_name}' in this artifact's recipe")
     recorded = art.manifest["source"]["quant_layout"]
     quant = QuantLayout(frozenset(recorded["fp8_modules"]), recorded["static_activations"])
-    gm = trace_step(art.config, getattr(torch, recipe.dtype), quant)
+    gm = trace_step(art.config, getattr(torch, recipe.dtype), quant, recipe.parallel.token_multiple)
     ctx = CompileCtx(
         model=art.config,
         parallel=recipe.parallel,

@@ -306,3 +306,14 @@ def expected_bytes(program: Program) -> int:
         math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         for shape, dtype in program.params.values()
     )
+
+
+def artifact_tokenizer(path: str | Path, random_weights: int | None) -> Hy3Tokenizer:
+    """The tokenizer `hy3c generate --artifact` and `hy3c serve` use: the artifact's own, or with
+    `--random-weights` (a preset's artifact has none) the placeholder one of `random_weights_tokenizer`."""
+    from hy3c.checkpoint.tokenizer import Hy3Tokenizer
+    from hy3c.program.artifact import open_artifact
+
+    if random_weights is None:
+        return Hy3Tokenizer.from_dir(path)
+    return random_weights_tokenizer(path, open_artifact(path).config)

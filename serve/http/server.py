@@ -129,12 +129,15 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
 
     # off by default: Inductor adds nothing measurable over the fused kernels (BENCHMARKS.md) and
     # specializes on each step's token count, recompiling on live traffic
+    from hy3c.runtime.random_weights import artifact_tokenizer
+
+    tokenizer = artifact_tokenizer(options.artifact, options.random_weights)  # before any rank starts
     timeout = timedelta(seconds=options.collective_timeout)
     runner = start_ranks(
         options.artifact, options.device, options.compile, timeout, options.torchrun, options.random_weights
     )
     try:
-        return _engine_over(runner, options, limit)
+        return _engine_over(runner, tokenizer, options, limit)
     except BaseException:
         shutdown = getattr(runner, "shutdown", None)  # a sharded artifact's workers stop with it
         if shutdown is not None:
@@ -142,18 +145,18 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
         raise
 
 
-def _engine_over(runner, options: ServeOptions, limit: int) -> tuple[Engine, Hy3Tokenizer, ServerConfig]:
+def _engine_over(
+    runner, tokenizer: Hy3Tokenizer, options: ServeOptions, limit: int
+) -> tuple[Engine, Hy3Tokenizer, ServerConfig]:
     """`build_engine` once the runner (all its ranks) is up: the tokenizer, the KV cache sized, the
     engine, its CUDA graphs and warm-up."""
     import torch
 
-    from hy3c.checkpoint.tokenizer import Hy3Tokenizer
     from hy3c.serve.engine.core import Engine, EngineConfig
     from hy3c.serve.engine.kernel_builds import watch_kernel_builds
     from hy3c.serve.engine.metrics import EngineMetrics
     from hy3c.serve.http.api import ServerConfig
 
-    tokenizer = Hy3Tokenizer.from_dir(options.artifact)
     serving = runner.recipe.serving
     page_size = serving.page_size if options.page_size is None else options.page_size
     if options.kv_memory_gib is not None:

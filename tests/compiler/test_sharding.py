@@ -225,7 +225,7 @@ def test_a_layout_the_model_cannot_take_is_one_error_before_any_weight(tiny_ckpt
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["parallel.tp=2", "parallel.ep=4"], "ep=4 must be 1 or tp × dp_attention = 2"),
+        (["parallel.tp=2", "parallel.ep=4"], r"ep=4 must be 1 or tp × dp_attention = 2 \(with tp = "),
         (["parallel.sp=true"], "sp=true needs tp > 1"),
         (["parallel.dp_attention=2"], "dp_attention > 1 needs ep"),
     ],
@@ -270,3 +270,12 @@ def test_the_shipped_layouts_of_the_hy3_stack_compile_the_full_model_on_the_meta
     else:
         assert report["shard_ep"].matches == moe_layers
         assert art.kv_heads == 8 and art.recipe.parallel.token_multiple == 1
+
+
+def test_why_not_replays_a_sequence_parallel_artifact(artifacts, capsys):
+    """`inspect ART why-not` traces the step as the compiler did (its token count a multiple of tp)."""
+    from hy3c.cli import main
+
+    path = str(artifacts["tp2_sp"][0])
+    assert main(["inspect", path, "why-not", "fuse_allreduce_add_rms_norm", "--node", "embedding"]) == 0
+    assert "skipped: parallel.sp: the TP all-reduces are reduce-scatters" in capsys.readouterr().out

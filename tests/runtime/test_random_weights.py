@@ -253,3 +253,13 @@ def test_every_parameter_of_the_full_model_at_tp8_has_a_rule(tmp_path):
         rules.values()
     )
     assert 30 < rw.expected_bytes(program) / 2**30 < 45  # GiB on each of the 8 ranks
+
+
+def test_generate_runs_a_preset_artifact_with_random_weights_from_the_command_line(presets, capsys):
+    """The benchmark mode as a user runs it: `hy3c generate --artifact PRESET_ART --random-weights SEED`
+    (a preset's artifact has no tokenizer: the placeholder one is built before any rank starts)."""
+    from hy3c.cli import main
+
+    argv = ["generate", "--artifact", str(presets["ref"]), "--random-weights", "0", "--prompt", "hi"]
+    assert main([*argv, "--max-tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.strip()
