@@ -213,10 +213,12 @@ def check_ranks(
         )
     if place is not None and place.world_size != art.world_size:
         p = art.recipe.parallel
+        runs = f"{place.world_size} rank" + ("s" if place.world_size != 1 else "")
+        start = f"{art.world_size} process" + ("es" if art.world_size != 1 else "")
         raise ValueError(
-            f"torchrun runs {place.world_size} ranks (WORLD_SIZE), but {art.path} was compiled for "
+            f"torchrun runs {runs} (WORLD_SIZE), but {art.path} was compiled for "
             f"{art.world_size} (parallel.tp={p.tp}, ep={p.ep}, dp_attention={p.dp_attention}): start "
-            f"{art.world_size} processes in all (--nnodes × --nproc-per-node)"
+            f"{start} in all (--nnodes × --nproc-per-node)"
         )
     if random_weights is None:
         check_weight_files(art)
