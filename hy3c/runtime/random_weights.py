@@ -312,8 +312,9 @@ def artifact_tokenizer(path: str | Path, random_weights: int | None) -> Hy3Token
     """The tokenizer `hy3c generate --artifact` and `hy3c serve` use: the artifact's own, or with
     `--random-weights` (a preset's artifact has none) the placeholder one of `random_weights_tokenizer`."""
     from hy3c.checkpoint.tokenizer import Hy3Tokenizer
-    from hy3c.program.artifact import open_artifact
+    from hy3c.runtime.distributed import check_ranks
 
+    art = check_ranks(path, random_weights=random_weights)  # a preset's artifact without it: that error
     if random_weights is None:
         return Hy3Tokenizer.from_dir(path)
-    return random_weights_tokenizer(path, open_artifact(path).config)
+    return random_weights_tokenizer(path, art.config)
