@@ -112,3 +112,25 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 p.join()
         out.close()
     return [torch.load(io.BytesIO(results[r]), weights_only=True) for r in range(world_size)]
+
+
+def step_inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """The step the sharded-program tests run on the tiny model: two prefills (4 and 3 tokens) over
+    16-token pages — ids (`seed` picks them), positions, page table, lengths, starts, slots, logits rows."""
+    ids = torch.randint(0, 512, (7,), generator=torch.Generator().manual_seed(seed))
+    return (
+        ids,
+        torch.tensor([0, 1, 2, 3, 0, 1, 2]),
+        torch.tensor([[0], [1]], dtype=torch.int32),
+        torch.tensor([4, 3], dtype=torch.int32),
+        torch.tensor([0, 4, 7], dtype=torch.int32),
+        torch.tensor([0, 1, 2, 3, 16, 17, 18]),
+        torch.tensor([3, 6]),
+    )
+
+
+def run_step(runner, seed: int = 0) -> torch.Tensor:
+    """The logits of `step_inputs(seed)` through a runner, over a fresh 4-page KV cache."""
+    ids, positions, pages, lens, starts, slots, rows = step_inputs(seed)
+    logits, _ = runner(ids, positions, runner.allocate_kv_cache(4, 16), pages, lens, starts, slots, rows)
+    return logits

@@ -13,9 +13,8 @@ import torch
 from hy3c.compiler.driver import CompileError, compile_artifact
 from hy3c.program.artifact import ArtifactError, open_artifact
 from hy3c.recipe import RecipeError, load_recipe
-from tests.dist import run_ranks
+from tests.dist import run_ranks, run_step
 
-TOKENS = 7
 LAYOUTS = {  # name → (overrides, world size)
     "tp2": (["parallel.tp=2"], 2),
     "tp4": (["parallel.tp=4"], 4),  # 2 KV heads: each replicated on 2 ranks
@@ -34,27 +33,6 @@ def artifacts(tiny_ckpt, tmp_path_factory) -> dict[str, tuple[Path, list]]:
         summary = compile_artifact(load_recipe("cpu-reference", sets), root / name, tiny_ckpt, progress=False)
         out[name] = (root / name, summary.results)
     return out
-
-
-def step_inputs(seed: int) -> tuple[torch.Tensor, ...]:
-    """Two requests (a 4-token and a 3-token prefill) over 16-token pages; `seed` picks the tokens."""
-    ids = torch.randint(0, 512, (TOKENS,), generator=torch.Generator().manual_seed(seed))
-    return (
-        ids,
-        torch.tensor([0, 1, 2, 3, 0, 1, 2]),
-        torch.tensor([[0], [1]], dtype=torch.int32),
-        torch.tensor([4, 3], dtype=torch.int32),
-        torch.tensor([0, 4, 7], dtype=torch.int32),
-        torch.tensor([0, 1, 2, 3, 16, 17, 18]),
-        torch.tensor([3, 6]),
-    )
-
-
-def run_step(runner, seed: int) -> torch.Tensor:
-    ids, positions, pages, lens, starts, slots, rows = step_inputs(seed)
-    kv_cache = runner.allocate_kv_cache(4, 16)
-    logits, _ = runner(ids, positions, kv_cache, pages, lens, starts, slots, rows)
-    return logits
 
 
 def rank_logits(rank: int, world_size: int, path: str, data_parallel: bool) -> torch.Tensor:

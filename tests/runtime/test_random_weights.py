@@ -25,7 +25,7 @@ from hy3c.runtime.random_weights import (
     random_parameters,
     random_weights_tokenizer,
 )
-from tests.dist import run_ranks
+from tests.dist import run_ranks, run_step
 
 PRESETS = {  # name → (recipe, overrides)
     "ref": ("cpu-reference", []),
@@ -165,27 +165,6 @@ def test_building_logs_one_event(presets, hy3c_log):
     _params(presets["ref"], seed=3)
     (record,) = [r for r in hy3c_log.records if "random_weights_built" in r.getMessage()]
     assert "seed=3" in record.getMessage() and "rank=0" in record.getMessage()
-
-
-def step_inputs() -> tuple[torch.Tensor, ...]:
-    """Two prefills (4 and 3 tokens) over 16-token pages: ids, positions, page table, lengths, starts,
-    slots, logits rows (the step inputs after the KV cache)."""
-    ids = torch.randint(0, 512, (7,), generator=torch.Generator().manual_seed(0))
-    return (
-        ids,
-        torch.tensor([0, 1, 2, 3, 0, 1, 2]),
-        torch.tensor([[0], [1]], dtype=torch.int32),
-        torch.tensor([4, 3], dtype=torch.int32),
-        torch.tensor([0, 4, 7], dtype=torch.int32),
-        torch.tensor([0, 1, 2, 3, 16, 17, 18]),
-        torch.tensor([3, 6]),
-    )
-
-
-def run_step(runner) -> torch.Tensor:
-    ids, positions, pages, lens, starts, slots, rows = step_inputs()
-    logits, _ = runner(ids, positions, runner.allocate_kv_cache(4, 16), pages, lens, starts, slots, rows)
-    return logits
 
 
 def test_a_preset_artifact_runs_a_step_with_random_weights(presets):
