@@ -14,14 +14,19 @@ renders it with a leading `model_name` label, as vLLM labels its series. vLLM's 
   scheduled), `request_prefill_time_seconds` (→ first token), `request_decode_time_seconds` (first →
   last token), `request_inference_time_seconds` (prefill + decode),
   `request_time_per_output_token_seconds`, `request_prompt_tokens`, `request_generation_tokens`,
-  `iteration_tokens_total` (tokens per engine step).
+  `iteration_tokens_total` (tokens per engine step);
+* speculative decoding's counters (`speculated`, once per step): `spec_decode_num_drafts` (requests that
+  drafted, summed over steps), `spec_decode_num_draft_tokens`, `spec_decode_num_accepted_tokens` and
+  `spec_decode_num_accepted_tokens_per_pos` by `position` (0-based: drafts accepted at that position), so
+  the acceptance rate is accepted / draft tokens, the mean acceptance length 1 + accepted / drafts and
+  a position's acceptance rate its count / drafts, as vLLM reads them.
 
 Ours: `engine_step_seconds` and `engine_host_seconds` (a step's wall time and its host part),
 `kernel_builds_total` by kernel (Triton variants built while serving) and `request_aborted_total`.
 
 The engine's interface: the counters and histograms it updates itself (`prompt_tokens`,
 `generation_tokens`, `ttft`, `itl`, `aborted`, `kernel_builds`), `watch` (the state gauges),
-`admitted`, `step` and `finished`. `submitted` and `RequestUsage` give the HTTP access log each
+`admitted`, `step`, `speculated` and `finished`. `submitted` and `RequestUsage` give the HTTP access log each
 request's token counts.
 """
 
@@ -177,6 +182,21 @@ class EngineMetrics:
             ["kernel"],
             registry=reg,
         )
+        self.spec_drafts = Counter(
+            "hy3c:spec_decode_num_drafts", "Draft runs verified (one per request and step).", registry=reg
+        )
+        self.spec_draft_tokens = Counter(
+            "hy3c:spec_decode_num_draft_tokens", "Draft tokens verified.", registry=reg
+        )
+        self.spec_accepted_tokens = Counter(
+            "hy3c:spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=reg
+        )
+        self.spec_accepted_per_pos = Counter(
+            "hy3c:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0-based).",
+            ["position"],
+            registry=reg,
+        )
         self._usage: dict[str, RequestUsage] = {}
 
     # ---- set up --------------------------------------------------------------------------------------
@@ -212,6 +232,22 @@ class EngineMetrics:
         self.step_tokens.observe(tokens)
         if preemptions:
             self.preemptions.inc(preemptions)
+
+    def speculated(self, num_drafts: list[int], accepted: list[int]) -> None:
+        """One step's verification: per request the drafts it fed and how many were accepted (a request
+        with no drafts counts nothing). Each counter moves once per step."""
+        runs = sum(1 for k in num_drafts if k > 0)
+        if not runs:
+            return
+        self.spec_drafts.inc(runs)
+        self.spec_draft_tokens.inc(sum(num_drafts))
+        self.spec_accepted_tokens.inc(sum(accepted))
+        reached = [0] * max(num_drafts)
+        for a in accepted:
+            for position in range(a):
+                reached[position] += 1
+        for position, count in enumerate(reached):
+            self.spec_accepted_per_pos.labels(str(position)).inc(count)
 
     def finished(
         self,

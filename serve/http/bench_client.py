@@ -32,7 +32,12 @@ SLO, per second), `output_throughput`, `total_token_throughput`, `max_output_tok
 `errors`) that `--save-detailed` keeps in the saved file. Ours: `dataset_name`, the default
 percentiles 50 and 90 beside vLLM's 99, and, against a hy3c server, the engine's steps during the run
 from /metrics: `engine_steps`, `engine_step_ms` (mean), `engine_host_ms` (its host part: scheduling,
-batch building, detokenization) and `engine_kernel_builds` (Triton variants built during the run).
+batch building, detokenization) and `engine_kernel_builds` (Triton variants built during the run);
+when the server drafted during the run (speculative decoding), vLLM's keys from its spec-decode counters:
+`spec_decode_acceptance_rate` (accepted / draft tokens, in %), `spec_decode_acceptance_length` (mean
+acceptance length: 1 + accepted / drafts, the bonus token included), `spec_decode_num_drafts`,
+`spec_decode_draft_tokens`, `spec_decode_accepted_tokens` and
+`spec_decode_per_position_acceptance_rates` (per draft position: accepted there / drafts).
 """
 
 from __future__ import annotations
@@ -307,28 +312,40 @@ async def _get_json(client: httpx.AsyncClient, method: str, path: str, headers: 
 
 # ---- the engine's view (hy3c servers) ---------------------------------------------------------------
 _STEP, _HOST, _BUILDS = "hy3c:engine_step_seconds", "hy3c:engine_host_seconds", "hy3c:kernel_builds"
+_DRAFTS, _DRAFT_TOKENS = "hy3c:spec_decode_num_drafts", "hy3c:spec_decode_num_draft_tokens"
+_ACCEPTED, _PER_POS = "hy3c:spec_decode_num_accepted_tokens", "hy3c:spec_decode_num_accepted_tokens_per_pos"
+_FAMILIES = (_STEP, _HOST, _BUILDS, _DRAFTS, _DRAFT_TOKENS, _ACCEPTED, _PER_POS)
 
 
 async def _engine_totals(client: httpx.AsyncClient) -> dict[str, float] | None:
-    """Sums and counts of hy3c's step-time histograms and the kernel builds from /metrics; None for a
-    server without them."""
+    """Sums and counts of hy3c's step-time histograms, the kernel builds and the spec-decode counters
+    from /metrics (a position's count under `<name>_total:<position>`); None for a server without them."""
     try:
         response = await client.get("/metrics")
     except httpx.HTTPError:
         return None
     if response.status_code != 200:
         return None
+    return parse_engine_totals(response.text)
+
+
+def parse_engine_totals(text: str) -> dict[str, float] | None:
+    """`_engine_totals` from a /metrics text (summed over `model_name`s)."""
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        if family.name in (_STEP, _HOST, _BUILDS):
+    for family in text_string_to_metric_families(text):
+        if family.name in _FAMILIES:
             for sample in family.samples:
                 if sample.name.endswith(("_sum", "_count", "_total")):
-                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+                    key = sample.name
+                    if family.name == _PER_POS:
+                        key = f"{key}:{sample.labels.get('position', '0')}"
+                    totals[key] = totals.get(key, 0.0) + sample.value
     return totals if f"{_STEP}_count" in totals else None
 
 
-def _engine_report(before: dict | None, after: dict | None) -> dict:
-    """The engine's steps during the run: count, mean step time, its host part, kernel builds."""
+def engine_report(before: dict | None, after: dict | None) -> dict:
+    """The engine's steps during the run (count, mean step time, its host part, kernel builds), and
+    speculative decoding's acceptance when the server drafted (`spec_report`)."""
     if before is None or after is None:
         return {}
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -340,6 +357,27 @@ def _engine_report(before: dict | None, after: dict | None) -> dict:
         "engine_step_ms": delta[f"{_STEP}_sum"] / steps * 1e3,
         "engine_host_ms": delta.get(f"{_HOST}_sum", 0.0) / steps * 1e3,
         "engine_kernel_builds": int(delta.get(f"{_BUILDS}_total", 0.0)),
+        **spec_report(delta),
+    }
+
+
+def spec_report(delta: dict[str, float]) -> dict:
+    """vLLM's spec-decode keys from the counters' changes over the run; empty when nothing was drafted."""
+    drafts, drafted = delta.get(f"{_DRAFTS}_total", 0.0), delta.get(f"{_DRAFT_TOKENS}_total", 0.0)
+    if drafts <= 0 or drafted <= 0:
+        return {}
+    accepted = delta.get(f"{_ACCEPTED}_total", 0.0)
+    prefix = f"{_PER_POS}_total:"
+    per_pos = {int(key[len(prefix) :]): value for key, value in delta.items() if key.startswith(prefix)}
+    return {
+        "spec_decode_acceptance_rate": accepted / drafted * 100,
+        "spec_decode_acceptance_length": 1 + accepted / drafts,
+        "spec_decode_num_drafts": int(drafts),
+        "spec_decode_draft_tokens": int(drafted),
+        "spec_decode_accepted_tokens": int(accepted),
+        "spec_decode_per_position_acceptance_rates": [
+            per_pos.get(position, 0.0) / drafts for position in range(max(per_pos, default=-1) + 1)
+        ],
     }
 
 
@@ -379,7 +417,7 @@ async def run_benchmark(config: BenchConfig) -> dict:
         results = await asyncio.gather(*(send(i, start) for i in range(config.num_prompts)))
         duration = time.perf_counter() - start
         bar.close()
-        engine = _engine_report(engine_before, await _engine_totals(client))
+        engine = engine_report(engine_before, await _engine_totals(client))
     for r in results:
         r.start_time -= start
     report = {
@@ -542,6 +580,16 @@ def format_report(report: dict, config: BenchConfig) -> str:
         row("Mean step (ms):", report["engine_step_ms"], ".2f")
         row("  of which host (ms):", report["engine_host_ms"], ".2f")
         row("Kernel variants built:", report["engine_kernel_builds"])
+    if "spec_decode_num_drafts" in report:
+        lines.append(" Speculative Decoding ".center(width, "-"))
+        row("Acceptance rate (%):", report["spec_decode_acceptance_rate"], ".2f")
+        row("Acceptance length:", report["spec_decode_acceptance_length"], ".2f")
+        row("Drafts:", report["spec_decode_num_drafts"])
+        row("Draft tokens:", report["spec_decode_draft_tokens"])
+        row("Accepted tokens:", report["spec_decode_accepted_tokens"])
+        lines.append("Per-position acceptance (%):")
+        for position, rate in enumerate(report["spec_decode_per_position_acceptance_rates"]):
+            row(f"  Position {position}:", rate * 100, ".2f")
     if report["failed"]:
         errors = sorted({e for e in report["errors"] if e})[:5]
         lines.append(f"errors: {errors}")
