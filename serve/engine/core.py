@@ -46,7 +46,15 @@ from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
 from hy3c.serve.engine.detokenizer import IncrementalDetokenizer
 from hy3c.serve.engine.kv_pages import OutOfPages, PagePool
 from hy3c.serve.engine.metrics import EngineMetrics
-from hy3c.serve.engine.sampler import FusedInputs, History, SamplingParams, prepare_fused, sample
+from hy3c.serve.engine.sampler import (
+    History,
+    HostStaging,
+    PendingSample,
+    SampleResult,
+    SamplingParams,
+    prepare_fused,
+    sample_async,
+)
 from hy3c.serve.engine.scheduler import DataParallelScheduler, Scheduler, Sequence, Work
 
 log = logging.getLogger("hy3c.engine")
@@ -73,6 +81,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    async_scheduling: bool = True  # plan and launch step N+1 before reading step N's tokens
 
 
 WARM_UP_TOKENS = (1, 15, 16, 127, 128, 1023, 1024)  # prefill lengths `Engine.warm_up` runs
@@ -128,6 +137,37 @@ class _Live:
     last_token_at: float | None = None
 
 
+@dataclass
+class _InFlight:
+    """A launched step the engine has not collected: its work, the requests of its sampled rows (in row
+    order) and their draws on the device."""
+
+    work: list[Work]
+    lives: list[_Live]
+    pending: PendingSample
+    row_of: dict[Sequence, int]  # a sampled sequence → its row in pending.tokens
+    scored_only: list[_Live]
+    preempted: int
+    started: float
+    host_seconds: float  # planning and building it, before the runner was called
+
+
+def _feed_from_device(batch: StepBatch, work: list[Work], previous: _InFlight | None) -> None:
+    """Put the in-flight tokens of `previous` into the batch's token ids, on the device: each item fed
+    from the device has its last token there (its chunk holds a placeholder)."""
+    targets, sources = [], []
+    row = 0
+    for w in work:
+        row += w.count
+        if w.from_device:
+            assert previous is not None, "a token in flight without a step in flight"
+            targets.append(row - 1)
+            sources.append(previous.row_of[w.seq])
+    if targets:
+        index = torch.tensor([targets, sources], dtype=torch.long).to(batch.input_ids.device)
+        batch.input_ids.index_copy_(0, index[0], previous.pending.tokens.index_select(0, index[1]))
+
+
 class Engine:
     def __init__(
         self,
@@ -164,6 +204,9 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="hy3c-engine", daemon=True)
         self._dead: str | None = None
         self._idle = getattr(runner, "idle", None)  # a runner over several ranks: its heartbeat
+        self._in_flight: _InFlight | None = None  # the step launched and not collected yet
+        self._staging = HostStaging()  # pinned buffers the draws reach the host through
+        self._last_collected = 0.0
 
     def warm_up(self) -> None:
         """Run throw-away requests through the engine before it serves (call before `start`).
@@ -199,8 +242,8 @@ class Engine:
             )
 
         def drain() -> None:
-            while self.scheduler.has_work:
-                self._step()
+            while self._iterate():
+                pass
 
         try:
             for size in sizes:
@@ -277,15 +320,6 @@ class Engine:
             for request_id in list(self._live):
                 self._fail(request_id, self._dead)
 
-    def _iterate(self) -> bool:
-        """One turn of the engine loop: take in what was submitted and aborted, then run a step if any
-        sequence has work. Returns whether there was work."""
-        self._drain_inbox()
-        if not self.scheduler.has_work:
-            return False
-        self._step()
-        return True
-
     def _drain_inbox(self) -> None:
         while True:
             try:
@@ -326,7 +360,8 @@ class Engine:
     def _admit(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> None:
         prompt = list(request.prompt_ids)
         scoring = request.prompt_logprobs is not None and len(prompt) > 1
-        seq = Sequence(request.request_id, prompt, len(prompt), score_prompt=scoring)
+        limit = min(len(prompt) + request.max_tokens, self.config.max_model_len)
+        seq = Sequence(request.request_id, prompt, len(prompt), score_prompt=scoring, limit=limit)
         generator = None
         if not request.params.greedy:
             generator = torch.Generator()  # on the host: drawing a step's seed needs no GPU sync
@@ -337,16 +372,46 @@ class Engine:
         self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
 
-    def _step(self) -> None:
+    def _iterate(self) -> bool:
+        """One turn of the engine loop: take in what was submitted and aborted, plan and launch a step,
+        then collect the step launched in the previous turn (overlapped scheduling: the GPU runs the
+        new step while the host reads, detokenizes and emits the previous one). Without
+        `async_scheduling` a step is collected at once. Returns whether there was work."""
+        self._drain_inbox()
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and self._needs_history(previous):  # its tokens feed the penalties
+            self._collect(previous)
+            previous = None
+        launched = self._launch(previous) if self.scheduler.has_work else None
+        if previous is not None:
+            self._collect(previous)
+        if launched is not None and not self.config.async_scheduling:
+            self._collect(launched)
+            launched = None
+        self._in_flight = launched
+        return launched is not None or previous is not None or self.scheduler.has_work
+
+    @staticmethod
+    def _needs_history(step: _InFlight) -> bool:
+        """Whether a request of the step samples with penalties over its output, which the next step's
+        draw needs on the host (so that step waits for this one's tokens)."""
+        return any(
+            p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+            for p in (live.request.params for live in step.lives)
+        )
+
+    def _launch(self, previous: _InFlight | None) -> _InFlight | None:
+        """Plan a step and launch it on the device: the model step, then the draws (which stay on the
+        device). Tokens of `previous` that are still in flight are fed from the device."""
         started = time.monotonic()
         preempted = self.scheduler.num_preemptions
         try:
             work = self.scheduler.schedule()
         except OutOfPages as exc:
             self._fail(exc.request_id or self.scheduler.waiting[0].request_id, str(exc))
-            return
+            return None
         if not work:
-            return
+            return None
         preempted = self.scheduler.num_preemptions - preempted
         for w in work:
             if w.start < w.seq.num_prompt:  # a prefill chunk: maybe the request's first scheduling
@@ -354,67 +419,100 @@ class Engine:
         try:
             chunks = [
                 SeqChunk(
-                    w.seq.tokens[w.start : w.start + w.count],
+                    w.seq.tokens[w.start : w.end] + ([0] if w.from_device else []),
                     w.start,
                     w.seq.pages,
                     "all" if w.all_logits else "last" if w.wants_logits else "none",
                 )
                 for w in work
             ]
+            device = self.runner.device
             if self.data_parallel > 1:  # each DP rank's own batch; the logits rows come back in rank order
-                batches = [
-                    build_step_batch(
-                        [c for w, c in zip(work, chunks) if w.seq.dp_rank == r],
-                        self.config.page_size,
-                        self.runner.device,
-                    )
-                    for r in range(self.data_parallel)
+                ranks = [
+                    [i for i, w in enumerate(work) if w.seq.dp_rank == r] for r in range(self.data_parallel)
                 ]
+                batches = [
+                    build_step_batch([chunks[i] for i in items], self.config.page_size, device)
+                    for items in ranks
+                ]
+                for batch, items in zip(batches, ranks):
+                    _feed_from_device(batch, [work[i] for i in items], previous)
                 num_rows = sum(len(b.logits_owner) for b in batches)
             else:
-                batch = build_step_batch(chunks, self.config.page_size, self.runner.device)
+                batch = build_step_batch(chunks, self.config.page_size, device)
+                _feed_from_device(batch, work, previous)
                 num_rows = len(batch.logits_owner)
             rows, lives, scoring, scored_only = self._logit_rows(work)
             # the logits rows to sample, when others (prompt rows to score) are among them
             pick = None
             if len(rows) < num_rows:
-                pick = torch.tensor(rows, dtype=torch.long).to(self.runner.device)
+                pick = torch.tensor(rows, dtype=torch.long).to(device)
             # the sampler's parameters go up before the step, so its launches queue right behind it
-            inputs = prepare_fused(
-                [lv.request.params for lv in lives], [lv.generator for lv in lives], self.runner.device
-            )
+            params = [lv.request.params for lv in lives]
+            inputs = prepare_fused(params, [lv.generator for lv in lives], device)
             prepared = time.monotonic()
             if self.data_parallel > 1:
                 logits, _ = self.runner.step_data_parallel(batches, self.kv_cache)
             else:
                 logits, _ = self.runner.step(batch, self.kv_cache)
-            self.scheduler.advance(work)
+            self.scheduler.advance(work, [lv.seq for lv in lives])
             self._score_prompts(logits, scoring)
-            sampled = self._sample_and_emit(lives, logits if pick is None else logits[pick], inputs)
-            self._finish_scored(scored_only)
-        except Exception as exc:  # fail the requests of this step, keep serving the others
-            log_event(
-                log,
-                "step_failed",
-                level=logging.ERROR,
-                error=f"{type(exc).__name__}: {exc}",
-                trace=traceback.format_exc(limit=3),
+            want = max((lv.request.num_logprobs or 0 for lv in lives), default=0)
+            pending = sample_async(
+                logits if pick is None else logits[pick],
+                params,
+                [History(lv.request.prompt_ids, lv.output) for lv in lives],
+                [lv.generator for lv in lives],
+                want,
+                prepared=inputs,
+                staging=self._staging,
             )
-            error = f"engine error: {type(exc).__name__}: {exc}"
-            for w in work:
-                self._fail(w.seq.request_id, error)
-            if self.dead is not None:  # the runner lost a rank: no request can run any more
-                for request_id in list(self._live):
-                    self._fail(request_id, error)
+        except Exception as exc:  # fail the requests of this step, keep serving the others
+            self._step_failed(work, exc)
+            return None
+        rows_of = {lv.seq: row for row, lv in enumerate(lives)}
+        return _InFlight(work, lives, pending, rows_of, scored_only, preempted, started, prepared - started)
+
+    def _collect(self, step: _InFlight) -> None:
+        """Read a launched step's tokens (waiting for the device if it is still running), then
+        detokenize, check stops and emit; publish the pages it completed. Rows of requests that ended
+        since it was launched (a stop token read meanwhile, an abort) are dropped."""
+        try:
+            result = step.pending.result()
+            known = time.monotonic()
+            self.scheduler.settle(step.work)
+            self._emit_sampled(step.lives, result, known)
+            self._finish_scored(
+                [lv for lv in step.scored_only if self._live.get(lv.request.request_id) is lv]
+            )
+        except Exception as exc:
+            self._step_failed(step.work, exc)
             return
-        self.scheduler.publish(work)
+        self.scheduler.publish(step.work)
         finished = time.monotonic()
+        since = max(step.started, self._last_collected)
+        self._last_collected = finished
         self.metrics.step(
-            finished - started,
-            (prepared - started) + (finished - sampled),
-            sum(w.count for w in work),
-            preempted,
+            finished - since,
+            step.host_seconds + (finished - known),
+            sum(w.count for w in step.work),
+            step.preempted,
         )
+
+    def _step_failed(self, work: list[Work], exc: Exception) -> None:
+        log_event(
+            log,
+            "step_failed",
+            level=logging.ERROR,
+            error=f"{type(exc).__name__}: {exc}",
+            trace=traceback.format_exc(limit=3),
+        )
+        error = f"engine error: {type(exc).__name__}: {exc}"
+        for w in work:
+            self._fail(w.seq.request_id, error)
+        if self.dead is not None:  # the runner lost a rank: no request can run any more
+            for request_id in list(self._live):
+                self._fail(request_id, error)
 
     def _logit_rows(
         self, work: list[Work]
@@ -488,23 +586,16 @@ class Engine:
             live.admitted_at = now
             self.metrics.admitted(seq.num_prompt, seq.cached_tokens, now - live.request.arrival)
 
-    def _sample_and_emit(self, lives: list[_Live], logits: torch.Tensor, inputs: FusedInputs | None) -> float:
-        """Sample every row, then detokenize and emit; returns the time the tokens were known."""
-        want = max((lv.request.num_logprobs or 0 for lv in lives), default=0)
-        result = sample(
-            logits,
-            [lv.request.params for lv in lives],
-            [History(lv.request.prompt_ids, lv.output) for lv in lives],
-            [lv.generator for lv in lives],
-            want,
-            prepared=inputs,
-        )
-        now = time.monotonic()
+    def _emit_sampled(self, lives: list[_Live], result: SampleResult, now: float) -> None:
+        """Each row's token joins its request (unless it is a stop token), then detokenize, check stops
+        and emit. A row whose request ended after the step was launched is dropped."""
         emissions = []
         generated = 0  # counted once per step: a metric update per token costs host time
         try:
             for lv, token, chosen, top in zip(lives, result.tokens, result.logprobs, result.top):
                 req = lv.request
+                if self._live.get(req.request_id) is not lv:  # ended meanwhile: an extra step's row
+                    continue
                 if lv.first_token_at is None:
                     lv.first_token_at = now
                     self.metrics.ttft.observe(now - req.arrival)
@@ -513,9 +604,9 @@ class Engine:
                 lv.last_token_at = now
                 stop_token = (token in self.eos_ids and not req.ignore_eos) or token in req.stop_token_ids
                 out = StepOutput(req.request_id, prompt_logprobs=self._prompt_logprobs_once(lv))
+                self.scheduler.append_token(lv.seq, None if stop_token else token)
                 if not stop_token:
                     lv.output.append(token)
-                    self.scheduler.append_token(lv.seq, token)
                     out.token_ids = [token]
                     out.text = lv.detok.push(token)
                     if req.num_logprobs is not None:
@@ -535,7 +626,6 @@ class Engine:
         finally:  # rows done before a failing one keep their outputs (a finished one its last)
             self.metrics.generation_tokens.inc(generated)
             self._deliver(emissions)
-        return now
 
     @staticmethod
     def _deliver(emissions: list[tuple[Callable[[StepOutput], None], StepOutput]]) -> None:

@@ -3,6 +3,9 @@
 
     inputs = prepare_fused(params, generators, device)     # before the model step (None off CUDA)
     result = sample(logits, params, history, generators, num_logprobs, noise=None, prepared=inputs)
+    pending = sample_async(logits, ..., staging=staging)   # the overlapped engine: draws on the device,
+    pending.tokens                                         #   fed to the next step without a host sync,
+    pending.result()                                       #   the host copy waited for later
 
 Per row: the logit bias, repetition penalty over the prompt and output tokens, presence and frequency
 penalties over the output tokens (`apply_penalties`, before either path), temperature, then min-p,
@@ -21,6 +24,7 @@ finite after division by any temperature ≥ SAMPLING_EPS.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -176,13 +180,66 @@ def sample(
 ) -> SampleResult:
     """Sample one token per row; on CUDA through the Triton fused sampler (with the columns `prepared`
     earlier, else prepared now), elsewhere the reference."""
+    return sample_async(logits, params, history, generators, num_logprobs, noise, prepared).result()
+
+
+@dataclass
+class PendingSample:
+    """A step's draws, launched: `tokens` (int64, one per row, on the logits' device) can feed the next
+    step's inputs at once; `result()` waits for their copy to the host (once; later calls return it)."""
+
+    tokens: Tensor
+    _collect: Callable[[], SampleResult]
+    _result: SampleResult | None = None
+
+    def result(self) -> SampleResult:
+        if self._result is None:
+            self._result = self._collect()
+        return self._result
+
+
+class HostStaging:
+    """Two pinned host buffers the fused sampler's tokens and logprobs are copied into without blocking,
+    used in turn: the overlapped engine has at most two steps' draws unread (the one it collects and the
+    one it just launched). Allocated once at the largest batch seen (pinned allocation is slow)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[Tensor] = []
+        self._next = 0
+
+    def take(self, rows: int) -> Tensor:
+        if not self._buffers or self._buffers[0].shape[1] < rows:
+            size = max(rows, 64)
+            self._buffers = [torch.empty(2, size, dtype=torch.float64, pin_memory=True) for _ in range(2)]
+        buffer = self._buffers[self._next]
+        self._next ^= 1
+        return buffer[:, :rows]
+
+
+def sample_async(
+    logits: Tensor,
+    params: list[SamplingParams],
+    history: list[History],
+    generators: list[torch.Generator | None],
+    num_logprobs: int = 0,
+    noise: Tensor | None = None,
+    prepared: FusedInputs | None = None,
+    staging: HostStaging | None = None,
+) -> PendingSample:
+    """`sample` without waiting for the draws: on CUDA the fused sampler's tokens stay on the device and
+    reach the host through a pinned `staging` buffer (copied without blocking; `result()` waits for it).
+    With `num_logprobs` the top logprobs are gathered at once (a row whose kernel candidates cannot vouch
+    for them reads its logits again, which a later step may overwrite), and off CUDA everything is."""
     if not params:
-        return SampleResult([], [], [])
+        return PendingSample(
+            torch.empty(0, dtype=torch.long, device=logits.device), lambda: SampleResult([], [], [])
+        )
     if logits.is_cuda and _triton_sampler() is not None:
         inputs = prepared or prepare_fused(params, generators, logits.device)
         assert inputs is not None
-        return _sample_fused(logits, params, history, inputs, num_logprobs, noise)
-    return sample_reference(logits, params, history, generators, num_logprobs, noise)
+        return _sample_fused(logits, params, history, inputs, num_logprobs, noise, staging)
+    result = sample_reference(logits, params, history, generators, num_logprobs, noise)
+    return PendingSample(torch.tensor(result.tokens, dtype=torch.long, device=logits.device), lambda: result)
 
 
 def _triton_sampler() -> torch._ops.OpOverload | None:
@@ -190,11 +247,30 @@ def _triton_sampler() -> torch._ops.OpOverload | None:
     return next((p.target for p in providers_for("sample") if p.name == "triton"), None)
 
 
-def _sample_fused(logits, params, history, inputs: FusedInputs, num_logprobs, noise) -> SampleResult:
+def _sample_fused(
+    logits, params, history, inputs: FusedInputs, num_logprobs, noise, staging: HostStaging | None = None
+) -> PendingSample:
     logits = apply_penalties(logits.float(), params, history)
     outputs = _triton_sampler()(logits, *inputs.columns, noise, num_logprobs)
     tokens, chosen = outputs[:2]
-    token_list, chosen_list = torch.stack([tokens.double(), chosen.double()]).tolist()
+    pair = torch.stack([tokens.double(), chosen.double()])
+    if staging is None or num_logprobs:
+        result = _fused_result(logits, params, pair.tolist(), outputs, num_logprobs)
+        return PendingSample(tokens.long(), lambda: result)
+    host = staging.take(len(params))
+    host.copy_(pair, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def collect() -> SampleResult:
+        copied.synchronize()
+        return _fused_result(logits, params, host.tolist(), outputs, 0)
+
+    return PendingSample(tokens.long(), collect)
+
+
+def _fused_result(logits, params, pair: list[list[float]], outputs, num_logprobs) -> SampleResult:
+    token_list, chosen_list = pair
     top: list[list[tuple[int, float]]] = [[] for _ in params]
     if num_logprobs:  # the kernel's sorted candidates give the top logprobs too
         ids, values, exact = (t.tolist() for t in outputs[2:])

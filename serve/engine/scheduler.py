@@ -9,6 +9,15 @@ Every step, `schedule()` decides which tokens each sequence feeds:
    prefix is reused (`PagePool.match_prefix`), the rest is prefilled in chunks.
 A step is a list of `Work` items (one per sequence) that the engine turns into a `StepBatch`.
 
+Overlapped scheduling: the engine plans and launches step N+1 before it reads step N's sampled tokens.
+A sequence whose token is still on the device (`in_flight`) is planned as if the host had it — its
+next step feeds that token (`Work.from_device`; the engine copies it on the device) — unless that
+token brings it to its length limit (then it ends when read, and nothing is planned). A stop token
+is only seen when read, so a stopped sequence may have one more step launched, whose result the
+engine drops. A preempted sequence with a token in flight waits until the host has it. What may be
+published is what collected steps wrote (`settled`, `publish`), never a position whose token the
+host has not read: a preemption (`epoch`) voids the work planned before it.
+
 With attention data parallelism (an artifact's `parallel.dp_attention` = D > 1) the engine uses a
 `DataParallelScheduler`: one `Scheduler` and one page pool (and prefix cache) per DP rank, since each
 rank's KV cache holds only its own requests. A new request goes to the rank with the fewest requests
@@ -54,10 +63,19 @@ class Sequence:
     finished: bool = False
     score_prompt: bool = False  # every prompt position's logits are wanted (cleared once they are in)
     dp_rank: int = 0  # the attention-DP rank whose KV cache holds it (DataParallelScheduler)
+    limit: int = 1 << 62  # len(tokens) at which it ends by length (prompt + max_tokens, or max_model_len)
+    in_flight: int = 0  # tokens sampled by a launched step that the host has not read yet
+    settled: int = 0  # tokens whose KV was written by steps the engine collected (what may be published)
+    epoch: int = 0  # counts preemptions: work planned before one no longer describes its KV
 
     @property
     def pending(self) -> int:
-        return len(self.tokens) - self.computed
+        return len(self.tokens) + self.in_flight - self.computed
+
+    @property
+    def known(self) -> int:
+        """Tokens the host has, plus the in-flight ones (what the next step may feed)."""
+        return len(self.tokens) + self.in_flight
 
 
 @dataclass
@@ -67,6 +85,12 @@ class Work:
     count: int  # tokens fed this step
     wants_logits: bool  # the chunk reaches the end of the sequence: sample its next token
     all_logits: bool = False  # a prompt chunk of a `score_prompt` sequence: the logits of every row
+    from_device: bool = False  # its last fed token is the in-flight one: the engine feeds it on the device
+    epoch: int = 0  # the sequence's epoch when planned
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
 
 
 class Scheduler:
@@ -99,14 +123,27 @@ class Scheduler:
                 return seq
         return None
 
-    def advance(self, work: list[Work]) -> None:
-        """After a step ran: the tokens each item fed are in the KV cache."""
+    def advance(self, work: list[Work], sampling: list[Sequence] = ()) -> None:
+        """After a step was launched: the tokens each item fed are (being) written into the KV cache, and
+        each sequence in `sampling` has one token drawn on the device that the host reads later."""
         for w in work:
-            w.seq.computed = w.start + w.count
+            w.seq.computed = w.end
+        for seq in sampling:
+            seq.in_flight += 1
 
-    def append_token(self, seq: Sequence, token: int) -> None:
-        """A sampled token joins the sequence (the next step feeds it)."""
-        seq.tokens.append(token)
+    def settle(self, work: list[Work]) -> None:
+        """After a launched step's results were collected: the KV it wrote is final (publishable) for
+        the sequences not preempted since."""
+        for w in work:
+            if w.epoch == w.seq.epoch:
+                w.seq.settled = max(w.seq.settled, w.end)
+
+    def append_token(self, seq: Sequence, token: int | None) -> None:
+        """The host read a token drawn for the sequence: it joins it (the next step feeds it), or — None,
+        a stop token — it does not."""
+        seq.in_flight = max(0, seq.in_flight - 1)
+        if token is not None:
+            seq.tokens.append(token)
 
     def stop_scoring(self, seq: Sequence) -> None:
         """Every prompt position's logits are in: later chunks ask for their last row only, and a
@@ -114,10 +151,11 @@ class Scheduler:
         seq.score_prompt = False
 
     def publish(self, work: list[Work]) -> None:
-        """After a step succeeded: the full pages its unfinished sequences computed become matchable."""
+        """After a step's results were collected: the full pages its unfinished, not preempted sequences
+        wrote become matchable (never a page with a position whose token the host does not have)."""
         for w in work:
-            if not w.seq.finished:
-                self._publish(w.seq)
+            if not w.seq.finished and w.epoch == w.seq.epoch:
+                self.pool.publish(w.seq.tokens, w.seq.pages, min(w.end, len(w.seq.tokens)), w.seq.page_keys)
 
     def finish(self, seq: Sequence) -> None:
         """The sequence is done: its computed full pages are published (a later request with the same
@@ -131,11 +169,13 @@ class Scheduler:
         return self.pool.reset_prefix_cache()
 
     def _publish(self, seq: Sequence) -> None:
-        self.pool.publish(seq.tokens, seq.pages, seq.computed, seq.page_keys)
+        self.pool.publish(seq.tokens, seq.pages, min(seq.settled, len(seq.tokens)), seq.page_keys)
 
     def _free(self, seq: Sequence) -> None:
         self.pool.release(seq.pages)
         seq.pages = []
+        seq.settled = 0
+        seq.epoch += 1
 
     def _grow(self, seq: Sequence, upto: int) -> bool:
         missing = -(-upto // self.pool.page_size) - len(seq.pages)
@@ -160,7 +200,21 @@ class Scheduler:
 
     def _work(self, seq: Sequence, count: int) -> Work:
         end = seq.computed + count
-        return Work(seq, seq.computed, count, end == len(seq.tokens), self._scoring(seq))
+        return Work(
+            seq,
+            seq.computed,
+            count,
+            end == seq.known,
+            self._scoring(seq),
+            from_device=seq.in_flight > 0 and end == seq.known,
+            epoch=seq.epoch,
+        )
+
+    @staticmethod
+    def _ending(seq: Sequence) -> bool:
+        """Its in-flight token brings it to its length limit: it ends when the host reads it, so no
+        step is planned for it (under overlap the host does not wait to know that)."""
+        return seq.in_flight > 0 and seq.known >= seq.limit
 
     def schedule(self) -> list[Work]:
         budget = self.max_num_batched_tokens
@@ -169,7 +223,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted by an earlier sequence this step
+            if seq not in self.running or self._ending(seq):  # preempted by an earlier one this step
                 continue
             count = min(seq.pending, budget, logit_rows if self._scoring(seq) else budget)
             if count == 0:  # scoring rows of this step used up: the next step continues it
@@ -187,6 +241,8 @@ class Scheduler:
             logit_rows -= count if work[-1].all_logits else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.in_flight:  # preempted with a token in flight: it waits until the host has it
+                break
             if not seq.pages:
                 seq.pages = [] if self._scoring(seq) else self.pool.match_prefix(seq.tokens)
                 seq.computed = len(seq.pages) * self.pool.page_size
@@ -261,11 +317,17 @@ class DataParallelScheduler:
                 return seq
         return None
 
-    def advance(self, work: list[Work]) -> None:
+    def advance(self, work: list[Work], sampling: list[Sequence] = ()) -> None:
         for w in work:
             self.ranks[w.seq.dp_rank].advance([w])
+        for seq in sampling:
+            self.ranks[seq.dp_rank].advance([], [seq])
 
-    def append_token(self, seq: Sequence, token: int) -> None:
+    def settle(self, work: list[Work]) -> None:
+        for w in work:
+            self.ranks[w.seq.dp_rank].settle([w])
+
+    def append_token(self, seq: Sequence, token: int | None) -> None:
         self.ranks[seq.dp_rank].append_token(seq, token)
 
     def stop_scoring(self, seq: Sequence) -> None:

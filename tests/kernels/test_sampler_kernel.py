@@ -152,7 +152,7 @@ def test_serving_sampler_through_the_kernels_equals_the_reference_with_logprobs(
     history = [History([5, 6], [7]), History([], [9, 9]), History([1], []), History([], [])]
     noise = torch.rand(rows, vocab)
     inputs = fused_inputs(params, [0] * rows, logits.device)
-    ours = _sample_fused(logits, params, history, inputs, 4, noise)
+    ours = _sample_fused(logits, params, history, inputs, 4, noise).result()
     ref = sample_reference(logits, params, history, [None] * rows, 4, noise)
     assert ours.tokens == ref.tokens
     torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)

@@ -125,19 +125,23 @@ def test_a_prompt_scoring_sequence_skips_the_prefix_cache_and_bounds_its_rows(mo
 
 
 def test_the_scheduler_records_what_a_step_did():
-    """advance → the fed tokens are computed; append_token → the next step feeds the sampled token;
-    stop_scoring → chunks ask for their last row only; publish → the step's full pages are matchable;
-    finish → the rest published, then every page released."""
+    """advance → the fed tokens are computed; settle → a collected step's KV may be published;
+    append_token → the next step feeds the sampled token; stop_scoring → chunks ask for their last row
+    only; publish → the step's full pages are matchable; finish → the rest published, then every page
+    released."""
     pool = PagePool(16, page_size=4)
     sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
     seq = Sequence("a", list(range(1, 8)), 7, score_prompt=True)
     sched.add(seq)
     work = sched.schedule()
     assert [(w.start, w.count, w.all_logits) for w in work] == [(0, 7, True)]
-    sched.advance(work)
+    sched.advance(work, [seq])
+    assert seq.in_flight == 1 and seq.settled == 0
+    sched.settle(work)
     sched.stop_scoring(seq)
     sched.append_token(seq, 42)
     sched.publish(work)
+    assert seq.in_flight == 0 and seq.settled == 7
     assert seq.computed == 7 and seq.tokens == [*range(1, 8), 42] and not seq.score_prompt
     later = [*range(1, 8), 42, 0]  # a later request with this sequence's tokens as its prefix
     pool.release(hit := pool.match_prefix(later))
@@ -145,6 +149,7 @@ def test_the_scheduler_records_what_a_step_did():
     work = sched.schedule()
     assert [(w.start, w.count, w.wants_logits, w.all_logits) for w in work] == [(7, 1, True, False)]
     sched.advance(work)
+    sched.settle(work)
     pages = list(seq.pages)
     sched.finish(seq)
     assert seq.finished and not sched.has_work and pool.num_free == pool.usable

@@ -268,7 +268,7 @@ def _fused(logits, params, history, num_logprobs=0, noise=None):
     import hy3c.serve.engine.sampler as sampler_mod
 
     inputs = sampler_mod.fused_inputs(params, [11 + r for r in range(len(params))], logits.device)
-    return sampler_mod._sample_fused(logits, params, history, inputs, num_logprobs, noise)
+    return sampler_mod._sample_fused(logits, params, history, inputs, num_logprobs, noise).result()
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-300, 1e-6, 5e-324])

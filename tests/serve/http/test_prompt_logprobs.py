@@ -190,13 +190,13 @@ def test_prompt_rows_per_step_are_bounded_and_a_preempted_scoring_resumes(
     outs = []
     request = GenerationRequest("a", ids, SamplingParams(temperature=0.0), max_tokens=2, prompt_logprobs=1)
     engine._admit(request, outs.append)
-    engine._step()
-    engine._step()
+    engine._iterate()
+    engine._iterate()
     seq = engine.scheduler.running[0]
     assert seq.computed == 14 and seq.score_prompt
     engine.scheduler._preempt(seq)  # what running out of pages does: KV freed, recomputed from 0
-    while engine.scheduler.has_work:
-        engine._step()
+    while engine._iterate():
+        pass
     assert max(rows) <= 7 and len(rows) > len(ids) // 7
     scored = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
     assert [t for t, _, _, _ in scored] == ids[1:]

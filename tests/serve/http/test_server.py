@@ -458,8 +458,8 @@ def test_a_steps_outputs_reach_a_shared_sink_in_one_call(artifact):
     engine._admit(
         GenerationRequest("d", [5, 6, 7], params, max_tokens=3), lambda out: plain.append(out.request_id)
     )
-    while engine.scheduler.has_work:
-        engine._step()
+    while engine._iterate():
+        pass
     assert calls and all(sorted(step) == ["a", "b", "c"] for step in calls)
     assert len(calls) == 3 and plain == ["d"] * 3
 
@@ -493,8 +493,8 @@ def test_a_failing_row_does_not_swallow_the_outputs_of_rows_done_before_it(artif
         raise RuntimeError("detokenizer failure")
 
     engine._live["b"].detok.push = broken_push
-    while engine.scheduler.has_work:
-        engine._step()
+    while engine._iterate():
+        pass
     assert [(o.finished, o.finish_reason) for o in got["a"]] == [(True, "length")]
     assert got["b"][-1].finished and got["b"][-1].finish_reason == "error"
 

@@ -1,0 +1,153 @@
+"""Overlapped scheduling: the engine plans and launches step N+1 before it reads step N's tokens. Its
+outputs must equal those of the engine that reads every step at once (`async_scheduling=False`), with
+greedy and seeded sampling, stop tokens and strings, preemptions forced by a small page pool, aborts
+and prefix-cache hits — and leave no page held."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hy3c.checkpoint.loader import load_model
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
+from hy3c.serve.engine.core import Engine, EngineConfig, GenerationRequest, StepOutput
+from hy3c.serve.engine.sampler import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return load_model(tiny_ckpt, dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_ckpt):
+    return Hy3Tokenizer.from_dir(tiny_ckpt)
+
+
+def _engine(model, tokenizer, overlap: bool, num_pages: int = 64) -> Engine:
+    config = EngineConfig(
+        num_pages=num_pages,
+        page_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=48,
+        max_model_len=96,
+        async_scheduling=overlap,
+    )
+    return Engine(model, tokenizer, config)
+
+
+def _requests(stop_token: int | None = None, penalties: bool = True) -> list[GenerationRequest]:
+    """Greedy, seeded and (with `penalties`) penalised requests of different lengths (one stopped by
+    a token id when `stop_token` is given, one by a string)."""
+    prompts = [[5 + i, 17, 33 + 2 * i, 9, 41][: 2 + i % 4] * (1 + i % 3) for i in range(6)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, seed=7),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=20, seed=3),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4, seed=5)
+        if penalties
+        else SamplingParams(temperature=0.7, seed=5),
+        SamplingParams(temperature=0.0),
+    ]
+    requests = [
+        GenerationRequest(f"r{i}", prompt, p, max_tokens=12 + 3 * i, ignore_eos=True)
+        for i, (prompt, p) in enumerate(zip(prompts, params))
+    ]
+    if stop_token is not None:
+        requests[2].stop_token_ids = [stop_token]
+    requests[5].stop = ["e"]
+    return requests
+
+
+def _run(engine: Engine, requests: list[GenerationRequest], abort: str | None = None) -> dict[str, list]:
+    """Run the requests to their end (aborting `abort` after three turns of the loop); each request's
+    tokens, text and finish reason. Records whether a step fed a token still on the device."""
+    outputs: dict[str, list[StepOutput]] = {r.request_id: [] for r in requests}
+    for request in requests:
+        engine.submit(request, outputs[request.request_id].append)
+    schedule = engine.scheduler.schedule
+    engine.fed_from_device = 0
+
+    def recording():
+        work = schedule()
+        engine.fed_from_device += sum(w.from_device for w in work)
+        return work
+
+    engine.scheduler.schedule = recording
+    turns = 0
+    while engine._iterate():
+        turns += 1
+        if turns == 3 and abort is not None:
+            engine.abort(abort)
+    assert engine.pool.num_free == engine.pool.usable, "pages leaked"
+    assert not engine._live and engine._in_flight is None
+    return {
+        rid: (
+            [t for o in outs for t in o.token_ids],
+            "".join(o.text for o in outs),
+            outs[-1].finish_reason,
+            outs[-1].cached_tokens,
+        )
+        for rid, outs in outputs.items()
+    }
+
+
+@pytest.mark.parametrize("penalties", [False, True])
+def test_overlap_gives_the_outputs_of_the_step_by_step_engine(model, tokenizer, penalties):
+    """Greedy and seeded requests, a stop token met mid-way and a stop string: the same tokens, text
+    and finish reasons with overlap on and off; with it on, steps really were fed tokens still on the
+    device — unless a request samples with penalties over its output, whose next draw needs the
+    tokens on the host (then each step is read before the next is planned)."""
+    first = _run(_engine(model, tokenizer, overlap=False), _requests(penalties=penalties))
+    stop_token = first["r2"][0][4]  # r2's fifth greedy token: it stops there when asked to
+    sync_engine, overlap_engine = (_engine(model, tokenizer, o) for o in (False, True))
+    sync = _run(sync_engine, _requests(stop_token, penalties))
+    overlapped = _run(overlap_engine, _requests(stop_token, penalties))
+    assert overlapped == sync
+    assert sync["r2"][2] == "stop" and len(sync["r2"][0]) == first["r2"][0].index(stop_token)
+    assert sync_engine.fed_from_device == 0
+    assert (overlap_engine.fed_from_device > 0) == (not penalties)
+
+
+def test_overlap_survives_preemption_and_aborts(model, tokenizer):
+    """A page pool too small for every request preempts some (a sequence with a token in flight
+    among them) and an abort lands mid-way: overlap on and off agree, and no page is left held."""
+    results = {}
+    whole = _run(_engine(model, tokenizer, False), _requests(penalties=False))["r3"][0]
+    for overlap in (False, True):
+        engine = _engine(model, tokenizer, overlap, num_pages=24)
+        results[overlap] = _run(engine, _requests(penalties=False), abort="r3")
+        assert engine.scheduler.num_preemptions > 0
+    aborted = {overlap: out.pop("r3") for overlap, out in results.items()}
+    assert results[True] == results[False]
+    for tokens, _, reason, _ in aborted.values():  # how far it got depends on the loop's pace
+        assert reason == "abort" and tokens == whole[: len(tokens)]
+
+
+def test_pages_published_under_overlap_are_hit_by_a_later_request(model, tokenizer):
+    """A finished request's prompt and output pages are published only as far as the host has read
+    its tokens; a later request extending them hits the cache and continues as without overlap."""
+    results = {}
+    for overlap in (False, True):
+        engine = _engine(model, tokenizer, overlap)
+        first = GenerationRequest("first", [7, 3, 11, 19, 23, 5], SamplingParams(temperature=0.0), 14)
+        tokens = _run(engine, [first])["first"][0]
+        again = GenerationRequest("again", first.prompt_ids + tokens, SamplingParams(temperature=0.0), 6)
+        results[overlap] = _run(engine, [again])["again"]
+    assert results[True] == results[False]
+    assert results[True][3] == 16  # cached: the 4 full pages of the 20 tokens it had (19 + 1 computed)
+
+
+def test_a_stopped_request_gets_no_output_from_the_extra_step(model, tokenizer):
+    """Under overlap a request that meets its stop token has one more step launched before the host
+    reads the token; that step's row is dropped: nothing is emitted after the final output."""
+    greedy = SamplingParams(temperature=0.0)
+    probe = _run(_engine(model, tokenizer, False), [GenerationRequest("p", [5, 9, 13], greedy, 10)])
+    stop = probe["p"][0][2]
+    outputs: list[StepOutput] = []
+    engine = _engine(model, tokenizer, True)
+    engine.submit(GenerationRequest("p", [5, 9, 13], greedy, 10, stop_token_ids=[stop]), outputs.append)
+    engine.run_until_done()
+    assert [o.finished for o in outputs] == [False, False, True]
+    assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == stop
