@@ -173,9 +173,20 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="tokens per KV page (default: the artifact recipe's; a recipe's default, 64, for --model)",
     )
     p.add_argument("--show-ids", action="store_true", help="print the generated token ids too")
+    _add_engine_options(p)
     _add_rank_options(p)
     _add_checkpoint_options(p)
     p.set_defaults(func=_run_generate)
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The serving engine's flags that `generate` and `serve` share."""
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan and launch each step while the device runs the previous one (default: on)",
+    )
 
 
 def _add_rank_options(p: argparse.ArgumentParser) -> None:
@@ -283,7 +294,7 @@ def _run_generate(args: argparse.Namespace) -> None:
         for i, text in enumerate(texts)
     ]
     try:
-        results = generate(model, tokenizer, requests, serving, args.page_size)
+        results = generate(model, tokenizer, requests, serving, args.page_size, args.async_scheduling)
     finally:
         shutdown = getattr(model, "shutdown", None)  # an artifact's ranks: the workers stop
         if shutdown is not None:
@@ -491,6 +502,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="run the program through torch.compile (default: off; it specializes on each step's token count)",
     )
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    _add_engine_options(p)
     p.add_argument("--max-request-bytes", type=_positive_int, default=1 << 20)
     p.add_argument("--max-waiting", type=_positive_int, default=1024, help="waiting requests before 503")
     p.add_argument(
@@ -560,6 +572,7 @@ def _run_serve(args: argparse.Namespace) -> None:
             device=args.device,
             compile=args.compile,
             cuda_graphs=args.cuda_graphs,
+            async_scheduling=args.async_scheduling,
             max_request_bytes=args.max_request_bytes,
             max_waiting=args.max_waiting,
             shutdown_timeout=args.shutdown_timeout,

@@ -41,7 +41,10 @@ class Generation:
 
 
 def offline_config(
-    requests: list[GenerationRequest], serving: ServingSpec, page_size: int | None = None
+    requests: list[GenerationRequest],
+    serving: ServingSpec,
+    page_size: int | None = None,
+    async_scheduling: bool = True,
 ) -> EngineConfig:
     """An engine configuration whose KV cache holds all `requests` at once, with `serving`'s batch
     limits and page size (`page_size` overrides it)."""
@@ -53,6 +56,7 @@ def offline_config(
         max_num_seqs=serving.max_num_seqs,
         max_num_batched_tokens=serving.max_num_batched_tokens,
         max_model_len=max(lengths, default=1),
+        async_scheduling=async_scheduling,
     )
 
 
@@ -62,6 +66,7 @@ def generate(
     requests: list[GenerationRequest],
     serving: ServingSpec | None = None,
     page_size: int | None = None,
+    async_scheduling: bool = True,
 ) -> list[Generation]:
     """Run `requests` to their end through an engine over `model` (see the module docstring); their
     outputs in the order given. A request the engine fails is a RuntimeError naming it."""
@@ -72,7 +77,8 @@ def generate(
             raise ValueError(f"request {request.request_id}: the prompt has no tokens")
         if request.max_tokens < 1:
             raise ValueError(f"request {request.request_id}: max_tokens must be at least 1")
-    engine = Engine(model, tokenizer, offline_config(requests, serving or ServingSpec(), page_size))
+    config = offline_config(requests, serving or ServingSpec(), page_size, async_scheduling)
+    engine = Engine(model, tokenizer, config)
     results = [Generation(r.request_id) for r in requests]
     for request, result in zip(requests, results):
         engine.submit(request, result.add)

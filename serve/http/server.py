@@ -51,6 +51,7 @@ class ServeOptions:
     device: str | None = None
     compile: bool = False
     cuda_graphs: bool = True
+    async_scheduling: bool = True  # plan and launch step N+1 while the device runs step N
     max_request_bytes: int = 1 << 20
     max_waiting: int = 1024
     shutdown_timeout: float = 30.0
@@ -189,6 +190,7 @@ def _engine_over(
             else options.max_num_batched_tokens
         ),
         max_model_len=max_model_len,
+        async_scheduling=options.async_scheduling,
     )
     metrics = EngineMetrics(max_model_len)
     metrics.describe_cache(page_size, num_pages, str(runner.kv_dtype).removeprefix("torch."))

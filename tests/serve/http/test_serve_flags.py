@@ -82,3 +82,17 @@ def test_max_model_len_beyond_the_models_positions_is_refused_before_loading(tin
     status, err, torch_imported = _serve_in_a_process(*args)
     assert status == 2 and not torch_imported
     assert err == ["error: --max-model-len 100000000 exceeds the model's max_position_embeddings (4096)"]
+
+
+def test_async_scheduling_is_on_unless_turned_off(tiny_artifact):
+    """`--no-async-scheduling` reaches the engine (serve and generate); the default is on."""
+    from hy3c.serve.http.server import build_engine
+
+    parser = build_parser()
+    for command in ("serve", "generate"):
+        base = ["serve", "ART"] if command == "serve" else ["generate", "--model", "M", "--prompt", "x"]
+        assert parser.parse_args(base).async_scheduling is True
+        assert parser.parse_args([*base, "--no-async-scheduling"]).async_scheduling is False
+    for overlap in (True, False):
+        options = ServeOptions(tiny_artifact, kv_memory_gib=0.02, async_scheduling=overlap)
+        assert build_engine(options)[0].config.async_scheduling is overlap
