@@ -11,7 +11,17 @@ import numpy as np
 import pytest
 
 from hy3c.cli import main
-from hy3c.serve.http.bench_client import DETAILED_KEYS, BenchConfig, RequestResult, arrival_times, summarize
+from hy3c.serve.engine.metrics import EngineMetrics
+from hy3c.serve.http.bench_client import (
+    DETAILED_KEYS,
+    BenchConfig,
+    RequestResult,
+    arrival_times,
+    engine_report,
+    format_report,
+    parse_engine_totals,
+    summarize,
+)
 from hy3c.serve.http.demo import BackgroundServer
 from hy3c.serve.http.server import ServeOptions
 
@@ -213,3 +223,72 @@ def test_bad_flags_are_one_line_errors(flags, message, capsys, tmp_path):
         status = exc.code
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def _metrics_text(steps: int, drafts: int, drafted: int, accepted: int, per_pos: list[int]) -> str:
+    """A hy3c /metrics text (as prometheus_client renders it) with the step histogram and the spec-decode counters at these totals."""
+    lines = [
+        "# TYPE hy3c:engine_step_seconds histogram",
+        f'hy3c:engine_step_seconds_bucket{{le="+Inf",model_name="art"}} {steps}',
+        f'hy3c:engine_step_seconds_count{{model_name="art"}} {steps}',
+        f'hy3c:engine_step_seconds_sum{{model_name="art"}} {steps * 0.02}',
+    ]
+    if drafts:
+        for name, value in (
+            ("num_drafts", drafts),
+            ("num_draft_tokens", drafted),
+            ("num_accepted_tokens", accepted),
+        ):
+            lines += [
+                f"# TYPE hy3c:spec_decode_{name}_total counter",
+                f'hy3c:spec_decode_{name}_total{{model_name="art"}} {value}',
+            ]
+        lines.append("# TYPE hy3c:spec_decode_num_accepted_tokens_per_pos_total counter")
+        lines += [
+            f'hy3c:spec_decode_num_accepted_tokens_per_pos_total{{model_name="art",position="{j}"}} {v}'
+            for j, v in enumerate(per_pos)
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def test_spec_decode_acceptance_from_metrics_before_and_after():
+    """Counter changes over the run: 40 drafts of 3 tokens, 66 accepted (30, 22, 14 at positions 0..2)
+    → 55 % accepted, mean acceptance length 1 + 66/40, per position 30/40, 22/40, 14/40; the printed
+    report gets its section. A server that did not draft during the run reports none of it."""
+    before = parse_engine_totals(_metrics_text(10, 10, 30, 12, [6, 4, 2]))
+    after = parse_engine_totals(_metrics_text(60, 50, 150, 78, [36, 26, 16]))
+    report = engine_report(before, after)
+    assert report["engine_steps"] == 50
+    assert report["spec_decode_num_drafts"] == 40 and report["spec_decode_draft_tokens"] == 120
+    assert report["spec_decode_accepted_tokens"] == 66
+    assert report["spec_decode_acceptance_rate"] == pytest.approx(55.0)
+    assert report["spec_decode_acceptance_length"] == pytest.approx(1 + 66 / 40)
+    assert report["spec_decode_per_position_acceptance_rates"] == pytest.approx([0.75, 0.55, 0.35])
+    results = [RequestResult(prompt_len=4, success=True, ttft=0.1, itl=[0.01], latency=0.2, output_tokens=2)]
+    config = BenchConfig()
+    text = format_report({**summarize(results, 1.0, config), **report}, config)
+    assert "Speculative Decoding" in text and "Acceptance length:" in text and "Position 2:" in text
+    idle = parse_engine_totals(_metrics_text(60, 50, 150, 78, [36, 26, 16]))
+    assert not any(key.startswith("spec_decode") for key in engine_report(after, idle))
+    plain = engine_report(parse_engine_totals(_metrics_text(1, 0, 0, 0, [])), after)
+    assert plain["spec_decode_num_drafts"] == 50  # counters that appear during the run count from zero
+    without = engine_report(
+        parse_engine_totals(_metrics_text(1, 0, 0, 0, [])), parse_engine_totals(_metrics_text(5, 0, 0, 0, []))
+    )
+    assert without["engine_steps"] == 4 and "Speculative" not in format_report(
+        {**summarize(results, 1.0, config), **without}, config
+    )
+
+
+def test_spec_decode_report_reads_what_the_engine_metrics_render():
+    """The names bench serve scrapes are those EngineMetrics renders (a round trip through the text)."""
+    metrics = EngineMetrics()
+    metrics.step(0.01, 0.001, 4, 0)
+    before = parse_engine_totals(metrics.render("art"))
+    metrics.step(0.01, 0.001, 4, 0)
+    metrics.speculated([2, 2, 2], [2, 1, 0])
+    report = engine_report(before, parse_engine_totals(metrics.render("art")))
+    assert report["spec_decode_num_drafts"] == 3 and report["spec_decode_draft_tokens"] == 6
+    assert report["spec_decode_acceptance_rate"] == pytest.approx(50.0)
+    assert report["spec_decode_acceptance_length"] == pytest.approx(2.0)
+    assert report["spec_decode_per_position_acceptance_rates"] == pytest.approx([2 / 3, 1 / 3])
