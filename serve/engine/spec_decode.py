@@ -125,11 +125,13 @@ class ForcedAcceptance:
             raise ValueError(f"forced_acceptance: must be a number in [0, 1] (got {alpha!r})")
         self.alpha, self.seed = float(alpha), seed
         self._generator: torch.Generator | None = None
+        self._device: torch.device | None = None
 
     def accepts(self, count: int, device: torch.device) -> Tensor:
         """The next `count` positions' decisions (bool [count] on `device`)."""
-        if self._generator is None or self._generator.device != device:
+        if self._generator is None or self._device != device:  # one stream per device, seeded once
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._device = device
         return torch.rand(count, generator=self._generator, device=device) < self.alpha
 
 

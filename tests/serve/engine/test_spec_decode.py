@@ -313,3 +313,43 @@ def test_speculated_counts_drafts_accepted_tokens_and_positions():
     text = metrics.render("art")
     assert 'hy3c:spec_decode_num_accepted_tokens_per_pos_total{model_name="art",position="2"} 1.0' in text
     assert "# TYPE hy3c:spec_decode_num_drafts_total counter" in text
+
+
+# ---- on the GPU -----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_on_cuda_draft_and_verify_never_wait_for_the_device_and_match_the_host():
+    """Without penalties, drafting and verifying make no synchronizing CUDA call (sync debug mode
+    "error"); greedy and forced results equal what the rule gives on the host; sampled requests' first
+    token follows the target's distribution with the engine's host generators."""
+    vocab, k, n = 8, 3, 9000
+    torch.manual_seed(0)
+    base, drafting = torch.randn(k + 1, vocab), torch.randn(k, vocab)
+    params = SamplingParams(temperature=0.9, top_k=5, top_p=0.95)
+    mixed = [GREEDY if i % 3 == 0 else params for i in range(n)]
+    generators = [torch.Generator().manual_seed(i) for i in range(n)]
+    target = base.repeat(n, 1).cuda()
+    drafting = drafting.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        positions = [draft(drafting[j].expand(n, vocab), mixed, generators) for j in range(k)]
+        drafts = gather_drafts(positions, [k] * n)
+        result = verify(
+            target, [k] * n, drafts.tokens, drafts.probs, mixed, histories(n), generators, num_logprobs=2
+        )
+        forced = verify(
+            target, [k] * n, drafts.tokens, None, mixed, histories(n), generators, ForcedAcceptance(0.5, 1)
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert result.tokens.is_cuda and result.counts.is_cuda and result.top_ids.is_cuda
+    greedy = torch.arange(n) % 3 == 0
+    host = verify(
+        base.repeat(n, 1), [k] * n, drafts.tokens.cpu(), None, [GREEDY] * n, histories(n), [None] * n
+    )
+    assert torch.equal(result.tokens.cpu()[greedy], host.tokens[greedy])
+    argmax = base.argmax(-1).repeat(n, 1)
+    emitted = torch.arange(k + 1)[None, :] <= forced.counts.cpu()[:, None]
+    assert torch.equal(forced.tokens.cpu(), torch.where(emitted, argmax, -1))
+    statistic, dof = chi_square(result.tokens.cpu()[~greedy, 0], target_distribution(base[0], params))
+    assert statistic < CHI2_999[dof]
