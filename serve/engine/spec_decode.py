@@ -205,9 +205,12 @@ def _inverse_cdf(weights: Tensor, uniforms: Tensor) -> Tensor:
 
 
 def _uniforms(
-    counts: list[int], params: list[SamplingParams], generators: list[torch.Generator | None], width: int,
+    counts: list[int],
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    width: int,
     device: torch.device,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """[R, width] uniforms: a sampled row's `counts[i]` draws from its generator, the first counts[i] − 1
     in columns 0.., the last in column width − 1; greedy rows draw nothing (zeros). Host generators (the
     engine's) give one upload; a device generator's draws stay on its device."""
@@ -289,13 +292,20 @@ class Verified:
     columns 0..counts[i] (its accepted drafts, then the correction or bonus), −1 after; `counts` int64
     [R], the accepted drafts a_i. With logprobs asked: `logprobs` fp32 [R, K+1] of each emitted token
     under its row's processed target distribution (0 in padding), and with top-n also `top_ids` int64
-    and `top_logprobs` fp32 [R, K+1, n]."""
+    and `top_logprobs` fp32 [R, K+1, n]. `last_rows` int64 [R]: the target row that gave each request's
+    last emitted token (start + a_i: where the next drafting pass reads its hidden state)."""
 
     tokens: Tensor
     counts: Tensor
+    last_rows: Tensor
     logprobs: Tensor | None = None
     top_ids: Tensor | None = None
     top_logprobs: Tensor | None = None
+
+    @property
+    def last_tokens(self) -> Tensor:
+        """Each request's last emitted token (int64 [R], on the device): the next step's first fed token."""
+        return self.tokens.gather(1, self.counts[:, None])[:, 0]
 
     def to_host(self) -> tuple[list[int], list[list[int]]]:
         """(accepted counts, each request's emitted tokens) in one device→host copy."""
@@ -377,7 +387,7 @@ def verify(
     device = target_logits.device
     if not num_drafts:
         empty = torch.empty(0, 1, dtype=torch.long, device=device)
-        return Verified(empty, empty[:, 0])
+        return Verified(empty, empty[:, 0], empty[:, 0])
     requests, width = len(num_drafts), max(num_drafts, default=0) + 1
     tables, row_params, start, draft_start = [], [], 0, 0
     for k, p in zip(num_drafts, params):
@@ -434,7 +444,7 @@ def verify(
         accepted_part,
         torch.where(position == counts[:, None], final[:, None], -1),
     )
-    out = Verified(tokens, counts)
+    out = Verified(tokens, counts, final_row)
     if num_logprobs is not None:
         emitted = position <= counts[:, None]
         chosen = logprobs[rows, tokens.clamp(min=0)]
