@@ -2,7 +2,9 @@
 
 A step holds any mix of requests; each contributes a `SeqChunk`: its new tokens, the position of the
 first one (= tokens already in the KV cache) and the pages that cover every position up to the last new
-token. `build_step_batch` turns the chunks into the tensors `Hy3ForCausalLM.forward` takes.
+token. `build_step_batch` turns the chunks into the tensors `Hy3ForCausalLM.forward` takes;
+`token_inputs` is its part that does not depend on the page table, which the serving engine's
+persistent builder (`hy3c.serve.engine.step_inputs`) shares.
 """
 
 from __future__ import annotations
@@ -51,16 +53,28 @@ class StepBatch:
         )
 
 
-def build_step_batch(chunks: list[SeqChunk], page_size: int, device: torch.device | str = "cpu") -> StepBatch:
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    logits_rows: list[int] = []
-    owners: list[int] = []
-    starts = [0]
-    seq_lens = []
-    max_pages = max((len(c.pages) for c in chunks), default=1) or 1
-    table: list[int] = []
+@dataclass
+class TokenInputs:
+    """A step's inputs other than the page table, as host lists: per fed token its id, position and KV
+    slot; the logits rows and the request each belongs to; per request its query start (plus the end)
+    and sequence length. Building them costs O(tokens fed + pages those tokens touch)."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+
+
+VECTOR_TOKENS = 64  # chunks at least this long get their positions and slots from numpy (a prefill)
+
+
+def token_inputs(chunks: list[SeqChunk], page_size: int) -> TokenInputs:
+    """The `TokenInputs` of the chunks; a chunk whose pages cannot hold its tokens is a ValueError
+    naming the request's index."""
+    out = TokenInputs()
     for r, chunk in enumerate(chunks):
         end = chunk.start + len(chunk.tokens)
         needed = -(-end // page_size)
@@ -68,35 +82,63 @@ def build_step_batch(chunks: list[SeqChunk], page_size: int, device: torch.devic
             raise ValueError(
                 f"request {r}: {len(chunk.pages)} pages cannot hold {end} tokens (page size {page_size})"
             )
-        first_row = len(ids)
-        ids.extend(chunk.tokens)
-        for pos in range(chunk.start, end):
-            positions.append(pos)
-            slots.append(chunk.pages[pos // page_size] * page_size + pos % page_size)
+        first_row = len(out.ids)
+        out.ids.extend(chunk.tokens)
+        if len(chunk.tokens) >= VECTOR_TOKENS:
+            positions = np.arange(chunk.start, end, dtype=np.int64)
+            first_page = chunk.start // page_size
+            pages = np.asarray(chunk.pages[first_page:needed], dtype=np.int64)
+            out.positions.extend(positions.tolist())
+            out.slots.extend(
+                (pages[positions // page_size - first_page] * page_size + positions % page_size).tolist()
+            )
+        else:
+            for pos in range(chunk.start, end):
+                out.positions.append(pos)
+                out.slots.append(chunk.pages[pos // page_size] * page_size + pos % page_size)
         if chunk.logits == "all":
-            rows = list(range(first_row, len(ids)))
+            rows = list(range(first_row, len(out.ids)))
         elif chunk.logits == "last" and chunk.tokens:
-            rows = [len(ids) - 1]
+            rows = [len(out.ids) - 1]
         else:
             rows = []
-        logits_rows.extend(rows)
-        owners.extend([r] * len(rows))
-        starts.append(len(ids))
-        seq_lens.append(end)
+        out.logits_rows.extend(rows)
+        out.owners.extend([r] * len(rows))
+        out.starts.append(len(out.ids))
+        out.seq_lens.append(end)
+    return out
+
+
+def build_step_batch(chunks: list[SeqChunk], page_size: int, device: torch.device | str = "cpu") -> StepBatch:
+    """The step's batch, its page table rebuilt from every chunk's pages: O(context) host work per step.
+    The serving engine keeps its page table on the device instead (`hy3c.serve.engine.step_inputs`);
+    this stays for one-off steps (tests, references, offline checks)."""
+    inputs = token_inputs(chunks, page_size)
+    max_pages = max((len(c.pages) for c in chunks), default=1) or 1
+    table: list[int] = []
+    for chunk in chunks:
         table.extend(chunk.pages)
         table.extend([0] * (max_pages - len(chunk.pages)))
-
     return _packed_batch(
-        ids, positions, slots, logits_rows, table, max_pages, seq_lens, starts, owners, device
+        inputs.ids,
+        inputs.positions,
+        inputs.slots,
+        inputs.logits_rows,
+        table,
+        max_pages,
+        inputs.seq_lens,
+        inputs.starts,
+        inputs.owners,
+        device,
     )
 
 
-def _aligned(n: int, elements: int) -> int:
+def aligned(n: int, elements: int) -> int:
     """n rounded up to a multiple of `elements` (so the next segment starts 16-byte aligned)."""
     return -(-n // elements) * elements
 
 
-def _host_tensor(values: list[int], dtype: type) -> Tensor:
+def host_tensor(values: list[int], dtype: type) -> Tensor:
     """A CPU tensor of Python ints through numpy: 3-4x faster than torch.tensor on a list."""
     return torch.from_numpy(np.array(values, dtype=dtype))
 
@@ -117,11 +159,11 @@ def _packed_batch(
     table | sequence lengths | query starts), so reaching the device costs two copies, not seven. Each
     segment starts 16-byte aligned (Triton compiles one kernel variant per pointer alignment class)."""
     t, b, cells = len(ids), len(seq_lens), len(table)
-    gap = [0] * (_aligned(t, 2) - t)
-    wide = _host_tensor([*ids, *gap, *positions, *gap, *slots, *gap, *logits_rows], np.int64)
-    lens_at = _aligned(cells, 4)
-    starts_at = lens_at + _aligned(b, 4)
-    narrow = _host_tensor(
+    gap = [0] * (aligned(t, 2) - t)
+    wide = host_tensor([*ids, *gap, *positions, *gap, *slots, *gap, *logits_rows], np.int64)
+    lens_at = aligned(cells, 4)
+    starts_at = lens_at + aligned(b, 4)
+    narrow = host_tensor(
         [*table, *[0] * (lens_at - cells), *seq_lens, *[0] * (starts_at - lens_at - b), *starts], np.int32
     )
     wide, narrow = wide.to(device), narrow.to(device)

@@ -6,6 +6,14 @@ later request with the same prefix reuses it. Pages are reference counted; a pag
 is published stays matchable in an LRU list until its memory is needed (then it is evicted); an
 unpublished free page goes straight back to the free list. Page 0 is reserved as the scratch page that
 padded CUDA-graph rows read, so it is never handed out.
+
+Publishing is incremental: a caller that keeps the cursor `publish` returns (the pages of the request
+already looked at) and hands it back as `since` visits only the pages that became full since — per
+decode step O(pages added), not O(context). A page passed over because its content is already
+published under another page (two requests with the same prompt) is remembered as that key's
+*understudy*: when the other page is evicted or dropped, the understudy is published in its place at
+once, as a walk from the first page on the request's next publish would have done. `pages_walked`
+counts the pages publish looked at, so tests can check per-step work without timing anything.
 """
 
 from __future__ import annotations
@@ -57,6 +65,10 @@ class PagePool:
         self.page_of: dict[bytes, int] = {}
         self._free = list(range(num_pages - 1, 0, -1))  # page 0: scratch
         self._cached_lru: OrderedDict[int, None] = OrderedDict()  # ref 0, published, evictable
+        # held, unpublished pages whose content is published under another page: key → pages, page → key
+        self._understudies: dict[bytes, list[int]] = {}
+        self._understudy_key: dict[int, bytes] = {}
+        self.pages_walked = 0  # pages `publish` looked at, in all (instrumentation: O(new pages) per step)
 
     # ---- accounting --------------------------------------------------------------------------------
     @property
@@ -91,19 +103,50 @@ class PagePool:
         return pages
 
     def publish(
-        self, tokens: Sequence[int], pages: Sequence[int], computed: int, keys: list[bytes] | None = None
-    ) -> None:
-        """Publish every full page of a request whose KV is computed (first `computed` tokens). `keys`, the
-        request's page keys computed so far, is extended in place (see `extend_page_keys`)."""
+        self,
+        tokens: Sequence[int],
+        pages: Sequence[int],
+        computed: int,
+        keys: list[bytes] | None = None,
+        since: int = 0,
+    ) -> int:
+        """Publish the full pages of a request whose KV is computed (its first `computed` tokens), from
+        page `since` on; returns the cursor to pass as `since` next time (pages before it were looked
+        at). `keys`, the request's page keys computed so far, is extended in place (`extend_page_keys`).
+        The cursor belongs to one list of pages: start again from 0 when the request's pages are
+        replaced (preempted and readmitted); `since` = len(pages) is right for pages `match_prefix`
+        returned (published already)."""
+        if not 0 <= since <= len(pages):
+            raise ValueError(f"publish: since ({since}) must be within the request's {len(pages)} pages")
         full = min(computed // self.page_size, len(pages))
+        if full <= since:
+            return since
         keys = extend_page_keys([] if keys is None else keys, tokens, self.page_size, self.namespace, full)
-        for page, key in zip(pages[:full], keys):
-            if page in self.key_of:
+        self.pages_walked += full - since
+        for i in range(since, full):
+            page, key = pages[i], keys[i]
+            if page in self.key_of or page in self._understudy_key:
                 continue
-            if key in self.page_of:  # the same content is already published under another page
+            if key in self.page_of:  # the same content is published under another page: understudy it
+                self._understudies.setdefault(key, []).append(page)
+                self._understudy_key[page] = key
                 continue
             self.key_of[page] = key
             self.page_of[key] = page
+        return full
+
+    def _unpublish(self, page: int) -> None:
+        """Forget a published page nobody holds; a held understudy of its content takes its key."""
+        key = self.key_of.pop(page)
+        del self.page_of[key]
+        understudies = self._understudies.pop(key, None)
+        if understudies:
+            heir = understudies.pop(0)
+            del self._understudy_key[heir]
+            self.key_of[heir] = key
+            self.page_of[key] = heir
+            if understudies:
+                self._understudies[key] = understudies
 
     # ---- allocation --------------------------------------------------------------------------------
     def _take(self, page: int) -> None:
@@ -120,7 +163,7 @@ class PagePool:
                 page = self._free.pop()
             else:  # evict the least recently used published page
                 page, _ = self._cached_lru.popitem(last=False)
-                del self.page_of[self.key_of.pop(page)]
+                self._unpublish(page)
             self.ref[page] = 1
             pages.append(page)
         return pages
@@ -136,13 +179,23 @@ class PagePool:
                 if page in self.key_of:
                     self._cached_lru[page] = None
                 else:
+                    self._drop_understudy(page)
                     self._free.append(page)
+
+    def _drop_understudy(self, page: int) -> None:
+        """A page nobody holds any more is nobody's understudy (it will be handed out for other content)."""
+        key = self._understudy_key.pop(page, None)
+        if key is not None:
+            understudies = self._understudies[key]
+            understudies.remove(page)
+            if not understudies:
+                del self._understudies[key]
 
     def reset_prefix_cache(self) -> int:
         """Forget every published page nobody uses; returns how many were dropped."""
         dropped = list(self._cached_lru)
-        for page in dropped:
-            del self.page_of[self.key_of.pop(page)]
-            self._free.append(page)
         self._cached_lru.clear()
+        for page in dropped:
+            self._unpublish(page)
+            self._free.append(page)
         return len(dropped)
