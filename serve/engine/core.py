@@ -56,6 +56,8 @@ from hy3c.serve.engine.sampler import (
     sample_async,
 )
 from hy3c.serve.engine.scheduler import DataParallelScheduler, Scheduler, Sequence, Work
+from hy3c.serve.engine.spec_decode import SpeculativeConfig
+from hy3c.serve.engine.speculation import Drafting, Speculator
 
 log = logging.getLogger("hy3c.engine")
 
@@ -82,6 +84,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     async_scheduling: bool = True  # plan and launch step N+1 before reading step N's tokens
+    speculative: SpeculativeConfig | None = None  # MTP speculative decoding (its steps are read at once)
 
 
 WARM_UP_TOKENS = (1, 15, 16, 127, 128, 1023, 1024)  # prefill lengths `Engine.warm_up` runs
@@ -192,8 +195,16 @@ class Engine:
             )
             usage = self.scheduler.usage
         else:
-            self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+            speculative = config.speculative is not None
+            self.scheduler = Scheduler(
+                self.pool, config.max_num_seqs, config.max_num_batched_tokens, speculative
+            )
             usage = self.pool.usage
+        self.speculator: Speculator | None = None
+        if config.speculative is not None:
+            if self.data_parallel > 1:
+                raise ValueError("--speculative-config: not supported with attention data parallelism yet")
+            self.speculator = Speculator(config.speculative, config.page_size)
         self.metrics.watch(lambda: len(self.scheduler.running), lambda: len(self.scheduler.waiting), usage)
         self.kv_cache = runner.allocate_kv_cache(config.num_pages, config.page_size)
         self.eos_ids = set(runner.config.eos_token_ids)
@@ -353,6 +364,7 @@ class Engine:
     def _abort(self, request_id: str, error: str | None = None) -> None:
         live = self._live.pop(request_id)
         self.scheduler.remove(request_id)
+        self._forget_drafts(live.seq)
         self.metrics.aborted.inc()
         self._record_end(live, "abort")
         live.emit(self._final(live, "abort", error))
@@ -419,10 +431,10 @@ class Engine:
         try:
             chunks = [
                 SeqChunk(
-                    w.seq.tokens[w.start : w.end] + ([0] if w.from_device else []),
+                    w.seq.tokens[w.start : w.end] + ([0] if w.from_device else []) + w.seq.drafts[: w.drafts],
                     w.start,
                     w.seq.pages,
-                    "all" if w.all_logits else "last" if w.wants_logits else "none",
+                    "all" if w.all_logits or w.drafts else "last" if w.wants_logits else "none",
                 )
                 for w in work
             ]
@@ -443,6 +455,9 @@ class Engine:
                 _feed_from_device(batch, work, previous)
                 num_rows = len(batch.logits_owner)
             rows, lives, scoring, scored_only = self._logit_rows(work)
+            if self.speculator is not None:  # verified and drafted at once: nothing stays in flight
+                self._speculative_step(work, batch, rows, lives, scoring, scored_only, started, preempted)
+                return None
             # the logits rows to sample, when others (prompt rows to score) are among them
             pick = None
             if len(rows) < num_rows:
@@ -499,6 +514,71 @@ class Engine:
             step.preempted,
         )
 
+    def _speculative_step(
+        self,
+        work: list[Work],
+        batch: StepBatch,
+        last_rows: list[int],
+        lives: list[_Live],
+        scoring: list[tuple[_Live, int, int, int]],
+        scored_only: list[_Live],
+        started: float,
+        preempted: int,
+    ) -> None:
+        """A step with MTP speculative decoding (`hy3c.serve.engine.speculation`): the target verifies
+        the drafts fed, the rejected ones' KV is rolled back, the MTP program drafts the next ones, then
+        the accepted tokens are emitted. Read at once (the host needs the accepted lengths to plan)."""
+        assert self.speculator is not None
+        prepared = time.monotonic()
+        logits, hidden = self.runner.step(batch, self.kv_cache)
+        self.scheduler.advance(work)
+        self._score_prompts(logits, scoring)
+        item_of = {w.seq: w for w in work}
+        sampled = [item_of[lv.seq] for lv in lives]
+        asked = [lv.request.num_logprobs for lv in lives if lv.request.num_logprobs is not None]
+        verified = self.speculator.verify_step(
+            logits,
+            last_rows,
+            sampled,
+            [lv.request.params for lv in lives],
+            [History(lv.request.prompt_ids, lv.output) for lv in lives],
+            [lv.generator for lv in lives],
+            max(asked) if asked else None,
+        )
+        accepted, emitted = verified.to_host()
+        chosen, top = verified.logprobs_to_host()
+        if not asked:
+            chosen, top = [[0.0] * len(e) for e in emitted], [[[]] * len(e) for e in emitted]
+        known = time.monotonic()
+        fed = [w.count for w in work]
+        for w, count in zip(sampled, accepted):
+            if w.drafts:
+                self.scheduler.accept(w, count)
+        self.metrics.speculated([w.drafts for w in sampled], accepted)
+        emitted_of = {w.seq: tokens for w, tokens in zip(sampled, emitted)}
+        live_of = {lv.seq: lv for lv in lives}
+        items = [
+            Drafting(
+                w,
+                count,
+                emitted_of.get(w.seq, []),
+                live_of[w.seq].request.params if w.seq in live_of else None,
+                live_of[w.seq].generator if w.seq in live_of else None,
+            )
+            for w, count in zip(work, fed)
+        ]
+        drafts = self.speculator.draft_pass(self.runner, self.kv_cache, hidden, items, self.scheduler.reserve)
+        self.scheduler.settle(work)
+        self._emit(lives, emitted, chosen, top, known)
+        for seq, tokens in drafts.items():
+            if not seq.finished and self._live.get(seq.request_id) is not None:
+                self.scheduler.set_drafts(seq, tokens)
+        self._finish_scored([lv for lv in scored_only if self._live.get(lv.request.request_id) is lv])
+        self.scheduler.publish(work)
+        finished = time.monotonic()
+        self._last_collected = finished
+        self.metrics.step(finished - started, (prepared - started) + (finished - known), sum(fed), preempted)
+
     def _step_failed(self, work: list[Work], exc: Exception) -> None:
         log_event(
             log,
@@ -525,7 +605,7 @@ class Engine:
         row = 0
         for w in work:
             live = self._live[w.seq.request_id]
-            count = w.count if w.all_logits else int(w.wants_logits)
+            count = w.count if w.all_logits or w.drafts else int(w.wants_logits)
             if w.all_logits:
                 first = max(w.start, len(live.scored))
                 end = min(w.start + w.count, w.seq.num_prompt - 1)
@@ -587,12 +667,31 @@ class Engine:
             self.metrics.admitted(seq.num_prompt, seq.cached_tokens, now - live.request.arrival)
 
     def _emit_sampled(self, lives: list[_Live], result: SampleResult, now: float) -> None:
-        """Each row's token joins its request (unless it is a stop token), then detokenize, check stops
-        and emit. A row whose request ended after the step was launched is dropped."""
+        """One drawn token per row (see `_emit`)."""
+        self._emit(
+            lives,
+            [[t] for t in result.tokens],
+            [[c] for c in result.logprobs],
+            [[t] for t in result.top],
+            now,
+        )
+
+    def _emit(
+        self,
+        lives: list[_Live],
+        tokens: list[list[int]],
+        chosen: list[list[float]],
+        top: list[list[list[tuple[int, float]]]],
+        now: float,
+    ) -> None:
+        """Each request's new tokens (one, or with speculative decoding up to K + 1) join it in order
+        until one ends it — a stop token (not appended), a stop string, its length — then detokenize
+        and emit one output per request. A row whose request ended after the step was launched is
+        dropped. `chosen` / `top`: each token's logprob and top logprobs (read if the request asked)."""
         emissions = []
         generated = 0  # counted once per step: a metric update per token costs host time
         try:
-            for lv, token, chosen, top in zip(lives, result.tokens, result.logprobs, result.top):
+            for lv, new, logprobs, tops in zip(lives, tokens, chosen, top):
                 req = lv.request
                 if self._live.get(req.request_id) is not lv:  # ended meanwhile: an extra step's row
                     continue
@@ -602,23 +701,26 @@ class Engine:
                 else:
                     self.metrics.itl.observe(now - lv.last_token_at)
                 lv.last_token_at = now
-                stop_token = (token in self.eos_ids and not req.ignore_eos) or token in req.stop_token_ids
                 out = StepOutput(req.request_id, prompt_logprobs=self._prompt_logprobs_once(lv))
-                self.scheduler.append_token(lv.seq, None if stop_token else token)
-                if not stop_token:
-                    lv.output.append(token)
-                    out.token_ids = [token]
-                    out.text = lv.detok.push(token)
-                    if req.num_logprobs is not None:
-                        out.logprobs = [(token, chosen, top[: req.num_logprobs])]
-                    generated += 1
                 reason = None
-                if stop_token:
-                    reason, out.stop_reason = "stop", token
-                elif lv.detok.stopped_by is not None:
-                    reason, out.stop_reason = "stop", lv.detok.stopped_by
-                elif len(lv.output) >= req.max_tokens or len(lv.seq.tokens) >= self.config.max_model_len:
-                    reason = "length"
+                for at, token in enumerate(new):
+                    stop_token = (token in self.eos_ids and not req.ignore_eos) or token in req.stop_token_ids
+                    self.scheduler.append_token(lv.seq, None if stop_token else token)
+                    if stop_token:
+                        reason, out.stop_reason = "stop", token
+                        break
+                    lv.output.append(token)
+                    out.token_ids.append(token)
+                    out.text += lv.detok.push(token)
+                    if req.num_logprobs is not None:
+                        out.logprobs.append((token, logprobs[at], tops[at][: req.num_logprobs]))
+                    generated += 1
+                    if lv.detok.stopped_by is not None:
+                        reason, out.stop_reason = "stop", lv.detok.stopped_by
+                    elif len(lv.output) >= req.max_tokens or len(lv.seq.tokens) >= self.config.max_model_len:
+                        reason = "length"
+                    if reason is not None:
+                        break
                 if reason is not None:
                     out.text += lv.detok.flush()
                     self._finish(lv, out, reason)
@@ -658,6 +760,7 @@ class Engine:
 
     def _finish(self, live: _Live, out: StepOutput, reason: str) -> None:
         out.finished, out.finish_reason = True, reason
+        self._forget_drafts(live.seq)
         self._usage(live, out)
         self.scheduler.finish(live.seq)
         del self._live[live.request.request_id]
@@ -681,9 +784,15 @@ class Engine:
         out = StepOutput(live.request.request_id, finished=True, finish_reason=reason, error=error)
         return self._usage(live, out)
 
+    def _forget_drafts(self, seq: Sequence) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(seq)
+
     def _fail(self, request_id: str, error: str) -> None:
         live = self._live.pop(request_id, None)
         self.scheduler.remove(request_id)
+        if live is not None:
+            self._forget_drafts(live.seq)
         if live is not None:
             self._record_end(live, "error")
             live.emit(self._final(live, "error", error))

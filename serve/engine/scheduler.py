@@ -67,6 +67,7 @@ class Sequence:
     in_flight: int = 0  # tokens sampled by a launched step that the host has not read yet
     settled: int = 0  # tokens whose KV was written by steps the engine collected (what may be published)
     epoch: int = 0  # counts preemptions: work planned before one no longer describes its KV
+    drafts: list[int] = field(default_factory=list)  # MTP draft tokens its next decode step verifies
 
     @property
     def pending(self) -> int:
@@ -87,6 +88,7 @@ class Work:
     all_logits: bool = False  # a prompt chunk of a `score_prompt` sequence: the logits of every row
     from_device: bool = False  # its last fed token is the in-flight one: the engine feeds it on the device
     epoch: int = 0  # the sequence's epoch when planned
+    drafts: int = 0  # draft tokens fed after its last token (speculative decoding: every row's logits)
 
     @property
     def end(self) -> int:
@@ -94,10 +96,15 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int, speculative: bool = False
+    ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # speculative decoding: decodes feed their drafts, and a prefix hit gives up its last page (the
+        # MTP layer's KV at a page's last position depends on the next page's first token)
+        self.speculative = speculative
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -130,6 +137,21 @@ class Scheduler:
             w.seq.computed = w.end
         for seq in sampling:
             seq.in_flight += 1
+
+    def accept(self, w: Work, accepted: int) -> None:
+        """A verified decode step kept `accepted` of its drafts: the KV of the rejected ones is rolled
+        back (their slots are rewritten by later steps) and the drafts are spent."""
+        w.seq.computed = w.start + 1 + accepted
+        w.seq.drafts = []
+
+    def set_drafts(self, seq: Sequence, drafts: list[int]) -> None:
+        """The drafts its next decode step verifies (fed after its last token)."""
+        seq.drafts = drafts
+
+    def reserve(self, seq: Sequence, tokens: int) -> bool:
+        """Pages for its first `tokens` positions (the MTP layer's recursive drafting writes past the
+        last token); False when the pool cannot give them."""
+        return self._grow(seq, tokens)
 
     def settle(self, work: list[Work]) -> None:
         """After a launched step's results were collected: the KV it wrote is final (publishable) for
@@ -176,6 +198,7 @@ class Scheduler:
         seq.pages = []
         seq.settled = 0
         seq.epoch += 1
+        seq.drafts = []
 
     def _grow(self, seq: Sequence, upto: int) -> bool:
         missing = -(-upto // self.pool.page_size) - len(seq.pages)
@@ -211,6 +234,14 @@ class Scheduler:
         )
 
     @staticmethod
+    def _draft_count(seq: Sequence, count: int, budget: int) -> int:
+        """Drafts a decode step feeds after its token: as many as it has, the budget allows and its
+        length limit can still use (a step emits at most drafts + 1 tokens)."""
+        if not seq.drafts or count != seq.pending or seq.pending != 1:
+            return 0
+        return max(0, min(len(seq.drafts), budget - count, seq.limit - len(seq.tokens) - 1))
+
+    @staticmethod
     def _ending(seq: Sequence) -> bool:
         """Its in-flight token brings it to its length limit: it ends when the host reads it, so no
         step is planned for it (under overlap the host does not wait to know that)."""
@@ -228,6 +259,8 @@ class Scheduler:
             count = min(seq.pending, budget, logit_rows if self._scoring(seq) else budget)
             if count == 0:  # scoring rows of this step used up: the next step continues it
                 continue
+            drafts = self._draft_count(seq, count, budget)
+            count += drafts
             while not self._grow(seq, seq.computed + count):
                 victims = [s for s in self.running if s is not seq and s not in {w.seq for w in work}]
                 if not victims:
@@ -236,7 +269,8 @@ class Scheduler:
                 self._preempt(victims[-1])
             if seq not in self.running:
                 continue
-            work.append(self._work(seq, count))
+            work.append(self._work(seq, count - drafts))
+            work[-1].count, work[-1].drafts = count, drafts
             budget -= count
             logit_rows -= count if work[-1].all_logits else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -245,6 +279,8 @@ class Scheduler:
                 break
             if not seq.pages:
                 seq.pages = [] if self._scoring(seq) else self.pool.match_prefix(seq.tokens)
+                if self.speculative and seq.pages:
+                    self.pool.release([seq.pages.pop()])
                 seq.computed = len(seq.pages) * self.pool.page_size
                 if not seq.admitted:
                     seq.cached_tokens = seq.computed
@@ -322,6 +358,21 @@ class DataParallelScheduler:
             self.ranks[w.seq.dp_rank].advance([w])
         for seq in sampling:
             self.ranks[seq.dp_rank].advance([], [seq])
+
+    def accept(self, w: Work, accepted: int) -> None:
+        """A verified decode step kept `accepted` of its drafts: the KV of the rejected ones is rolled
+        back (their slots are rewritten by later steps) and the drafts are spent."""
+        w.seq.computed = w.start + 1 + accepted
+        w.seq.drafts = []
+
+    def set_drafts(self, seq: Sequence, drafts: list[int]) -> None:
+        """The drafts its next decode step verifies (fed after its last token)."""
+        seq.drafts = drafts
+
+    def reserve(self, seq: Sequence, tokens: int) -> bool:
+        """Pages for its first `tokens` positions (the MTP layer's recursive drafting writes past the
+        last token); False when the pool cannot give them."""
+        return self._grow(seq, tokens)
 
     def settle(self, work: list[Work]) -> None:
         for w in work:
