@@ -22,6 +22,7 @@ os.environ.setdefault("HY3C_CACHE_DIR", tempfile.mkdtemp(prefix="hy3c-test-cache
 import pytest
 
 from hy3c.checkpoint.random_checkpoint import init_checkpoint
+from hy3c.checkpoint.train_tiny import cache_key, train_tiny
 
 
 def pytest_collection_modifyitems(config, items):
@@ -57,6 +58,18 @@ def make_ckpt(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def trained_ckpt() -> Path:
+    """The trained tiny checkpoint (hy3c.checkpoint.train_tiny), trained once per hash of its sources and
+    torch version and kept in `$HY3C_TRAINED_CACHE` (default ~/.cache/hy3c/trained-tiny), so later
+    sessions reuse it; it is written atomically, so a directory there is always a whole checkpoint."""
+    root = Path(os.environ.get("HY3C_TRAINED_CACHE") or Path.home() / ".cache" / "hy3c" / "trained-tiny")
+    out = root / cache_key()
+    if not out.is_dir():
+        train_tiny(out, progress=False)
+    return out
 
 
 def pytest_addoption(parser):
