@@ -187,6 +187,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         default=True,
         help="plan and launch each step while the device runs the previous one (default: on)",
     )
+    p.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\''
+        ' (vLLM\'s spelling; "forced_acceptance": alpha is a benchmark mode)',
+    )
 
 
 def _add_rank_options(p: argparse.ArgumentParser) -> None:
@@ -294,7 +300,15 @@ def _run_generate(args: argparse.Namespace) -> None:
         for i, text in enumerate(texts)
     ]
     try:
-        results = generate(model, tokenizer, requests, serving, args.page_size, args.async_scheduling)
+        speculative = None
+        if args.speculative_config is not None:
+            from hy3c.serve.engine.spec_decode import parse_speculative_config
+
+            layers = getattr(model, "num_draft_layers", 0)
+            speculative = parse_speculative_config(args.speculative_config, layers)
+        results = generate(
+            model, tokenizer, requests, serving, args.page_size, args.async_scheduling, speculative
+        )
     finally:
         shutdown = getattr(model, "shutdown", None)  # an artifact's ranks: the workers stop
         if shutdown is not None:
@@ -488,6 +502,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--max-num-batched-tokens", type=_positive_int, help="tokens per engine step (default: the recipe's)"
     )
     p.add_argument(
+        "--long-prefill-token-threshold",
+        type=_positive_int,
+        help="a prompt chunk takes at most this many tokens a step, so running decodes keep their pace"
+        " while long prompts come in (default: the step's budget)",
+    )
+    p.add_argument(
+        "--max-num-partial-prefills",
+        type=_positive_int,
+        help="requests prefilling in one step at most (default: any number)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=_positive_int,
         help="prompt + completion tokens per request (at most the model's max_position_embeddings)",
@@ -566,6 +591,8 @@ def _run_serve(args: argparse.Namespace) -> None:
             api_key=args.api_key,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            max_num_partial_prefills=args.max_num_partial_prefills,
             max_model_len=args.max_model_len,
             kv_memory_gib=args.kv_memory,
             page_size=args.page_size,
@@ -573,6 +600,7 @@ def _run_serve(args: argparse.Namespace) -> None:
             compile=args.compile,
             cuda_graphs=args.cuda_graphs,
             async_scheduling=args.async_scheduling,
+            speculative_config=args.speculative_config,
             max_request_bytes=args.max_request_bytes,
             max_waiting=args.max_waiting,
             shutdown_timeout=args.shutdown_timeout,

@@ -85,6 +85,8 @@ class EngineConfig:
     max_model_len: int = 4096
     async_scheduling: bool = True  # plan and launch step N+1 before reading step N's tokens
     speculative: SpeculativeConfig | None = None  # MTP speculative decoding (its steps are read at once)
+    long_prefill_token_threshold: int = 0  # a prefill chunk's tokens per step at most (0: the budget)
+    max_num_partial_prefills: int = 0  # requests prefilling in one step at most (0: any number)
 
 
 WARM_UP_TOKENS = (1, 15, 16, 127, 128, 1023, 1024)  # prefill lengths `Engine.warm_up` runs
@@ -197,7 +199,12 @@ class Engine:
         else:
             speculative = config.speculative is not None
             self.scheduler = Scheduler(
-                self.pool, config.max_num_seqs, config.max_num_batched_tokens, speculative
+                self.pool,
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                speculative,
+                config.long_prefill_token_threshold,
+                config.max_num_partial_prefills,
             )
             usage = self.pool.usage
         self.speculator: Speculator | None = None

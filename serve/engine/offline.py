@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.recipe import ServingSpec
 from hy3c.serve.engine.core import Engine, EngineConfig, GenerationRequest, StepModel, StepOutput
+from hy3c.serve.engine.spec_decode import SpeculativeConfig
 
 
 @dataclass
@@ -45,6 +46,7 @@ def offline_config(
     serving: ServingSpec,
     page_size: int | None = None,
     async_scheduling: bool = True,
+    speculative: SpeculativeConfig | None = None,
 ) -> EngineConfig:
     """An engine configuration whose KV cache holds all `requests` at once, with `serving`'s batch
     limits and page size (`page_size` overrides it)."""
@@ -57,6 +59,7 @@ def offline_config(
         max_num_batched_tokens=serving.max_num_batched_tokens,
         max_model_len=max(lengths, default=1),
         async_scheduling=async_scheduling,
+        speculative=speculative,
     )
 
 
@@ -67,6 +70,7 @@ def generate(
     serving: ServingSpec | None = None,
     page_size: int | None = None,
     async_scheduling: bool = True,
+    speculative: SpeculativeConfig | None = None,
 ) -> list[Generation]:
     """Run `requests` to their end through an engine over `model` (see the module docstring); their
     outputs in the order given. A request the engine fails is a RuntimeError naming it."""
@@ -77,7 +81,7 @@ def generate(
             raise ValueError(f"request {request.request_id}: the prompt has no tokens")
         if request.max_tokens < 1:
             raise ValueError(f"request {request.request_id}: max_tokens must be at least 1")
-    config = offline_config(requests, serving or ServingSpec(), page_size, async_scheduling)
+    config = offline_config(requests, serving or ServingSpec(), page_size, async_scheduling, speculative)
     engine = Engine(model, tokenizer, config)
     results = [Generation(r.request_id) for r in requests]
     for request, result in zip(requests, results):

@@ -97,11 +97,21 @@ class Work:
 
 class Scheduler:
     def __init__(
-        self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int, speculative: bool = False
+        self,
+        pool: PagePool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        speculative: bool = False,
+        long_prefill_token_threshold: int = 0,
+        max_num_partial_prefills: int = 0,
     ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # decodes' protection from long prompts: a prefill chunk takes at most this many tokens a step
+        # (0: the budget), and at most this many requests prefill in one step (0: any number)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_num_partial_prefills = max_num_partial_prefills
         # speculative decoding: decodes feed their drafts, and a prefix hit gives up its last page (the
         # MTP layer's KV at a page's last position depends on the next page's first token)
         self.speculative = speculative
@@ -233,6 +243,13 @@ class Scheduler:
             epoch=seq.epoch,
         )
 
+    def _may_prefill(self, prefills: int) -> bool:
+        return not self.max_num_partial_prefills or prefills < self.max_num_partial_prefills
+
+    def _chunk(self, count: int) -> int:
+        """A prefill chunk's size under the long-prefill threshold."""
+        return min(count, self.long_prefill_token_threshold) if self.long_prefill_token_threshold else count
+
     @staticmethod
     def _draft_count(seq: Sequence, count: int, budget: int) -> int:
         """Drafts a decode step feeds after its token: as many as it has, the budget allows and its
@@ -251,12 +268,20 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         logit_rows = PROMPT_LOGITS_ROWS
         work: list[Work] = []
-        for seq in list(self.running):
+        prefills = 0
+        # decodes first (in arrival order), then the running prefills: a long prompt's chunk never
+        # takes the budget its elders' next tokens need
+        for seq in sorted(self.running, key=lambda s: s.pending > 1):
             if budget == 0:
                 break
             if seq not in self.running or self._ending(seq):  # preempted by an earlier one this step
                 continue
             count = min(seq.pending, budget, logit_rows if self._scoring(seq) else budget)
+            if count > 1 or seq.pending > 1:  # a prefill chunk
+                if not self._may_prefill(prefills):
+                    continue
+                count = self._chunk(count)
+                prefills += 1
             if count == 0:  # scoring rows of this step used up: the next step continues it
                 continue
             drafts = self._draft_count(seq, count, budget)
@@ -284,9 +309,12 @@ class Scheduler:
                 seq.computed = len(seq.pages) * self.pool.page_size
                 if not seq.admitted:
                     seq.cached_tokens = seq.computed
-            count = min(seq.pending, budget, logit_rows if self._scoring(seq) else budget)
+            if not self._may_prefill(prefills):
+                break
+            count = self._chunk(min(seq.pending, budget, logit_rows if self._scoring(seq) else budget))
             if count == 0:  # a scoring prefill waits for the next step's rows
                 break
+            prefills += 1
             if not self._grow(seq, seq.computed + count):
                 self._free(seq)  # a waiting sequence holds no pages (they stay published, matchable later)
                 seq.computed = 0

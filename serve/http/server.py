@@ -45,6 +45,8 @@ class ServeOptions:
     api_key: str | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int | None = None  # a prompt chunk's tokens per step at most
+    max_num_partial_prefills: int | None = None  # requests prefilling in one step at most
     max_model_len: int | None = None
     kv_memory_gib: float | None = None
     page_size: int | None = None
@@ -52,6 +54,7 @@ class ServeOptions:
     compile: bool = False
     cuda_graphs: bool = True
     async_scheduling: bool = True  # plan and launch step N+1 while the device runs step N
+    speculative_config: str | None = None  # --speculative-config's JSON (MTP speculative decoding)
     max_request_bytes: int = 1 << 20
     max_waiting: int = 1024
     shutdown_timeout: float = 30.0
@@ -156,6 +159,7 @@ def _engine_over(
     from hy3c.serve.engine.core import Engine, EngineConfig
     from hy3c.serve.engine.kernel_builds import watch_kernel_builds
     from hy3c.serve.engine.metrics import EngineMetrics
+    from hy3c.serve.engine.spec_decode import parse_speculative_config
     from hy3c.serve.http.api import ServerConfig
 
     serving = runner.recipe.serving
@@ -180,6 +184,10 @@ def _engine_over(
                 f"--max-model-len {max_model_len} exceeds the KV cache's {capacity} tokens (raise --kv-memory)"
             )
         max_model_len = capacity
+    speculative = None
+    if options.speculative_config is not None:
+        layers = getattr(runner, "num_draft_layers", 0)
+        speculative = parse_speculative_config(options.speculative_config, layers)
     config = EngineConfig(
         num_pages=num_pages,
         page_size=page_size,
@@ -191,6 +199,9 @@ def _engine_over(
         ),
         max_model_len=max_model_len,
         async_scheduling=options.async_scheduling,
+        speculative=speculative,
+        long_prefill_token_threshold=options.long_prefill_token_threshold or 0,
+        max_num_partial_prefills=options.max_num_partial_prefills or 0,
     )
     metrics = EngineMetrics(max_model_len)
     metrics.describe_cache(page_size, num_pages, str(runner.kv_dtype).removeprefix("torch."))

@@ -110,7 +110,8 @@ def test_a_prompt_scoring_sequence_skips_the_prefix_cache_and_bounds_its_rows(mo
     scoring.computed, plain.computed = 6, 13
     plain.tokens.append(99)
     step = sched.schedule()
-    assert [(w.seq.request_id, w.count, w.all_logits) for w in step] == [("s", 6, True), ("p", 1, False)]
+    # the decode first, then the prefill chunk
+    assert [(w.seq.request_id, w.count, w.all_logits) for w in step] == [("p", 1, False), ("s", 6, True)]
     scoring.computed = 12
     step = sched.schedule()
     assert [(w.seq.request_id, w.start, w.count, w.wants_logits, w.all_logits) for w in step[:1]] == [
@@ -154,3 +155,24 @@ def test_the_scheduler_records_what_a_step_did():
     sched.finish(seq)
     assert seq.finished and not sched.has_work and pool.num_free == pool.usable
     assert pool.match_prefix(later) == pages  # the second page, full now, published by finish
+
+
+def test_decodes_are_planned_before_long_prefills_which_are_chunked_and_few():
+    """A running decode gets its token before an older request's prompt chunk takes the budget; with
+    long_prefill_token_threshold a chunk takes at most that many tokens, and with
+    max_num_partial_prefills at most that many requests prefill in one step."""
+    pool = PagePool(256, page_size=4)
+    sched = Scheduler(pool, 8, 40, long_prefill_token_threshold=16, max_num_partial_prefills=1)
+    long_a, long_b = (Sequence(name, list(range(1, 200)), 199) for name in ("a", "b"))
+    short = Sequence("c", [7, 8, 9], 3)
+    for seq in (long_a, long_b, short):
+        sched.add(seq)
+    step = sched.schedule()
+    assert [(w.seq.request_id, w.count) for w in step] == [("a", 16)]  # one prefill, chunked
+    sched.advance(step)
+    short_first = Scheduler(pool, 8, 40, long_prefill_token_threshold=16, max_num_partial_prefills=2)
+    short_first.running = [long_a, short]
+    short_first.add(long_b)
+    short.pages, short.computed = pool.allocate(1), 2  # its prompt is in: one token to go
+    step = short_first.schedule()
+    assert [(w.seq.request_id, w.start, w.count) for w in step] == [("c", 2, 1), ("a", 16, 16), ("b", 0, 16)]

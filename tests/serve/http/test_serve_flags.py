@@ -96,3 +96,26 @@ def test_async_scheduling_is_on_unless_turned_off(tiny_artifact):
     for overlap in (True, False):
         options = ServeOptions(tiny_artifact, kv_memory_gib=0.02, async_scheduling=overlap)
         assert build_engine(options)[0].config.async_scheduling is overlap
+
+
+def test_prefill_protection_and_speculative_flags_reach_the_engine(tiny_artifact):
+    """--long-prefill-token-threshold and --max-num-partial-prefills reach the scheduler; a speculative
+    config is checked against the artifact at start-up (one line naming the field)."""
+    from hy3c.serve.http.server import build_engine
+
+    args = build_parser().parse_args(
+        ["serve", "ART", "--long-prefill-token-threshold", "256", "--max-num-partial-prefills", "2"]
+    )
+    assert (args.long_prefill_token_threshold, args.max_num_partial_prefills) == (256, 2)
+    options = ServeOptions(
+        tiny_artifact, kv_memory_gib=0.02, long_prefill_token_threshold=256, max_num_partial_prefills=2
+    )
+    scheduler = build_engine(options)[0].scheduler
+    assert (scheduler.long_prefill_token_threshold, scheduler.max_num_partial_prefills) == (256, 2)
+    bad = ServeOptions(
+        tiny_artifact,
+        kv_memory_gib=0.02,
+        speculative_config='{"method": "eagle", "num_speculative_tokens": 1}',
+    )
+    with pytest.raises(ValueError, match="--speculative-config method: 'eagle' is not supported"):
+        build_engine(bad)
