@@ -122,8 +122,9 @@ class PagePool:
         if full <= since:
             return since
         keys = extend_page_keys([] if keys is None else keys, tokens, self.page_size, self.namespace, full)
-        self.pages_walked += full - since
-        for i in range(since, full):
+        walk = range(since, full)
+        self.pages_walked += len(walk)
+        for i in walk:
             page, key = pages[i], keys[i]
             if page in self.key_of or page in self._understudy_key:
                 continue
