@@ -54,10 +54,12 @@ from hy3c.serve.engine.sampler import (
     SamplingParams,
     prepare_fused,
     sample_async,
+    upload,
 )
 from hy3c.serve.engine.scheduler import DataParallelScheduler, Scheduler, Sequence, Work
 from hy3c.serve.engine.spec_decode import SpeculativeConfig
 from hy3c.serve.engine.speculation import Drafting, Speculator
+from hy3c.serve.engine.step_inputs import StepInputs
 
 log = logging.getLogger("hy3c.engine")
 
@@ -169,7 +171,7 @@ def _feed_from_device(batch: StepBatch, work: list[Work], previous: _InFlight | 
             targets.append(row - 1)
             sources.append(previous.row_of[w.seq])
     if targets:
-        index = torch.tensor([targets, sources], dtype=torch.long).to(batch.input_ids.device)
+        index = upload(torch.tensor([targets, sources], dtype=torch.long), batch.input_ids.device)
         batch.input_ids.index_copy_(0, index[0], previous.pending.tokens.index_select(0, index[1]))
 
 
@@ -223,6 +225,10 @@ class Engine:
         self._dead: str | None = None
         self._idle = getattr(runner, "idle", None)  # a runner over several ranks: its heartbeat
         self._in_flight: _InFlight | None = None  # the step launched and not collected yet
+        # the page table kept on the device, a row per running request (host work per step does not
+        # grow with the context); attention-DP builds each rank's batch with build_step_batch
+        rows, pages = config.max_num_seqs, -(-config.max_model_len // config.page_size)
+        self._inputs = StepInputs(config.page_size, runner.device, rows, pages)
         self._staging = HostStaging()  # pinned buffers the draws reach the host through
         self._last_collected = 0.0
 
@@ -371,7 +377,7 @@ class Engine:
     def _abort(self, request_id: str, error: str | None = None) -> None:
         live = self._live.pop(request_id)
         self.scheduler.remove(request_id)
-        self._forget_drafts(live.seq)
+        self._forget(live.seq)
         self.metrics.aborted.inc()
         self._record_end(live, "abort")
         live.emit(self._final(live, "abort", error))
@@ -458,7 +464,7 @@ class Engine:
                     _feed_from_device(batch, [work[i] for i in items], previous)
                 num_rows = sum(len(b.logits_owner) for b in batches)
             else:
-                batch = build_step_batch(chunks, self.config.page_size, device)
+                batch = self._inputs.build(chunks, [w.seq for w in work])
                 _feed_from_device(batch, work, previous)
                 num_rows = len(batch.logits_owner)
             rows, lives, scoring, scored_only = self._logit_rows(work)
@@ -468,7 +474,7 @@ class Engine:
             # the logits rows to sample, when others (prompt rows to score) are among them
             pick = None
             if len(rows) < num_rows:
-                pick = torch.tensor(rows, dtype=torch.long).to(device)
+                pick = upload(torch.tensor(rows, dtype=torch.long), device)
             # the sampler's parameters go up before the step, so its launches queue right behind it
             params = [lv.request.params for lv in lives]
             inputs = prepare_fused(params, [lv.generator for lv in lives], device)
@@ -767,7 +773,7 @@ class Engine:
 
     def _finish(self, live: _Live, out: StepOutput, reason: str) -> None:
         out.finished, out.finish_reason = True, reason
-        self._forget_drafts(live.seq)
+        self._forget(live.seq)
         self._usage(live, out)
         self.scheduler.finish(live.seq)
         del self._live[live.request.request_id]
@@ -791,7 +797,9 @@ class Engine:
         out = StepOutput(live.request.request_id, finished=True, finish_reason=reason, error=error)
         return self._usage(live, out)
 
-    def _forget_drafts(self, seq: Sequence) -> None:
+    def _forget(self, seq: Sequence) -> None:
+        """A request left: its page-table row and its draft distributions go."""
+        self._inputs.drop(seq)
         if self.speculator is not None:
             self.speculator.forget(seq)
 
@@ -799,7 +807,7 @@ class Engine:
         live = self._live.pop(request_id, None)
         self.scheduler.remove(request_id)
         if live is not None:
-            self._forget_drafts(live.seq)
+            self._forget(live.seq)
         if live is not None:
             self._record_end(live, "error")
             live.emit(self._final(live, "error", error))

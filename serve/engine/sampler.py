@@ -80,6 +80,15 @@ class SampleResult:
     top: list[list[tuple[int, float]]]  # top-n (token, logprob) per row, n = num_logprobs
 
 
+def upload(host: Tensor, device: torch.device | str) -> Tensor:
+    """A host tensor on `device`; to CUDA through pinned memory without blocking, so a step built while
+    the previous one runs does not wait for it (a pageable copy synchronizes the stream first)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def apply_penalties(logits: Tensor, params: list[SamplingParams], history: list[History]) -> Tensor:
     """The logit bias, then the repetition penalty over the prompt and output tokens, then presence and
     frequency penalties over the output tokens (vLLM's order) — for all rows in a few indexed ops (only
@@ -164,7 +173,7 @@ def fused_inputs(params: list[SamplingParams], seeds: list[int], device: torch.d
         [(p.temperature, p.top_p, p.min_p) for p in params] + [(0, 0, 0)] * pad, dtype=torch.float32
     )
     ints = torch.tensor([(p.top_k, s) for p, s in zip(params, seeds)] + [(0, 0)] * pad, dtype=torch.int32)
-    block = torch.cat([floats.T.contiguous().view(torch.int32), ints.T.contiguous()]).to(device)
+    block = upload(torch.cat([floats.T.contiguous().view(torch.int32), ints.T.contiguous()]), device)
     floats, ints = block[:3].view(torch.float32), block[3:]
     return FusedInputs((floats[0, :rows], ints[0, :rows], floats[1, :rows], floats[2, :rows], ints[1, :rows]))
 

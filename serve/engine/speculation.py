@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
-from hy3c.serve.engine.sampler import History, SamplingParams
+from hy3c.serve.engine.sampler import History, SamplingParams, upload
 from hy3c.serve.engine.scheduler import Sequence, Work
 from hy3c.serve.engine.spec_decode import Draft, ForcedAcceptance, SpeculativeConfig, Verified, draft, verify
 
@@ -83,9 +83,9 @@ class Speculator:
         counts = [w.drafts for w in work]
         rows = [r for last, k in zip(last_rows, counts) for r in range(last - k, last + 1)]
         device = logits.device
-        target = logits[torch.tensor(rows, dtype=torch.long).to(device)]
+        target = logits[upload(torch.tensor(rows, dtype=torch.long), device)]
         tokens = [t for w in work for t in w.seq.drafts[: w.drafts]]
-        draft_tokens = torch.tensor(tokens, dtype=torch.long).to(device)
+        draft_tokens = upload(torch.tensor(tokens, dtype=torch.long), device)
         probs = None
         if any(w.seq in self._probs for w in work if w.drafts):
             vocab = logits.shape[-1]
@@ -126,7 +126,7 @@ class Speculator:
             return {}
         device = hidden.device
         batch = build_step_batch(chunks, self.page_size, device)
-        hidden_prev = hidden.index_select(0, torch.tensor(rows, dtype=torch.long).to(device))
+        hidden_prev = hidden.index_select(0, upload(torch.tensor(rows, dtype=torch.long), device))
         logits, mtp_hidden = runner.draft(batch, hidden_prev, kv_cache)
         params = [item.params for item in drafting]
         generators = [item.generator for item in drafting]
@@ -142,7 +142,7 @@ class Speculator:
                 for i in deeper
             ]
             batch = build_step_batch(chunks, self.page_size, device)
-            picked = torch.tensor(deeper, dtype=torch.long).to(device)
+            picked = upload(torch.tensor(deeper, dtype=torch.long), device)
             batch.input_ids.copy_(previous.tokens.index_select(0, picked))
             # the MTP layer's own hidden state at the previous position: the last rows of the first
             # pass's chunks, then the whole of each one-token pass
