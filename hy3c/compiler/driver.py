@@ -6,7 +6,11 @@
 Steps: read the checkpoint's config and headers → trace the step function on the meta device → run the
 recipe's passes → write `program/step.json`, the weights (converted as the passes planned),
 `compile_report.json`, optional `graphs/` dumps, the tokenizer files and `manifest.json`, all inside a
-temporary directory renamed into place at the end.
+temporary directory renamed into place at the end. Where the checkpoint has MTP layers (and not with
+`--no-mtp`), the draft program (`mtp_forward` of depth 0) is traced and run through the same passes too,
+written to `program/mtp.json` and recorded under `programs` in manifest.json; the weights of both
+programs are written once (embed_tokens, lm_head and kv_scales are shared). Sharded recipes compile no
+draft program yet: manifest.json `programs.mtp_absent` says so.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import hy3c
 from hy3c.checkpoint.loader import CheckpointLayout, inspect_checkpoint
 from hy3c.checkpoint.safetensors_io import atomic_output_dir, check_output_dir
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
-from hy3c.compiler.package import derive_weights, write_weights
-from hy3c.compiler.trace import trace_step
+from hy3c.compiler.package import derive_weights, merge_programs, write_weights
+from hy3c.compiler.trace import trace_mtp, trace_step
 from hy3c.config import Hy3Config, preset_config
 from hy3c.logs import log_event
 from hy3c.model.hy3 import Hy3ForCausalLM
@@ -42,10 +46,11 @@ from hy3c.passes.graph_utils import set_attr
 from hy3c.passes.manager import PassError, PassManager
 from hy3c.passes.registry import PASS_REGISTRY, check_recipe_passes
 from hy3c.passes.shard_plan import shard_plan
-from hy3c.program.check import STEP_INPUTS, STEP_OUTPUTS
+from hy3c.program.check import MTP_INPUTS, STEP_INPUTS, STEP_OUTPUTS
 from hy3c.program.manifest import (
     FORMAT_VERSION,
     MANIFEST_FILE,
+    MTP_PROGRAM_FILE,
     PROGRAM_FILE,
     REPORT_FILE,
     TOKENIZER_FILES,
@@ -143,12 +148,16 @@ def trace_and_run_passes(
     dump_dir: Path | None,
     timings: dict[str, float],
     progress: bool | None = None,
+    program: str = "step",
 ) -> tuple[fx.GraphModule, list[PassResult]]:
-    """Trace the step function on the meta device and run the recipe's passes over it in `ctx`, with one
-    progress bar over the trace and each pass (shown on a terminal; `progress` forces it on or off)."""
+    """Trace the step function (`program="mtp"`: the draft program, MTP depth 0) on the meta device and
+    run the recipe's passes over it in `ctx`, with one progress bar over the trace and each pass (shown
+    on a terminal; `progress` forces it on or off). Timings of the draft program are `mtp_`-prefixed."""
     config = ctx.model
-    _warn_unavailable(recipe, ctx)
-    if ctx.variant_overrides:
+    prefix = "" if program == "step" else f"{program}_"
+    if program == "step":
+        _warn_unavailable(recipe, ctx)
+    if ctx.variant_overrides and program == "step":
         log_event(
             log,
             "kernel_variant_overrides",
@@ -158,14 +167,19 @@ def trace_and_run_passes(
         )
     with tqdm(
         total=1 + len(recipe.passes),
-        desc="compile",
+        desc="compile" if program == "step" else f"compile {program}",
         unit="step",
         disable=None if progress is None else not progress,
     ) as bar:
-        bar.set_postfix_str(f"trace ({config.num_hidden_layers} layers)")
+        dtype, multiple = getattr(torch, recipe.dtype), recipe.parallel.token_multiple
         start = time.perf_counter()
-        gm = trace_step(config, getattr(torch, recipe.dtype), quant, recipe.parallel.token_multiple)
-        timings["trace_s"] = time.perf_counter() - start
+        if program == "step":
+            bar.set_postfix_str(f"trace ({config.num_hidden_layers} layers)")
+            gm = trace_step(config, dtype, quant, multiple)
+        else:
+            bar.set_postfix_str("trace (MTP depth 0)")
+            gm = trace_mtp(config, dtype, quant, multiple, depth=0)
+        timings[f"{prefix}trace_s"] = time.perf_counter() - start
         bar.update()
 
         def advance(name: str) -> None:
@@ -177,8 +191,27 @@ def trace_and_run_passes(
             results = PassManager(recipe.passes, ctx, dump_dir).run(gm, on_pass=advance)
         except PassError as exc:
             raise CompileError(str(exc)) from None
-        timings["passes_s"] = time.perf_counter() - start
+        timings[f"{prefix}passes_s"] = time.perf_counter() - start
     return gm, results
+
+
+def mtp_absent_reason(config: Hy3Config, recipe: Recipe, with_mtp: bool) -> str | None:
+    """Why an artifact of `config` and `recipe` gets no draft program (None: it gets one)."""
+    if not with_mtp:
+        return "compiled with --no-mtp"
+    if config.num_nextn_predict_layers == 0:
+        return "the checkpoint has no MTP layers"
+    if recipe.parallel.world_size > 1:
+        return (
+            f"sharded recipes (world size {recipe.parallel.world_size}) compile no draft program yet: "
+            "the shard passes are not run over the MTP layer"
+        )
+    return None
+
+
+def pass_sites(results: list[PassResult]) -> dict[str, int]:
+    """pass name → sites it matched (manifest.json `programs.pass_sites`)."""
+    return {r.name: r.matches for r in results}
 
 
 def _warn_unavailable(recipe: Recipe, ctx: CompileCtx) -> None:
@@ -209,6 +242,11 @@ def compile_model(
         )
     ctx = compile_context(model.config, recipe, model.quant)
     gm, results = trace_and_run_passes(ctx, recipe, model.quant, None, {})
+    programs = [gm]
+    mtp_gm = None
+    if mtp_absent_reason(model.config, recipe, True) is None:
+        mtp_gm, _ = trace_and_run_passes(ctx, recipe, model.quant, None, {}, program="mtp")
+        programs.append(mtp_gm)
     params = dict(model.named_parameters())
     device = model.device
 
@@ -216,16 +254,22 @@ def compile_model(
         for fqn in shapes:
             yield fqn, params[fqn]
 
+    owners = [dict(p.named_parameters()) for p in programs]
     with torch.no_grad():
-        for fqn, tensor in derive_weights(gm, sources, getattr(torch, recipe.dtype)):
-            set_attr(gm, fqn, tensor.to(device))
-    gm.recompile()
+        for fqn, tensor in derive_weights(merge_programs(programs), sources, getattr(torch, recipe.dtype)):
+            tensor = tensor.to(device)
+            for program, names in zip(programs, owners):
+                if fqn in names:
+                    set_attr(program, fqn, tensor)  # one tensor for a weight both programs read
+    for program in programs:
+        program.recompile()
     key = json_sha256(
         [model.config.to_json_dict(), recipe.model_dump(mode="json"), pass_source_hashes(recipe)]
     )
     manifest = {"cache_key": {"key": key}, "kv_cache": {"dtype": kv_cache_dtype(recipe)}}
     cache_dir = cache_dir or Path(tempfile.mkdtemp(prefix="hy3c-compile-"))
-    return Runner(cache_dir, manifest, model.config, recipe, gm, device, compile), results
+    runner = Runner(cache_dir, manifest, model.config, recipe, gm, device, compile, mtp_gm=mtp_gm)
+    return runner, results
 
 
 def compile_artifact(
@@ -267,14 +311,28 @@ def compile_artifact(
         gm, results = trace_and_run_passes(
             ctx, recipe, quant, tmp / "graphs" if dump_graphs else None, timings, progress
         )
+        mtp_absent = mtp_absent_reason(config, recipe, with_mtp)
+        mtp_gm, mtp_results = None, []
+        if mtp_absent is None:
+            mtp_dump = tmp / "graphs" / "mtp" if dump_graphs else None
+            mtp_gm, mtp_results = trace_and_run_passes(
+                ctx, recipe, quant, mtp_dump, timings, progress, program="mtp"
+            )
         t0 = time.perf_counter()
         (tmp / "program").mkdir()
         program = json.dumps(graph_to_json(gm))
         (tmp / PROGRAM_FILE).write_text(program)
+        mtp_program = json.dumps(graph_to_json(mtp_gm)) if mtp_gm is not None else None
+        if mtp_program is not None:
+            (tmp / MTP_PROGRAM_FILE).write_text(mtp_program)
         weight_files: list[dict[str, Any]] = []
         if layout is not None:
+            try:
+                weights_of = merge_programs([gm] if mtp_gm is None else [gm, mtp_gm])
+            except ValueError as exc:
+                raise CompileError(f"the step and MTP programs cannot share weights: {exc}") from None
             weight_files = write_weights(
-                gm, layout, Path(checkpoint), dtype, tmp, recipe.parallel, max_shard_bytes, progress
+                weights_of, layout, Path(checkpoint), dtype, tmp, recipe.parallel, max_shard_bytes, progress
             )
             for name in TOKENIZER_FILES:
                 if (Path(checkpoint) / name).is_file():
@@ -283,6 +341,7 @@ def compile_artifact(
         timings["total_s"] = time.perf_counter() - start
         versions = _versions()
         program_sha256 = hashlib.sha256(program.encode()).hexdigest()
+        mtp_sha256 = hashlib.sha256(mtp_program.encode()).hexdigest() if mtp_program is not None else None
         parts = cache_key_parts(
             config.to_json_dict(),
             recipe.model_dump(mode="json"),
@@ -290,13 +349,34 @@ def compile_artifact(
             weight_files,
             program_sha256,
             versions,
+            {"mtp": mtp_sha256} if mtp_sha256 is not None else None,
         )
         report = {
             "recipe": recipe.name,
             "source": str(checkpoint) if checkpoint is not None else f"preset:{preset}",
             "num_layers": config.num_hidden_layers,
             "passes": [r.model_dump(mode="json") for r in results],
+            "programs": {"mtp": {"passes": [r.model_dump(mode="json") for r in mtp_results]}}
+            if mtp_gm is not None
+            else {},
             "timings": timings,
+        }
+        programs = {
+            "names": ["step"] if mtp_gm is None else ["step", "mtp"],
+            "mtp": None
+            if mtp_sha256 is None
+            else {
+                "file": MTP_PROGRAM_FILE,
+                "sha256": mtp_sha256,
+                "inputs": list(MTP_INPUTS),
+                "outputs": list(STEP_OUTPUTS),
+                "depth": 0,
+            },
+            "mtp_absent": mtp_absent,
+            "pass_sites": {
+                "step": pass_sites(results),
+                **({"mtp": pass_sites(mtp_results)} if mtp_gm else {}),
+            },
         }
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
         manifest = Manifest.model_validate(
@@ -322,6 +402,7 @@ def compile_artifact(
                     "inputs": list(STEP_INPUTS),
                     "outputs": list(STEP_OUTPUTS),
                 },
+                "programs": programs,
                 "weights": {"files": weight_files} if layout is not None else None,
                 "kv_cache": {"dtype": kv_cache_dtype(recipe)},
                 "shard_plan": {

@@ -1,6 +1,7 @@
 """`hy3c inspect ART ...`: see what every pass did, from the artifact's files (never from logs).
 
-passes                      one row per pass: status, matches, op delta, time, skip reason
+passes                      one row per pass: status, matches, op delta, time, skip reason (a table
+                            per program: the step program, then the draft program where there is one)
 ops [--after P]             op histogram after pass P (default: the final graph)
 graph --after P [--layer N] the graph dump written after pass P (compile with --dump-graphs)
 diff P1 P2                  op-histogram delta and unified diff of the dumps after P1 and P2
@@ -80,6 +81,24 @@ def format_pass_table(report: dict) -> str:
         lines.append(head + wrapped[0])
         lines.extend(" " * indent + more for more in wrapped[1:])
     return "\n".join(line.rstrip() for line in lines)
+
+
+def format_program_tables(art: Artifact, report: dict) -> str:
+    """The pass table of every program the artifact holds, each under its name; for an artifact without
+    a draft program, why it has none (when its manifest says)."""
+    programs = art.manifest.get("programs") or {}
+    tables = [f"program step ({art.manifest['program']['file']})", format_pass_table(report)]
+    mtp = programs.get("mtp")
+    if mtp is not None:
+        passes = report.get("programs", {}).get("mtp", {}).get("passes", [])
+        tables += [
+            "",
+            f"program mtp (depth {mtp['depth']}, {mtp['file']})",
+            format_pass_table({"passes": passes}),
+        ]
+    elif programs.get("mtp_absent"):
+        tables += ["", f"no draft program: {programs['mtp_absent']}"]
+    return "\n".join(tables)
 
 
 def _is_lowered(report: dict, after: str | None) -> bool:
@@ -169,7 +188,7 @@ def inspect_command(
         return json.dumps(art.manifest["cache_key"], indent=2)
     report = _report(art)
     if command == "passes":
-        return format_pass_table(report)
+        return format_program_tables(art, report)
     if command == "ops":
         hist = _histogram_after(report, after)
         width = max((len(k) for k in hist), default=0)

@@ -70,6 +70,37 @@ def derive_weights(
             yield from zip(splits[fqn], split_router_weight(tensor.float()))
 
 
+def merge_programs(programs: list[fx.GraphModule]) -> fx.GraphModule:
+    """One module holding the parameters of every program (a name two programs share, e.g. embed_tokens
+    and lm_head, once) with their weight and shard plans merged: what `derive_weights` and
+    `write_weights` take, so a shared weight is derived and stored once. Refuses programs that type a
+    shared parameter, or plan it, differently (they would need two tensors)."""
+    merged = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    seen: dict[str, torch.Tensor] = {}
+    for gm in programs:
+        for fqn, tensor in gm.named_parameters():
+            if fqn in seen:
+                if seen[fqn].shape != tensor.shape or seen[fqn].dtype != tensor.dtype:
+                    raise ValueError(f"parameter {fqn}: the programs hold it with different shapes or dtypes")
+                continue
+            seen[fqn] = tensor
+            *path, leaf = fqn.split(".")
+            module: torch.nn.Module = merged
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            module.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
+        for plan, merged_plan in (
+            (weight_plan(gm), weight_plan(merged)),
+            (shard_plan(gm), shard_plan(merged)),
+        ):
+            for fqn, entry in plan.items():
+                if merged_plan.setdefault(fqn, entry) != entry:
+                    raise ValueError(f"parameter {fqn}: the programs plan it differently")
+    return merged
+
+
 def rank_slices(
     gm: fx.GraphModule, parallel: ParallelSpec
 ) -> Callable[[str, torch.Tensor], list[torch.Tensor]]:

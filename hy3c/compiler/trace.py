@@ -6,7 +6,10 @@ The model is built on the meta device (no weight memory: the full 80-layer confi
 and exported with the token count, batch size, page-table width, KV page count and number of logits
 rows dynamic. The exported graph is then *unlifted*: parameters become `get_attr` nodes of a plain
 `GraphModule` (holding meta tensors), so passes can retype or add weights, and the user inputs are the
-eight step inputs of `Hy3ForCausalLM.forward`. Every node keeps its FakeTensor `meta["val"]` and its
+eight step inputs of `Hy3ForCausalLM.forward`. `trace_mtp` traces `Hy3ForCausalLM.mtp_forward` (the MTP
+layer of one depth, the draft program) the same way: its inputs are the step inputs with `hidden_prev`
+(the previous hidden state of every token, [tokens, hidden]) after `positions`, its parameter names
+those of the model (embed_tokens and lm_head shared with the step program). Every node keeps its FakeTensor `meta["val"]` and its
 `nn_module_stack`. Export's `_assert_tensor_metadata` checks are dropped: they pin the meta device the
 graph was traced on.
 """
@@ -40,6 +43,15 @@ def example_step_inputs(
         torch.zeros(tokens, dtype=i64, device=device),
         torch.zeros(logits, dtype=i64, device=device),
     )
+
+
+def example_mtp_inputs(
+    config: Hy3Config, dtype: torch.dtype, device: str = "meta", token_multiple: int = 1
+) -> tuple[torch.Tensor, ...]:
+    """The step's example inputs with `hidden_prev` [tokens, hidden] inserted after the positions."""
+    step = example_step_inputs(config, dtype, device, token_multiple)
+    hidden_prev = torch.zeros(step[0].shape[0], config.hidden_size, dtype=dtype, device=device)
+    return (*step[:2], hidden_prev, *step[2:])
 
 
 def _dynamic_shapes() -> tuple[dict[int, object], ...]:
@@ -100,3 +112,76 @@ def trace_step(
     with torch.no_grad():
         ep = torch.export.export(model, inputs, dynamic_shapes=_dynamic_shapes(), strict=False)
     return unlift(ep)
+
+
+class _MTPStep(torch.nn.Module):
+    """`mtp_forward` of one depth as a module's forward (what export traces); the model is a submodule
+    named `model`, so parameter names come out as `model.<fqn>` and are renamed back by `trace_mtp`."""
+
+    def __init__(self, model: Hy3ForCausalLM, depth: int) -> None:
+        super().__init__()
+        self.model = model
+        self.depth = depth
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_prev: torch.Tensor,
+        kv_cache: torch.Tensor,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        logits_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.mtp_forward(
+            input_ids,
+            positions,
+            hidden_prev,
+            kv_cache,
+            page_table,
+            seq_lens,
+            query_start_loc,
+            slot_mapping,
+            logits_indices,
+            self.depth,
+        )
+
+
+def trace_mtp(
+    config: Hy3Config,
+    dtype: torch.dtype,
+    quant: QuantLayout = NO_QUANT,
+    token_multiple: int = 1,
+    depth: int = 0,
+) -> fx.GraphModule:
+    """The MTP layer of `depth` as a program (see the module docstring); its parameters keep the model's
+    names, so a weight the step program also reads (embed_tokens, lm_head) is one tensor of both."""
+    model = Hy3ForCausalLM(config, dtype=dtype, device="meta", quant=quant)
+    inputs = example_mtp_inputs(config, dtype, token_multiple=token_multiple)
+    step_shapes = _dynamic_shapes()
+    shapes = (*step_shapes[:2], {0: step_shapes[0][0]}, *step_shapes[2:])
+    with torch.no_grad():
+        ep = torch.export.export(_MTPStep(model, depth), inputs, dynamic_shapes=shapes, strict=False)
+    gm = unlift(ep)
+    return _strip_prefix(gm, "model.")
+
+
+def _strip_prefix(gm: fx.GraphModule, prefix: str) -> fx.GraphModule:
+    """gm with `prefix` dropped from every parameter name (its get_attr nodes retargeted)."""
+    root = torch.nn.Module()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            tensor = gm.get_parameter(node.target)
+            node.target = node.target.removeprefix(prefix)
+            *path, leaf = node.target.split(".")
+            module = root
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            module.register_parameter(leaf, tensor)
+    out = fx.GraphModule(root, gm.graph)
+    out.meta.update(gm.meta)
+    return out

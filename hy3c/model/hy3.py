@@ -83,6 +83,21 @@ class Hy3ForCausalLM(nn.Module):
         with torch.no_grad():
             return self(*batch.model_args(kv_cache))
 
+    @property
+    def num_draft_layers(self) -> int:
+        """MTP layers `draft` can run (depth 0 only, as the compiled draft program; 0: none)."""
+        return min(len(self.mtp), 1)
+
+    def draft(self, batch, hidden_prev: Tensor, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+        """MTP depth 0 over a `StepBatch` (the engine's interface, shared with the compiled Runner):
+        `hidden_prev[t]` the post-norm hidden at `batch.positions[t]`, `batch.input_ids[t]` the token
+        after it. Returns (fp32 logits of `logits_indices`, the MTP layer's hidden of every token)."""
+        if not self.mtp:
+            raise RuntimeError("the model has no MTP layers (num_draft_layers is 0)")
+        input_ids, positions, *rest = batch.model_args(kv_cache)
+        with torch.no_grad():
+            return self.mtp_forward(input_ids, positions, hidden_prev, *rest)
+
     def logits(self, hidden: Tensor) -> Tensor:
         """lm_head in the model dtype, returned as fp32 (docs/ARCHITECTURE.md §1.9)."""
         return self.lm_head(hidden).float()
@@ -122,7 +137,7 @@ class Hy3ForCausalLM(nn.Module):
         mtp = self.mtp[depth]
         meta = AttnMetadata(positions, slot_mapping, page_table, seq_lens, query_start_loc)
         embedded = F.embedding(input_ids, self.embed_tokens.weight)
-        embedded = torch.where((positions == 0)[:, None], torch.zeros_like(embedded), embedded)
+        embedded = embedded.masked_fill((positions == 0)[:, None], 0)  # position 0 has no previous token
         x = mtp.eh_proj(torch.cat([mtp.enorm(embedded), mtp.hnorm(hidden_prev)], dim=-1))
         x = mtp.layer(x, meta, kv_cache, self.kv_scales)
         hidden = mtp.final_layernorm(x)

@@ -55,13 +55,17 @@ SHARDED_KERNELS: tuple[str, ...] = (
 ALLOWED_OPS: tuple[str, ...] = (
     # ATen: the traced step (embedding → layers → norm → logits rows → lm_head) and what the passes keep
     "aten.add.Tensor",  # residual adds and expert + shared-expert sums not fused
+    "aten.cat.default",  # the MTP program's [enorm(embedding), hnorm(hidden_prev)]
     "aten.embedding.default",
     "aten.index_select.default",  # the logits rows
+    "aten.eq.Scalar",  # the MTP program's position-0 mask
     "aten.linear.default",
+    "aten.masked_fill.Scalar",  # the MTP program zeroes the embedding at position 0
     "aten.reshape.default",
     "aten.split_with_sizes.default",  # q | k | v of the packed projection, when not fused
     "aten.sym_size.int",  # the step's token count, for reshapes
     "aten.to.dtype",  # fp32 logits, fp32 MoE combine
+    "aten.unsqueeze.default",  # the MTP program's position-0 mask as a column
     # the hy3 dialect (hy3c.ops), their torch references as the `torch` provider
     "hy3.add_rms_norm.default",
     "hy3.add_rms_norm_quant.default",

@@ -91,6 +91,11 @@ class Artifact:
         return self.manifest.get("weights") is not None
 
     @property
+    def has_mtp(self) -> bool:
+        """Whether the artifact holds the draft program (MTP depth 0; speculative decoding needs it)."""
+        return self.manifest.get("programs", {}).get("mtp") is not None
+
+    @property
     def world_size(self) -> int:
         """The ranks that run the program together (1: one process)."""
         return self.recipe.parallel.world_size
@@ -188,6 +193,7 @@ _PART_SOURCES = {
     "recipe": "recipe",
     "weights": "weights.files",
     "program": "program.sha256",
+    "programs": "programs.mtp.sha256",
     "hy3c": "versions",
     "torch": "versions",
     "triton": "versions",
@@ -205,6 +211,7 @@ def _check_hashes(file: Path, manifest: dict[str, Any], checked: Manifest, recip
         manifest["weights"]["files"] if checked.weights is not None else [],
         checked.program.sha256,
         manifest["versions"],
+        {"mtp": checked.programs.mtp.sha256} if checked.programs.mtp is not None else None,
     )
     for part in sorted(recorded.keys() | recomputed.keys()):
         if recorded.get(part) != recomputed.get(part):
@@ -224,22 +231,26 @@ def _check_hashes(file: Path, manifest: dict[str, Any], checked: Manifest, recip
         )
 
 
-def read_program_file(art: Artifact) -> Program:
-    """The program file, its hash against the manifest, rebuilt and checked node by node and by shapes."""
+def read_program_file(art: Artifact, name: str = "step") -> Program:
+    """The program file of program `name` ("step", or "mtp" where `art.has_mtp`), its hash against the
+    manifest, rebuilt and checked node by node and by shapes."""
     import torch
 
-    from hy3c.program.serialize import ProgramError, read_program  # the op registrations: not for inspect
+    # the op registrations: not for inspect
+    from hy3c.program.check import MTP_INPUTS, STEP_INPUTS
+    from hy3c.program.serialize import ProgramError, read_program
 
-    file = art.path / art.manifest["program"]["file"]
-    text = art.file(art.manifest["program"]["file"]).read_bytes()
-    if hashlib.sha256(text).hexdigest() != art.manifest["program"]["sha256"]:
+    entry = art.manifest["program"] if name == "step" else art.manifest["programs"][name]
+    file = art.path / entry["file"]
+    text = art.file(entry["file"]).read_bytes()
+    if hashlib.sha256(text).hexdigest() != entry["sha256"]:
         raise ArtifactError(f"{file}: sha256 differs from manifest.json (corrupt or edited program)")
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as exc:  # see _read_json
         raise ArtifactError(f"{file}: corrupt JSON ({str(exc)[:200]})") from None
     try:
-        program = read_program(data)
+        program = read_program(data, STEP_INPUTS if name == "step" else MTP_INPUTS)
         kv_dtype = getattr(torch, art.manifest["kv_cache"]["dtype"])
         program.check_shapes(
             art.config,

@@ -63,6 +63,8 @@ STEP_INPUTS = (
     "logits_indices",
 )
 STEP_OUTPUTS = ("logits", "hidden")
+# the MTP (draft) program's: the step's, with the previous hidden state of every token after positions
+MTP_INPUTS = (*STEP_INPUTS[:2], "hidden_prev", *STEP_INPUTS[2:])
 
 
 class StepSizes(NamedTuple):
@@ -680,10 +682,12 @@ def check_shapes(
     kv_dtype: torch.dtype,
     kv_heads: int | None = None,
     token_multiple: int = 1,
+    input_names: tuple[str, ...] = STEP_INPUTS,
 ) -> None:
     """Run the graph on meta tensors (parameters as recorded, the step inputs of each of `STEP_SIZES`),
     checking each hy3 op's and ATen gather's contract first; the outputs must be the logits and hidden
-    states."""
+    states. `input_names` is the program's calling convention (`MTP_INPUTS` for the draft program:
+    `hidden_prev` is [tokens, hidden] in the model dtype)."""
     where = "the step inputs (from model_config)"
     try:
         with torch.no_grad():
@@ -691,6 +695,9 @@ def check_shapes(
                 # a sequence-parallel program splits the step's tokens: the engine pads them to a multiple
                 sizes = sizes._replace(tokens=sizes.tokens * token_multiple)
                 inputs = dict(zip(STEP_INPUTS, step_inputs(config, kv_dtype, sizes, kv_heads)))
+                if "hidden_prev" in input_names:
+                    shape = (sizes.tokens, config.hidden_size)
+                    inputs["hidden_prev"] = torch.empty(shape, dtype=dtype, device="meta")
                 env = _Env(tokens=sizes.tokens, vocab=config.vocab_size)
                 values: dict[fx.Node, Any] = {}
                 for node in graph.nodes:

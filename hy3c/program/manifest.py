@@ -37,6 +37,7 @@ from hy3c.recipe import Recipe
 FORMAT_VERSION = 2  # 2: hy3.fused_moe takes the norm's FP8 rows (x_q, x_q_scale)
 MANIFEST_FILE = "manifest.json"
 PROGRAM_FILE = "program/step.json"
+MTP_PROGRAM_FILE = "program/mtp.json"  # the draft program (MTP depth 0), where the artifact has one
 REPORT_FILE = "compile_report.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 HASH_THREADS = 8  # files hashed at once on load (hashlib and file reads release the GIL)
@@ -72,6 +73,23 @@ class ProgramEntry(_Strict):
     inputs: list[str]
     outputs: list[str]
     _inside = field_validator("file")(_inside)
+
+
+class MtpProgramEntry(ProgramEntry):
+    """The draft program: `Hy3ForCausalLM.mtp_forward` of MTP depth `depth` after the same passes."""
+
+    depth: int = Field(0, ge=0)
+
+
+class Programs(_Strict):
+    """Which programs the artifact holds besides the step program (`program`), and each one's pass
+    summary (pass name → matched sites). An artifact written before the draft program existed has
+    none of this: its `Programs()` default says there is no draft program (no speculative decoding)."""
+
+    names: list[str] = Field(default_factory=lambda: ["step"])
+    mtp: MtpProgramEntry | None = None
+    mtp_absent: str | None = None  # why there is no draft program (None where there is one)
+    pass_sites: dict[str, dict[str, int]] = Field(default_factory=dict)
 
 
 class WeightFile(_Strict):
@@ -140,6 +158,7 @@ class Manifest(_Strict):
     recipe: dict[str, Any]
     source: Source
     program: ProgramEntry
+    programs: Programs = Field(default_factory=Programs)
     weights: Weights | None
     kv_cache: KvCache
     shard_plan: ShardPlan = Field(default_factory=ShardPlan)
@@ -178,12 +197,17 @@ def cache_key_parts(
     weight_files: list[dict[str, Any]],
     program_sha256: str,
     versions: dict[str, str | None],
+    other_programs: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The hashed parts of an artifact's cache key (manifest.json `cache_key.parts`).
 
     `model_config` and `recipe` are the JSON dicts the manifest holds, `weight_files` its weight entries
-    ({name, bytes, sha256}; none for a preset compiled without weights)."""
+    ({name, bytes, sha256}; none for a preset compiled without weights), `other_programs` the sha256 of
+    each program besides the step program (name → hash; the part is absent where there is none, so the
+    keys of artifacts without a draft program are as before)."""
+    extra = {"programs": dict(other_programs)} if other_programs else {}
     return {
+        **extra,
         "model": json_sha256(model_config),
         "recipe": json_sha256(recipe),
         "passes": passes,

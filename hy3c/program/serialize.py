@@ -35,6 +35,7 @@ import hy3c.kernels  # noqa: F401  (registers the hy3 ops and the kernel provide
 from hy3c.config import Hy3Config
 from hy3c.program.allowlist import DTYPES, OpNotRegisteredError, is_allowed, op_name, resolve_op
 from hy3c.program.check import (
+    MTP_INPUTS,
     STEP_INPUTS,
     TENSOR,
     Kind,
@@ -54,7 +55,7 @@ MAX_NESTING = 4  # containers in a node's arguments: the compiler writes 2 (the 
 MAX_DIMS = 8  # a parameter's dims (the compiler writes at most 3: stacked expert weights)
 MAX_NUMEL = 2**40  # a parameter's elements (the full model's largest, the stacked experts: 2.4e9)
 
-__all__ = ["FORMAT", "Program", "ProgramError", "graph_to_json", "read_program"]
+__all__ = ["FORMAT", "MTP_INPUTS", "Program", "ProgramError", "graph_to_json", "read_program"]
 
 
 def _encode(value: Any) -> Any:
@@ -188,6 +189,7 @@ class Program:
 
     graph: fx.Graph
     params: dict[str, tuple[list[int], torch.dtype]]  # fqn → recorded (shape, dtype)
+    inputs: tuple[str, ...] = STEP_INPUTS  # the calling convention (MTP_INPUTS for the draft program)
 
     def check_shapes(
         self,
@@ -198,7 +200,7 @@ class Program:
         token_multiple: int = 1,
     ) -> None:
         """Run the graph on meta tensors: shapes, the hy3 ops' contracts, the outputs (program_check)."""
-        check_shapes(self.graph, self.params, config, dtype, kv_dtype, kv_heads, token_multiple)
+        check_shapes(self.graph, self.params, config, dtype, kv_dtype, kv_heads, token_multiple, self.inputs)
 
     def bind(self, parameters: dict[str, torch.Tensor]) -> fx.GraphModule:
         """The runnable GraphModule; `parameters` must hold every parameter with its recorded shape/dtype."""
@@ -221,8 +223,9 @@ class Program:
         return gm
 
 
-def read_program(data: object) -> Program:
-    """Rebuild and check a program file's graph (see the module docstring); no op runs."""
+def read_program(data: object, input_names: tuple[str, ...] = STEP_INPUTS) -> Program:
+    """Rebuild and check a program file's graph (see the module docstring); no op runs. `input_names`:
+    the inputs the program must take, in order (the step's, or `MTP_INPUTS` for the draft program)."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else None
         raise ProgramError(f"program format {shown(found)}, expected {FORMAT}")
@@ -239,7 +242,7 @@ def read_program(data: object) -> Program:
         inputs: list[str] = []
         for index, entry in enumerate(entries):
             where = _label(entry, index)
-            _add_node(entry, graph, env, kinds, inputs, params)
+            _add_node(entry, graph, env, kinds, inputs, params, input_names)
         if not env or next(reversed(env.values())).op != "output":
             raise ProgramError("the program has no output node")
         where = "the program's graph"
@@ -248,7 +251,7 @@ def read_program(data: object) -> Program:
         raise
     except Exception as exc:  # anything the checks did not foresee: still a refusal naming the node
         raise unexpected(where, exc) from None
-    return Program(graph, params)
+    return Program(graph, params, input_names)
 
 
 def _label(entry: object, index: int) -> str:
@@ -266,9 +269,10 @@ def _add_node(
     kinds: dict[fx.Node, Kind],
     inputs: list[str],
     params: dict[str, Any],
+    input_names: tuple[str, ...] = STEP_INPUTS,
 ) -> None:
     """Check one node entry against the nodes before it and add it to `graph` (`env`: name → node,
-    `kinds`: what each node produces, `inputs`: the step inputs read so far)."""
+    `kinds`: what each node produces, `inputs`: the program inputs read so far, of `input_names`)."""
     if not isinstance(entry, dict) or not set(entry) <= _NODE_KEYS:
         raise ProgramError(
             f"node entries must be objects with keys {sorted(_NODE_KEYS)}, found {shown(entry)}"
@@ -286,11 +290,11 @@ def _add_node(
     kwargs = {_check_name(k, "keyword", name): _decode(v, env, name, 1) for k, v in raw_kwargs.items()}
     kind: Kind | None = TENSOR if op in ("placeholder", "get_attr") else None
     if op == "placeholder":
-        if len(inputs) >= len(STEP_INPUTS) or target != STEP_INPUTS[len(inputs)] or args or kwargs:
-            raise ProgramError(f"node {name}: the program's inputs must be {', '.join(STEP_INPUTS)}")
+        if len(inputs) >= len(input_names) or target != input_names[len(inputs)] or args or kwargs:
+            raise ProgramError(f"node {name}: the program's inputs must be {', '.join(input_names)}")
         inputs.append(target)
-    elif len(inputs) != len(STEP_INPUTS):
-        raise ProgramError(f"node {name}: the program's inputs must be {', '.join(STEP_INPUTS)}")
+    elif len(inputs) != len(input_names):
+        raise ProgramError(f"node {name}: the program's inputs must be {', '.join(input_names)}")
     if op == "get_attr" and (args or kwargs):
         raise ProgramError(f"node {name}: a parameter node takes no arguments")
     if op == "call_function":

@@ -7,6 +7,7 @@ program), then every weight file's size and sha256, then the weights bound to th
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -87,14 +88,33 @@ def load(
             f"{art.path}: compiled for target '{art.recipe.target}' ({art.recipe.device_type}); cannot run on {device}"
         )
     program = read_program_file(art)
+    mtp_program = read_program_file(art, "mtp") if art.has_mtp else None
     if random_weights is None:
         tensors = _load_weights(art, device, rank)
     else:
-        tensors = artifact_random_parameters(art, program, random_weights, rank, device)
+        both = program  # the parameter table of both programs: one random tensor for a shared name
+        if mtp_program is not None:
+            both = dataclasses.replace(program, params={**mtp_program.params, **program.params})
+        tensors = artifact_random_parameters(art, both, random_weights, rank, device)
     try:
         gm = program.bind(tensors)
     except ProgramError as exc:
         raise ArtifactError(f"{art.path / art.manifest['program']['file']}: {exc}") from None
+    mtp_gm = None
+    if mtp_program is not None:  # bound to the same tensors: embed_tokens and lm_head are shared
+        try:
+            mtp_gm = mtp_program.bind(tensors)
+        except ProgramError as exc:
+            raise ArtifactError(f"{art.path / art.manifest['programs']['mtp']['file']}: {exc}") from None
     return Runner(
-        art.path, art.manifest, art.config, art.recipe, gm, torch.device(device), compile, art.kv_heads, rank
+        art.path,
+        art.manifest,
+        art.config,
+        art.recipe,
+        gm,
+        torch.device(device),
+        compile,
+        art.kv_heads,
+        rank,
+        mtp_gm=mtp_gm,
     )

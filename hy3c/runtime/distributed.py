@@ -539,6 +539,18 @@ class ShardedRunner:
     def decode_graphs(self):
         return self.runner.decode_graphs
 
+    @property
+    def num_draft_layers(self) -> int:
+        """0: sharded artifacts hold no draft program yet (manifest.json `programs.mtp_absent`)."""
+        return 0
+
+    def draft(self, batch: StepBatch, hidden_prev: Tensor, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+        """Refused: a sharded artifact has no draft program (`num_draft_layers` is 0)."""
+        raise RuntimeError(
+            f"{self.path}: sharded artifacts hold no draft program (num_draft_layers is 0; "
+            "speculative decoding needs a single-rank artifact)"
+        )
+
     def allocate_kv_cache(self, num_pages: int, page_size: int) -> Tensor:
         """Every rank allocates `num_pages` pages of `page_size` tokens (of its own KV heads); rank 0's."""
         with self._lock:

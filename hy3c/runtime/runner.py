@@ -2,7 +2,10 @@
 
 A runner has the same calling convention as `Hy3ForCausalLM.forward` (the eight step inputs →
 (logits, hidden)) plus `config`, `device`, `kv_dtype`, `allocate_kv_cache` and `step`, so the serving
-engine (`hy3c serve` and `hy3c generate`) drives either one.
+engine (`hy3c serve` and `hy3c generate`) drives either one. Where the artifact holds the draft program
+(MTP depth 0), `num_draft_layers` is 1 and `draft(batch, hidden_prev, kv_cache)` runs it, as
+`Hy3ForCausalLM.draft` runs the eager `mtp_forward`; the MTP layer's KV lives in cache layer
+`num_hidden_layers` (the cache has `num_kv_layers` layers).
 
 Compilation marks every batch-dependent dimension (tokens, requests, page-table width, KV page count,
 logits rows) as unbacked, so one compiled graph serves every batch shape: no recompilation, no 0/1
@@ -37,6 +40,8 @@ log = logging.getLogger("hy3c.runtime.runner")
 
 # step input index → dims that vary from step to step
 _DYNAMIC_DIMS = {0: (0,), 1: (0,), 2: (2,), 3: (0, 1), 4: (0,), 5: (0,), 6: (0,), 7: (0,)}
+# the draft program's: hidden_prev (index 2) is [tokens, hidden], the step's inputs after it
+_DRAFT_DYNAMIC_DIMS = {0: (0,), 1: (0,), 2: (0,), **{i + 1: d for i, d in _DYNAMIC_DIMS.items() if i >= 2}}
 
 
 def compile_cache_root() -> Path:
@@ -59,6 +64,7 @@ class Runner:
         compile: bool,
         kv_heads: int | None = None,
         rank: int = 0,
+        mtp_gm: fx.GraphModule | None = None,
     ) -> None:
         self.path = path
         self.manifest = manifest
@@ -72,10 +78,27 @@ class Runner:
         self.rank = rank
         self.world_size = recipe.parallel.world_size
         self.compiled = compile
-        self.decode_graphs: DecodeGraphs | None = None
+        self.mtp_gm = mtp_gm
+        self.step_graphs: dict[int, DecodeGraphs] = {}  # tokens per request → the step's graphs
+        self.draft_graphs: dict[int, DecodeGraphs] = {}  # tokens per request → the draft program's
+        self._graph_pool: object | None = None
         self.compile_cache: Path | None = self._use_compile_cache() if compile else None
         self._fn = torch.compile(gm, dynamic=False, fullgraph=True) if compile else gm
+        self._draft_fn = None
+        if mtp_gm is not None:
+            self._draft_fn = torch.compile(mtp_gm, dynamic=False, fullgraph=True) if compile else mtp_gm
         self._compiled_once = False
+        self._draft_compiled_once = False
+
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        """The step program's graphs at one token per request (plain decode), if captured."""
+        return self.step_graphs.get(1)
+
+    @property
+    def num_draft_layers(self) -> int:
+        """MTP layers the artifact's draft program runs (0: no draft program, no speculative decoding)."""
+        return 0 if self.mtp_gm is None else 1
 
     def _cache_key(self) -> str:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -104,27 +127,134 @@ class Runner:
         return allocate_kv_cache(self.config, num_pages, page_size, self.kv_dtype, self.device, self.kv_heads)
 
     def capture_decode_graphs(
-        self, kv_cache: torch.Tensor, max_pages: int, batch_sizes: list[int] | None = None
+        self,
+        kv_cache: torch.Tensor,
+        max_pages: int,
+        batch_sizes: list[int] | None = None,
+        query_lens: tuple[int, ...] = (1,),
     ) -> str | None:
-        """Capture CUDA graphs for decode steps over `kv_cache` (the recipe's batch sizes by default).
-        Returns None on success, else why nothing was captured (steps then run uncaptured)."""
+        """Capture CUDA graphs of the step program over `kv_cache` (the recipe's batch sizes by default)
+        at each of `query_lens` tokens per request, every token a logits row (q = 1: decode; q = K+1: a
+        speculative verify step). Returns None on success, else why nothing was captured (steps then
+        run uncaptured)."""
         sizes = batch_sizes if batch_sizes is not None else self.recipe.cuda_graphs.decode_batch_sizes
+        return self._capture(self.step_graphs, self._run, self.gm, kv_cache, max_pages, sizes, query_lens)
+
+    def capture_draft_graphs(
+        self,
+        kv_cache: torch.Tensor,
+        max_pages: int,
+        batch_sizes: list[int] | None,
+        query_lens: tuple[int, ...],
+    ) -> str | None:
+        """Capture CUDA graphs of the draft program at each of `query_lens` tokens per request with one
+        logits row per request (its index copied in per replay: it may be any token of the request),
+        `hidden_prev` a static input. Returns None on success, else why nothing was captured."""
+        if self.mtp_gm is None:
+            return "the artifact has no draft program (compiled without MTP layers)"
+        sizes = batch_sizes if batch_sizes is not None else self.recipe.cuda_graphs.decode_batch_sizes
+        return self._capture(
+            self.draft_graphs, self._run_draft, self.mtp_gm, kv_cache, max_pages, sizes, query_lens, True
+        )
+
+    def _capture(
+        self,
+        into: dict[int, DecodeGraphs],
+        fn,
+        gm: fx.GraphModule,
+        kv_cache: torch.Tensor,
+        max_pages: int,
+        sizes: list[int],
+        query_lens: tuple[int, ...],
+        draft: bool = False,
+    ) -> str | None:
         if not sizes:
             return "the recipe lists no decode batch sizes"
-        result = DecodeGraphs.capture(self._run, self.gm, kv_cache, sizes, max_pages)
-        if isinstance(result, str):
-            log_event(log, "cuda_graphs_skipped", reason=result)
-            return result
-        self.decode_graphs = result
+        if kv_cache.device.type == "cuda" and self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        for q in query_lens:
+            result = DecodeGraphs.capture(
+                fn,
+                gm,
+                kv_cache,
+                sizes,
+                max_pages,
+                query_len=q,
+                rows_per_request=1 if draft else q,
+                extra_widths=(self.config.hidden_size,) if draft else (),
+                extra_dtype=self.dtype,
+                pool=self._graph_pool,
+            )
+            if isinstance(result, str):
+                log_event(log, "cuda_graphs_skipped", reason=result, program="mtp" if draft else "step")
+                return result
+            into[q] = result
         return None
 
-    def step(self, batch: StepBatch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one step, replaying a captured decode graph when one covers the batch."""
-        if self.decode_graphs is not None:
-            out = self.decode_graphs.run(batch, kv_cache)
+    def step(
+        self, batch: StepBatch, kv_cache: torch.Tensor, query_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one step, replaying a captured graph when one covers the batch (`query_len`: the caller
+        vouches that every request feeds that many tokens). Returns (fp32 logits of the
+        `logits_indices` rows, post-norm hidden of every fed token: the draft program's input)."""
+        for graphs in self.step_graphs.values():
+            out = graphs.run(batch, kv_cache, (), query_len)
             if out is not None:
                 return out
         return self(*batch.model_args(kv_cache))
+
+    def draft(
+        self,
+        batch: StepBatch,
+        hidden_prev: torch.Tensor,
+        kv_cache: torch.Tensor,
+        query_len: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the draft program (MTP depth 0) over `batch`: `batch.input_ids[t]` is the token after
+        position `batch.positions[t]`, `hidden_prev[t]` the post-norm hidden state at that position
+        ([tokens, hidden], model dtype: a step's hidden rows, or the draft program's own for the
+        recursion); its KV goes to cache layer `num_hidden_layers`. Returns (fp32 logits of the
+        `logits_indices` rows, the MTP layer's post-norm hidden of every token), replaying a captured
+        draft graph when one covers the batch."""
+        if self.mtp_gm is None:
+            raise RuntimeError(f"{self.path}: the artifact has no draft program (num_draft_layers is 0)")
+        for graphs in self.draft_graphs.values():
+            out = graphs.run(batch, kv_cache, (hidden_prev,), query_len)
+            if out is not None:
+                return out
+        b = batch
+        return self._run_draft(
+            b.input_ids,
+            b.positions,
+            hidden_prev,
+            kv_cache,
+            b.page_table,
+            b.seq_lens,
+            b.query_start_loc,
+            b.slot_mapping,
+            b.logits_indices,
+        )
+
+    def _run_draft(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft program over its nine inputs (compiled like the step, its dims unbacked)."""
+        if not self.compiled:
+            with torch.no_grad():
+                return self._draft_fn(*args)
+        for index, dims in _DRAFT_DYNAMIC_DIMS.items():
+            for dim in dims:
+                torch._dynamo.decorators.mark_unbacked(args[index], dim)
+        first = not self._draft_compiled_once
+        if first:
+            log_event(log, "inductor_compile_started", cache=str(self.compile_cache), program="mtp")
+            started = time.monotonic()
+        with torch.no_grad(), fx_config.patch(use_duck_shape=False):
+            out = self._draft_fn(*args)
+        if first:
+            self._draft_compiled_once = True
+            log_event(
+                log, "inductor_compile_done", seconds=round(time.monotonic() - started, 1), program="mtp"
+            )
+        return out
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._run(*args)
