@@ -84,7 +84,7 @@ def use_step_inputs(engine: Engine) -> None:
     process only, by patching): a chunk's owner is the running sequence whose page list it carries, a
     sequence leaving the scheduler frees its row, and the pool keeps each page list's publish cursor
     until the list is released. The engine itself passes `[w.seq for w in work]` to `build`, calls
-    `drop`, and keeps the cursor in the sequence (see the issue 27 notes in the report)."""
+    `drop`, and keeps the publish cursor in the sequence (reset when its pages are replaced)."""
     from hy3c.serve.engine.step_inputs import StepInputs
 
     cfg = engine.config
