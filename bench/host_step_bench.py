@@ -8,9 +8,11 @@ the engine's own host time (`EngineMetrics.step`'s `host_seconds`, the `hy3c:eng
 histogram) and of the wall time of one engine iteration (the sampler included), the fastest of
 `--rounds` runs (other processes' load only ever adds). The page size is the h20-w8a8c8 recipe's (64).
 
-`--builder step-inputs` builds the batches with `StepInputs` (serve/engine/step_inputs.py) and
-publishes pages from a cursor (`PagePool.publish(..., since)`), by patching the engine in this process
-only; `both` (the default) measures it and `build_step_batch`. `--repetition-penalty` makes the
+`--builder step-inputs` runs the engine as it is — its batches from `StepInputs`
+(serve/engine/step_inputs.py) — with its pool publishing pages from a cursor (`PagePool.publish(...,
+since)`, patched in this process only until the scheduler keeps the cursor); `build_step_batch` patches
+the engine back to the page table rebuilt each step and the walk from page 0 (the engine before issue
+27); `both` (the default) measures both. `--repetition-penalty` makes the
 requests sample with one (the sampler then reads the whole history every step); `--profile` prints
 cProfile's heaviest functions over each run's decode steps.
 
@@ -31,11 +33,10 @@ import time
 import torch
 from tqdm import tqdm
 
-import hy3c.serve.engine.core as core
 from hy3c.checkpoint.tiny_tokenizer import train_tiny_tokenizer
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.config import Hy3Config, preset_config
-from hy3c.model.batch import SeqChunk, StepBatch
+from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
 from hy3c.recipe import load_recipe
 from hy3c.serve.engine.core import Engine, EngineConfig, GenerationRequest
 from hy3c.serve.engine.metrics import EngineMetrics
@@ -79,32 +80,22 @@ class HostTimes(EngineMetrics):
         self.steps.append((host_seconds, tokens))
 
 
-def use_step_inputs(engine: Engine) -> None:
-    """Make this engine build its batches with a `StepInputs` and publish pages incrementally (this
-    process only, by patching): a chunk's owner is the running sequence whose page list it carries, a
-    sequence leaving the scheduler frees its row, and the pool keeps each page list's publish cursor
-    until the list is released. The engine itself passes `[w.seq for w in work]` to `build`, calls
-    `drop`, and keeps the publish cursor in the sequence (reset when its pages are replaced)."""
-    from hy3c.serve.engine.step_inputs import StepInputs
+def use_build_step_batch(engine: Engine) -> None:
+    """Make this engine build its batches as before `StepInputs` (this process only): the page table
+    rebuilt from every chunk's pages each step (`build_step_batch`)."""
+    page_size, device = engine.config.page_size, engine.runner.device
 
-    cfg = engine.config
-    inputs = StepInputs(
-        cfg.page_size, engine.runner.device, cfg.max_num_seqs, -(-cfg.max_model_len // cfg.page_size)
-    )
-    scheduler, pool = engine.scheduler, engine.pool
+    def build(chunks: list[SeqChunk], owners: list[Sequence]) -> StepBatch:
+        return build_step_batch(chunks, page_size, device)
 
-    def build(chunks: list[SeqChunk], page_size: int, device: torch.device | str = "cpu") -> StepBatch:
-        owner_of = {id(seq.pages): seq for seq in scheduler.running}
-        return inputs.build(chunks, [owner_of[id(c.pages)] for c in chunks])
+    engine._inputs.build = build
 
-    remove = scheduler.remove
 
-    def remove_and_drop(request_id: str) -> Sequence | None:
-        seq = remove(request_id)
-        if seq is not None:
-            inputs.drop(seq)
-        return seq
-
+def publish_from_cursors(engine: Engine) -> None:
+    """Make this engine's pool publish from a cursor per page list (this process only): the pool keeps
+    each list's cursor until the list is released. The scheduler itself would keep it in the sequence
+    (`PagePool.publish(..., since=seq.published)`, reset when its pages are replaced)."""
+    pool = engine.pool
     cursors: dict[int, tuple[list[int], int]] = {}  # id(page list) → (the list, its publish cursor)
     publish, release = pool.publish, pool.release
 
@@ -119,8 +110,6 @@ def use_step_inputs(engine: Engine) -> None:
         release(pages)
         cursors.pop(id(pages), None)
 
-    core.build_step_batch = build
-    scheduler.remove = remove_and_drop
     pool.publish, pool.release = publish_since, release_and_forget
 
 
@@ -145,12 +134,13 @@ def measure(
         metrics,
     )
     params = SamplingParams(temperature=0.0, repetition_penalty=args.repetition_penalty)
-    original = core.build_step_batch
     loops: list[float] = []
     profiler = cProfile.Profile() if args.profile else None
     try:
         if builder == "step-inputs":
-            use_step_inputs(engine)
+            publish_from_cursors(engine)
+        else:
+            use_build_step_batch(engine)
         generator = torch.Generator().manual_seed(context)
         for r in range(requests):
             prompt = torch.randint(3, config.vocab_size, (context,), generator=generator).tolist()
@@ -171,10 +161,9 @@ def measure(
                     decoding = True
                     if profiler is not None:
                         profiler.enable()
+    finally:
         if profiler is not None:
             profiler.disable()
-    finally:
-        core.build_step_batch = original
     decode = [host for host, tokens in metrics.steps if tokens == requests]
     text = ""
     if profiler is not None:
