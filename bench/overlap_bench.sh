@@ -1,0 +1,40 @@
+# `hy3c serve` of one real-shape 4-layer FP8 slice under several engine settings, in one GPU lease:
+# overlapped scheduling on (the default) and off, and — when the artifact holds the MTP program —
+# MTP speculative decoding in the forced-acceptance benchmark mode (alpha 0.57 and 0.9, K = 1 and 2).
+#   bash bench/overlap_bench.sh          (on the GPU machine; carry .whl; MTP=0 skips the MTP runs)
+set -uo pipefail
+source bench/device_env.sh
+w=/tmp/overlap; rm -rf $w; mkdir -p $w
+stamp() { echo "[bench $(date +%T)] $*"; }
+stamp checkpoint
+python3 -m hy3c init-checkpoint --preset real-shapes:4 --fp8 static --device cuda --out $w/ckpt >/dev/null 2>&1
+stamp compile
+python3 -m hy3c compile --model $w/ckpt --recipe h20-w8a8c8 --out $w/art 2>/dev/null | tail -1
+rm -rf $w/ckpt
+run() {  # name, then hy3c serve's extra flags
+  local name=$1; shift
+  stamp "serve $name"
+  python3 -m hy3c serve $w/art --port 8011 "$@" >$w/serve-$name.log 2>&1 &
+  local pid=$!
+  for _ in $(seq 300); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health', timeout=2)" 2>/dev/null && break
+    kill -0 $pid 2>/dev/null || { echo "$name: the server exited"; tail -3 $w/serve-$name.log; return; }
+    sleep 1
+  done
+  for c in ${LEVELS:-1 32 1 32}; do
+    n=$((c == 1 ? 8 : 128))
+    python3 -m hy3c bench serve --base-url http://127.0.0.1:8011 --dataset-name random --num-prompts $n \
+      --max-concurrency $c --random-input-len 1024 --random-output-len 128 --temperature 0 --disable-tqdm \
+      | grep -E "Output token throughput|Mean step|of which host|Median TPOT|Mean TPOT|acceptance|Acceptance" \
+      | sed "s/^/$name c=$c /"
+  done
+  kill $pid; wait $pid 2>/dev/null || true
+}
+run sync --no-async-scheduling
+run overlap
+[ "${MTP:-1}" = 0 ] && exit 0
+for k in 1 2; do
+  for alpha in 0.57 0.9; do
+    LEVELS="1 32" run "mtp-k$k-a$alpha" --speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": $k, \"forced_acceptance\": $alpha}"
+  done
+done
