@@ -70,15 +70,27 @@ def derive_weights(
             yield from zip(splits[fqn], split_router_weight(tensor.float()))
 
 
+def program_parameters(gm: fx.GraphModule) -> set[str]:
+    """The parameters a program needs: those its graph reads, and the checkpoint weights the weight
+    plan derives others from (a router's fp32 source). The traced module also holds parameters its
+    graph never reads (the step program: the MTP layer's), which are not the program's."""
+    read = {str(node.target) for node in gm.graph.nodes if node.op == "get_attr"}
+    return read | {e["source"] for e in weight_plan(gm).values() if "source" in e}
+
+
 def merge_programs(programs: list[fx.GraphModule]) -> fx.GraphModule:
     """One module holding the parameters of every program (a name two programs share, e.g. embed_tokens
     and lm_head, once) with their weight and shard plans merged: what `derive_weights` and
     `write_weights` take, so a shared weight is derived and stored once. Refuses programs that type a
-    shared parameter, or plan it, differently (they would need two tensors)."""
+    shared parameter, or plan it, differently (they would need two tensors). Parameters no program
+    reads are left out."""
     merged = fx.GraphModule(torch.nn.Module(), fx.Graph())
     seen: dict[str, torch.Tensor] = {}
     for gm in programs:
+        needed = program_parameters(gm)
         for fqn, tensor in gm.named_parameters():
+            if fqn not in needed:
+                continue
             if fqn in seen:
                 if seen[fqn].shape != tensor.shape or seen[fqn].dtype != tensor.dtype:
                     raise ValueError(f"parameter {fqn}: the programs hold it with different shapes or dtypes")
@@ -96,6 +108,8 @@ def merge_programs(programs: list[fx.GraphModule]) -> fx.GraphModule:
             (shard_plan(gm), shard_plan(merged)),
         ):
             for fqn, entry in plan.items():
+                if fqn not in seen:
+                    continue
                 if merged_plan.setdefault(fqn, entry) != entry:
                     raise ValueError(f"parameter {fqn}: the programs plan it differently")
     return merged

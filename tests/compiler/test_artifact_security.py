@@ -867,8 +867,8 @@ def _targets(program_data):
 
 @pytest.fixture(scope="module")
 def emitted(tiny_ckpt, tmp_path_factory):
-    """recipe description → the call targets of its compiled program (each program also passes the
-    load-time checks: the checks refuse nothing the compiler writes)."""
+    """recipe description → the call targets of its compiled programs, the step's and the draft's (each
+    program also passes the load-time checks: the checks refuse nothing the compiler writes)."""
     from hy3c.checkpoint.fp8_convert import convert_to_fp8
 
     root = tmp_path_factory.mktemp("emit")
@@ -881,7 +881,12 @@ def emitted(tiny_ckpt, tmp_path_factory):
         opened = open_artifact(art_dir)
         dtype, kv = getattr(torch, opened.recipe.dtype), getattr(torch, opened.manifest["kv_cache"]["dtype"])
         read_program(data).check_shapes(opened.config, dtype, kv)
-        out[f"{recipe} {overrides} ({source})"] = _targets(data)
+        targets = _targets(data)
+        if opened.has_mtp:  # the draft program (MTP depth 0) is a program the compiler writes too
+            mtp = json.loads((art_dir / opened.manifest["programs"]["mtp"]["file"]).read_text())
+            read_program(mtp, program_check.MTP_INPUTS).check_shapes(opened.config, dtype, kv)
+            targets |= _targets(mtp)
+        out[f"{recipe} {overrides} ({source})"] = targets
     return out
 
 
