@@ -208,9 +208,14 @@ def _engine_over(
     engine = Engine(runner, tokenizer, config, metrics)
     if options.cuda_graphs and runner.device.type == "cuda":
         sizes = [b for b in runner.recipe.cuda_graphs.decode_batch_sizes if b <= config.max_num_seqs]
-        runner.capture_decode_graphs(
-            engine.kv_cache, max_pages=-(-max_model_len // page_size), batch_sizes=sizes
-        )
+        max_pages = -(-max_model_len // page_size)
+        if speculative is None:
+            runner.capture_decode_graphs(engine.kv_cache, max_pages=max_pages, batch_sizes=sizes)
+        else:  # verify steps feed K + 1 tokens per request; the MTP's recursive passes one
+            k = speculative.num_speculative_tokens
+            runner.capture_decode_graphs(engine.kv_cache, max_pages, sizes, query_lens=(1, k + 1))
+            if k > 1:
+                runner.capture_draft_graphs(engine.kv_cache, max_pages, sizes, (1,))
     if runner.device.type == "cuda":
         started = time.monotonic()
         engine.warm_up()

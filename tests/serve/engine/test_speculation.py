@@ -16,15 +16,7 @@ from hy3c.serve.engine.spec_decode import SpeculativeConfig
 
 
 def _drafting_model(checkpoint):
-    model = load_model(checkpoint, dtype=torch.float32, progress=False)
-
-    def draft(batch, hidden_prev, kv_cache):
-        args = batch.model_args(kv_cache)
-        with torch.no_grad():
-            return model.mtp_forward(args[0], args[1], hidden_prev, *args[2:])
-
-    model.draft = draft
-    return model
+    return load_model(checkpoint, dtype=torch.float32, progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -119,3 +119,28 @@ def test_prefill_protection_and_speculative_flags_reach_the_engine(tiny_artifact
     )
     with pytest.raises(ValueError, match="--speculative-config method: 'eagle' is not supported"):
         build_engine(bad)
+
+
+def test_a_served_artifact_speculates_with_its_mtp_program(tiny_artifact):
+    """`--speculative-config` over the compiled tiny artifact: the engine drafts with the artifact's
+    MTP program and its greedy tokens are those of the engine without speculation."""
+    from hy3c.serve.engine.core import GenerationRequest
+    from hy3c.serve.engine.sampler import SamplingParams
+    from hy3c.serve.http.server import build_engine
+
+    config = '{"method": "mtp", "num_speculative_tokens": 2}'
+    results = []
+    for speculative in (None, config):
+        engine = build_engine(
+            ServeOptions(tiny_artifact, kv_memory_gib=0.02, speculative_config=speculative)
+        )[0]
+        outputs = {name: [] for name in "ab"}
+        for name, prompt in zip("ab", ([5, 6, 7, 8], [9, 3])):
+            request = GenerationRequest(name, prompt, SamplingParams(temperature=0.0), 12, ignore_eos=True)
+            engine.submit(request, outputs[name].append)
+        engine.run_until_done()
+        results.append({n: [t for o in outs for t in o.token_ids] for n, outs in outputs.items()})
+        assert (engine.speculator is not None) == (speculative is not None)
+        if speculative is not None:
+            assert engine.metrics.spec_draft_tokens._value.get() > 0
+    assert results[1] == results[0] and all(len(t) == 12 for t in results[0].values())
