@@ -78,8 +78,9 @@ class Hy3ForCausalLM(nn.Module):
     def allocate_kv_cache(self, num_pages: int, page_size: int) -> Tensor:
         return allocate_kv_cache(self.config, num_pages, page_size, self.kv_dtype, self.device)
 
-    def step(self, batch, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
-        """One step over a `StepBatch` (the engine's interface, shared with the compiled Runner)."""
+    def step(self, batch, kv_cache: Tensor, query_len: int | None = None) -> tuple[Tensor, Tensor]:
+        """One step over a `StepBatch` (the engine's interface, shared with the compiled Runner;
+        `query_len`, the Runner's hint for its CUDA graphs, changes nothing here)."""
         with torch.no_grad():
             return self(*batch.model_args(kv_cache))
 
@@ -88,10 +89,13 @@ class Hy3ForCausalLM(nn.Module):
         """MTP layers `draft` can run (depth 0 only, as the compiled draft program; 0: none)."""
         return min(len(self.mtp), 1)
 
-    def draft(self, batch, hidden_prev: Tensor, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+    def draft(
+        self, batch, hidden_prev: Tensor, kv_cache: Tensor, query_len: int | None = None
+    ) -> tuple[Tensor, Tensor]:
         """MTP depth 0 over a `StepBatch` (the engine's interface, shared with the compiled Runner):
         `hidden_prev[t]` the post-norm hidden at `batch.positions[t]`, `batch.input_ids[t]` the token
-        after it. Returns (fp32 logits of `logits_indices`, the MTP layer's hidden of every token)."""
+        after it. Returns (fp32 logits of `logits_indices`, the MTP layer's hidden of every token).
+        `query_len` (the Runner's CUDA-graph hint) changes nothing here."""
         if not self.mtp:
             raise RuntimeError("the model has no MTP layers (num_draft_layers is 0)")
         input_ids, positions, *rest = batch.model_args(kv_cache)

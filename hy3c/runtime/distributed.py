@@ -544,7 +544,9 @@ class ShardedRunner:
         """0: sharded artifacts hold no draft program yet (manifest.json `programs.mtp_absent`)."""
         return 0
 
-    def draft(self, batch: StepBatch, hidden_prev: Tensor, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+    def draft(
+        self, batch: StepBatch, hidden_prev: Tensor, kv_cache: Tensor, query_len: int | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Refused: a sharded artifact has no draft program (`num_draft_layers` is 0)."""
         raise RuntimeError(
             f"{self.path}: sharded artifacts hold no draft program (num_draft_layers is 0; "
