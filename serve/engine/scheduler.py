@@ -68,6 +68,7 @@ class Sequence:
     settled: int = 0  # tokens whose KV was written by steps the engine collected (what may be published)
     epoch: int = 0  # counts preemptions: work planned before one no longer describes its KV
     drafts: list[int] = field(default_factory=list)  # MTP draft tokens its next decode step verifies
+    published: int = 0  # its pages the prefix cache has looked at (publishing resumes there)
 
     @property
     def pending(self) -> int:
@@ -187,7 +188,7 @@ class Scheduler:
         wrote become matchable (never a page with a position whose token the host does not have)."""
         for w in work:
             if not w.seq.finished and w.epoch == w.seq.epoch:
-                self.pool.publish(w.seq.tokens, w.seq.pages, min(w.end, len(w.seq.tokens)), w.seq.page_keys)
+                self._publish(w.seq, min(w.end, len(w.seq.tokens)))
 
     def finish(self, seq: Sequence) -> None:
         """The sequence is done: its computed full pages are published (a later request with the same
@@ -200,8 +201,12 @@ class Scheduler:
         """Forget every published page no sequence holds; returns how many were dropped."""
         return self.pool.reset_prefix_cache()
 
-    def _publish(self, seq: Sequence) -> None:
-        self.pool.publish(seq.tokens, seq.pages, min(seq.settled, len(seq.tokens)), seq.page_keys)
+    def _publish(self, seq: Sequence, upto: int | None = None) -> None:
+        """Publish its full pages below `upto` tokens (by default what collected steps wrote), looking
+        only at the pages that filled since the last time: host work per step independent of the
+        context."""
+        upto = min(seq.settled, len(seq.tokens)) if upto is None else upto
+        seq.published = self.pool.publish(seq.tokens, seq.pages, upto, seq.page_keys, since=seq.published)
 
     def _free(self, seq: Sequence) -> None:
         self.pool.release(seq.pages)
@@ -209,6 +214,7 @@ class Scheduler:
         seq.settled = 0
         seq.epoch += 1
         seq.drafts = []
+        seq.published = 0
 
     def _grow(self, seq: Sequence, upto: int) -> bool:
         missing = -(-upto // self.pool.page_size) - len(seq.pages)
@@ -306,6 +312,7 @@ class Scheduler:
                 seq.pages = [] if self._scoring(seq) else self.pool.match_prefix(seq.tokens)
                 if self.speculative and seq.pages:
                     self.pool.release([seq.pages.pop()])
+                seq.published = len(seq.pages)
                 seq.computed = len(seq.pages) * self.pool.page_size
                 if not seq.admitted:
                     seq.cached_tokens = seq.computed
