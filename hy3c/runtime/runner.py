@@ -81,7 +81,6 @@ class Runner:
         self.mtp_gm = mtp_gm
         self.step_graphs: dict[int, DecodeGraphs] = {}  # tokens per request → the step's graphs
         self.draft_graphs: dict[int, DecodeGraphs] = {}  # tokens per request → the draft program's
-        self._graph_pool: object | None = None
         self.compile_cache: Path | None = self._use_compile_cache() if compile else None
         self._fn = torch.compile(gm, dynamic=False, fullgraph=True) if compile else gm
         self._draft_fn = None
@@ -135,8 +134,9 @@ class Runner:
     ) -> str | None:
         """Capture CUDA graphs of the step program over `kv_cache` (the recipe's batch sizes by default)
         at each of `query_lens` tokens per request, every token a logits row (q = 1: decode; q = K+1: a
-        speculative verify step). Returns None on success, else why nothing was captured (steps then
-        run uncaptured)."""
+        speculative verify step). Each q's graphs have their own memory pool: a replay's outputs stay
+        valid until the next replay at the same q (of this program), whatever runs between. Returns None
+        on success, else why nothing was captured (steps then run uncaptured)."""
         sizes = batch_sizes if batch_sizes is not None else self.recipe.cuda_graphs.decode_batch_sizes
         return self._capture(self.step_graphs, self._run, self.gm, kv_cache, max_pages, sizes, query_lens)
 
@@ -170,8 +170,6 @@ class Runner:
     ) -> str | None:
         if not sizes:
             return "the recipe lists no decode batch sizes"
-        if kv_cache.device.type == "cuda" and self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
         for q in query_lens:
             result = DecodeGraphs.capture(
                 fn,
@@ -183,7 +181,6 @@ class Runner:
                 rows_per_request=1 if draft else q,
                 extra_widths=(self.config.hidden_size,) if draft else (),
                 extra_dtype=self.dtype,
-                pool=self._graph_pool,
             )
             if isinstance(result, str):
                 log_event(log, "cuda_graphs_skipped", reason=result, program="mtp" if draft else "step")
