@@ -544,6 +544,16 @@ class ShardedRunner:
         """0: sharded artifacts hold no draft program yet (manifest.json `programs.mtp_absent`)."""
         return 0
 
+    def capture_draft_graphs(
+        self,
+        kv_cache: Tensor,
+        max_pages: int,
+        batch_sizes: list[int] | None,
+        query_lens: tuple[int, ...],
+    ) -> str | None:
+        """Refused with the reason: a sharded artifact has no draft program."""
+        return "sharded artifacts hold no draft program"
+
     def draft(
         self, batch: StepBatch, hidden_prev: Tensor, kv_cache: Tensor, query_len: int | None = None
     ) -> tuple[Tensor, Tensor]:
@@ -560,9 +570,17 @@ class ShardedRunner:
             return self.runner.allocate_kv_cache(num_pages, page_size)
 
     def capture_decode_graphs(
-        self, kv_cache: Tensor, max_pages: int, batch_sizes: list[int] | None = None
+        self,
+        kv_cache: Tensor,
+        max_pages: int,
+        batch_sizes: list[int] | None = None,
+        query_lens: tuple[int, ...] = (1,),
     ) -> str | None:
-        """Every rank captures decode graphs of the same sizes (the recipe's by default); rank 0's result."""
+        """Every rank captures decode graphs of the same sizes (the recipe's by default); rank 0's result.
+        One token per request only (`query_lens` other than (1,) is refused with the reason: the ranks'
+        capture message carries no query length, and a sharded artifact drafts nothing to verify)."""
+        if tuple(query_lens) != (1,):
+            return "sharded runners capture graphs at one token per request only"
         sizes = list(self.recipe.cuda_graphs.decode_batch_sizes if batch_sizes is None else batch_sizes)
         with self._lock:
             extra = [torch.tensor(sizes, dtype=torch.int64, device=self.device)] if sizes else []

@@ -84,6 +84,9 @@ def test_sharded_runner_has_no_draft_program(tiny_ckpt, tmp_path):
     runner = artifact.load(out.out, "cpu", compile=False)
     sharded = ShardedRunner(runner, None, timedelta(seconds=10))
     assert sharded.num_draft_layers == 0
+    kv = runner.allocate_kv_cache(4, PAGE)
+    assert sharded.capture_draft_graphs(kv, 4, [1], (1,)) == "sharded artifacts hold no draft program"
+    assert "one token per request" in sharded.capture_decode_graphs(kv, 4, [1], (1, 3))
     with pytest.raises(RuntimeError, match="num_draft_layers is 0"):
         sharded.draft(_batch([1], "last"), torch.zeros(1, runner.config.hidden_size), None)
 
