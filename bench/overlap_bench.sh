@@ -1,7 +1,8 @@
 # `hy3c serve` of one real-shape 4-layer FP8 slice under several engine settings, in one GPU lease:
 # overlapped scheduling on (the default) and off, and — when the artifact holds the MTP program —
 # MTP speculative decoding in the forced-acceptance benchmark mode (alpha 0.57 and 0.9, K = 1 and 2).
-#   bash bench/overlap_bench.sh          (on the GPU machine; carry .whl; MTP=0 skips the MTP runs)
+#   bash bench/overlap_bench.sh          (on the GPU machine; carry .whl; MTP=0 skips the MTP runs,
+#   MTP_CONFIGS="1:0.57 2:0.9" picks K:alpha pairs; LEVELS="1 32" the concurrencies of the first two)
 set -uo pipefail
 source bench/device_env.sh
 w=/tmp/overlap; rm -rf $w; mkdir -p $w
@@ -33,8 +34,7 @@ run() {  # name, then hy3c serve's extra flags
 run sync --no-async-scheduling
 run overlap
 [ "${MTP:-1}" = 0 ] && exit 0
-for k in 1 2; do
-  for alpha in 0.57 0.9; do
-    LEVELS="1 32" run "mtp-k$k-a$alpha" --speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": $k, \"forced_acceptance\": $alpha}"
-  done
+for config in ${MTP_CONFIGS:-1:0.57 1:0.9 2:0.57 2:0.9}; do  # K:alpha
+  k=${config%%:*} alpha=${config##*:}
+  LEVELS="1 32" run "mtp-k$k-a$alpha" --speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": $k, \"forced_acceptance\": $alpha}"
 done

@@ -33,7 +33,7 @@ def moe_align_torch(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[T
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, key, torch.ones_like(key))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0  # the spare bin takes no rows
+    padded[num_experts:].zero_()  # the spare bin takes no rows (a kernel: no host scalar copied in a graph)
     padded_end = padded.cumsum(0)
     order = key.argsort(stable=True)
     sorted_expert = key[order]
