@@ -73,7 +73,10 @@ def test_pass_table_fits_the_terminal_and_lower_row_is_summarised(artifact, caps
     table = capsys.readouterr().out
     assert max(len(line) for line in table.splitlines()) <= TABLE_WIDTH
     lines = table.splitlines()
-    (start,) = [i for i, line in enumerate(lines) if line.startswith("lower")]
+    # one table per program: the step program's first, then the MTP draft program's
+    starts = [i for i, line in enumerate(lines) if line.startswith("lower")]
+    assert len(starts) == 2
+    start = starts[0]
     row = [lines[start]]
     for line in lines[start + 1 :]:  # the note wraps under its column
         if not line.startswith(" "):
