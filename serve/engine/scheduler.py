@@ -394,21 +394,6 @@ class DataParallelScheduler:
         for seq in sampling:
             self.ranks[seq.dp_rank].advance([], [seq])
 
-    def accept(self, w: Work, accepted: int) -> None:
-        """A verified decode step kept `accepted` of its drafts: the KV of the rejected ones is rolled
-        back (their slots are rewritten by later steps) and the drafts are spent."""
-        w.seq.computed = w.start + 1 + accepted
-        w.seq.drafts = []
-
-    def set_drafts(self, seq: Sequence, drafts: list[int]) -> None:
-        """The drafts its next decode step verifies (fed after its last token)."""
-        seq.drafts = drafts
-
-    def reserve(self, seq: Sequence, tokens: int) -> bool:
-        """Pages for its first `tokens` positions (the MTP layer's recursive drafting writes past the
-        last token); False when the pool cannot give them."""
-        return self._grow(seq, tokens)
-
     def settle(self, work: list[Work]) -> None:
         for w in work:
             self.ranks[w.seq.dp_rank].settle([w])
