@@ -1,0 +1,238 @@
+"""Where a served engine's decode step goes, on the GPU, without HTTP in the way.
+
+Builds the engine exactly as `hy3c serve ART` does (`build_engine`: KV cache, CUDA graphs, warm-up),
+then drives it on this thread (`run_until_done`) with greedy requests of random prompts, and prints:
+
+- per setting (overlapped scheduling on / off, each concurrency): TPOT (median over requests), the
+  engine's step and host time per step, and — from a torch.profiler trace of the steady decode
+  steps — the GPU's busy time per step and its idle share between kernels;
+- the decode graph's bare replay time at batch 1 and 32 (CUDA events around `graph.replay()`), the
+  floor a step can reach;
+- the host work per step split by phase (schedule, inputs, sampler, runner, collect, …);
+- every host synchronisation seen in steady decode (`torch.cuda.set_sync_debug_mode`), with the
+  stack that caused it.
+
+    python3 bench/engine_probe.py ART [--concurrency 1 32] [--input-len 1024] [--output-len 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+from hy3c.serve.engine import core
+from hy3c.serve.engine.core import GenerationRequest, StepOutput
+from hy3c.serve.engine.sampler import SamplingParams
+from hy3c.serve.http.server import ServeOptions, build_engine
+
+
+class PhaseClock:
+    """Host seconds spent inside wrapped callables, by name (nested calls count in both)."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def wrap(self, owner: object, attribute: str, name: str) -> None:
+        inner = getattr(owner, attribute)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
+                self.calls[name] += 1
+
+        setattr(owner, attribute, timed)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def submit(engine, count: int, input_len: int, output_len: int, salt: int) -> dict[str, list[float]]:
+    """`count` greedy requests of distinct random prompts; returns request → its output times."""
+    vocab = engine.runner.config.vocab_size
+    times: dict[str, list[float]] = {}
+    generator = torch.Generator().manual_seed(salt)
+    for i in range(count):
+        name = f"probe-{salt}-{i}"
+        prompt = torch.randint(0, vocab, (input_len,), generator=generator).tolist()
+        times[name] = []
+
+        def emit(out: StepOutput, stamps=times[name]) -> None:
+            if out.token_ids:
+                stamps.append(time.perf_counter())
+
+        request = GenerationRequest(name, prompt, SamplingParams(temperature=0.0), output_len, ignore_eos=True)
+        engine.submit(request, emit)
+    return times
+
+
+def tpot(times: dict[str, list[float]]) -> float:
+    per_request = [(t[-1] - t[0]) / (len(t) - 1) for t in times.values() if len(t) > 1]
+    return statistics.median(per_request)
+
+
+def gpu_busy(trace_path: Path) -> tuple[float, float, int]:
+    """(span s, busy s, kernels) of the device activity in a chrome trace: busy is the union of the
+    kernel / memcpy / memset intervals, span from the first start to the last end."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    spans = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    if not spans:
+        return 0.0, 0.0, 0
+    busy, start, end = 0.0, spans[0][0], spans[0][1]
+    for s, e in spans[1:]:
+        if s > end:
+            busy += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    return (spans[-1][1] - spans[0][0]) * 1e-6, busy * 1e-6, len(spans)
+
+
+def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args, salt: int) -> dict:
+    engine.config.async_scheduling = overlap
+    times = submit(engine, concurrency, args.input_len, args.output_len, salt)
+    # prefill, then a few decode steps untimed; then the profiled steady window
+    for _ in range(concurrency * 2 + 8):
+        engine._iterate()
+    clock.reset()
+    window = args.profile_steps
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            started = time.perf_counter()
+            for _ in range(window):
+                engine._iterate()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - started
+        prof.export_chrome_trace(str(trace))
+        span, busy, kernels = gpu_busy(trace)
+    phases = {name: clock.seconds[name] / window * 1e3 for name in clock.seconds}
+    engine.run_until_done()
+    return {
+        "overlap": overlap,
+        "concurrency": concurrency,
+        "tpot_ms": tpot(times) * 1e3,
+        "window_step_ms": wall / window * 1e3,
+        "gpu_busy_ms": busy / window * 1e3,
+        "gpu_idle_pct": 100 * (1 - busy / span) if span else float("nan"),
+        "kernels_per_step": kernels / window,
+        "phases_ms": phases,
+    }
+
+
+def replay_time(runner, batch: int, repeats: int = 200) -> float | None:
+    """Seconds per bare replay of the decode graph for `batch` requests (its inputs as last left)."""
+    for graphs in runner.step_graphs.values():
+        if graphs.query_len == 1 and batch in graphs.graphs:
+            graph = graphs.graphs[batch].graph
+            for _ in range(10):
+                graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / repeats * 1e-3
+    return None
+
+
+def find_syncs(engine, args) -> list[tuple[int, str]]:
+    """The host synchronisations of steady overlapped decode at concurrency 1: (count, stack)."""
+    engine.config.async_scheduling = True
+    submit(engine, 1, args.input_len, 64, salt=99)
+    for _ in range(10):
+        engine._iterate()
+    seen: collections.Counter[str] = collections.Counter()
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        stack = "".join(traceback.format_stack(limit=14)[:-2])
+        seen[f"{message}\n{stack}"] += 1
+
+    warnings.showwarning = record
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(20):
+                engine._iterate()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    warnings.showwarning = shown
+    engine.run_until_done()
+    return [(count, text) for text, count in seen.most_common()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--profile-steps", type=int, default=40)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    args = parser.parse_args()
+    engine, _, _ = build_engine(ServeOptions(artifact=args.artifact, max_num_seqs=args.max_num_seqs))
+    clock = PhaseClock()
+    clock.wrap(engine.scheduler, "schedule", "schedule")
+    clock.wrap(engine._inputs, "build", "inputs.build")
+    clock.wrap(core, "_feed_from_device", "feed_from_device")
+    clock.wrap(core, "prepare_fused", "prepare_fused")
+    clock.wrap(engine.runner, "step", "runner.step")
+    clock.wrap(core, "sample_async", "sample_async")
+    clock.wrap(engine, "_collect", "collect (incl. wait)")
+    clock.wrap(engine, "_emit", "emit")
+    clock.wrap(engine.scheduler, "publish", "publish")
+    clock.wrap(engine, "_launch", "launch (all)")
+    rows = []
+    salt = 0
+    for concurrency in args.concurrency:
+        for overlap in (False, True):
+            salt += 1
+            rows.append(run_setting(engine, clock, overlap, concurrency, args, salt))
+    print(f"\nengine probe: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.artifact}")
+    print(f"input {args.input_len}, output {args.output_len}, profile window {args.profile_steps} steps")
+    print("| overlap | C | TPOT ms | step ms (window) | GPU busy ms/step | GPU idle % | kernels/step |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {'on' if r['overlap'] else 'off'} | {r['concurrency']} | {r['tpot_ms']:.3f} | "
+            f"{r['window_step_ms']:.3f} | {r['gpu_busy_ms']:.3f} | {r['gpu_idle_pct']:.1f} | "
+            f"{r['kernels_per_step']:.0f} |"
+        )
+    for concurrency in args.concurrency:
+        seconds = replay_time(engine.runner, concurrency)
+        if seconds is not None:
+            print(f"bare decode-graph replay, batch {concurrency}: {seconds * 1e3:.3f} ms")
+    print("\nhost ms per step by phase (nested phases count in both):")
+    for r in rows:
+        listed = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["phases_ms"].items(), key=lambda kv: -kv[1]))
+        print(f"  overlap {'on' if r['overlap'] else 'off'} C={r['concurrency']}: {listed}")
+    syncs = find_syncs(engine, args)
+    print(f"\nhost synchronisations in 20 steady overlapped steps at C=1: {sum(c for c, _ in syncs)}")
+    for count, text in syncs:
+        print(f"--- {count}x: {text}")
+
+
+if __name__ == "__main__":
+    main()
