@@ -7,7 +7,7 @@
 #   pip download --only-binary=:all: --python-version 3.12 --implementation cp --no-deps -d .whl \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
 #     pydantic pydantic-core annotated-types typing-inspection typing-extensions fastapi starlette \
-#     annotated-doc anyio idna uvicorn h11 click httptools uvloop
+#     annotated-doc anyio idna uvicorn h11 click httptools uvloop opentelemetry-api
 repo=$(pwd)
 run=/tmp/hy3c-run
 rm -rf "$run" && mkdir -p "$run/hy3c"

@@ -172,4 +172,4 @@ def test_on_cuda_batches_match_and_building_does_not_wait_for_the_device():
     assert not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
     assert batch.page_table.tolist() == [[3, 7], [5, 6]]
-    assert batch.slot_mapping.tolist() == [7 * 16, 5 * 16 + 4]
+    assert batch.slot_mapping.tolist() == [7 * 16, 6 * 16 + 4]  # position 20: page 1 of [5, 6]
