@@ -25,6 +25,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+SAMPLING_BLOCK_ROWS = 5  # temperature, top_p, min_p (fp32 bits), top_k, seed: one [5, rows] int32 block
+
+
+def block_columns(block: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`fused_sample`'s parameter columns for the first `rows` rows of a [5, R] int32 block whose
+    rows 0-2 hold the fp32 bits of temperature, top_p and min_p and rows 3-4 top_k and the seed (one
+    host-to-device copy takes them all)."""
+    floats = block[:3].view(torch.float32)
+    return floats[0, :rows], block[3, :rows], floats[1, :rows], floats[2, :rows], block[4, :rows]
+
 
 def filter_mask(probs: Tensor, min_p: float, top_k: int, top_p: float) -> Tensor:
     """Boolean mask [V] of the tokens min-p, then top-k, then top-p keep (the most likely is always kept).

@@ -30,6 +30,7 @@ from torch import Tensor, fx
 from hy3c.kernels.registry import provider_by_target
 from hy3c.logs import log_event
 from hy3c.model.batch import StepBatch
+from hy3c.ops.sample import SAMPLING_BLOCK_ROWS
 
 log = logging.getLogger("hy3c.runtime.cuda_graphs")
 
@@ -53,7 +54,7 @@ class _Graph:
     # token_rows: the [3, tokens] storage of input_ids / positions / slot_mapping (one copy stages them)
     inputs: tuple[Tensor, ...]
     extras: tuple[Tensor, ...]  # the extra [tokens, width] inputs (hidden_prev)
-    outputs: tuple[Tensor, Tensor]
+    outputs: tuple[Tensor, ...]  # logits rows, hidden; with a sampler, then its tokens and [2, rows] draws
     padded_from: int = 0  # requests from here on hold padding values (all of them at capture)
 
 
@@ -67,8 +68,11 @@ class DecodeGraphs:
         max_pages: int,
         query_len: int = 1,
         rows_per_request: int = 1,
+        sampling: Tensor | None = None,
     ) -> None:
         self.graphs = graphs
+        # the captured sampler's [5, width] int32 parameter block, shared by every batch size's graph
+        self.sampling = sampling
         self.kv_cache = kv_cache
         self.max_pages = max_pages
         self.query_len = query_len
@@ -88,15 +92,22 @@ class DecodeGraphs:
         extra_widths: tuple[int, ...] = (),
         extra_dtype: torch.dtype | None = None,
         pool: object | None = None,
+        sampler: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
     ) -> DecodeGraphs | str:
         """Capture one graph per batch size; returns the reason instead when capture is impossible.
-        `pool`: a graph memory pool to share with other captures (one is made by default)."""
+        `pool`: a graph memory pool to share with other captures (one is made by default). `sampler`
+        (one logits row per request only): captured behind the program, `sampler(logits, block)` →
+        (tokens int64, [2, rows] float64 draws) with `block` a static [5, width] int32 parameter block
+        (`hy3c.ops.sample.block_columns`; width: the largest batch size padded to a multiple of 4),
+        so `run_sampled` draws the next tokens in the replay."""
         if kv_cache.device.type != "cuda":
             return "CUDA graphs need a CUDA device"
         if query_len < 1 or rows_per_request not in (1, query_len):
             return (
                 f"query_len {query_len} with {rows_per_request} logits rows per request is not a graph shape"
             )
+        if sampler is not None and rows_per_request != 1:
+            return "a sampler is captured with one logits row per request only"
         blockers = capture_blockers(gm)
         if blockers:
             return f"ops without a CUDA-graph-safe provider: {', '.join(blockers)}"
@@ -104,6 +115,10 @@ class DecodeGraphs:
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         q = query_len
         graphs = {}
+        sampling = None  # greedy rows until a step writes its parameters
+        if sampler is not None:
+            width = max(batch_sizes) + -max(batch_sizes) % 4  # every column 16-byte aligned
+            sampling = torch.zeros(SAMPLING_BLOCK_ROWS, width, dtype=torch.int32, device=device)
         for size in sorted(batch_sizes, reverse=True):  # largest first: smaller graphs reuse its pool
             tokens = size * q
             # rows of an even length: each starts 16-byte aligned (one kernel variant for every size)
@@ -124,15 +139,22 @@ class DecodeGraphs:
                 for width in extra_widths
             )
             args = (*static[:2], *extras, kv_cache, *static[2:7])
+
+            def step(args=args) -> tuple[Tensor, ...]:
+                outputs = fn(*args)
+                if sampler is None or sampling is None:
+                    return outputs
+                return (*outputs, *sampler(outputs[0], sampling))
+
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream), torch.no_grad():
                 for _ in range(2):
-                    fn(*args)
+                    step()
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool), torch.no_grad():
-                outputs = fn(*args)
+                outputs = step()
             graphs[size] = _Graph(size, graph, static, extras, outputs)
         log_event(
             log,
@@ -141,8 +163,9 @@ class DecodeGraphs:
             max_pages=max_pages,
             query_len=q,
             rows_per_request=rows_per_request,
+            sampled=sampler is not None,
         )
-        return cls(graphs, kv_cache, max_pages, q, rows_per_request)
+        return cls(graphs, kv_cache, max_pages, q, rows_per_request, sampling)
 
     def fits(self, batch: StepBatch, kv_cache: Tensor, query_len: int | None = None) -> bool:
         """Whether a graph covers the batch: every request with `query_len` tokens (the caller's word
@@ -170,6 +193,42 @@ class DecodeGraphs:
         query_len: int | None = None,
     ) -> tuple[Tensor, Tensor] | None:
         """Replay the graph covering the batch (its extra inputs `extras`); None when none does."""
+        g = self._stage(batch, kv_cache, extras, query_len)
+        if g is None:
+            return None
+        g.graph.replay()
+        rows = batch.seq_lens.shape[0] * self.rows_per_request
+        return g.outputs[0][:rows], g.outputs[1][: batch.input_ids.shape[0]]
+
+    @property
+    def sampling_width(self) -> int | None:
+        """The columns of the sampler's parameter block `run_sampled` takes (None: no sampler)."""
+        return None if self.sampling is None else self.sampling.shape[1]
+
+    def run_sampled(
+        self, batch: StepBatch, kv_cache: Tensor, block: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """Replay the graph covering the batch and draw a token per request in it with the sampler's
+        parameters `block` (a host [5, sampling_width] int32 block: one copy, without blocking when
+        pinned). Returns (logits rows, hidden, tokens int64, [2, requests] float64 draws), valid until
+        the next replay at this query length; None when no graph covers the batch or none samples."""
+        if self.sampling is None:
+            return None
+        if block.shape != self.sampling.shape:
+            shapes = f"{list(block.shape)}, the graphs take {list(self.sampling.shape)}"
+            raise ValueError(f"run_sampled: a parameter block of {shapes}")
+        g = self._stage(batch, kv_cache, (), 1)
+        if g is None:
+            return None
+        b = batch.seq_lens.shape[0]
+        self.sampling.copy_(block if block.is_pinned() else block.pin_memory(), non_blocking=True)
+        g.graph.replay()
+        return g.outputs[0][:b], g.outputs[1][:b], g.outputs[2][:b], g.outputs[3][:, :b]
+
+    def _stage(
+        self, batch: StepBatch, kv_cache: Tensor, extras: tuple[Tensor, ...], query_len: int | None
+    ) -> _Graph | None:
+        """Copy the batch into the static inputs of the graph that covers it; None when none does."""
         if not self.fits(batch, kv_cache, query_len):
             return None
         b = batch.seq_lens.shape[0]
@@ -197,8 +256,7 @@ class DecodeGraphs:
             lens[b:end].fill_(q)
             indices[b * rows : end * rows].copy_(_padding_rows(end, q, rows, indices.device)[b * rows :])
         g.padded_from = b
-        g.graph.replay()
-        return g.outputs[0][: b * rows], g.outputs[1][: b * q]
+        return g
 
 
 def _padding_rows(size: int, q: int, rows: int, device: torch.device) -> Tensor:

@@ -131,14 +131,36 @@ class Runner:
         max_pages: int,
         batch_sizes: list[int] | None = None,
         query_lens: tuple[int, ...] = (1,),
+        sample: bool = True,
     ) -> str | None:
         """Capture CUDA graphs of the step program over `kv_cache` (the recipe's batch sizes by default)
         at each of `query_lens` tokens per request, every token a logits row (q = 1: decode; q = K+1: a
         speculative verify step). Each q's graphs have their own memory pool: a replay's outputs stay
-        valid until the next replay at the same q (of this program), whatever runs between. Returns None
-        on success, else why nothing was captured (steps then run uncaptured)."""
+        valid until the next replay at the same q (of this program), whatever runs between. With
+        `sample`, the decode graphs (q = 1) draw the next tokens too, with the Triton fused sampler
+        (`step_sampled`). Returns None on success, else why nothing was captured (steps then run
+        uncaptured)."""
         sizes = batch_sizes if batch_sizes is not None else self.recipe.cuda_graphs.decode_batch_sizes
-        return self._capture(self.step_graphs, self._run, self.gm, kv_cache, max_pages, sizes, query_lens)
+        sampler = _graph_sampler() if sample else None
+        return self._capture(
+            self.step_graphs, self._run, self.gm, kv_cache, max_pages, sizes, query_lens, sampler=sampler
+        )
+
+    @property
+    def sampling_width(self) -> int | None:
+        """The columns of the parameter block `step_sampled` takes (None: no decode graph samples)."""
+        graphs = self.step_graphs.get(1)
+        return None if graphs is None else graphs.sampling_width
+
+    def step_sampled(
+        self, batch: StepBatch, kv_cache: torch.Tensor, block: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A decode step whose graph draws the next token of every request with the fused sampler's
+        parameters `block` (`hy3c.serve.engine.sampler.sampling_block`, `sampling_width` columns):
+        (logits rows, hidden, tokens int64, [2, requests] float64 tokens and logprobs), valid until
+        the next decode replay; None when no sampling graph covers the batch (run `step`, then sample)."""
+        graphs = self.step_graphs.get(1)
+        return None if graphs is None else graphs.run_sampled(batch, kv_cache, block)
 
     def capture_draft_graphs(
         self,
@@ -167,6 +189,7 @@ class Runner:
         sizes: list[int],
         query_lens: tuple[int, ...],
         draft: bool = False,
+        sampler=None,
     ) -> str | None:
         if not sizes:
             return "the recipe lists no decode batch sizes"
@@ -181,6 +204,7 @@ class Runner:
                 rows_per_request=1 if draft else q,
                 extra_widths=(self.config.hidden_size,) if draft else (),
                 extra_dtype=self.dtype,
+                sampler=sampler if q == 1 else None,
             )
             if isinstance(result, str):
                 log_event(log, "cuda_graphs_skipped", reason=result, program="mtp" if draft else "step")
@@ -305,3 +329,13 @@ def pad_tokens(args: tuple[torch.Tensor, ...], multiple: int) -> tuple[torch.Ten
         padded(slot_mapping, -1),
         rows,
     )
+
+
+def _graph_sampler():
+    """The fused sampler a decode graph captures (`hy3c.kernels.sampler.fused_sampler.draw_pair`);
+    None where Triton is not installed."""
+    try:
+        from hy3c.kernels.sampler.fused_sampler import draw_pair
+    except ImportError:
+        return None
+    return draw_pair

@@ -37,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hy3c.kernels.registry import Provider, register_provider
-from hy3c.ops.sample import sample_outputs
+from hy3c.ops.sample import block_columns, sample_outputs
 
 CHUNK = 4096  # tokens per program of the chunk kernel (held in registers)
 CANDIDATES = 32  # largest tokens each chunk hands to the merge
@@ -443,6 +443,15 @@ def fused_sample(
         num_warps=8,
     )
     return tokens, logprobs
+
+
+def draw_pair(logits: Tensor, block: Tensor) -> tuple[Tensor, Tensor]:
+    """One token per row of `logits` drawn with the parameters of `block` (`block_columns`), no
+    filters' fallback reported: (tokens int64, [2, rows] float64 holding the tokens and their logprobs,
+    which one copy takes to the host). Launches kernels only: a CUDA graph captures it (the decode
+    graphs with sampling, `hy3c.runtime.cuda_graphs`)."""
+    tokens, logprobs = fused_sample(logits, *block_columns(block, logits.shape[0]))
+    return tokens, torch.stack([tokens.double(), logprobs.double()])
 
 
 @torch.library.custom_op("hy3_triton::sample", mutates_args=())

@@ -52,9 +52,13 @@ from hy3c.serve.engine.sampler import (
     PendingSample,
     SampleResult,
     SamplingParams,
-    prepare_fused,
+    fused_on,
+    has_penalties,
     sample_async,
+    sampling_block,
+    staged_draws,
     upload,
+    upload_block,
 )
 from hy3c.serve.engine.scheduler import DataParallelScheduler, Scheduler, Sequence, Work
 from hy3c.serve.engine.spec_decode import SpeculativeConfig
@@ -475,26 +479,41 @@ class Engine:
             pick = None
             if len(rows) < num_rows:
                 pick = upload(torch.tensor(rows, dtype=torch.long), device)
-            # the sampler's parameters go up before the step, so its launches queue right behind it
             params = [lv.request.params for lv in lives]
-            inputs = prepare_fused(params, [lv.generator for lv in lives], device)
-            prepared = time.monotonic()
-            if self.data_parallel > 1:
-                logits, _ = self.runner.step_data_parallel(batches, self.kv_cache)
-            else:
-                logits, _ = self.runner.step(batch, self.kv_cache)
-            self.scheduler.advance(work, [lv.seq for lv in lives])
-            self._score_prompts(logits, scoring)
+            generators = [lv.generator for lv in lives]
             want = max((lv.request.num_logprobs or 0 for lv in lives), default=0)
-            pending = sample_async(
-                logits if pick is None else logits[pick],
-                params,
-                [History(lv.request.prompt_ids, lv.output) for lv in lives],
-                [lv.generator for lv in lives],
-                want,
-                prepared=inputs,
-                staging=self._staging,
-            )
+            # the sampler's parameters (this step's seeds drawn) go up before the step: into the decode
+            # graph that draws the tokens itself, else for the sampler's launches right behind the step
+            width = getattr(self.runner, "sampling_width", None) if self.data_parallel == 1 else None
+            in_graph = bool(width) and pick is None and not want and 0 < len(params) <= width
+            in_graph = in_graph and not any(has_penalties(p) for p in params)
+            fused = bool(params) and fused_on(device)
+            block = None
+            if in_graph or fused:
+                block = sampling_block(params, generators, width if in_graph else 0)
+            prepared = time.monotonic()
+            drawn = self.runner.step_sampled(batch, self.kv_cache, block) if in_graph else None
+            if drawn is not None:
+                logits, _, tokens, pair = drawn
+                self.scheduler.advance(work, [lv.seq for lv in lives])
+                pending = staged_draws(tokens, pair, self._staging)
+            else:
+                inputs = upload_block(block, len(params), device) if fused and block is not None else None
+                if self.data_parallel > 1:
+                    logits, _ = self.runner.step_data_parallel(batches, self.kv_cache)
+                else:
+                    logits, _ = self.runner.step(batch, self.kv_cache)
+                self.scheduler.advance(work, [lv.seq for lv in lives])
+                self._score_prompts(logits, scoring)
+                pending = sample_async(
+                    logits if pick is None else logits[pick],
+                    params,
+                    [History(lv.request.prompt_ids, lv.output) for lv in lives],
+                    generators,
+                    want,
+                    prepared=inputs,
+                    staging=self._staging,
+                )
         except Exception as exc:  # fail the requests of this step, keep serving the others
             self._step_failed(work, exc)
             return None

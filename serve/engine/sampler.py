@@ -32,6 +32,7 @@ from torch import Tensor
 
 import hy3c.kernels  # noqa: F401  (registers hy3.sample and its providers)
 from hy3c.kernels.registry import providers_for
+from hy3c.ops.sample import block_columns
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (logits / 1e-40 overflow fp32 to inf)
 PENALISED_LOGIT_LIMIT = 1e30  # x 1 / SAMPLING_EPS = 1e35: far below fp32's 3.4e38
@@ -149,33 +150,63 @@ class FusedInputs:
 def prepare_fused(
     params: list[SamplingParams], generators: list[torch.Generator | None], device: torch.device
 ) -> FusedInputs | None:
-    """Draw this step's seeds and upload the parameter columns (None where the fused sampler is not used).
+    """Draw this step's seeds and upload the parameter columns (None where the fused sampler is not used):
+    `sampling_block`, then `upload_block`."""
+    if not params or not fused_on(device):
+        return None
+    return upload_block(sampling_block(params, generators), len(params), device)
+
+
+def fused_on(device: torch.device) -> bool:
+    """Whether rows on `device` are drawn by the Triton fused sampler (CUDA, Triton installed)."""
+    return device.type == "cuda" and _triton_sampler() is not None
+
+
+def sampling_block(
+    params: list[SamplingParams], generators: list[torch.Generator | None], width: int = 0
+) -> Tensor:
+    """The fused sampler's parameters of a step as one host [5, rows] int32 block (the layout of
+    `hy3c.kernels.sampler.fused_sampler.block_columns`: rows 0-2 the fp32 bits of temperature, top_p,
+    min_p; rows 3-4 top_k and the seed), with this step's seeds drawn.
 
     Each row draws a fresh 31-bit seed from its request's generator, so seeded requests reproduce. The
-    host-to-device copy puts every column 16-byte aligned whatever the batch size (rows padded to
-    a multiple of 4): Triton specializes on pointer alignment, and an unaligned column would compile
-    new kernel variants on live traffic.
+    rows are padded to a multiple of 4 (or to `width` rows, a decode graph's block: `sampling_width`),
+    which puts every column 16-byte aligned whatever the batch size: Triton specializes on pointer
+    alignment, and an unaligned column would compile new kernel variants on live traffic.
     """
-    if not params or device.type != "cuda" or _triton_sampler() is None:
-        return None
     seeds = [
         int(torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device)) if g is not None else 0
         for g in generators
     ]
-    return fused_inputs(params, seeds, device)
+    return block_of(params, seeds, width)
 
 
-def fused_inputs(params: list[SamplingParams], seeds: list[int], device: torch.device) -> FusedInputs:
-    """The parameter columns of `prepare_fused` for the given seeds: one host-to-device copy of a
-    [5, rows] int32 block whose first three rows hold the float columns' bits."""
-    rows, pad = len(params), -len(params) % 4
+def block_of(params: list[SamplingParams], seeds: list[int], width: int = 0) -> Tensor:
+    """`sampling_block` for the given seeds."""
+    pad = max(-len(params) % 4, width - len(params))
     floats = torch.tensor(
         [(p.temperature, p.top_p, p.min_p) for p in params] + [(0, 0, 0)] * pad, dtype=torch.float32
     )
     ints = torch.tensor([(p.top_k, s) for p, s in zip(params, seeds)] + [(0, 0)] * pad, dtype=torch.int32)
-    block = upload(torch.cat([floats.T.contiguous().view(torch.int32), ints.T.contiguous()]), device)
-    floats, ints = block[:3].view(torch.float32), block[3:]
-    return FusedInputs((floats[0, :rows], ints[0, :rows], floats[1, :rows], floats[2, :rows], ints[1, :rows]))
+    return torch.cat([floats.T.contiguous().view(torch.int32), ints.T.contiguous()])
+
+
+def upload_block(block: Tensor, rows: int, device: torch.device) -> FusedInputs:
+    """A `sampling_block` on the device (one copy) as the fused sampler's columns of `rows` rows."""
+    return FusedInputs(block_columns(upload(block, device), rows))
+
+
+def fused_inputs(params: list[SamplingParams], seeds: list[int], device: torch.device) -> FusedInputs:
+    """The parameter columns of `prepare_fused` for the given seeds, on `device`."""
+    return FusedInputs(block_columns(block_of(params, seeds).to(device), len(params)))
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    """Whether the row's logits are changed before the draw (`apply_penalties`)."""
+    p = params
+    return (
+        bool(p.logit_bias) or p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+    )
 
 
 def sample(
@@ -266,16 +297,29 @@ def _sample_fused(
     if staging is None or num_logprobs:
         result = _fused_result(logits, params, pair.tolist(), outputs, num_logprobs)
         return PendingSample(tokens.long(), lambda: result)
-    host = staging.take(len(params))
+    return staged_draws(tokens.long(), pair, staging)
+
+
+def staged_draws(tokens: Tensor, pair: Tensor, staging: HostStaging) -> PendingSample:
+    """Draws on the device as a `PendingSample`: `pair` ([2, rows] float64: the tokens and their
+    logprobs) is copied to a pinned `staging` buffer without blocking; `result()` waits for that copy.
+    `tokens` (int64) must stay valid until the next step has read them (a decode graph's output does:
+    the next replay follows the reads queued before it)."""
+    if not pair.is_cuda:
+        token_list, chosen_list = pair.tolist()
+        result = SampleResult([int(t) for t in token_list], chosen_list, [[] for _ in token_list])
+        return PendingSample(tokens, lambda: result)
+    host = staging.take(pair.shape[1])
     host.copy_(pair, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
 
     def collect() -> SampleResult:
         copied.synchronize()
-        return _fused_result(logits, params, host.tolist(), outputs, 0)
+        token_list, chosen_list = host.tolist()
+        return SampleResult([int(t) for t in token_list], chosen_list, [[] for _ in token_list])
 
-    return PendingSample(tokens.long(), collect)
+    return PendingSample(tokens, collect)
 
 
 def _fused_result(logits, params, pair: list[list[float]], outputs, num_logprobs) -> SampleResult:
