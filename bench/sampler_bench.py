@@ -61,6 +61,9 @@ def measure(rows: int) -> str:
         lambda: sample_reference(logits, params, history, gens), warmup=2, rep=10, return_mode="median"
     )
     ours = do_bench(lambda: fused_sample(logits, t, k, p, mp, seeds), warmup=10, rep=50, return_mode="median")
+    captured = do_bench(
+        captured_sampler(logits, (t, k, p, mp, seeds)), warmup=10, rep=50, return_mode="median"
+    )
     # the same kernels when the candidates cannot decide: no top-k, top-p 0.9 of flat logits (fallback)
     flat = columns(rows, 1.0, 0, 0.9)
     fallback = do_bench(lambda: fused_sample(logits, *flat), warmup=5, rep=20, return_mode="median")
@@ -69,9 +72,24 @@ def measure(rows: int) -> str:
     wrong = check(logits, params[0]) + check(logits, SamplingParams(temperature=1.0, top_p=0.9))
     floor = rows * V * 4 / 4.25e9
     return (
-        f"| {rows} | {peer:.3f} | {ref:.3f} | {ours:.3f} | {peer / ours:.2f}× | {floor:.4f} | "
+        f"| {rows} | {peer:.3f} | {ref:.3f} | {ours:.3f} | {peer / ours:.2f}× | {captured:.3f} | "
+        f"{peer / captured:.2f}× | {floor:.4f} | "
         f"{no_filter:.3f} | {fallback:.3f} | {wrong} |"
     )
+
+
+def captured_sampler(logits: torch.Tensor, cols: tuple[torch.Tensor, ...]):
+    """A replay of the fused sampler captured in a CUDA graph, as the decode graphs run it (no host
+    launch cost per kernel)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_sample(logits, *cols)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_sample(logits, *cols)
+    return graph.replay
 
 
 def sweep() -> None:
@@ -101,10 +119,11 @@ def main() -> None:
     if "--sweep" in sys.argv:
         sweep()
     print(
-        "| batch | peer eager chain ms | torch reference ms | hy3c Triton ms | vs peer | read floor ms "
+        "| batch | peer eager chain ms | torch reference ms | hy3c Triton ms | vs peer "
+        "| hy3c Triton in a CUDA graph ms | vs peer | read floor ms "
         "| hy3c, temperature only | hy3c, top-p over flat logits (fallback) | rows ≠ reference |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for rows in (1, 16, 64, 256):
         print(measure(rows), flush=True)
 
