@@ -2,20 +2,24 @@
 # overlapped scheduling on (the default) and off, and — when the artifact holds the MTP program —
 # MTP speculative decoding in the forced-acceptance benchmark mode (alpha 0.57 and 0.9, K = 1 and 2).
 #   bash bench/overlap_bench.sh          (on the GPU machine; carry .whl; MTP=0 skips the MTP runs,
-#   MTP_CONFIGS="1:0.57 2:0.9" picks K:alpha pairs; LEVELS="1 32" the concurrencies of the first two)
+#   MTP_CONFIGS="1:0.57 2:0.9" picks K:alpha pairs; LEVELS="1 32" the concurrencies of the first two;
+#   ART=DIR serves an artifact compiled before instead of building one)
 set -uo pipefail
 source bench/device_env.sh
 w=/tmp/overlap; rm -rf $w; mkdir -p $w
 stamp() { echo "[bench $(date +%T)] $*"; }
-stamp checkpoint
-python3 -m hy3c init-checkpoint --preset real-shapes:4 --fp8 static --device cuda --out $w/ckpt >/dev/null 2>&1
-stamp compile
-python3 -m hy3c compile --model $w/ckpt --recipe h20-w8a8c8 --out $w/art 2>/dev/null | tail -1
-rm -rf $w/ckpt
+art=${ART:-$w/art}
+if [ -z "${ART:-}" ]; then
+  stamp checkpoint
+  python3 -m hy3c init-checkpoint --preset real-shapes:4 --fp8 static --device cuda --out $w/ckpt >/dev/null 2>&1
+  stamp compile
+  python3 -m hy3c compile --model $w/ckpt --recipe h20-w8a8c8 --out $art 2>/dev/null | tail -1
+  rm -rf $w/ckpt
+fi
 run() {  # name, then hy3c serve's extra flags
   local name=$1; shift
   stamp "serve $name"
-  python3 -m hy3c serve $w/art --port 8011 "$@" >$w/serve-$name.log 2>&1 &
+  python3 -m hy3c serve $art --port 8011 "$@" >$w/serve-$name.log 2>&1 &
   local pid=$!
   for _ in $(seq 300); do
     python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health', timeout=2)" 2>/dev/null && break
@@ -23,7 +27,7 @@ run() {  # name, then hy3c serve's extra flags
     sleep 1
   done
   for c in ${LEVELS:-1 32 1 32}; do
-    n=$((c == 1 ? 8 : 128))
+    n=$((c == 1 ? 16 : 4 * c))
     python3 -m hy3c bench serve --base-url http://127.0.0.1:8011 --dataset-name random --num-prompts $n \
       --max-concurrency $c --random-input-len 1024 --random-output-len 128 --temperature 0 --disable-tqdm \
       | grep -E "Output token throughput|Mean step|of which host|Median TPOT|Mean TPOT|acceptance|Acceptance" \

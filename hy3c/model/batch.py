@@ -38,6 +38,9 @@ class StepBatch:
     # [3, T] view over input_ids, positions and slot_mapping when they share storage (build_step_batch):
     # one copy moves all three
     token_rows: Tensor | None = None
+    # [2, F] int64 when F tokens are fed from the device (overlapped scheduling, StepInputs): row 0 the
+    # token indices whose ids the previous step's draws fill in, row 1 the draw rows they take
+    feed_index: Tensor | None = None
 
     def model_args(self, kv_cache: Tensor) -> tuple[Tensor, ...]:
         """Positional arguments of Hy3ForCausalLM.forward."""

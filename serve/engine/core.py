@@ -163,20 +163,29 @@ class _InFlight:
     host_seconds: float  # planning and building it, before the runner was called
 
 
-def _feed_from_device(batch: StepBatch, work: list[Work], previous: _InFlight | None) -> None:
-    """Put the in-flight tokens of `previous` into the batch's token ids, on the device: each item fed
-    from the device has its last token there (its chunk holds a placeholder)."""
-    targets, sources = [], []
+def _feed_pairs(work: list[Work], previous: _InFlight | None) -> list[tuple[int, int]]:
+    """(token index, draw row of `previous`) of each item fed from the device: its last token, which
+    its chunk holds as a placeholder, is `previous`'s draw for the request."""
+    pairs = []
     row = 0
     for w in work:
         row += w.count
         if w.from_device:
             assert previous is not None, "a token in flight without a step in flight"
-            targets.append(row - 1)
-            sources.append(previous.row_of[w.seq])
-    if targets:
-        index = upload(torch.tensor([targets, sources], dtype=torch.long), batch.input_ids.device)
-        batch.input_ids.index_copy_(0, index[0], previous.pending.tokens.index_select(0, index[1]))
+            pairs.append((row - 1, previous.row_of[w.seq]))
+    return pairs
+
+
+def _feed_from_device(batch: StepBatch, pairs: list[tuple[int, int]], previous: _InFlight | None) -> None:
+    """Put the in-flight tokens of `previous` into the batch's token ids, on the device (`pairs`:
+    `_feed_pairs`; uploaded here unless the batch carries them as its `feed_index`)."""
+    if not pairs:
+        return
+    assert previous is not None
+    index = batch.feed_index
+    if index is None:
+        index = upload(torch.tensor(pairs, dtype=torch.long).T.contiguous(), batch.input_ids.device)
+    batch.input_ids.index_copy_(0, index[0], previous.pending.tokens.index_select(0, index[1]))
 
 
 class Engine:
@@ -465,11 +474,12 @@ class Engine:
                     for items in ranks
                 ]
                 for batch, items in zip(batches, ranks):
-                    _feed_from_device(batch, [work[i] for i in items], previous)
+                    _feed_from_device(batch, _feed_pairs([work[i] for i in items], previous), previous)
                 num_rows = sum(len(b.logits_owner) for b in batches)
             else:
-                batch = self._inputs.build(chunks, [w.seq for w in work])
-                _feed_from_device(batch, work, previous)
+                pairs = _feed_pairs(work, previous)
+                batch = self._inputs.build(chunks, [w.seq for w in work], pairs)
+                _feed_from_device(batch, pairs, previous)
                 num_rows = len(batch.logits_owner)
             rows, lives, scoring, scored_only = self._logit_rows(work)
             if self.speculator is not None:  # verified and drafted at once: nothing stays in flight

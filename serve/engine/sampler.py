@@ -27,11 +27,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 import hy3c.kernels  # noqa: F401  (registers hy3.sample and its providers)
 from hy3c.kernels.registry import providers_for
+from hy3c.model.batch import aligned
 from hy3c.ops.sample import block_columns
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (logits / 1e-40 overflow fp32 to inf)
@@ -182,13 +184,17 @@ def sampling_block(
 
 
 def block_of(params: list[SamplingParams], seeds: list[int], width: int = 0) -> Tensor:
-    """`sampling_block` for the given seeds."""
-    pad = max(-len(params) % 4, width - len(params))
-    floats = torch.tensor(
-        [(p.temperature, p.top_p, p.min_p) for p in params] + [(0, 0, 0)] * pad, dtype=torch.float32
-    )
-    ints = torch.tensor([(p.top_k, s) for p, s in zip(params, seeds)] + [(0, 0)] * pad, dtype=torch.int32)
-    return torch.cat([floats.T.contiguous().view(torch.int32), ints.T.contiguous()])
+    """`sampling_block` for the given seeds (built through numpy: a few µs whatever the batch)."""
+    columns = max(aligned(len(params), 4), width)
+    block = np.zeros((5, columns), dtype=np.int32)
+    rows = len(params)
+    floats = block[:3].view(np.float32)
+    floats[0, :rows] = [p.temperature for p in params]
+    floats[1, :rows] = [p.top_p for p in params]
+    floats[2, :rows] = [p.min_p for p in params]
+    block[3, :rows] = [p.top_k for p in params]
+    block[4, :rows] = seeds
+    return torch.from_numpy(block)
 
 
 def upload_block(block: Tensor, rows: int, device: torch.device) -> FusedInputs:

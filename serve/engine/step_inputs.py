@@ -86,9 +86,16 @@ class StepInputs:
             self.table[row.index, : row.written].zero_()
         self._free_rows.append(row.index)
 
-    def build(self, chunks: list[SeqChunk], owners: Sequence[Hashable]) -> StepBatch:
+    def build(
+        self,
+        chunks: list[SeqChunk],
+        owners: Sequence[Hashable],
+        feed: Sequence[tuple[int, int]] = (),
+    ) -> StepBatch:
         """The step's batch for `chunks`, chunk r being request `owners[r]`'s (equal, value for value,
-        to `build_step_batch(chunks, page_size, device)`). A request seen for the first time gets a row."""
+        to `build_step_batch(chunks, page_size, device)`). A request seen for the first time gets a row.
+        `feed`: (token index, draw row) of the tokens the previous step's draws fill in, uploaded with
+        the rest as the batch's `feed_index` ([2, F]; None when empty)."""
         if len(owners) != len(chunks):
             raise ValueError(f"StepInputs.build: {len(chunks)} chunks but {len(owners)} owners")
         if len(set(owners)) != len(owners):
@@ -111,21 +118,23 @@ class StepInputs:
                 values.extend(pages[row.written :])
                 row.written, row.last = len(pages), pages[-1]
         self.cells_written += len(cells)
-        t, b, s, u = len(inputs.ids), len(rows), len(inputs.logits_rows), len(cells)
-        # int64: ids | positions | slots | logits rows | cells; int32: lengths | starts | rows | values;
+        t, b, s, u, f = len(inputs.ids), len(rows), len(inputs.logits_rows), len(cells), len(feed)
+        # int64: ids | positions | slots | logits rows | cells | feed; int32: lengths | starts | rows | values;
         # every segment 16-byte aligned (Triton compiles a kernel variant per pointer alignment class)
         tt, ss = aligned(t, 2), aligned(s, 2)
         gap = [0] * (tt - t)
         wide = [*inputs.ids, *gap, *inputs.positions, *gap, *inputs.slots, *gap, *inputs.logits_rows]
         wide.extend([0] * (ss - s))
         wide.extend(cells)
+        wide.extend(target for target, _ in feed)
+        wide.extend(source for _, source in feed)
         bb, starts = aligned(b, 4), aligned(b + 1, 4)
         narrow = [*inputs.seq_lens, *[0] * (bb - b), *inputs.starts, *[0] * (starts - b - 1), *rows]
         narrow.extend([0] * (bb - b))
         narrow.extend(values)
         wide_d = self._upload(np.array(wide, np.int64))
         narrow_d = self._upload(np.array(narrow, np.int32))
-        token_block, logits_indices, cells_d = wide_d.split_with_sizes([3 * tt, ss, u])
+        token_block, logits_indices, cells_d, feed_d = wide_d.split_with_sizes([3 * tt, ss, u, 2 * f])
         seq_lens, query_start_loc, rows_d, values_d = narrow_d.split_with_sizes([bb, starts, bb, u])
         if u:
             self.table.view(-1).index_copy_(0, cells_d, values_d)
@@ -141,6 +150,7 @@ class StepInputs:
             logits_indices=logits_indices[:s],
             logits_owner=inputs.owners,
             token_rows=token_rows,
+            feed_index=feed_d.view(2, f) if f else None,
         )
 
     def _sync(self, owner: Hashable, pages: Sequence[int]) -> _Row:

@@ -144,6 +144,19 @@ def test_replaced_pages_rewrite_the_row():
     assert inputs.table[inputs.row_of("a"), :3].tolist() == [9, 5, 0]
 
 
+def test_fed_tokens_go_up_with_the_batch():
+    """The (token index, draw row) pairs of tokens fed from the device ride in the batch's upload; the
+    other inputs are those of a build without them."""
+    inputs = StepInputs(4, "cpu")
+    chunks = [SeqChunk([1, 0], 0, [3]), SeqChunk([0], 9, [5, 6, 7])]
+    fed = inputs.build(chunks, ["a", "b"], [(1, 0), (2, 1)])
+    assert fed.feed_index.tolist() == [[1, 2], [0, 1]]
+    plain = StepInputs(4, "cpu").build(chunks, ["a", "b"])
+    assert plain.feed_index is None
+    for name in ("input_ids", "positions", "slot_mapping", "page_table", "seq_lens", "logits_indices"):
+        assert getattr(fed, name).tolist() == getattr(plain, name).tolist(), name
+
+
 def test_bad_calls_are_one_line_errors():
     inputs = StepInputs(4, "cpu")
     chunk = SeqChunk([1], 0, [3])
