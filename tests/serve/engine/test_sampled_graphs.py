@@ -179,3 +179,23 @@ def test_sampled_replays_equal_the_step_then_the_fused_sampler(cuda_runner):
         runner.step_sampled(_decode_batch(1), kv, block_of(kinds[:1], [0], 8))  # not the graphs' width
     prefill = build_step_batch([SeqChunk([3, 4], 0, [1], "last")], 16, "cuda")
     assert runner.step_sampled(prefill, kv, block_of(kinds[:1], [0], width)) is None
+
+
+@pytest.mark.gpu
+def test_draws_reach_the_host_without_blocking_on_the_device():
+    """The staged copy of a step's draws returns while the stream is busy (a strided pinned view
+    would be staged through pageable memory and wait for the device)."""
+    from hy3c.serve.engine.sampler import HostStaging, staged_draws
+
+    staging = HostStaging()
+    for rows in (3, 1, 70):  # below and above the first buffer's size
+        assert staging.take(rows).is_contiguous() and staging.take(rows).shape == (2, rows)
+    pair = torch.stack(
+        [torch.arange(5, device="cuda").double(), torch.full((5,), -0.5, device="cuda").double()]
+    )
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # keeps the stream busy for a while (~0.1 s)
+    pending = staged_draws(pair[0].long(), pair, staging)
+    assert not torch.cuda.current_stream().query()  # returned before the device got there
+    result = pending.result()
+    assert result.tokens == [0, 1, 2, 3, 4] and result.logprobs == [-0.5] * 5
