@@ -10,15 +10,23 @@ then drives it on this thread (`run_until_done`) with greedy requests of random 
   floor a step can reach;
 - the host work per step split by phase (schedule, inputs, sampler, runner, collect, …);
 - every host synchronisation seen in steady decode (`torch.cuda.set_sync_debug_mode`), with the
-  stack that caused it.
+  stack that caused it;
+- with `--contexts`: the overlapped engine's decode step and host time at each context length
+  (`--context-requests` requests of that many prompt tokens);
+- with `--long-prompts`: decode protection — `--decoders` requests decode while that many prompts of
+  `--long-len` tokens are prefilled; the decoders' inter-token latency (median, p99, max) during the
+  prefill, with the prefill chunk per step at the token budget and at `--long-prefill-token-threshold`.
 
-    python3 bench/engine_probe.py ART [--concurrency 1 32] [--input-len 1024] [--output-len 128]
+    python3 bench/engine_probe.py ART [--concurrency 1 32] [--input-len 1024] [--output-len 200]
+        [--contexts 1024 32768 131072] [--long-prompts 2 --long-len 65536 --decoders 8]
+        [--long-prefill-token-threshold 1024] [--skip-settings]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import statistics
 import tempfile
@@ -108,12 +116,18 @@ def gpu_busy(trace_path: Path) -> tuple[float, float, int]:
     return (spans[-1][1] - spans[0][0]) * 1e-6, busy * 1e-6, len(spans)
 
 
+def until_decoding(engine, times: dict[str, list[float]], extra: int = 8) -> None:
+    """Iterate until every request has its first token, then `extra` more steps."""
+    while any(not stamps for stamps in times.values()):
+        engine._iterate()
+    for _ in range(extra):
+        engine._iterate()
+
+
 def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args, salt: int) -> dict:
     engine.config.async_scheduling = overlap
     times = submit(engine, concurrency, args.input_len, args.output_len, salt)
-    # prefill, then a few decode steps untimed; then the profiled steady window
-    for _ in range(concurrency * 2 + 8):  # (output_len must outlast this and both windows)
-        engine._iterate()
+    until_decoding(engine, times)  # (output_len must outlast this and both windows)
     window = args.profile_steps
     clock.reset()
     started = time.perf_counter()
@@ -145,6 +159,59 @@ def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args
         "gpu_idle_pct": 100 * (1 - busy / span) if span else float("nan"),
         "kernels_per_step": kernels / window,
         "phases_ms": phases,
+    }
+
+
+def context_step(engine, clock: PhaseClock, context: int, requests: int, steps: int = 40) -> dict:
+    """The overlapped engine's steady decode step and host phases with `requests` prompts of `context`
+    tokens."""
+    engine.config.async_scheduling = True
+    times = submit(engine, requests, context, steps + 20, salt=1000 + context)
+    until_decoding(engine, times)
+    clock.reset()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine._iterate()
+    torch.cuda.synchronize()
+    step = (time.perf_counter() - started) / steps
+    phases = {name: clock.seconds[name] / steps * 1e3 for name in clock.seconds}
+    engine.run_until_done()
+    return {"context": context, "step_ms": step * 1e3, "phases_ms": phases}
+
+
+def protection(engine, args, threshold: int) -> dict:
+    """Decoders' inter-token gaps while long prompts prefill, chunked at `threshold` tokens per step
+    (0: the token budget)."""
+    engine.config.async_scheduling = True
+    engine.scheduler.long_prefill_token_threshold = threshold
+    decoders = submit(engine, args.decoders, 1024, 100_000, salt=2000 + threshold)
+    until_decoding(engine, decoders)
+    long = submit(engine, args.long_prompts, args.long_len, 1, salt=3000 + threshold)
+    started = time.perf_counter()
+    while any(not stamps for stamps in long.values()):
+        engine._iterate()
+    ended = time.perf_counter()
+    gaps = sorted(
+        b - a
+        for stamps in decoders.values()
+        for a, b in itertools.pairwise(stamps)
+        if started <= a and b <= ended
+    )
+    for name in decoders:
+        engine.abort(name)
+    engine.run_until_done()
+    engine.scheduler.long_prefill_token_threshold = 0
+
+    def at(q: float) -> float:
+        return gaps[min(len(gaps) - 1, int(q * len(gaps)))] * 1e3 if gaps else float("nan")
+
+    return {
+        "threshold": threshold,
+        "prefill_s": ended - started,
+        "gaps": len(gaps),
+        "median_ms": at(0.5),
+        "p99_ms": at(0.99),
+        "max_ms": gaps[-1] * 1e3 if gaps else float("nan"),
     }
 
 
@@ -201,13 +268,24 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=200)
     parser.add_argument("--profile-steps", type=int, default=40)
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--contexts", type=int, nargs="*", default=[])
+    parser.add_argument("--context-requests", type=int, default=2)
+    parser.add_argument("--long-prompts", type=int, default=0)
+    parser.add_argument("--long-len", type=int, default=65536)
+    parser.add_argument("--decoders", type=int, default=8)
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=1024)
+    parser.add_argument("--skip-settings", action="store_true", help="only --contexts / --long-prompts")
     args = parser.parse_args()
-    engine, _, _ = build_engine(ServeOptions(artifact=args.artifact, max_num_seqs=args.max_num_seqs))
+    options = ServeOptions(
+        artifact=args.artifact, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len
+    )
+    engine, _, _ = build_engine(options)
     clock = PhaseClock()
     clock.wrap(engine.scheduler, "schedule", "schedule")
     clock.wrap(engine._inputs, "build", "inputs.build")
     clock.wrap(core, "_feed_from_device", "feed_from_device")
-    clock.wrap(core, "prepare_fused", "prepare_fused")
+    clock.wrap(core, "upload_block", "upload_block")
     clock.wrap(engine.runner, "step", "runner.step")
     clock.wrap(core, "sample_async", "sample_async")
     clock.wrap(core, "staged_draws", "staged_draws")
@@ -219,32 +297,67 @@ def main() -> None:
     clock.wrap(engine, "_launch", "launch (all)")
     rows = []
     salt = 0
-    for concurrency in args.concurrency:
+    for concurrency in [] if args.skip_settings else args.concurrency:
         for overlap in (False, True):
             salt += 1
             rows.append(run_setting(engine, clock, overlap, concurrency, args, salt))
-    print(f"\nengine probe: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.artifact}")
-    print(f"input {args.input_len}, output {args.output_len}, profile window {args.profile_steps} steps")
-    print("step ms: a decode step, unprofiled; TPOT: over the whole run, profiled window included")
-    print(
-        "| overlap | C | step ms | TPOT ms | step ms, profiled | GPU busy ms/step | GPU idle %, profiled "
-        "| kernels/step |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    if rows:
+        print(f"\nengine probe: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.artifact}")
+        print(f"input {args.input_len}, output {args.output_len}, profile window {args.profile_steps} steps")
+        print("step ms: a decode step, unprofiled; TPOT: over the whole run, profiled window included")
         print(
-            f"| {'on' if r['overlap'] else 'off'} | {r['concurrency']} | {r['step_ms']:.3f} | "
-            f"{r['tpot_ms']:.3f} | {r['window_step_ms']:.3f} | {r['gpu_busy_ms']:.3f} | {r['gpu_idle_pct']:.1f} | "
-            f"{r['kernels_per_step']:.0f} |"
+            "| overlap | C | step ms | TPOT ms | step ms, profiled | GPU busy ms/step | GPU idle %, profiled "
+            "| kernels/step |"
         )
-    for concurrency in args.concurrency:
-        seconds = replay_time(engine.runner, concurrency)
-        if seconds is not None:
-            print(f"bare decode-graph replay, batch {concurrency}: {seconds * 1e3:.3f} ms")
-    print("\nhost ms per step by phase (nested phases count in both):")
-    for r in rows:
-        listed = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["phases_ms"].items(), key=lambda kv: -kv[1]))
-        print(f"  overlap {'on' if r['overlap'] else 'off'} C={r['concurrency']}: {listed}")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(
+                f"| {'on' if r['overlap'] else 'off'} | {r['concurrency']} | {r['step_ms']:.3f} | "
+                f"{r['tpot_ms']:.3f} | {r['window_step_ms']:.3f} | {r['gpu_busy_ms']:.3f} | {r['gpu_idle_pct']:.1f} | "
+                f"{r['kernels_per_step']:.0f} |"
+            )
+        for concurrency in args.concurrency:
+            seconds = replay_time(engine.runner, concurrency)
+            if seconds is not None:
+                print(f"bare decode-graph replay, batch {concurrency}: {seconds * 1e3:.3f} ms")
+        print("\nhost ms per step by phase (nested phases count in both):")
+        for r in rows:
+            listed = ", ".join(
+                f"{k} {v:.3f}" for k, v in sorted(r["phases_ms"].items(), key=lambda kv: -kv[1])
+            )
+            print(f"  overlap {'on' if r['overlap'] else 'off'} C={r['concurrency']}: {listed}")
+    if args.contexts:
+        print(f"\noverlapped decode step by context ({args.context_requests} requests):")
+        print(
+            "| context tokens | step ms | host ms launching | StepInputs.build ms | schedule ms | collect ms |"
+        )
+        print("|---|---|---|---|---|---|")
+        for context in args.contexts:
+            r = context_step(engine, clock, context, args.context_requests)
+            ph = r["phases_ms"]
+            print(
+                f"| {context} | {r['step_ms']:.3f} | {ph.get('launch (all)', 0):.3f} | "
+                f"{ph.get('inputs.build', 0):.3f} | {ph.get('schedule', 0):.3f} | "
+                f"{ph.get('collect (incl. wait)', 0):.3f} |",
+                flush=True,
+            )
+    if args.long_prompts:
+        print(
+            f"\ndecode protection: {args.decoders} decoders while {args.long_prompts} prompts of "
+            f"{args.long_len} tokens prefill (budget {engine.scheduler.max_num_batched_tokens} tokens per step)"
+        )
+        print("| prefill chunk cap | prefill s | decoder gaps | median ms | p99 ms | max ms |")
+        print("|---|---|---|---|---|---|")
+        for threshold in (0, args.long_prefill_token_threshold):
+            r = protection(engine, args, threshold)
+            cap = "budget" if not threshold else str(threshold)
+            print(
+                f"| {cap} | {r['prefill_s']:.2f} | {r['gaps']} | {r['median_ms']:.2f} | "
+                f"{r['p99_ms']:.2f} | {r['max_ms']:.2f} |",
+                flush=True,
+            )
+    if args.skip_settings:
+        return
     syncs = find_syncs(engine, args)
     print(f"\nhost synchronisations in 20 steady overlapped steps at C=1: {sum(c for c, _ in syncs)}")
     for count, text in syncs:
