@@ -52,6 +52,7 @@ from hy3c.serve.engine.sampler import (
     PendingSample,
     SampleResult,
     SamplingParams,
+    TrackedPenalties,
     fused_on,
     has_penalties,
     sample_async,
@@ -243,6 +244,7 @@ class Engine:
         rows, pages = config.max_num_seqs, -(-config.max_model_len // config.page_size)
         self._inputs = StepInputs(config.page_size, runner.device, rows, pages)
         self._staging = HostStaging()  # pinned buffers the draws reach the host through
+        self._penalties: TrackedPenalties | None = None  # penalised requests' counts, on the device
         self._last_collected = 0.0
 
     def warm_up(self) -> None:
@@ -518,7 +520,7 @@ class Engine:
                 pending = sample_async(
                     logits if pick is None else logits[pick],
                     params,
-                    [History(lv.request.prompt_ids, lv.output) for lv in lives],
+                    [self._history(lv) for lv in lives],
                     generators,
                     want,
                     prepared=inputs,
@@ -620,6 +622,17 @@ class Engine:
         finished = time.monotonic()
         self._last_collected = finished
         self.metrics.step(finished - started, (prepared - started) + (finished - known), sum(fed), preempted)
+
+    def _history(self, live: _Live) -> History:
+        """What the request's penalties read: for one with repetition, presence or frequency penalties,
+        its row of the device-side `TrackedPenalties` (registered on first use), else the host lists."""
+        p = live.request.params
+        if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty:
+            return History(live.request.prompt_ids, live.output)
+        if self._penalties is None:
+            self._penalties = TrackedPenalties(self.runner.config.vocab_size, self.runner.device)
+        slot = self._penalties.slot(live.seq, live.request.prompt_ids, live.output)
+        return History(live.request.prompt_ids, live.output, self._penalties, slot)
 
     def _step_failed(self, work: list[Work], exc: Exception) -> None:
         log_event(
@@ -732,6 +745,8 @@ class Engine:
         dropped. `chosen` / `top`: each token's logprob and top logprobs (read if the request asked)."""
         emissions = []
         generated = 0  # counted once per step: a metric update per token costs host time
+        counted: list[tuple[int, int]] = []  # (slot, token) of tracked penalised requests' new tokens
+        tracked = self._penalties
         try:
             for lv, new, logprobs, tops in zip(lives, tokens, chosen, top):
                 req = lv.request
@@ -752,6 +767,8 @@ class Engine:
                         reason, out.stop_reason = "stop", token
                         break
                     lv.output.append(token)
+                    if tracked is not None and lv.seq in tracked:
+                        counted.append((tracked.slot(lv.seq, [], []), token))
                     out.token_ids.append(token)
                     out.text += lv.detok.push(token)
                     if req.num_logprobs is not None:
@@ -768,6 +785,8 @@ class Engine:
                     self._finish(lv, out, reason)
                 emissions.append((lv.emit, out))
         finally:  # rows done before a failing one keep their outputs (a finished one its last)
+            if tracked is not None:
+                tracked.record(counted)
             self.metrics.generation_tokens.inc(generated)
             self._deliver(emissions)
 
@@ -829,6 +848,8 @@ class Engine:
     def _forget(self, seq: Sequence) -> None:
         """A request left: its page-table row and its draft distributions go."""
         self._inputs.drop(seq)
+        if self._penalties is not None:
+            self._penalties.drop(seq)
         if self.speculator is not None:
             self.speculator.forget(seq)
 

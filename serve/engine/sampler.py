@@ -70,10 +70,95 @@ class SamplingParams:
 
 @dataclass
 class History:
-    """Token ids a row's penalties look at."""
+    """Token ids a row's penalties look at. With `tracked` (the engine's `TrackedPenalties`), the
+    request's seen tokens and output counts are read from the device rows kept there at `slot`
+    instead (host work per step then does not grow with the context); `prompt` / `output` must be
+    what was registered and recorded there."""
 
     prompt: list[int]
     output: list[int]
+    tracked: TrackedPenalties | None = None
+    slot: int = -1
+
+
+class TrackedPenalties:
+    """The repetition, presence and frequency penalties' inputs of penalised requests kept on the
+    device, a row per request: the prompt's tokens as a [V] mask and the output's token counts [V]
+    (int32), so a step's penalties cost the host O(rows), not O(context). A request registers once
+    (`slot`: O(its tokens) then), each new output token is recorded as it is emitted (`record`), and
+    its row is freed when it leaves (`drop`). The rows grow by doubling."""
+
+    def __init__(self, vocab: int, device: torch.device | str, rows: int = 4) -> None:
+        self.vocab = vocab
+        self.device = torch.device(device)
+        self.prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=self.device)
+        self.counts = torch.zeros(rows, vocab, dtype=torch.int32, device=self.device)
+        self._slots: dict[object, int] = {}
+        self._free = list(range(rows - 1, -1, -1))
+
+    def __contains__(self, owner: object) -> bool:
+        return owner in self._slots
+
+    def slot(self, owner: object, prompt: list[int], output: list[int]) -> int:
+        """The request's row, registered from its prompt and output so far on first sight."""
+        slot = self._slots.get(owner)
+        if slot is not None:
+            return slot
+        if not self._free:
+            self._grow()
+        slot = self._slots[owner] = self._free.pop()
+        self.prompt[slot].zero_()
+        self.counts[slot].zero_()
+        if prompt:
+            self.prompt[slot, upload(torch.tensor(prompt, dtype=torch.long), self.device)] = True
+        if output:
+            self.record([(slot, token) for token in output])
+        return slot
+
+    def record(self, pairs: list[tuple[int, int]]) -> None:
+        """Count emitted tokens: (slot, token) pairs, in one indexed add."""
+        if pairs:
+            index = upload(torch.tensor(pairs, dtype=torch.long).T.contiguous(), self.device)
+            ones = torch.ones(len(pairs), dtype=torch.int32, device=self.device)
+            self.counts.index_put_((index[0], index[1]), ones, accumulate=True)
+
+    def drop(self, owner: object) -> None:
+        slot = self._slots.pop(owner, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def apply(self, logits: Tensor, rows: list[int], slots: list[int], params: list[SamplingParams]) -> None:
+        """The repetition, then presence and frequency penalties of `rows` of `logits` (in place), as
+        `apply_penalties` computes them from the host lists."""
+        index = upload(torch.tensor([rows, slots], dtype=torch.long), self.device)
+        values = upload(
+            torch.tensor(
+                [
+                    [p.repetition_penalty for p in params],
+                    [p.presence_penalty for p in params],
+                    [p.frequency_penalty for p in params],
+                ],
+                dtype=torch.float64,
+            ),
+            self.device,
+        )
+        sub = logits.index_select(0, index[0])
+        counts = self.counts.index_select(0, index[1])
+        seen = self.prompt.index_select(0, index[1]) | (counts > 0)
+        penalty = values[0].to(logits.dtype)[:, None]
+        penalised = torch.where(sub > 0, sub / penalty, sub * penalty).clamp(
+            -PENALISED_LOGIT_LIMIT, PENALISED_LOGIT_LIMIT
+        )
+        sub = torch.where(seen & sub.isfinite() & (penalty != 1.0), penalised, sub)
+        amount = values[1][:, None] * (counts > 0) + values[2][:, None] * counts
+        sub = sub - amount.to(logits.dtype)
+        logits.index_copy_(0, index[0], sub)
+
+    def _grow(self) -> None:
+        rows = self.prompt.shape[0]
+        self.prompt = torch.cat([self.prompt, torch.zeros_like(self.prompt)])
+        self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
+        self._free = list(range(2 * rows - 1, rows - 1, -1))
 
 
 @dataclass
@@ -100,12 +185,19 @@ def apply_penalties(logits: Tensor, params: list[SamplingParams], history: list[
     bias: tuple[list[int], list[int], list[float]] = ([], [], [])  # rows, tokens, bias
     repeat: tuple[list[int], list[int], list[float]] = ([], [], [])  # rows, tokens, penalty
     subtract: tuple[list[int], list[int], list[float]] = ([], [], [])  # rows, tokens, amount
+    tracked: tuple[list[int], list[int], list[SamplingParams]] = ([], [], [])  # rows, slots, params
     for row, (p, h) in enumerate(zip(params, history)):
         if p.logit_bias:
             bias[0].extend([row] * len(p.logit_bias))
             for token, amount in p.logit_bias:
                 bias[1].append(token)
                 bias[2].append(amount)
+        if h.tracked is not None:
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                tracked[0].append(row)
+                tracked[1].append(h.slot)
+                tracked[2].append(p)
+            continue
         if p.repetition_penalty != 1.0 and (h.prompt or h.output):
             seen = set(h.prompt).union(h.output)
             repeat[0].extend([row] * len(seen))
@@ -116,7 +208,7 @@ def apply_penalties(logits: Tensor, params: list[SamplingParams], history: list[
                 subtract[0].append(row)
                 subtract[1].append(token)
                 subtract[2].append(p.presence_penalty + p.frequency_penalty * count)
-    if not bias[0] and not repeat[0] and not subtract[0]:
+    if not bias[0] and not repeat[0] and not subtract[0] and not tracked[0]:
         return logits
     logits = logits.clone()
 
@@ -137,6 +229,10 @@ def apply_penalties(logits: Tensor, params: list[SamplingParams], history: list[
     if subtract[0]:
         rows, tokens, amount = index(*subtract)
         logits.index_put_((rows, tokens), -amount, accumulate=True)
+    if tracked[0]:
+        trackers = {id(h.tracked): h.tracked for h in history if h.tracked is not None}
+        (tracker,) = trackers.values()
+        tracker.apply(logits, *tracked)
     return logits
 
 
