@@ -9,12 +9,12 @@ histogram) and of the wall time of one engine iteration (the sampler included), 
 `--rounds` runs (other processes' load only ever adds). The page size is the h20-w8a8c8 recipe's (64).
 
 `--builder step-inputs` runs the engine as it is — its batches from `StepInputs`
-(serve/engine/step_inputs.py) — with its pool publishing pages from a cursor (`PagePool.publish(...,
-since)`, patched in this process only until the scheduler keeps the cursor); `build_step_batch` patches
-the engine back to the page table rebuilt each step and the walk from page 0 (the engine before issue
-27); `both` (the default) measures both. `--repetition-penalty` makes the
-requests sample with one (the sampler then reads the whole history every step); `--profile` prints
-cProfile's heaviest functions over each run's decode steps.
+(serve/engine/step_inputs.py), pages published from each sequence's cursor (`PagePool.publish(...,
+since)`), penalties read from the device-side `TrackedPenalties`; `build_step_batch` patches the engine
+back to what it was before issue 27 — the page table rebuilt each step, the walk from page 0, the
+penalties' seen tokens and counts rebuilt from the host lists each step; `both` (the default) measures
+both. `--repetition-penalty` makes the requests sample with one; `--profile` prints cProfile's
+heaviest functions over each run's decode steps.
 
     python bench/host_step_bench.py [--contexts 1024 32768 131072] [--requests 2] [--steps 300]
         [--rounds 3] [--builder build_step_batch|step-inputs|both] [--repetition-penalty 1.1] [--profile]
@@ -40,7 +40,7 @@ from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
 from hy3c.recipe import load_recipe
 from hy3c.serve.engine.core import Engine, EngineConfig, GenerationRequest
 from hy3c.serve.engine.metrics import EngineMetrics
-from hy3c.serve.engine.sampler import SamplingParams
+from hy3c.serve.engine.sampler import History, SamplingParams
 from hy3c.serve.engine.scheduler import Sequence
 
 BUILDERS = ("build_step_batch", "step-inputs")
@@ -85,32 +85,24 @@ def use_build_step_batch(engine: Engine) -> None:
     rebuilt from every chunk's pages each step (`build_step_batch`)."""
     page_size, device = engine.config.page_size, engine.runner.device
 
-    def build(chunks: list[SeqChunk], owners: list[Sequence]) -> StepBatch:
+    def build(chunks: list[SeqChunk], owners: list[Sequence], feed=()) -> StepBatch:
         return build_step_batch(chunks, page_size, device)
 
     engine._inputs.build = build
 
 
-def publish_from_cursors(engine: Engine) -> None:
-    """Make this engine's pool publish from a cursor per page list (this process only): the pool keeps
-    each list's cursor until the list is released. The scheduler itself would keep it in the sequence
-    (`PagePool.publish(..., since=seq.published)`, reset when its pages are replaced)."""
+def publish_from_page_zero(engine: Engine) -> None:
+    """Make this engine's pool walk every request's pages from the first when publishing (this process
+    only), as before the scheduler kept a cursor per sequence (`PagePool.publish(..., since)`)."""
     pool = engine.pool
-    cursors: dict[int, tuple[list[int], int]] = {}  # id(page list) → (the list, its publish cursor)
-    publish, release = pool.publish, pool.release
+    publish = pool.publish
 
-    def publish_since(tokens: list[int], pages: list[int], computed: int, keys: list[bytes]) -> int:
-        held = cursors.get(id(pages))
-        since = held[1] if held is not None and held[0] is pages else 0
-        cursor = publish(tokens, pages, computed, keys, since)
-        cursors[id(pages)] = (pages, cursor)
-        return cursor
+    def publish_all(
+        tokens: list[int], pages: list[int], computed: int, keys: list[bytes], since: int = 0
+    ) -> int:
+        return publish(tokens, pages, computed, keys)
 
-    def release_and_forget(pages: list[int]) -> None:
-        release(pages)
-        cursors.pop(id(pages), None)
-
-    pool.publish, pool.release = publish_since, release_and_forget
+    pool.publish = publish_all
 
 
 def measure(
@@ -137,10 +129,10 @@ def measure(
     loops: list[float] = []
     profiler = cProfile.Profile() if args.profile else None
     try:
-        if builder == "step-inputs":
-            publish_from_cursors(engine)
-        else:
+        if builder != "step-inputs":
             use_build_step_batch(engine)
+            publish_from_page_zero(engine)
+            engine._history = lambda live: History(live.request.prompt_ids, live.output)
         generator = torch.Generator().manual_seed(context)
         for r in range(requests):
             prompt = torch.randint(3, config.vocab_size, (context,), generator=generator).tolist()
