@@ -589,29 +589,43 @@ class Engine:
             [lv.generator for lv in lives],
             max(asked) if asked else None,
         )
-        accepted, emitted = verified.to_host()
+        row_of = {lv.seq: row for row, lv in enumerate(lives)}
+        items = [
+            Drafting(
+                w,
+                w.count,
+                row_of.get(w.seq),
+                lives[row_of[w.seq]].request.params if w.seq in row_of else None,
+                lives[row_of[w.seq]].generator if w.seq in row_of else None,
+            )
+            for w in work
+        ]
+        drafted = self.speculator.draft_pass(
+            self.runner,
+            self.kv_cache,
+            batch,
+            hidden,
+            items,
+            verified,
+            self.scheduler.reserve,
+            self._inputs.build,
+        )
+        # the step's one read: accepted counts, emitted tokens and next drafts together
+        width = verified.tokens.shape[1]
+        packed = torch.cat([verified.counts[:, None], verified.tokens, drafted.tokens], 1).tolist()
+        accepted = [row[0] for row in packed]
+        emitted = [row[1 : row[0] + 2] for row in packed]
         chosen, top = verified.logprobs_to_host()
         if not asked:
             chosen, top = [[0.0] * len(e) for e in emitted], [[[]] * len(e) for e in emitted]
         known = time.monotonic()
-        fed = [w.count for w in work]
         for w, count in zip(sampled, accepted):
             if w.drafts:
                 self.scheduler.accept(w, count)
         self.metrics.speculated([w.drafts for w in sampled], accepted)
-        emitted_of = {w.seq: tokens for w, tokens in zip(sampled, emitted)}
-        live_of = {lv.seq: lv for lv in lives}
-        items = [
-            Drafting(
-                w,
-                count,
-                emitted_of.get(w.seq, []),
-                live_of[w.seq].request.params if w.seq in live_of else None,
-                live_of[w.seq].generator if w.seq in live_of else None,
-            )
-            for w, count in zip(work, fed)
-        ]
-        drafts = self.speculator.draft_pass(self.runner, self.kv_cache, hidden, items, self.scheduler.reserve)
+        drafts = {
+            seq: packed[row][1 + width : 1 + width + depth] for seq, (row, depth) in drafted.depth.items()
+        }
         self.scheduler.settle(work)
         self._emit(lives, emitted, chosen, top, known)
         for seq, tokens in drafts.items():
@@ -621,7 +635,12 @@ class Engine:
         self.scheduler.publish(work)
         finished = time.monotonic()
         self._last_collected = finished
-        self.metrics.step(finished - started, (prepared - started) + (finished - known), sum(fed), preempted)
+        self.metrics.step(
+            finished - started,
+            (prepared - started) + (finished - known),
+            sum(w.count for w in work),
+            preempted,
+        )
 
     def _history(self, live: _Live) -> History:
         """What the request's penalties read: for one with repetition, presence or frequency penalties,

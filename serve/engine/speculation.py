@@ -6,16 +6,19 @@ greedy exact, sampled by the rejection rule) and returns the tokens each request
 drafts, then the correction or bonus). Requests without drafts (a prefill's last chunk, a decode that
 drafted nothing) go through the same rule with k = 0: the target's own draw.
 
-`draft_pass` then runs the MTP program over every position the target computed this step (the
-rejected ones excepted: their KV is rolled back, `Scheduler.accept`). The MTP layer at position t
-consumes the embedding of the token after t and the target's hidden state at t (docs/ARCHITECTURE.md
-§1.5), so its inputs are the step's fed tokens shifted by one, closed by the emitted token; its row at
-the last position drafts d'_1. For K > 1 the layer is applied again, one token per request, on its own
-hidden state (the target's at the new position is not computed yet), each pass at the next position.
-Every position's MTP KV is written, so a prefix hit (whose last page the scheduler gives up: the KV at
-a page's last position depends on the next page's first token) finds it for the pages it keeps.
-Draft tokens come to the host once per step (the scheduler plans the next step's fed tokens from
-them); their distributions q stay on the device until the verification that reads them.
+`draft_pass` then runs the MTP program over every position the target computed this step, before
+the host knows what was accepted: the MTP layer at position t consumes the embedding of the token
+after t and the target's hidden state at t (docs/ARCHITECTURE.md §1.5), so its inputs are the step's
+fed tokens shifted by one — the successors the host knows (prompt tokens) uploaded, the emitted ones
+taken from the verification on the device — and its row at each request's last accepted position
+(a device-side index) drafts d'_1. Positions past the accepted drafts get KV that the next step
+rewrites before anything reads it. For K > 1 the layer is applied again, one token per request, on
+its own hidden state, each pass at the next position: planned on the host at the largest acceptance
+and shifted back on the device (positions, sequence lengths, slots) by the drafts rejected. Every
+accepted position's MTP KV is written, so a prefix hit (whose last page the scheduler gives up: the KV
+at a page's last position depends on the next page's first token) finds it for the pages it keeps.
+The step's acceptance, emitted tokens and next drafts come to the host in one copy; the draft
+distributions q stay on the device until the verification that reads them.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
+from hy3c.model.batch import SeqChunk, StepBatch
 from hy3c.serve.engine.sampler import History, SamplingParams, upload
 from hy3c.serve.engine.scheduler import Sequence, Work
 from hy3c.serve.engine.spec_decode import Draft, ForcedAcceptance, SpeculativeConfig, Verified, draft, verify
@@ -44,13 +47,24 @@ class DraftModel(Protocol):
 @dataclass
 class Drafting:
     """One request of the step as the MTP pass sees it: its work item, the tokens it fed (before any
-    rollback), what it emitted (empty for a chunk that samples nothing) and its sampling."""
+    rollback), its row in the step's `Verified` (None: it samples nothing, a prefill chunk before the
+    last) and its sampling."""
 
     work: Work
     fed: int
-    emitted: list[int]
-    params: SamplingParams | None  # None: it samples nothing (a prefill chunk before the last)
+    row: int | None
+    params: SamplingParams | None
     generator: torch.Generator | None
+
+
+@dataclass
+class Drafted:
+    """A step's drafts on the device: `tokens` int64 [R, passes] in the rows of the step's `Verified`
+    (rows that drafted nothing hold 0) and, per drafting sequence, its row and how many of its
+    columns are drafts."""
+
+    tokens: Tensor
+    depth: dict[Sequence, tuple[int, int]]  # sequence → (row, drafts)
 
 
 class Speculator:
@@ -103,73 +117,131 @@ class Speculator:
         self,
         runner: DraftModel,
         kv_cache: Tensor,
+        batch: StepBatch,
         hidden: Tensor,
         items: list[Drafting],
+        verified: Verified,
         reserve: Callable[[Sequence, int], bool],
-    ) -> dict[Sequence, list[int]]:
-        """Run the MTP program over the step's computed positions and draft K tokens for each request
-        that sampled (`reserve(seq, tokens)` asks the scheduler for the pages the recursive passes
-        write; a request it refuses drafts one token). Returns each drafting sequence's drafts."""
-        chunks, rows, drafting, offset = [], [], [], 0
+        build: Callable[[list[SeqChunk], list[Sequence]], StepBatch],
+    ) -> Drafted:
+        """Run the MTP program over every position the verify step `batch` fed and draft K tokens for
+        each request that sampled, without reading the acceptance on the host.
+
+        The first pass reuses the verify batch's positions, slots and page table: the successor of a
+        fed position is the next prompt token where the host knows it, else the step's emitted token
+        there (`verified.tokens`, filled in on the device; −1 past the emitted ones reads as 0), and a
+        request's logits row is the position of its last emitted token's predecessor (its first
+        device-side row plus its accepted count). Positions past the accepted drafts get KV that later
+        steps overwrite before any read. A uniform decode step (every request K + 1 tokens) replays the
+        draft graph at q = K + 1. For K > 1 the recursive passes (one token per request) are planned
+        on the host at the largest acceptance and corrected on the device: positions, sequence lengths
+        and slots shifted back by the drafts rejected (`reserve(seq, tokens)` asks the scheduler for
+        the pages they may write; a request it refuses drafts one token)."""
+        width = verified.tokens.shape[1]
+        ids: list[int] = []
+        fill: tuple[list[int], list[int]] = ([], [])  # fed token index ← flat index into verified.tokens
+        first_rows: list[int] = []  # per drafting item: its row before the accepted count is added
+        drafting: list[Drafting] = []
+        offset = 0
         for item in items:
             w, seq = item.work, item.work.seq
-            stream = seq.tokens + item.emitted  # (the step's tokens are not appended yet)
-            successors = stream[w.start + 1 : w.start + w.count + 1]
-            if successors:
-                samples = item.params is not None and bool(item.emitted)
-                chunks.append(SeqChunk(successors, w.start, seq.pages, "last" if samples else "none"))
-                rows.extend(range(offset, offset + len(successors)))
-                if samples:
-                    drafting.append(item)
+            known = seq.tokens[w.start + 1 : w.start + item.fed + 1]
+            ids.extend(known)
+            ids.extend([0] * (item.fed - len(known)))
+            if item.row is not None:
+                for i in range(len(known), item.fed):
+                    fill[0].append(offset + i)
+                    fill[1].append(item.row * width + i - len(known))
+                first_rows.append(offset + len(known))
+                drafting.append(item)
             offset += item.fed
-        if not chunks:
-            return {}
+        if not drafting:
+            return Drafted(verified.tokens.new_zeros(verified.tokens.shape[0], 0), {})
         device = hidden.device
-        batch = build_step_batch(chunks, self.page_size, device)
-        hidden_prev = hidden.index_select(0, upload(torch.tensor(rows, dtype=torch.long), device))
-        logits, mtp_hidden = runner.draft(batch, hidden_prev, kv_cache)
+        rows = [item.row for item in drafting]
+        packed = upload(
+            torch.tensor([*ids, *fill[0], *fill[1], *first_rows, *rows], dtype=torch.long), device
+        )
+        input_ids, fill_at, fill_from, first, verified_rows = packed.split_with_sizes(
+            [len(ids), len(fill[0]), len(fill[1]), len(drafting), len(drafting)]
+        )
+        input_ids.index_copy_(0, fill_at, verified.tokens.clamp(min=0).view(-1).index_select(0, fill_from))
+        accepted = verified.counts.index_select(0, verified_rows)
+        mtp = StepBatch(
+            input_ids=input_ids,
+            positions=batch.positions,
+            page_table=batch.page_table,
+            seq_lens=batch.seq_lens,
+            query_start_loc=batch.query_start_loc,
+            slot_mapping=batch.slot_mapping,
+            logits_indices=first + accepted,
+            logits_owner=list(range(len(drafting))),
+        )
+        q = self.k + 1
+        uniform = len(drafting) == len(items) and all(item.fed == q for item in items)
+        logits, mtp_hidden = runner.draft(mtp, hidden, kv_cache, q if uniform else None)
         params = [item.params for item in drafting]
         generators = [item.generator for item in drafting]
         passes = [draft(logits, params, generators)]
-        last = batch.logits_indices
         deeper = [i for i, item in enumerate(drafting) if self.k > 1 and self._reserve(item, reserve)]
+        if deeper:
+            picked = upload(torch.tensor(deeper, dtype=torch.long), device)
+            # planned at the largest acceptance (all of a request's device-side successors but the
+            # last accepted); shifted back on the device by the drafts rejected
+            most = [self._device_columns(drafting[i]) - 1 for i in deeper]
+            shift = upload(torch.tensor(most, dtype=torch.long), device) - accepted.index_select(0, picked)
+            # the MTP layer's own hidden state at the first pass's rows, then each pass's own
+            hidden_prev = mtp_hidden.index_select(0, mtp.logits_indices.index_select(0, picked))
         for depth in range(1, self.k if deeper else 1):
-            previous = passes[-1]
             chunks = [
                 SeqChunk(
-                    [0], self._next_position(drafting[i]) + depth - 1, drafting[i].work.seq.pages, "last"
+                    [0],
+                    self._first_position(drafting[i]) + most[n] + depth,
+                    drafting[i].work.seq.pages,
+                    "last",
                 )
-                for i in deeper
+                for n, i in enumerate(deeper)
             ]
-            batch = build_step_batch(chunks, self.page_size, device)
-            picked = upload(torch.tensor(deeper, dtype=torch.long), device)
-            batch.input_ids.copy_(previous.tokens.index_select(0, picked))
-            # the MTP layer's own hidden state at the previous position: the last rows of the first
-            # pass's chunks, then the whole of each one-token pass
-            hidden_prev = (
-                mtp_hidden.index_select(0, last.index_select(0, picked)) if depth == 1 else mtp_hidden
-            )
-            logits, mtp_hidden = runner.draft(batch, hidden_prev, kv_cache)
-            step_params = [params[i] for i in deeper]
-            drawn = draft(logits, step_params, [generators[i] for i in deeper])
+            step = build(chunks, [drafting[i].work.seq for i in deeper])
+            step.input_ids.copy_(passes[-1].tokens.index_select(0, picked))
+            step.positions.sub_(shift)
+            step.seq_lens.sub_(shift.to(step.seq_lens.dtype))
+            page = step.page_table.gather(1, (step.positions // self.page_size)[:, None])[:, 0]
+            step.slot_mapping.copy_(page.long() * self.page_size + step.positions % self.page_size)
+            logits, hidden_prev = runner.draft(step, hidden_prev, kv_cache)
+            drawn = draft(logits, [params[i] for i in deeper], [generators[i] for i in deeper])
             passes.append(_widen(drawn, deeper, len(drafting)))
-        tokens = torch.stack([p.tokens for p in passes], 1).tolist()  # [requests, passes]: one copy
-        drafts: dict[Sequence, list[int]] = {}
+        tokens = verified.tokens.new_zeros(verified.tokens.shape[0], len(passes))
+        tokens.index_copy_(0, verified_rows, torch.stack([p.tokens for p in passes], 1))
+        depths: dict[Sequence, tuple[int, int]] = {}
         for i, item in enumerate(drafting):
             depth = len(passes) if i in deeper else 1
-            drafts[item.work.seq] = tokens[i][:depth]
+            seq = item.work.seq
+            assert item.row is not None
+            depths[seq] = (item.row, depth)
             if all(p.probs is not None for p in passes[:depth]):
-                self._probs[item.work.seq] = torch.stack([p.probs[i] for p in passes[:depth]])
+                self._probs[seq] = torch.stack([p.probs[i] for p in passes[:depth]])
             else:
-                self._probs.pop(item.work.seq, None)
-        return drafts
+                self._probs.pop(seq, None)
+        return Drafted(tokens, depths)
 
-    def _next_position(self, item: Drafting) -> int:
-        """The position of the token the request emitted last (the first the next step feeds)."""
-        return item.work.start + item.work.count
+    def _known(self, item: Drafting) -> int:
+        """How many of the request's fed positions have a successor the host knows (prompt tokens)."""
+        w = item.work
+        return len(w.seq.tokens[w.start + 1 : w.start + item.fed + 1])
+
+    def _device_columns(self, item: Drafting) -> int:
+        """The fed positions whose successor is an emitted token (read from `verified.tokens`)."""
+        return item.fed - self._known(item)
+
+    def _first_position(self, item: Drafting) -> int:
+        """The position of the request's first fed token whose successor the host does not know."""
+        return item.work.start + self._known(item)
 
     def _reserve(self, item: Drafting, reserve: Callable[[Sequence, int], bool]) -> bool:
-        return reserve(item.work.seq, self._next_position(item) + self.k - 1)
+        """Pages for the recursive passes at the largest acceptance: they write up to position
+        start + fed + K − 2."""
+        return reserve(item.work.seq, item.work.start + item.fed + self.k - 1)
 
 
 def _widen(drawn: Draft, chosen: list[int], rows: int) -> Draft:
