@@ -6,22 +6,9 @@ and prefix-cache hits — and leave no page held."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from hy3c.checkpoint.loader import load_model
-from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.serve.engine.core import Engine, EngineConfig, GenerationRequest, StepOutput
 from hy3c.serve.engine.sampler import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def model(tiny_ckpt):
-    return load_model(tiny_ckpt, dtype=torch.float32, progress=False)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_ckpt):
-    return Hy3Tokenizer.from_dir(tiny_ckpt)
 
 
 def _engine(model, tokenizer, overlap: bool, num_pages: int = 64) -> Engine:

@@ -10,8 +10,6 @@ import pytest
 import torch
 
 import hy3c.runtime.artifact as artifact
-from hy3c.checkpoint.loader import load_model
-from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.compiler.driver import compile_artifact
 from hy3c.model import SeqChunk, build_step_batch
 from hy3c.ops.sample import block_columns
@@ -57,16 +55,6 @@ class GraphSampling:
         self.sampled_steps += 1
         self.blocks.append(block)
         return logits, hidden, tokens, torch.stack([tokens.double(), chosen.double()])
-
-
-@pytest.fixture(scope="module")
-def model(tiny_ckpt):
-    return load_model(tiny_ckpt, dtype=torch.float32, progress=False)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_ckpt):
-    return Hy3Tokenizer.from_dir(tiny_ckpt)
 
 
 def _run(runner, tokenizer, requests: list[GenerationRequest], overlap: bool = True) -> dict[str, list[int]]:

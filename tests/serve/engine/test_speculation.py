@@ -24,11 +24,6 @@ def model(tiny_ckpt):
     return _drafting_model(tiny_ckpt)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_ckpt):
-    return Hy3Tokenizer.from_dir(tiny_ckpt)
-
-
 def _engine(model, tokenizer, k: int, num_pages: int = 64, forced: float | None = None) -> Engine:
     speculative = None
     if k:

@@ -10,8 +10,6 @@ import random
 import pytest
 import torch
 
-from hy3c.checkpoint.loader import load_model
-from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.serve.engine.core import Engine, EngineConfig, GenerationRequest, StepOutput
 from hy3c.serve.engine.sampler import History, SamplingParams, TrackedPenalties, apply_penalties
 
@@ -61,16 +59,6 @@ def test_a_freed_row_is_cleared_for_the_next_request():
     assert "a" not in tracker
     again = tracker.slot("b", [], [7])
     assert again == slot and tracker.counts[slot].sum() == 1 and not tracker.prompt[slot].any()
-
-
-@pytest.fixture(scope="module")
-def model(tiny_ckpt):
-    return load_model(tiny_ckpt, dtype=torch.float32, progress=False)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_ckpt):
-    return Hy3Tokenizer.from_dir(tiny_ckpt)
 
 
 def _run(model, tokenizer, host_lists: bool, overlap: bool) -> dict[str, list[int]]:
