@@ -497,7 +497,7 @@ class Engine:
             # the sampler's parameters (this step's seeds drawn) go up before the step: into the decode
             # graph that draws the tokens itself, else for the sampler's launches right behind the step
             width = getattr(self.runner, "sampling_width", None) if self.data_parallel == 1 else None
-            in_graph = bool(width) and pick is None and not want and 0 < len(params) <= width
+            in_graph = bool(width) and pick is None and not scoring and not want and 0 < len(params) <= width
             in_graph = in_graph and not any(has_penalties(p) for p in params)
             fused = bool(params) and fused_on(device)
             block = None

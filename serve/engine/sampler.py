@@ -149,7 +149,8 @@ class TrackedPenalties:
         penalised = torch.where(sub > 0, sub / penalty, sub * penalty).clamp(
             -PENALISED_LOGIT_LIMIT, PENALISED_LOGIT_LIMIT
         )
-        sub = torch.where(seen & sub.isfinite() & (penalty != 1.0), penalised, sub)
+        repeats = (values[0] != 1.0)[:, None]  # compared in fp64, as the host lists' path does
+        sub = torch.where(seen & sub.isfinite() & repeats, penalised, sub)
         amount = values[1][:, None] * (counts > 0) + values[2][:, None] * counts
         sub = sub - amount.to(logits.dtype)
         logits.index_copy_(0, index[0], sub)

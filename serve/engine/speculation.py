@@ -155,18 +155,24 @@ class Speculator:
                 first_rows.append(offset + len(known))
                 drafting.append(item)
             offset += item.fed
-        if not drafting:
-            return Drafted(verified.tokens.new_zeros(verified.tokens.shape[0], 0), {})
+        nothing = Drafted(verified.tokens.new_zeros(verified.tokens.shape[0], 0), {})
+        if not ids:
+            return nothing
         device = hidden.device
         rows = [item.row for item in drafting]
+        # a step of prompt chunks that sample nothing still writes their MTP KV (one logits row, unread)
+        first_rows = first_rows or [0]
         packed = upload(
             torch.tensor([*ids, *fill[0], *fill[1], *first_rows, *rows], dtype=torch.long), device
         )
         input_ids, fill_at, fill_from, first, verified_rows = packed.split_with_sizes(
-            [len(ids), len(fill[0]), len(fill[1]), len(drafting), len(drafting)]
+            [len(ids), len(fill[0]), len(fill[1]), len(first_rows), len(drafting)]
         )
-        input_ids.index_copy_(0, fill_at, verified.tokens.clamp(min=0).view(-1).index_select(0, fill_from))
-        accepted = verified.counts.index_select(0, verified_rows)
+        if fill[0]:
+            input_ids.index_copy_(
+                0, fill_at, verified.tokens.clamp(min=0).view(-1).index_select(0, fill_from)
+            )
+        accepted = verified.counts.index_select(0, verified_rows) if drafting else torch.zeros_like(first)
         mtp = StepBatch(
             input_ids=input_ids,
             positions=batch.positions,
@@ -175,11 +181,13 @@ class Speculator:
             query_start_loc=batch.query_start_loc,
             slot_mapping=batch.slot_mapping,
             logits_indices=first + accepted,
-            logits_owner=list(range(len(drafting))),
+            logits_owner=list(range(len(first_rows))),
         )
         q = self.k + 1
         uniform = len(drafting) == len(items) and all(item.fed == q for item in items)
         logits, mtp_hidden = runner.draft(mtp, hidden, kv_cache, q if uniform else None)
+        if not drafting:
+            return nothing
         params = [item.params for item in drafting]
         generators = [item.generator for item in drafting]
         passes = [draft(logits, params, generators)]

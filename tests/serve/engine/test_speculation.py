@@ -123,3 +123,24 @@ def test_the_trained_model_accepts_most_drafts_and_decodes_as_without_them(train
         f"engine MTP acceptance at K=1 on held-out text: {accepted / drafted:.3f} ({accepted:.0f}/{drafted:.0f})"
     )
     assert accepted / drafted >= 0.5
+
+
+def test_prompt_chunks_that_sample_nothing_write_their_mtp_kv(model, tokenizer):
+    """A prompt prefilled in chunks (the first ones sample nothing) leaves the MTP layer's KV of
+    every prompt position as one prefill does: the drafts of the chunked request read it."""
+    prompt = [(7 * i + 3) % 50 + 2 for i in range(80)]
+    layers = {}
+    for budget in (256, 48):  # one chunk; then 48 + 32 tokens
+        config = EngineConfig(
+            num_pages=64,
+            page_size=4,
+            max_num_seqs=8,
+            max_num_batched_tokens=budget,
+            max_model_len=96,
+            speculative=SpeculativeConfig(num_speculative_tokens=1),
+        )
+        engine = Engine(model, tokenizer, config)
+        _run(engine, [GenerationRequest("p", prompt, SamplingParams(temperature=0.0), 1, ignore_eos=True)])
+        layers[budget] = engine.kv_cache[model.config.num_hidden_layers].clone()
+    assert layers[48].abs().sum() > 0
+    torch.testing.assert_close(layers[48], layers[256], atol=1e-4, rtol=1e-4)
