@@ -585,7 +585,10 @@ class ShardedRunner:
         with self._lock:
             extra = [torch.tensor(sizes, dtype=torch.int64, device=self.device)] if sizes else []
             self._send(Op.CAPTURE, max_pages, len(sizes), tensors=extra)
-            return self._collective(lambda: self.runner.capture_decode_graphs(kv_cache, max_pages, sizes))
+            # no sampler in the graphs: the engine samples a sharded step's logits after it
+            return self._collective(
+                lambda: self.runner.capture_decode_graphs(kv_cache, max_pages, sizes, sample=False)
+            )
 
     def step(self, batch: StepBatch, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
         """Send the step's inputs to every rank, then run it here; rank 0's (full) logits and hidden."""
@@ -865,7 +868,7 @@ def _follow_rank0(runner: Runner, rank: int) -> int:
                     dist.broadcast(sizes, 0)
                 if kv_cache is None:
                     raise RankFailure("a capture before any KV cache was allocated")
-                runner.capture_decode_graphs(kv_cache, args[0], sizes.tolist())
+                runner.capture_decode_graphs(kv_cache, args[0], sizes.tolist(), sample=False)
             elif op == Op.STEP:
                 wide, narrow = _empty_tensors(args[:4], device)
                 dist.broadcast(wide, 0)

@@ -213,7 +213,7 @@ def _engine_over(
             runner.capture_decode_graphs(engine.kv_cache, max_pages=max_pages, batch_sizes=sizes)
         else:  # verify steps and the MTP's first pass feed K + 1 tokens per request, its recursion one
             k = speculative.num_speculative_tokens
-            runner.capture_decode_graphs(engine.kv_cache, max_pages, sizes, query_lens=(1, k + 1))
+            runner.capture_decode_graphs(engine.kv_cache, max_pages, sizes, (1, k + 1), sample=False)
             runner.capture_draft_graphs(engine.kv_cache, max_pages, sizes, (k + 1, 1) if k > 1 else (k + 1,))
     if runner.device.type == "cuda":
         started = time.monotonic()
