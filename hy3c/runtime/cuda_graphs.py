@@ -54,7 +54,7 @@ class _Graph:
     # token_rows: the [3, tokens] storage of input_ids / positions / slot_mapping (one copy stages them)
     inputs: tuple[Tensor, ...]
     extras: tuple[Tensor, ...]  # the extra [tokens, width] inputs (hidden_prev)
-    outputs: tuple[Tensor, ...]  # logits rows, hidden; with a sampler, then its tokens and [2, rows] draws
+    outputs: tuple[Tensor, ...]  # logits rows, hidden; with a sampler, then its tokens and [rows, 2] draws
     padded_from: int = 0  # requests from here on hold padding values (all of them at capture)
 
 
@@ -97,7 +97,7 @@ class DecodeGraphs:
         """Capture one graph per batch size; returns the reason instead when capture is impossible.
         `pool`: a graph memory pool to share with other captures (one is made by default). `sampler`
         (one logits row per request only): captured behind the program, `sampler(logits, block)` →
-        (tokens int64, [2, rows] float64 draws) with `block` a static [5, width] int32 parameter block
+        (tokens int64, [rows, 2] float64 draws) with `block` a static [5, width] int32 parameter block
         (`hy3c.ops.sample.block_columns`; width: the largest batch size padded to a multiple of 4),
         so `run_sampled` draws the next tokens in the replay."""
         if kv_cache.device.type != "cuda":
@@ -210,7 +210,7 @@ class DecodeGraphs:
     ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
         """Replay the graph covering the batch and draw a token per request in it with the sampler's
         parameters `block` (a host [5, sampling_width] int32 block: one copy, without blocking when
-        pinned). Returns (logits rows, hidden, tokens int64, [2, requests] float64 draws), valid until
+        pinned). Returns (logits rows, hidden, tokens int64, [requests, 2] float64 draws), valid until
         the next replay at this query length; None when no graph covers the batch or none samples."""
         if self.sampling is None:
             return None
@@ -223,7 +223,7 @@ class DecodeGraphs:
         b = batch.seq_lens.shape[0]
         self.sampling.copy_(block if block.is_pinned() else block.pin_memory(), non_blocking=True)
         g.graph.replay()
-        return g.outputs[0][:b], g.outputs[1][:b], g.outputs[2][:b], g.outputs[3][:, :b]
+        return g.outputs[0][:b], g.outputs[1][:b], g.outputs[2][:b], g.outputs[3][:b]
 
     def _stage(
         self, batch: StepBatch, kv_cache: Tensor, extras: tuple[Tensor, ...], query_len: int | None

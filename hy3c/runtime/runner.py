@@ -157,7 +157,7 @@ class Runner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A decode step whose graph draws the next token of every request with the fused sampler's
         parameters `block` (`hy3c.serve.engine.sampler.sampling_block`, `sampling_width` columns):
-        (logits rows, hidden, tokens int64, [2, requests] float64 tokens and logprobs), valid until
+        (logits rows, hidden, tokens int64, [requests, 2] float64 tokens and logprobs), valid until
         the next decode replay; None when no sampling graph covers the batch (run `step`, then sample)."""
         graphs = self.step_graphs.get(1)
         return None if graphs is None else graphs.run_sampled(batch, kv_cache, block)

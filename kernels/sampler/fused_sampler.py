@@ -447,11 +447,11 @@ def fused_sample(
 
 def draw_pair(logits: Tensor, block: Tensor) -> tuple[Tensor, Tensor]:
     """One token per row of `logits` drawn with the parameters of `block` (`block_columns`), no
-    filters' fallback reported: (tokens int64, [2, rows] float64 holding the tokens and their logprobs,
+    filters' fallback reported: (tokens int64, [rows, 2] float64 holding each token and its logprob,
     which one copy takes to the host). Launches kernels only: a CUDA graph captures it (the decode
     graphs with sampling, `hy3c.runtime.cuda_graphs`)."""
     tokens, logprobs = fused_sample(logits, *block_columns(block, logits.shape[0]))
-    return tokens, torch.stack([tokens.double(), logprobs.double()])
+    return tokens, torch.stack([tokens.double(), logprobs.double()], 1)
 
 
 @torch.library.custom_op("hy3_triton::sample", mutates_args=())

@@ -346,7 +346,7 @@ class HostStaging:
     used in turn: the overlapped engine has at most two steps' draws unread (the one it collects and the
     one it just launched). Allocated once at the largest batch seen (pinned allocation is slow).
 
-    `take` returns a contiguous [2, rows] view: a copy into a strided slice of pinned memory is not one
+    `take` returns a contiguous [rows, 2] view: a copy into a strided slice of pinned memory is not one
     DMA — torch stages it through pageable memory and waits for the device (measured on the H200: the
     engine's host blocked ~0.9 ms per step at batch 1 on it, the whole GPU step)."""
 
@@ -360,7 +360,7 @@ class HostStaging:
             self._buffers = [torch.empty(size, dtype=torch.float64, pin_memory=True) for _ in range(2)]
         buffer = self._buffers[self._next]
         self._next ^= 1
-        return buffer[: 2 * rows].view(2, rows)
+        return buffer[: 2 * rows].view(rows, 2)
 
 
 def sample_async(
@@ -400,33 +400,36 @@ def _sample_fused(
     logits = apply_penalties(logits.float(), params, history)
     outputs = _triton_sampler()(logits, *inputs.columns, noise, num_logprobs)
     tokens, chosen = outputs[:2]
-    pair = torch.stack([tokens.double(), chosen.double()])
+    pair = torch.stack([tokens.double(), chosen.double()], 1)
     if staging is None or num_logprobs:
-        result = _fused_result(logits, params, pair.tolist(), outputs, num_logprobs)
+        result = _fused_result(logits, params, pair.T.tolist(), outputs, num_logprobs)
         return PendingSample(tokens.long(), lambda: result)
     return staged_draws(tokens.long(), pair, staging)
 
 
 def staged_draws(tokens: Tensor, pair: Tensor, staging: HostStaging) -> PendingSample:
-    """Draws on the device as a `PendingSample`: `pair` ([2, rows] float64: the tokens and their
+    """Draws on the device as a `PendingSample`: `pair` ([rows, 2] float64: each token and its
     logprobs) is copied to a pinned `staging` buffer without blocking; `result()` waits for that copy.
     `tokens` (int64) must stay valid until the next step has read them (a decode graph's output does:
     the next replay follows the reads queued before it)."""
     if not pair.is_cuda:
-        token_list, chosen_list = pair.tolist()
-        result = SampleResult([int(t) for t in token_list], chosen_list, [[] for _ in token_list])
+        result = _drawn(pair.tolist())
         return PendingSample(tokens, lambda: result)
-    host = staging.take(pair.shape[1])
+    host = staging.take(pair.shape[0])
     host.copy_(pair, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
 
     def collect() -> SampleResult:
         copied.synchronize()
-        token_list, chosen_list = host.tolist()
-        return SampleResult([int(t) for t in token_list], chosen_list, [[] for _ in token_list])
+        return _drawn(host.tolist())
 
     return PendingSample(tokens, collect)
+
+
+def _drawn(rows: list[list[float]]) -> SampleResult:
+    """The draws of [rows, 2] (token, logprob) pairs, without top logprobs."""
+    return SampleResult([int(token) for token, _ in rows], [chosen for _, chosen in rows], [[] for _ in rows])
 
 
 def _fused_result(logits, params, pair: list[list[float]], outputs, num_logprobs) -> SampleResult:

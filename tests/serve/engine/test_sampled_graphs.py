@@ -54,7 +54,7 @@ class GraphSampling:
         tokens, chosen, *_ = torch.ops.hy3.sample(logits, *block_columns(block, b), None, 0)
         self.sampled_steps += 1
         self.blocks.append(block)
-        return logits, hidden, tokens, torch.stack([tokens.double(), chosen.double()])
+        return logits, hidden, tokens, torch.stack([tokens.double(), chosen.double()], 1)
 
 
 def _run(runner, tokenizer, requests: list[GenerationRequest], overlap: bool = True) -> dict[str, list[int]]:
@@ -161,8 +161,8 @@ def test_sampled_replays_equal_the_step_then_the_fused_sampler(cuda_runner):
         assert drawn is not None
         _, _, tokens, pair = drawn
         assert tokens.tolist() == expected.tolist()
-        assert pair[0].long().tolist() == expected.tolist()
-        torch.testing.assert_close(pair[1].float(), expected_logprobs, atol=2e-2, rtol=2e-2)
+        assert pair.is_contiguous() and pair[:, 0].long().tolist() == expected.tolist()
+        torch.testing.assert_close(pair[:, 1].float(), expected_logprobs, atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="parameter block"):
         runner.step_sampled(_decode_batch(1), kv, block_of(kinds[:1], [0], 8))  # not the graphs' width
     prefill = build_step_batch([SeqChunk([3, 4], 0, [1], "last")], 16, "cuda")
@@ -177,13 +177,13 @@ def test_draws_reach_the_host_without_blocking_on_the_device():
 
     staging = HostStaging()
     for rows in (3, 1, 70):  # below and above the first buffer's size
-        assert staging.take(rows).is_contiguous() and staging.take(rows).shape == (2, rows)
+        assert staging.take(rows).is_contiguous() and staging.take(rows).shape == (rows, 2)
     pair = torch.stack(
-        [torch.arange(5, device="cuda").double(), torch.full((5,), -0.5, device="cuda").double()]
+        [torch.arange(5, device="cuda").double(), torch.full((5,), -0.5, device="cuda").double()], 1
     )
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # keeps the stream busy for a while (~0.1 s)
-    pending = staged_draws(pair[0].long(), pair, staging)
+    pending = staged_draws(pair[:, 0].long(), pair, staging)
     assert not torch.cuda.current_stream().query()  # returned before the device got there
     result = pending.result()
     assert result.tokens == [0, 1, 2, 3, 4] and result.logprobs == [-0.5] * 5
