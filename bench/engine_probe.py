@@ -15,7 +15,10 @@ then drives it on this thread (`run_until_done`) with greedy requests of random 
   (`--context-requests` requests of that many prompt tokens);
 - with `--long-prompts`: decode protection — `--decoders` requests decode while that many prompts of
   `--long-len` tokens are prefilled; the decoders' inter-token latency (median, p99, max) during the
-  prefill, with the prefill chunk per step at the token budget and at `--long-prefill-token-threshold`.
+  prefill, with the prefill chunk per step at the token budget and at `--long-prefill-token-threshold`;
+- with `--speculative-config` (as `hy3c serve`'s): the engine speculates, and the verify and draft
+  graphs' bare replays give the speedup MTP can reach at acceptances 0.57 and 0.9 (and projected to
+  80 layers).
 
     python3 bench/engine_probe.py ART [--concurrency 1 32] [--input-len 1024] [--output-len 200]
         [--contexts 1024 32768 131072] [--long-prompts 2 --long-len 65536 --decoders 8]
@@ -40,6 +43,7 @@ import torch
 from hy3c.serve.engine import core
 from hy3c.serve.engine.core import GenerationRequest, StepOutput
 from hy3c.serve.engine.sampler import SamplingParams
+from hy3c.serve.engine.spec_decode import mean_accepted_length
 from hy3c.serve.http.server import ServeOptions, build_engine
 
 
@@ -79,8 +83,7 @@ def submit(engine, count: int, input_len: int, output_len: int, salt: int) -> di
         times[name] = []
 
         def emit(out: StepOutput, stamps=times[name]) -> None:
-            if out.token_ids:
-                stamps.append(time.perf_counter())
+            stamps.extend([time.perf_counter()] * len(out.token_ids))  # a stamp per token
 
         request = GenerationRequest(
             name, prompt, SamplingParams(temperature=0.0), output_len, ignore_eos=True
@@ -215,10 +218,13 @@ def protection(engine, args, threshold: int) -> dict:
     }
 
 
-def replay_time(runner, batch: int, repeats: int = 200) -> float | None:
-    """Seconds per bare replay of the decode graph for `batch` requests (its inputs as last left)."""
-    for graphs in runner.step_graphs.values():
-        if graphs.query_len == 1 and batch in graphs.graphs:
+def replay_time(
+    runner, batch: int, repeats: int = 200, query_len: int = 1, program: str = "step"
+) -> float | None:
+    """Seconds per bare replay of a captured graph for `batch` requests (its inputs as last left): the
+    step program's at `query_len` tokens per request, or the draft program's (`program="draft"`)."""
+    for graphs in (runner.step_graphs if program == "step" else runner.draft_graphs).values():
+        if graphs.query_len == query_len and batch in graphs.graphs:
             graph = graphs.graphs[batch].graph
             for _ in range(10):
                 graph.replay()
@@ -230,6 +236,34 @@ def replay_time(runner, batch: int, repeats: int = 200) -> float | None:
             end.synchronize()
             return start.elapsed_time(end) / repeats * 1e-3
     return None
+
+
+def speculation_costs(runner, k: int, batch: int) -> str | None:
+    """The speculative step's graph costs at `batch` requests against plain decode, and the speedup
+    they allow at the issue's acceptances: (1 + accepted) / (1 + t_draft / t_step), t_step the verify
+    step at K + 1 tokens per request, t_draft the draft program's passes (K + 1 tokens, then K − 1 of
+    one); projected to 80 layers with t_step scaled by 80 / (the artifact's layers) and t_draft kept."""
+    decode = replay_time(runner, batch)
+    verify = replay_time(runner, batch, query_len=k + 1)
+    first = replay_time(runner, batch, query_len=k + 1, program="draft")
+    deeper = replay_time(runner, batch, program="draft") if k > 1 else 0.0
+    if None in (decode, verify, first, deeper):
+        return None
+    draft_s = first + (k - 1) * deeper
+    layers = runner.config.num_hidden_layers
+    cells = []
+    for alpha in (0.57, 0.9):
+        length = mean_accepted_length(alpha, k)  # 1 + accepted
+        ideal = length / (1 + draft_s / verify)
+        projected = length / (1 + draft_s / (verify * 80 / layers))
+        cells.append(
+            f"α {alpha}: ideal {ideal:.2f}× ({ideal * batch / (verify + draft_s):.0f} tok/s), 80 layers {projected:.2f}×"
+        )
+    return (
+        f"| {batch} | {decode * 1e3:.3f} | {verify * 1e3:.3f} | {draft_s * 1e3:.3f} | "
+        + " | ".join(cells)
+        + " |"
+    )
 
 
 def find_syncs(engine, args) -> list[tuple[int, str]]:
@@ -276,9 +310,15 @@ def main() -> None:
     parser.add_argument("--decoders", type=int, default=8)
     parser.add_argument("--long-prefill-token-threshold", type=int, default=1024)
     parser.add_argument("--skip-settings", action="store_true", help="only --contexts / --long-prompts")
+    parser.add_argument(
+        "--speculative-config", default=None, help="as hy3c serve's (MTP): also times its graphs"
+    )
     args = parser.parse_args()
     options = ServeOptions(
-        artifact=args.artifact, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len
+        artifact=args.artifact,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        speculative_config=args.speculative_config,
     )
     engine, _, _ = build_engine(options)
     clock = PhaseClock()
@@ -356,6 +396,14 @@ def main() -> None:
                 f"{r['p99_ms']:.2f} | {r['max_ms']:.2f} |",
                 flush=True,
             )
+    speculative = engine.config.speculative
+    if speculative is not None:
+        k = speculative.num_speculative_tokens
+        print(f"\nspeculative step graphs, K = {k} (bare replays; speedups vs plain decode at that batch):")
+        print("| batch | decode ms | verify ms | draft passes ms | α 0.57 | α 0.9 |")
+        print("|---|---|---|---|---|---|")
+        for concurrency in args.concurrency:
+            print(speculation_costs(engine.runner, k, concurrency) or f"| {concurrency} | (no graphs) |")
     if args.skip_settings:
         return
     syncs = find_syncs(engine, args)
