@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch import Tensor
 
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.config import Hy3Config
@@ -62,8 +63,8 @@ from hy3c.serve.engine.sampler import (
     upload_block,
 )
 from hy3c.serve.engine.scheduler import DataParallelScheduler, Scheduler, Sequence, Work
-from hy3c.serve.engine.spec_decode import SpeculativeConfig
-from hy3c.serve.engine.speculation import Drafting, Speculator
+from hy3c.serve.engine.spec_decode import SpeculativeConfig, Verified
+from hy3c.serve.engine.speculation import Drafted, Drafting, Speculator
 from hy3c.serve.engine.step_inputs import StepInputs
 
 log = logging.getLogger("hy3c.engine")
@@ -164,6 +165,23 @@ class _InFlight:
     host_seconds: float  # planning and building it, before the runner was called
 
 
+@dataclass
+class _SpecStep:
+    """A launched speculative step the engine has not read: its work, the requests it verified (in
+    row order) and their work items, the verification and the next drafts on the device."""
+
+    work: list[Work]
+    lives: list[_Live]
+    sampled: list[Work]
+    verified: Verified
+    drafted: Drafted
+    asked: bool  # some request wants logprobs
+    scored_only: list[_Live]
+    started: float
+    host_seconds: float
+    preempted: int
+
+
 def _feed_pairs(work: list[Work], previous: _InFlight | None) -> list[tuple[int, int]]:
     """(token index, draw row of `previous`) of each item fed from the device: its last token, which
     its chunk holds as a placeholder, is `previous`'s draw for the request."""
@@ -238,7 +256,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="hy3c-engine", daemon=True)
         self._dead: str | None = None
         self._idle = getattr(runner, "idle", None)  # a runner over several ranks: its heartbeat
-        self._in_flight: _InFlight | None = None  # the step launched and not collected yet
+        self._in_flight: _InFlight | _SpecStep | None = None  # the step launched and not collected yet
         # the page table kept on the device, a row per running request (host work per step does not
         # grow with the context); attention-DP builds each rank's batch with build_step_batch
         rows, pages = config.max_num_seqs, -(-config.max_model_len // config.page_size)
@@ -418,6 +436,8 @@ class Engine:
         new step while the host reads, detokenizes and emits the previous one). Without
         `async_scheduling` a step is collected at once. Returns whether there was work."""
         self._drain_inbox()
+        if self.speculator is not None:
+            return self._iterate_speculative()
         previous, self._in_flight = self._in_flight, None
         if previous is not None and self._needs_history(previous):  # its tokens feed the penalties
             self._collect(previous)
@@ -431,6 +451,31 @@ class Engine:
         self._in_flight = launched
         return launched is not None or previous is not None or self.scheduler.has_work
 
+    def _iterate_speculative(self) -> bool:
+        """`_iterate` under MTP speculative decoding: when the step in flight allows it (`_can_chain`)
+        the next one is planned from it and launched before it is read — MTP with overlap — else it
+        is read first and the next step planned as usual."""
+        previous, self._in_flight = self._in_flight, None
+        launched = None
+        if isinstance(previous, _SpecStep) and self._can_chain(previous):
+            try:
+                launched = self._spec_chain(previous)
+            except Exception as exc:  # its requests fail; the step it followed is read as usual
+                self._step_failed([w for w in previous.work], exc)
+                return True
+        if previous is not None and launched is None:
+            self._spec_collect(previous)
+            previous = None
+        if launched is None and self.scheduler.has_work:
+            launched = self._launch(None)
+        if previous is not None:
+            self._spec_collect(previous, launched)
+        if launched is not None and not self.config.async_scheduling:
+            self._spec_collect(launched)
+            launched = None
+        self._in_flight = launched
+        return launched is not None or previous is not None or self.scheduler.has_work
+
     @staticmethod
     def _needs_history(step: _InFlight) -> bool:
         """Whether a request of the step samples with penalties over its output, which the next step's
@@ -440,7 +485,7 @@ class Engine:
             for p in (live.request.params for live in step.lives)
         )
 
-    def _launch(self, previous: _InFlight | None) -> _InFlight | None:
+    def _launch(self, previous: _InFlight | None) -> _InFlight | _SpecStep | None:
         """Plan a step and launch it on the device: the model step, then the draws (which stay on the
         device). Tokens of `previous` that are still in flight are fed from the device."""
         started = time.monotonic()
@@ -484,9 +529,8 @@ class Engine:
                 _feed_from_device(batch, pairs, previous)
                 num_rows = len(batch.logits_owner)
             rows, lives, scoring, scored_only = self._logit_rows(work)
-            if self.speculator is not None:  # verified and drafted at once: nothing stays in flight
-                self._speculative_step(work, batch, rows, lives, scoring, scored_only, started, preempted)
-                return None
+            if self.speculator is not None:  # verified and drafted on the device; read in _spec_collect
+                return self._spec_launch(work, batch, rows, lives, scoring, scored_only, started, preempted)
             # the logits rows to sample, when others (prompt rows to score) are among them
             pick = None
             if len(rows) < num_rows:
@@ -558,7 +602,7 @@ class Engine:
             step.preempted,
         )
 
-    def _speculative_step(
+    def _spec_launch(
         self,
         work: list[Work],
         batch: StepBatch,
@@ -568,10 +612,12 @@ class Engine:
         scored_only: list[_Live],
         started: float,
         preempted: int,
-    ) -> None:
-        """A step with MTP speculative decoding (`hy3c.serve.engine.speculation`): the target verifies
-        the drafts fed, the rejected ones' KV is rolled back, the MTP program drafts the next ones, then
-        the accepted tokens are emitted. Read at once (the host needs the accepted lengths to plan)."""
+        chained: tuple[Tensor, Tensor] | None = None,
+    ) -> _SpecStep:
+        """Launch a step with MTP speculative decoding (`hy3c.serve.engine.speculation`): the target
+        verifies the drafts fed and the MTP program drafts the next ones, all on the device. `chained`:
+        (the drafts on the device, request-major; how far each request's positions were planned past
+        the true ones) for a step planned from one still in flight (`_spec_chain`)."""
         assert self.speculator is not None
         prepared = time.monotonic()
         logits, hidden = self.runner.step(batch, self.kv_cache)
@@ -588,6 +634,7 @@ class Engine:
             [History(lv.request.prompt_ids, lv.output) for lv in lives],
             [lv.generator for lv in lives],
             max(asked) if asked else None,
+            None if chained is None else chained[0],
         )
         row_of = {lv.seq: row for row, lv in enumerate(lives)}
         items = [
@@ -609,38 +656,130 @@ class Engine:
             verified,
             self.scheduler.reserve,
             self._inputs.build,
+            None if chained is None else chained[1],
         )
-        # the step's one read: accepted counts, emitted tokens and next drafts together
-        width = verified.tokens.shape[1]
-        packed = torch.cat([verified.counts[:, None], verified.tokens, drafted.tokens], 1).tolist()
-        accepted = [row[0] for row in packed]
-        emitted = [row[1 : row[0] + 2] for row in packed]
-        chosen, top = verified.logprobs_to_host()
-        if not asked:
-            chosen, top = [[0.0] * len(e) for e in emitted], [[[]] * len(e) for e in emitted]
-        known = time.monotonic()
-        for w, count in zip(sampled, accepted):
-            if w.drafts:
-                self.scheduler.accept(w, count)
-        self.metrics.speculated([w.drafts for w in sampled], accepted)
-        drafts = {
-            seq: packed[row][1 + width : 1 + width + depth] for seq, (row, depth) in drafted.depth.items()
-        }
-        self.scheduler.settle(work)
-        self._emit(lives, emitted, chosen, top, known)
-        for seq, tokens in drafts.items():
-            if not seq.finished and self._live.get(seq.request_id) is not None:
-                self.scheduler.set_drafts(seq, tokens)
-        self._finish_scored([lv for lv in scored_only if self._live.get(lv.request.request_id) is lv])
-        self.scheduler.publish(work)
-        finished = time.monotonic()
-        self._last_collected = finished
-        self.metrics.step(
-            finished - started,
-            (prepared - started) + (finished - known),
-            sum(w.count for w in work),
+        return _SpecStep(
+            work,
+            lives,
+            sampled,
+            verified,
+            drafted,
+            bool(asked),
+            scored_only,
+            started,
+            prepared - started,
             preempted,
         )
+
+    def _spec_collect(self, step: _SpecStep, successor: _SpecStep | None = None) -> None:
+        """Read a speculative step (its one host read: accepted counts, emitted tokens, next drafts),
+        roll back the rejected drafts' KV, emit, publish. `successor`: the step planned from this one
+        before it was read (`_spec_chain`), whose positions the host now corrects."""
+        try:
+            verified, drafted, lives = step.verified, step.drafted, step.lives
+            width = verified.tokens.shape[1]
+            packed = torch.cat([verified.counts[:, None], verified.tokens, drafted.tokens], 1).tolist()
+            accepted = [row[0] for row in packed]
+            emitted = [row[1 : row[0] + 2] for row in packed]
+            chosen, top = verified.logprobs_to_host()
+            if not step.asked:
+                chosen, top = [[0.0] * len(e) for e in emitted], [[[]] * len(e) for e in emitted]
+            known = time.monotonic()
+            for w, count in zip(step.sampled, accepted):
+                if w.drafts:
+                    self.scheduler.accept(w, count)
+            if successor is not None:  # planned at the largest acceptance: back to the true positions
+                following = {w.seq: w for w in successor.work}
+                for w, count in zip(step.sampled, accepted):
+                    later = following.get(w.seq)
+                    if later is not None:
+                        later.start -= w.drafts - count
+                        w.seq.computed = later.end
+            self.metrics.speculated([w.drafts for w in step.sampled], accepted)
+            drafts = {
+                seq: packed[row][1 + width : 1 + width + depth] for seq, (row, depth) in drafted.depth.items()
+            }
+            self.scheduler.settle(step.work)
+            self._emit(lives, emitted, chosen, top, known)
+            for seq, tokens in drafts.items():
+                if not seq.finished and self._live.get(seq.request_id) is not None:
+                    self.scheduler.set_drafts(seq, tokens)
+            self._finish_scored(
+                [lv for lv in step.scored_only if self._live.get(lv.request.request_id) is lv]
+            )
+        except Exception as exc:
+            self._step_failed(step.work, exc)
+            return
+        self.scheduler.publish(step.work)
+        finished = time.monotonic()
+        since = max(step.started, self._last_collected)
+        self._last_collected = finished
+        self.metrics.step(
+            finished - since,
+            step.host_seconds + (finished - known),
+            sum(w.count for w in step.work),
+            step.preempted,
+        )
+
+    def _can_chain(self, step: _SpecStep) -> bool:
+        """Whether the next step can be planned from this one before it is read: overlapped scheduling
+        on, nobody waiting, every request a decode that fed K drafts and drafted K more, samples with
+        no penalty, logprobs or logit bias, and stays inside its length limit even at full acceptance
+        of this step and the next."""
+        assert self.speculator is not None
+        k = self.speculator.k
+        if not self.config.async_scheduling or self.scheduler.waiting or self.num_submitted():
+            return False
+        if len(step.lives) != len(step.work) or not step.work:
+            return False
+        for w, live in zip(step.work, step.lives):
+            p = live.request.params
+            if (
+                w.drafts != k
+                or w.count != k + 1
+                or live.seq is not w.seq
+                or self._live.get(live.request.request_id) is not live
+            ):
+                return False
+            if (
+                has_penalties(p)
+                or live.request.num_logprobs is not None
+                or step.drafted.depth.get(w.seq, (0, 0))[1] != k
+            ):
+                return False
+            if w.end + 2 * (k + 1) + k > min(w.seq.limit, self.config.max_model_len):
+                return False
+        return True
+
+    def _spec_chain(self, previous: _SpecStep) -> _SpecStep | None:
+        """Plan and launch the next step of `previous`'s requests before reading it: each feeds its last
+        emitted token and its K new drafts, all still on the device, at the positions of full
+        acceptance, corrected on the device by the drafts `previous` rejected. None when the pages for
+        it cannot be had (then `previous` is read first)."""
+        assert self.speculator is not None
+        k = self.speculator.k
+        started = time.monotonic()
+        work = []
+        for w in previous.work:
+            if not self.scheduler.reserve(w.seq, w.end + (k + 1) + k):
+                return None
+            work.append(Work(w.seq, w.end, k + 1, True, from_device=True, epoch=w.seq.epoch, drafts=k))
+        chunks = [SeqChunk([0] * (k + 1), w.start, w.seq.pages, "all") for w in work]
+        batch = self._inputs.build(chunks, [w.seq for w in work])
+        verified, drafted = previous.verified, previous.drafted
+        lag = k - verified.counts  # the drafts each request's previous step rejected
+        last = verified.tokens.gather(1, verified.counts[:, None])
+        batch.input_ids.copy_(torch.cat([last, drafted.tokens[:, :k]], 1).view(-1))
+        batch.positions.sub_(lag.repeat_interleave(k + 1))
+        batch.seq_lens.sub_(lag.to(batch.seq_lens.dtype))
+        owner = torch.arange(len(work), device=lag.device).repeat_interleave(k + 1)
+        page = batch.page_table[owner, batch.positions // self.config.page_size]
+        batch.slot_mapping.copy_(
+            page.long() * self.config.page_size + batch.positions % self.config.page_size
+        )
+        rows = [(r + 1) * (k + 1) - 1 for r in range(len(work))]
+        draft_tokens = drafted.tokens[:, :k].reshape(-1)
+        return self._spec_launch(work, batch, rows, previous.lives, [], [], started, 0, (draft_tokens, lag))
 
     def _history(self, live: _Live) -> History:
         """What the request's penalties read: for one with repetition, presence or frequency penalties,

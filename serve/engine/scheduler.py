@@ -153,6 +153,7 @@ class Scheduler:
         """A verified decode step kept `accepted` of its drafts: the KV of the rejected ones is rolled
         back (their slots are rewritten by later steps) and the drafts are spent."""
         w.seq.computed = w.start + 1 + accepted
+        w.count = 1 + accepted  # its KV past the accepted drafts is not final: never settled or published
         w.seq.drafts = []
 
     def set_drafts(self, seq: Sequence, drafts: list[int]) -> None:

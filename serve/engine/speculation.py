@@ -91,15 +91,18 @@ class Speculator:
         history: list[History],
         generators: list[torch.Generator | None],
         num_logprobs: int | None,
+        draft_tokens: Tensor | None = None,
     ) -> Verified:
         """Accept the drafts of the sampled requests (`work[i]` is request i's item; `last_rows[i]` its
-        last logits row: its k_i + 1 rows end there)."""
+        last logits row: its k_i + 1 rows end there). `draft_tokens`: the drafts on the device
+        (request-major), when the host has not read them yet (a step planned from one in flight)."""
         counts = [w.drafts for w in work]
         rows = [r for last, k in zip(last_rows, counts) for r in range(last - k, last + 1)]
         device = logits.device
         target = logits[upload(torch.tensor(rows, dtype=torch.long), device)]
-        tokens = [t for w in work for t in w.seq.drafts[: w.drafts]]
-        draft_tokens = upload(torch.tensor(tokens, dtype=torch.long), device)
+        if draft_tokens is None:
+            tokens = [t for w in work for t in w.seq.drafts[: w.drafts]]
+            draft_tokens = upload(torch.tensor(tokens, dtype=torch.long), device)
         probs = None
         if any(w.seq in self._probs for w in work if w.drafts):
             vocab = logits.shape[-1]
@@ -123,6 +126,7 @@ class Speculator:
         verified: Verified,
         reserve: Callable[[Sequence, int], bool],
         build: Callable[[list[SeqChunk], list[Sequence]], StepBatch],
+        lag: Tensor | None = None,
     ) -> Drafted:
         """Run the MTP program over every position the verify step `batch` fed and draft K tokens for
         each request that sampled, without reading the acceptance on the host.
@@ -136,7 +140,9 @@ class Speculator:
         draft graph at q = K + 1. For K > 1 the recursive passes (one token per request) are planned
         on the host at the largest acceptance and corrected on the device: positions, sequence lengths
         and slots shifted back by the drafts rejected (`reserve(seq, tokens)` asks the scheduler for
-        the pages they may write; a request it refuses drafts one token)."""
+        the pages they may write; a request it refuses drafts one token). `lag` (int64, a row per
+        verified request): how far the host planned this step's positions past the true ones (a step
+        planned before the previous one's acceptance was read), subtracted there too."""
         width = verified.tokens.shape[1]
         ids: list[int] = []
         fill: tuple[list[int], list[int]] = ([], [])  # fed token index ← flat index into verified.tokens
@@ -198,6 +204,8 @@ class Speculator:
             # last accepted); shifted back on the device by the drafts rejected
             most = [self._device_columns(drafting[i]) - 1 for i in deeper]
             shift = upload(torch.tensor(most, dtype=torch.long), device) - accepted.index_select(0, picked)
+            if lag is not None:
+                shift = shift + lag.index_select(0, verified_rows.index_select(0, picked))
             # the MTP layer's own hidden state at the first pass's rows, then each pass's own
             hidden_prev = mtp_hidden.index_select(0, mtp.logits_indices.index_select(0, picked))
         for depth in range(1, self.k if deeper else 1):

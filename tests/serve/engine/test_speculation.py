@@ -144,3 +144,57 @@ def test_prompt_chunks_that_sample_nothing_write_their_mtp_kv(model, tokenizer):
         layers[budget] = engine.kv_cache[model.config.num_hidden_layers].clone()
     assert layers[48].abs().sum() > 0
     torch.testing.assert_close(layers[48], layers[256], atol=1e-4, rtol=1e-4)
+
+
+def _chained_run(engine: Engine, requests: list[GenerationRequest]) -> tuple[dict[str, tuple], int]:
+    """Each request's tokens and finish reason, and how many steps were planned from a step in flight."""
+    outputs: dict[str, list[StepOutput]] = {r.request_id: [] for r in requests}
+    for request in requests:
+        engine.submit(request, outputs[request.request_id].append)
+    chained = 0
+    plan = engine._spec_chain
+
+    def counting(previous):
+        nonlocal chained
+        step = plan(previous)
+        chained += step is not None
+        return step
+
+    engine._spec_chain = counting
+    engine.run_until_done()
+    assert engine.pool.num_free == engine.pool.usable, "pages leaked"
+    tokens = {
+        rid: ([t for o in outs for t in o.token_ids], outs[-1].finish_reason) for rid, outs in outputs.items()
+    }
+    return tokens, chained
+
+
+@pytest.mark.parametrize("k,forced", [(1, None), (2, None), (2, 0.6), (3, 1.0)])
+def test_mtp_with_overlap_plans_the_next_step_before_reading_and_changes_nothing(model, tokenizer, k, forced):
+    """With overlapped scheduling, a steady decode step is planned from the one in flight (positions,
+    slots and lengths corrected on the device by the drafts it rejected): the outputs — tokens, stops
+    by token id — equal those of the engine that reads every speculative step first, and no page leaks."""
+
+    def requests(stop: dict[int, int]) -> list[GenerationRequest]:
+        return [
+            GenerationRequest(
+                f"c{i}",
+                [5 + i, 17, 33 + 2 * i, 9][: 2 + i % 3],
+                SamplingParams(temperature=0.0),
+                max_tokens=30 + 4 * i,
+                ignore_eos=True,
+                stop_token_ids=[stop[i]] if i in stop else [],
+            )
+            for i in range(4)
+        ]
+
+    first, _ = _chained_run(_engine(model, tokenizer, k, forced=forced), requests({}))
+    stop = {1: first["c1"][0][17]}  # a token id that ends request c1 mid-way
+    runs = {}
+    for overlap in (True, False):
+        engine = _engine(model, tokenizer, k, forced=forced)
+        engine.config.async_scheduling = overlap
+        runs[overlap] = _chained_run(engine, requests(stop))
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] > 0 and runs[False][1] == 0
+    assert runs[True][0]["c1"][1] == "stop" and runs[True][0]["c0"][1] == "length"
