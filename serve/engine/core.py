@@ -695,7 +695,13 @@ class Engine:
                     if later is not None:
                         later.start -= w.drafts - count
                         w.seq.computed = later.end
-            self.metrics.speculated([w.drafts for w in step.sampled], accepted)
+            alive = [
+                self._live.get(lv.request.request_id) is lv for lv in lives
+            ]  # not an ended one's extra step
+            self.metrics.speculated(
+                [w.drafts for w, on in zip(step.sampled, alive) if on],
+                [a for a, on in zip(accepted, alive) if on],
+            )
             drafts = {
                 seq: packed[row][1 + width : 1 + width + depth] for seq, (row, depth) in drafted.depth.items()
             }
