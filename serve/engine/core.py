@@ -180,6 +180,11 @@ class _SpecStep:
     started: float
     host_seconds: float
     preempted: int
+    fed: int  # tokens fed (before the rejected drafts were rolled back)
+    # [R, 1 + width + passes]: accepted counts, emitted tokens, next drafts — on the host (pinned, copied
+    # without blocking right behind the step; `ready` is recorded after the copy) or, off CUDA, as is
+    readout: Tensor
+    ready: torch.cuda.Event | None
 
 
 def _feed_pairs(work: list[Work], previous: _InFlight | None) -> list[tuple[int, int]]:
@@ -460,8 +465,9 @@ class Engine:
         if isinstance(previous, _SpecStep) and self._can_chain(previous):
             try:
                 launched = self._spec_chain(previous)
-            except Exception as exc:  # its requests fail; the step it followed is read as usual
-                self._step_failed([w for w in previous.work], exc)
+            except Exception as exc:  # the step it followed is read as usual, then its requests fail
+                self._spec_collect(previous)
+                self._step_failed([w for w in previous.work if self._live.get(w.seq.request_id)], exc)
                 return True
         if previous is not None and launched is None:
             self._spec_collect(previous)
@@ -658,6 +664,13 @@ class Engine:
             self._inputs.build,
             None if chained is None else chained[1],
         )
+        packed = torch.cat([verified.counts[:, None], verified.tokens, drafted.tokens], 1)
+        readout, ready = packed, None
+        if packed.is_cuda:  # read later without waiting for a step launched after this one
+            readout = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            readout.copy_(packed, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
         return _SpecStep(
             work,
             lives,
@@ -669,6 +682,9 @@ class Engine:
             started,
             prepared - started,
             preempted,
+            sum(w.count for w in work),
+            readout,
+            ready,
         )
 
     def _spec_collect(self, step: _SpecStep, successor: _SpecStep | None = None) -> None:
@@ -678,7 +694,9 @@ class Engine:
         try:
             verified, drafted, lives = step.verified, step.drafted, step.lives
             width = verified.tokens.shape[1]
-            packed = torch.cat([verified.counts[:, None], verified.tokens, drafted.tokens], 1).tolist()
+            if step.ready is not None:
+                step.ready.synchronize()
+            packed = step.readout.tolist()
             accepted = [row[0] for row in packed]
             emitted = [row[1 : row[0] + 2] for row in packed]
             chosen, top = verified.logprobs_to_host()
@@ -723,7 +741,7 @@ class Engine:
         self.metrics.step(
             finished - since,
             step.host_seconds + (finished - known),
-            sum(w.count for w in step.work),
+            step.fed,
             step.preempted,
         )
 

@@ -198,3 +198,27 @@ def test_mtp_with_overlap_plans_the_next_step_before_reading_and_changes_nothing
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] > 0 and runs[False][1] == 0
     assert runs[True][0]["c1"][1] == "stop" and runs[True][0]["c0"][1] == "length"
+
+
+def test_mtp_with_overlap_keeps_seeded_sampling_reproducible(model, tokenizer):
+    """Seeded sampled requests draw from their generators in the same order with steps planned from
+    the step in flight: the same tokens as the engine that reads every step first."""
+
+    def requests() -> list[GenerationRequest]:
+        return [
+            GenerationRequest(
+                f"s{i}",
+                [5 + i, 17, 33 + 2 * i],
+                SamplingParams(temperature=0.8, top_k=30, seed=3 + i),
+                30,
+                ignore_eos=True,
+            )
+            for i in range(3)
+        ]
+
+    runs = {}
+    for overlap in (True, False):
+        engine = _engine(model, tokenizer, 2)
+        engine.config.async_scheduling = overlap
+        runs[overlap] = _chained_run(engine, requests())
+    assert runs[True][0] == runs[False][0] and runs[True][1] > 0
