@@ -597,15 +597,8 @@ class Engine:
         except Exception as exc:
             self._step_failed(step.work, exc)
             return
-        self.scheduler.publish(step.work)
-        finished = time.monotonic()
-        since = max(step.started, self._last_collected)
-        self._last_collected = finished
-        self.metrics.step(
-            finished - since,
-            step.host_seconds + (finished - known),
-            sum(w.count for w in step.work),
-            step.preempted,
+        self._finish_step(
+            step.work, step.started, step.host_seconds, known, sum(w.count for w in step.work), step.preempted
         )
 
     def _spec_launch(
@@ -734,16 +727,19 @@ class Engine:
         except Exception as exc:
             self._step_failed(step.work, exc)
             return
-        self.scheduler.publish(step.work)
+        self._finish_step(step.work, step.started, step.host_seconds, known, step.fed, step.preempted)
+
+    def _finish_step(
+        self, work: list[Work], started: float, host_seconds: float, known: float, fed: int, preempted: int
+    ) -> None:
+        """A collected step's end: publish the pages it completed and record its time (from its launch
+        or the previous collect, whichever is later) and host time (planning, then what followed the
+        read at `known`)."""
+        self.scheduler.publish(work)
         finished = time.monotonic()
-        since = max(step.started, self._last_collected)
+        since = max(started, self._last_collected)
         self._last_collected = finished
-        self.metrics.step(
-            finished - since,
-            step.host_seconds + (finished - known),
-            step.fed,
-            step.preempted,
-        )
+        self.metrics.step(finished - since, host_seconds + (finished - known), fed, preempted)
 
     def _can_chain(self, step: _SpecStep) -> bool:
         """Whether the next step can be planned from this one before it is read: overlapped scheduling
