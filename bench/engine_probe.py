@@ -133,11 +133,13 @@ def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args
     until_decoding(engine, times)  # (output_len must outlast this and both windows)
     window = args.profile_steps
     clock.reset()
+    emitted = sum(map(len, times.values()))
     started = time.perf_counter()
-    for _ in range(window):  # unprofiled: the step time and the host phases
+    for _ in range(window):  # unprofiled: the step time, the tokens it yields and the host phases
         engine._iterate()
     torch.cuda.synchronize()
     plain_step = (time.perf_counter() - started) / window
+    tokens_per_step = (sum(map(len, times.values())) - emitted) / window
     phases = {name: clock.seconds[name] / window * 1e3 for name in clock.seconds}
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
@@ -157,6 +159,7 @@ def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args
         "concurrency": concurrency,
         "tpot_ms": tpot(times) * 1e3,
         "step_ms": plain_step * 1e3,
+        "tokens_per_s": tokens_per_step / plain_step,
         "window_step_ms": wall / window * 1e3,
         "gpu_busy_ms": busy / window * 1e3,
         "gpu_idle_pct": 100 * (1 - busy / span) if span else float("nan"),
@@ -238,18 +241,32 @@ def replay_time(
     return None
 
 
-def speculation_costs(runner, k: int, batch: int) -> str | None:
-    """The speculative step's graph costs at `batch` requests against plain decode, and the speedup
-    they allow at the issue's acceptances: (1 + accepted) / (1 + t_draft / t_step), t_step the verify
-    step at K + 1 tokens per request, t_draft the draft program's passes (K + 1 tokens, then K − 1 of
-    one); projected to 80 layers with t_step scaled by 80 / (the artifact's layers) and t_draft kept."""
+def speculation_times(runner, k: int, batch: int) -> tuple[float, float, float] | None:
+    """Seconds per bare replay at `batch` requests: plain decode, the verify step (K + 1 tokens per
+    request) and the draft program's passes (K + 1 tokens, then K − 1 of one); None without graphs."""
     decode = replay_time(runner, batch)
     verify = replay_time(runner, batch, query_len=k + 1)
     first = replay_time(runner, batch, query_len=k + 1, program="draft")
     deeper = replay_time(runner, batch, program="draft") if k > 1 else 0.0
     if None in (decode, verify, first, deeper):
         return None
-    draft_s = first + (k - 1) * deeper
+    return decode, verify, first + (k - 1) * deeper
+
+
+def ideal_tokens_per_s(times: tuple[float, float, float], k: int, batch: int, alpha: float) -> float:
+    """The issue's ideal: (1 + accepted) tokens per request for a verify step plus its draft passes."""
+    _, verify, draft_s = times
+    return mean_accepted_length(alpha, k) * batch / (verify + draft_s)
+
+
+def speculation_costs(runner, k: int, batch: int) -> str | None:
+    """The speculative step's graph costs at `batch` requests against plain decode, and the speedup
+    they allow at the issue's acceptances: (1 + accepted) / (1 + t_draft / t_step), t_step the verify
+    step; projected to 80 layers with t_step scaled by 80 / (the artifact's layers) and t_draft kept."""
+    times = speculation_times(runner, k, batch)
+    if times is None:
+        return None
+    decode, verify, draft_s = times
     layers = runner.config.num_hidden_layers
     cells = []
     for alpha in (0.57, 0.9):
@@ -257,7 +274,8 @@ def speculation_costs(runner, k: int, batch: int) -> str | None:
         ideal = length / (1 + draft_s / verify)
         projected = length / (1 + draft_s / (verify * 80 / layers))
         cells.append(
-            f"α {alpha}: ideal {ideal:.2f}× ({ideal * batch / (verify + draft_s):.0f} tok/s), 80 layers {projected:.2f}×"
+            f"α {alpha}: ideal {ideal:.2f}× ({ideal_tokens_per_s(times, k, batch, alpha):.0f} tok/s), "
+            f"80 layers {projected:.2f}×"
         )
     return (
         f"| {batch} | {decode * 1e3:.3f} | {verify * 1e3:.3f} | {draft_s * 1e3:.3f} | "
@@ -346,13 +364,14 @@ def main() -> None:
         print(f"input {args.input_len}, output {args.output_len}, profile window {args.profile_steps} steps")
         print("step ms: a decode step, unprofiled; TPOT: over the whole run, profiled window included")
         print(
-            "| overlap | C | step ms | TPOT ms | step ms, profiled | GPU busy ms/step | GPU idle %, profiled "
+            "| overlap | C | step ms | tok/s | TPOT ms | step ms, profiled | GPU busy ms/step | GPU idle %, profiled "
             "| kernels/step |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(
                 f"| {'on' if r['overlap'] else 'off'} | {r['concurrency']} | {r['step_ms']:.3f} | "
+                f"{r['tokens_per_s']:.0f} | "
                 f"{r['tpot_ms']:.3f} | {r['window_step_ms']:.3f} | {r['gpu_busy_ms']:.3f} | {r['gpu_idle_pct']:.1f} | "
                 f"{r['kernels_per_step']:.0f} |"
             )
@@ -404,6 +423,17 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         for concurrency in args.concurrency:
             print(speculation_costs(engine.runner, k, concurrency) or f"| {concurrency} | (no graphs) |")
+        alpha = speculative.forced_acceptance
+        if alpha is not None:
+            print(f"\nmeasured (forced acceptance α {alpha}) against the ideal at α {alpha}:")
+            for r in rows:
+                times = speculation_times(engine.runner, k, r["concurrency"])
+                if times is not None:
+                    ideal = ideal_tokens_per_s(times, k, r["concurrency"], alpha)
+                    print(
+                        f"  overlap {'on' if r['overlap'] else 'off'} C={r['concurrency']}: "
+                        f"{r['tokens_per_s']:.0f} tok/s = {r['tokens_per_s'] / ideal:.2f} × ideal {ideal:.0f}"
+                    )
     if args.skip_settings:
         return
     syncs = find_syncs(engine, args)

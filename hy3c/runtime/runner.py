@@ -34,7 +34,8 @@ from hy3c.logs import log_event
 from hy3c.model.batch import StepBatch
 from hy3c.model.hy3 import allocate_kv_cache
 from hy3c.recipe import Recipe
-from hy3c.runtime.cuda_graphs import DecodeGraphs
+from hy3c.runtime.cuda_graphs import DecodeGraphs, capture_blockers
+from hy3c.runtime.spec_graphs import Accept, SpecDecodeSteps
 
 log = logging.getLogger("hy3c.runtime.runner")
 
@@ -81,6 +82,7 @@ class Runner:
         self.mtp_gm = mtp_gm
         self.step_graphs: dict[int, DecodeGraphs] = {}  # tokens per request → the step's graphs
         self.draft_graphs: dict[int, DecodeGraphs] = {}  # tokens per request → the draft program's
+        self.spec_steps: SpecDecodeSteps | None = None  # whole greedy speculative decode steps
         self.compile_cache: Path | None = self._use_compile_cache() if compile else None
         self._fn = torch.compile(gm, dynamic=False, fullgraph=True) if compile else gm
         self._draft_fn = None
@@ -178,6 +180,44 @@ class Runner:
         return self._capture(
             self.draft_graphs, self._run_draft, self.mtp_gm, kv_cache, max_pages, sizes, query_lens, True
         )
+
+    def capture_spec_steps(
+        self,
+        kv_cache: torch.Tensor,
+        max_pages: int,
+        batch_sizes: list[int] | None,
+        k: int,
+        page_size: int,
+        accept: Accept,
+        graphs: bool = True,
+    ) -> str | None:
+        """Capture whole speculative decode steps with K drafts (`hy3c.runtime.spec_graphs`: the chained
+        correction, verify, `accept`, the MTP passes) per batch size; `graphs=False` builds them
+        uncaptured (off CUDA: tests). Returns None on success, else why nothing was captured."""
+        if self.mtp_gm is None:
+            return "the artifact has no draft program (compiled without MTP layers)"
+        sizes = batch_sizes if batch_sizes is not None else self.recipe.cuda_graphs.decode_batch_sizes
+        blockers = capture_blockers(self.gm) + capture_blockers(self.mtp_gm) if graphs else []
+        if blockers:
+            return f"ops without a CUDA-graph-safe provider: {', '.join(blockers)}"
+        result = SpecDecodeSteps.capture(
+            self._run, self._run_draft, kv_cache, sizes, max_pages, k, page_size, accept, graphs
+        )
+        if isinstance(result, str):
+            log_event(log, "cuda_graphs_skipped", reason=result, program="speculative step")
+            return result
+        self.spec_steps = result
+        return None
+
+    def spec_step(
+        self, batch: StepBatch, kv_cache: torch.Tensor, chained_from: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """A whole greedy speculative decode step (`SpecDecodeSteps.run`): the packed [b, 1 + (K+1) + K]
+        accepted counts, emitted tokens and next drafts; None when no captured step covers the batch."""
+        steps = self.spec_steps
+        if steps is None or not steps.fits(batch, kv_cache):
+            return None
+        return steps.run(batch, chained_from)
 
     def _capture(
         self,

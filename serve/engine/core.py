@@ -185,6 +185,7 @@ class _SpecStep:
     # without blocking right behind the step; `ready` is recorded after the copy) or, off CUDA, as is
     readout: Tensor
     ready: torch.cuda.Event | None
+    packed: Tensor  # the same outputs on the device: a chained step's inputs
 
 
 def _feed_pairs(work: list[Work], previous: _InFlight | None) -> list[tuple[int, int]]:
@@ -508,6 +509,8 @@ class Engine:
             if w.start < w.seq.num_prompt:  # a prefill chunk: maybe the request's first scheduling
                 self._note_admission(w.seq, started)
         try:
+            if self.speculator is not None and getattr(self.runner, "spec_steps", None) is not None:
+                self._reserve_drafting(work)
             chunks = [
                 SeqChunk(
                     w.seq.tokens[w.start : w.end] + ([0] if w.from_device else []) + w.seq.drafts[: w.drafts],
@@ -612,13 +615,35 @@ class Engine:
         started: float,
         preempted: int,
         chained: tuple[Tensor, Tensor] | None = None,
+        packed_before: Tensor | None = None,
     ) -> _SpecStep:
         """Launch a step with MTP speculative decoding (`hy3c.serve.engine.speculation`): the target
         verifies the drafts fed and the MTP program drafts the next ones, all on the device. `chained`:
         (the drafts on the device, request-major; how far each request's positions were planned past
-        the true ones) for a step planned from one still in flight (`_spec_chain`)."""
+        the true ones) for a step planned from one still in flight (`_spec_chain`), run uncaptured.
+        A uniform greedy decode (`_capturable`) replays one captured step instead
+        (`hy3c.runtime.spec_graphs`); `packed_before`: the outputs of the step in flight it was
+        planned from, which the captured step corrects its inputs by."""
         assert self.speculator is not None
         prepared = time.monotonic()
+        captured = None
+        if packed_before is not None or (
+            chained is None and not scoring and not scored_only and self._capturable(work, lives, batch)
+        ):
+            captured = self.runner.spec_step(batch, self.kv_cache, packed_before)
+            if captured is None:
+                raise RuntimeError("no captured speculative step covers a batch checked to fit one")
+        if captured is not None:
+            self.scheduler.advance(work)
+            q = self.speculator.k + 1
+            depth = {w.seq: (row, q - 1) for row, w in enumerate(work)}
+            return self._spec_launched(
+                _SpecStep(
+                    work, lives, work, Verified(captured[:, 1 : 1 + q], captured[:, 0]),
+                    Drafted(captured[:, 1 + q :], depth), False, [], started, prepared - started,
+                    preempted, sum(w.count for w in work), captured, None, captured,
+                )
+            )  # fmt: skip
         logits, hidden = self.runner.step(batch, self.kv_cache)
         self.scheduler.advance(work)
         self._score_prompts(logits, scoring)
@@ -658,27 +683,58 @@ class Engine:
             None if chained is None else chained[1],
         )
         packed = torch.cat([verified.counts[:, None], verified.tokens, drafted.tokens], 1)
-        readout, ready = packed, None
-        if packed.is_cuda:  # read later without waiting for a step launched after this one
-            readout = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            readout.copy_(packed, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        return _SpecStep(
-            work,
-            lives,
-            sampled,
-            verified,
-            drafted,
-            bool(asked),
-            scored_only,
-            started,
-            prepared - started,
-            preempted,
-            sum(w.count for w in work),
-            readout,
-            ready,
-        )
+        return self._spec_launched(
+            _SpecStep(
+                work, lives, sampled, verified, drafted, bool(asked), scored_only, started,
+                prepared - started, preempted, sum(w.count for w in work), packed, None, packed,
+            )
+        )  # fmt: skip
+
+    @staticmethod
+    def _spec_launched(step: _SpecStep) -> _SpecStep:
+        """The launched step with its readout on its way to the host: on CUDA, a pinned copy queued
+        right behind it and an event after the copy (read later without waiting for a step launched
+        after this one, which may overwrite a captured step's outputs)."""
+        if step.packed.is_cuda:
+            step.readout = torch.empty(step.packed.shape, dtype=step.packed.dtype, pin_memory=True)
+            step.readout.copy_(step.packed, non_blocking=True)
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        else:  # a captured step's outputs are its buffers, which the next step at its size rewrites
+            step.readout = step.packed.clone()
+        return step
+
+    def _reserve_drafting(self, work: list[Work]) -> None:
+        """Pages for the MTP recursion of the step's uniform decodes (K drafts fed, positions up to
+        start + 2K − 1 written), asked before their batch is built so that its page table holds them
+        (a captured speculative step computes those slots from it); a refusal leaves the item to the
+        uncaptured draft pass, which drafts one token for it."""
+        assert self.speculator is not None
+        k = self.speculator.k
+        for w in work:
+            if w.drafts == k and w.count == k + 1:
+                self.scheduler.reserve(w.seq, w.start + w.count + k - 1)
+
+    def _capturable(self, work: list[Work], lives: list[_Live], batch: StepBatch) -> bool:
+        """Whether a captured speculative step runs this one: a step of one rank whose every request is
+        a greedy decode feeding K drafts (no logprobs, penalties or logit bias), holding the pages its
+        recursion writes, in a batch a captured step covers."""
+        assert self.speculator is not None
+        steps = getattr(self.runner, "spec_steps", None)
+        if steps is None or self.data_parallel > 1 or len(lives) != len(work):
+            return False
+        if not steps.fits(batch, self.kv_cache):
+            return False
+        k, page_size = self.speculator.k, self.config.page_size
+        for w, live in zip(work, lives):
+            p = live.request.params
+            if live.seq is not w.seq or w.drafts != k or w.count != k + 1:
+                return False
+            if not p.greedy or has_penalties(p) or live.request.num_logprobs is not None:
+                return False
+            if len(w.seq.pages) * page_size < w.start + w.count + k - 1:
+                return False
+        return True
 
     def _spec_collect(self, step: _SpecStep, successor: _SpecStep | None = None) -> None:
         """Read a speculative step (its one host read: accepted counts, emitted tokens, next drafts),
@@ -786,6 +842,11 @@ class Engine:
             work.append(Work(w.seq, w.end, k + 1, True, from_device=True, epoch=w.seq.epoch, drafts=k))
         chunks = [SeqChunk([0] * (k + 1), w.start, w.seq.pages, "all") for w in work]
         batch = self._inputs.build(chunks, [w.seq for w in work])
+        rows = [(r + 1) * (k + 1) - 1 for r in range(len(work))]
+        if self._capturable(work, previous.lives, batch):  # corrected inside the captured step
+            return self._spec_launch(
+                work, batch, rows, previous.lives, [], [], started, 0, packed_before=previous.packed
+            )
         verified, drafted = previous.verified, previous.drafted
         lag = k - verified.counts  # the drafts each request's previous step rejected
         last = verified.tokens.gather(1, verified.counts[:, None])
@@ -797,7 +858,6 @@ class Engine:
         batch.slot_mapping.copy_(
             page.long() * self.config.page_size + batch.positions % self.config.page_size
         )
-        rows = [(r + 1) * (k + 1) - 1 for r in range(len(work))]
         draft_tokens = drafted.tokens[:, :k].reshape(-1)
         return self._spec_launch(work, batch, rows, previous.lives, [], [], started, 0, (draft_tokens, lag))
 

@@ -112,27 +112,43 @@ class ForcedAcceptance:
     """Acceptance decided by a coin, not by the tokens: a benchmark of speculation's cost on random
     real-shape weights, whose drafts the target never accepts.
 
-    At each draft position a Bernoulli(alpha) draw (one uniform per position, from a generator seeded
-    with `seed` on the logits' device, so runs repeat) accepts or refuses; a request's run ends at its
+    At each draft position a Bernoulli(alpha) draw accepts or refuses; a request's run ends at its
     first refusal. Every position up to and including that one emits the target's own greedy token of
     its row — the draft is replaced by the target's next token — so a step emits what an acceptance rate
     of alpha would (on average 1 + alpha + … + alpha^k tokens for k drafts) at the cost of a real
     verification. The text is NOT the model's output: rows after an accepted position were computed
-    from the fed draft, not from the token emitted in its place. It measures cost only."""
+    from the fed draft, not from the token emitted in its place. It measures cost only.
+
+    The draws are a hash of (seed, draw number) with the draw counter a device tensor advanced on the
+    device: the same decisions on every device, no host work per draw, and capturable in a CUDA graph
+    (a captured speculative step draws from the same counter as an uncaptured one)."""
 
     def __init__(self, alpha: float, seed: int = 0) -> None:
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"forced_acceptance: must be a number in [0, 1] (got {alpha!r})")
         self.alpha, self.seed = float(alpha), seed
-        self._generator: torch.Generator | None = None
-        self._device: torch.device | None = None
+        self._drawn: dict[torch.device, Tensor] = {}  # device → int64 [1]: draws made there
 
     def accepts(self, count: int, device: torch.device) -> Tensor:
         """The next `count` positions' decisions (bool [count] on `device`)."""
-        if self._generator is None or self._device != device:  # one stream per device, seeded once
-            self._generator = torch.Generator(device=device).manual_seed(self.seed)
-            self._device = device
-        return torch.rand(count, generator=self._generator, device=device) < self.alpha
+        device = torch.device(device)
+        drawn = self._drawn.get(device)
+        if drawn is None:
+            drawn = self._drawn[device] = torch.zeros(1, dtype=torch.long, device=device)
+        index = drawn + torch.arange(count, device=device)
+        drawn.add_(count)
+        return _uniform_hash(index, self.seed) < self.alpha
+
+
+def _uniform_hash(index: Tensor, seed: int) -> Tensor:
+    """A uniform in [0, 1) per int64 index, from a 32-bit integer hash of (seed, index) in int64 lanes
+    (every product below 2^63: no overflow on any device)."""
+    mask = 0xFFFFFFFF
+    x = (index * 0x9E37 + seed * 0x85EB + 0x2545F491) & mask
+    for multiplier in (0x7FEB352D, 0x5BD1E995):
+        x = ((x ^ (x >> 16)) * multiplier) & mask
+    x = x ^ (x >> 15)
+    return (x >> 8).float() / float(1 << 24)
 
 
 # ---- shared pieces ------------------------------------------------------------------------------------
@@ -292,12 +308,10 @@ class Verified:
     columns 0..counts[i] (its accepted drafts, then the correction or bonus), −1 after; `counts` int64
     [R], the accepted drafts a_i. With logprobs asked: `logprobs` fp32 [R, K+1] of each emitted token
     under its row's processed target distribution (0 in padding), and with top-n also `top_ids` int64
-    and `top_logprobs` fp32 [R, K+1, n]. `last_rows` int64 [R]: the target row that gave each request's
-    last emitted token (start + a_i: where the next drafting pass reads its hidden state)."""
+    and `top_logprobs` fp32 [R, K+1, n]."""
 
     tokens: Tensor
     counts: Tensor
-    last_rows: Tensor
     logprobs: Tensor | None = None
     top_ids: Tensor | None = None
     top_logprobs: Tensor | None = None
@@ -387,7 +401,7 @@ def verify(
     device = target_logits.device
     if not num_drafts:
         empty = torch.empty(0, 1, dtype=torch.long, device=device)
-        return Verified(empty, empty[:, 0], empty[:, 0])
+        return Verified(empty, empty[:, 0])
     requests, width = len(num_drafts), max(num_drafts, default=0) + 1
     tables, row_params, start, draft_start = [], [], 0, 0
     for k, p in zip(num_drafts, params):
@@ -444,7 +458,7 @@ def verify(
         accepted_part,
         torch.where(position == counts[:, None], final[:, None], -1),
     )
-    out = Verified(tokens, counts, final_row)
+    out = Verified(tokens, counts)
     if num_logprobs is not None:
         emitted = position <= counts[:, None]
         chosen = logprobs[rows, tokens.clamp(min=0)]

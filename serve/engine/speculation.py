@@ -78,6 +78,14 @@ class Speculator:
             self.forced = ForcedAcceptance(config.forced_acceptance)
         self._probs: dict[Sequence, Tensor] = {}  # a sampled request's draft distributions [k, V]
 
+    def accept_captured(self, drafts: Tensor, argmax: Tensor) -> Tensor:
+        """A captured speculative step's acceptance (`hy3c.runtime.spec_graphs`), bool [b, K]: a greedy
+        draft is accepted while it equals the argmax of the row checking it, as `verify` does; in the
+        forced benchmark mode, by its coin (from the same draw counter as uncaptured steps)."""
+        if self.forced is None:
+            return drafts == argmax
+        return self.forced.accepts(drafts.numel(), drafts.device).view(drafts.shape)
+
     def forget(self, seq: Sequence) -> None:
         """The sequence left (finished, aborted, preempted): its draft distributions go."""
         self._probs.pop(seq, None)
@@ -264,7 +272,7 @@ def _widen(drawn: Draft, chosen: list[int], rows: int) -> Draft:
     """A pass over some requests (`chosen`) as a pass over all `rows` (the others' rows repeat 0)."""
     index = torch.full((rows,), len(chosen), dtype=torch.long)
     index[chosen] = torch.arange(len(chosen))
-    index = index.to(drawn.tokens.device)
+    index = upload(index, drawn.tokens.device)  # pinned, without waiting for the device
     tokens = torch.cat([drawn.tokens, drawn.tokens.new_zeros(1)]).index_select(0, index)
     probs = None
     if drawn.probs is not None:

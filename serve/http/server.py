@@ -215,6 +215,11 @@ def _engine_over(
             k = speculative.num_speculative_tokens
             runner.capture_decode_graphs(engine.kv_cache, max_pages, sizes, (1, k + 1), sample=False)
             runner.capture_draft_graphs(engine.kv_cache, max_pages, sizes, (k + 1, 1) if k > 1 else (k + 1,))
+            # steady greedy decodes replay the whole step (verify, accept, draft) as one graph
+            assert engine.speculator is not None
+            runner.capture_spec_steps(
+                engine.kv_cache, max_pages, sizes, k, page_size, engine.speculator.accept_captured
+            )
     if runner.device.type == "cuda":
         started = time.monotonic()
         engine.warm_up()

@@ -222,3 +222,35 @@ def test_mtp_with_overlap_keeps_seeded_sampling_reproducible(model, tokenizer):
         engine.config.async_scheduling = overlap
         runs[overlap] = _chained_run(engine, requests())
     assert runs[True][0] == runs[False][0] and runs[True][1] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 2])
+def test_on_cuda_mtp_with_overlap_replays_graphs_and_changes_nothing(tiny_ckpt, tmp_path, k):
+    """The served engine on the GPU (compiled artifact, verify and draft steps replayed from CUDA
+    graphs): steps planned from the speculative step in flight give the tokens of the engine that
+    reads every step first, chaining happens, and no page leaks."""
+    from hy3c.compiler.driver import compile_artifact
+    from hy3c.recipe import load_recipe
+    from hy3c.serve.http.server import ServeOptions, build_engine
+
+    art = compile_artifact(load_recipe("h200-bf16"), tmp_path / "art", checkpoint=tiny_ckpt).out
+    config = f'{{"method": "mtp", "num_speculative_tokens": {k}}}'
+    runs = {}
+    for overlap in (True, False):
+        engine, _, _ = build_engine(ServeOptions(artifact=art, max_num_seqs=8, speculative_config=config))
+        assert engine.runner.step_graphs and engine.runner.draft_graphs
+        engine.config.async_scheduling = overlap
+        requests = [
+            GenerationRequest(
+                f"g{i}",
+                [5 + i, 17, 33 + 2 * i, 9][: 2 + i % 3],
+                SamplingParams(temperature=0.0),
+                40,
+                ignore_eos=True,
+            )
+            for i in range(4)
+        ]
+        runs[overlap] = _chained_run(engine, requests)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] > 0 and runs[False][1] == 0
