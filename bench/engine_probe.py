@@ -153,6 +153,7 @@ def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args
             wall = time.perf_counter() - started
         prof.export_chrome_trace(str(trace))
         span, busy, kernels = gpu_busy(trace)
+    served_graphs = captured_step_times(engine, concurrency)
     engine.run_until_done()
     return {
         "overlap": overlap,
@@ -165,7 +166,54 @@ def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args
         "gpu_idle_pct": 100 * (1 - busy / span) if span else float("nan"),
         "kernels_per_step": kernels / window,
         "phases_ms": phases,
+        "served_graphs": served_graphs,
     }
+
+
+def timed_replays(graph, repeats: int = 100) -> float:
+    """Seconds per replay of a CUDA graph, its inputs as they are."""
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats * 1e-3
+
+
+def captured_step_times(engine, batch: int) -> tuple[float, float] | None:
+    """(the captured speculative step, its verify part) in seconds, replayed on the inputs of the
+    last served step — real tokens, so the MoE routes as in serving (stale or zero inputs route every
+    token to the same experts and flatter the step). The verify part replays the verify graph on the
+    same inputs; the draft part is the rest (the MTP passes and the in-graph acceptance). The
+    step's outputs and the forced-acceptance counter are restored afterwards, so serving goes on."""
+    steps = getattr(engine.runner, "spec_steps", None)
+    if steps is None or not steps.captured:
+        return None
+    size = next((n for n in steps.sizes if n >= batch), None)
+    verify_graphs = engine.runner.step_graphs.get(steps.k + 1)
+    if size is None or verify_graphs is None or size not in verify_graphs.graphs:
+        return None
+    torch.cuda.synchronize()
+    step = steps.steps[size]
+    forced = engine.speculator.forced
+    saved = [step.packed.clone(), step.chained.clone()]
+    counters = {} if forced is None else {d: t.clone() for d, t in forced._drawn.items()}
+    step.chained.zero_()  # the inputs are already corrected: replays recompute the same step
+    whole = timed_replays(step.graph)
+    g = verify_graphs.graphs[size]
+    g.inputs[7].copy_(step.token_rows)  # ids, positions, slots
+    g.inputs[2].copy_(step.page_table)
+    g.inputs[3].copy_(step.seq_lens)
+    verify = timed_replays(g.graph)
+    step.packed.copy_(saved[0])
+    step.chained.copy_(saved[1])
+    for device, value in counters.items():
+        forced._drawn[device].copy_(value)
+    torch.cuda.synchronize()
+    return whole, verify
 
 
 def context_step(engine, clock: PhaseClock, context: int, requests: int, steps: int = 40) -> dict:
@@ -425,15 +473,29 @@ def main() -> None:
             print(speculation_costs(engine.runner, k, concurrency) or f"| {concurrency} | (no graphs) |")
         alpha = speculative.forced_acceptance
         if alpha is not None:
-            print(f"\nmeasured (forced acceptance α {alpha}) against the ideal at α {alpha}:")
+            length = mean_accepted_length(alpha, k)
+            layers = engine.runner.config.num_hidden_layers
+            print(
+                f"\nmeasured (forced acceptance α {alpha}: {length:.3f} tokens per request and step) against"
+                " the ideal from the captured step replayed on the served inputs:"
+            )
+            print(
+                "| overlap | C | tok/s | step ms (served) | graph ms | verify ms | draft ms | ideal tok/s "
+                "| measured / ideal | ideal speedup at 80 layers |"
+            )
+            print("|---|---|---|---|---|---|---|---|---|---|")
             for r in rows:
-                times = speculation_times(engine.runner, k, r["concurrency"])
-                if times is not None:
-                    ideal = ideal_tokens_per_s(times, k, r["concurrency"], alpha)
-                    print(
-                        f"  overlap {'on' if r['overlap'] else 'off'} C={r['concurrency']}: "
-                        f"{r['tokens_per_s']:.0f} tok/s = {r['tokens_per_s'] / ideal:.2f} × ideal {ideal:.0f}"
-                    )
+                if r["served_graphs"] is None:
+                    continue
+                whole, verify = r["served_graphs"]
+                ideal = length * r["concurrency"] / whole
+                draft_s = whole - verify
+                projected = length / (1 + draft_s / (verify * 80 / layers))
+                print(
+                    f"| {'on' if r['overlap'] else 'off'} | {r['concurrency']} | {r['tokens_per_s']:.0f} | "
+                    f"{r['step_ms']:.3f} | {whole * 1e3:.3f} | {verify * 1e3:.3f} | {draft_s * 1e3:.3f} | "
+                    f"{ideal:.0f} | {r['tokens_per_s'] / ideal:.2f} | {projected:.2f}× |"
+                )
     if args.skip_settings:
         return
     syncs = find_syncs(engine, args)
