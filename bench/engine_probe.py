@@ -97,9 +97,13 @@ def tpot(times: dict[str, list[float]]) -> float:
     return statistics.median(per_request)
 
 
-def gpu_busy(trace_path: Path) -> tuple[float, float, int]:
-    """(span s, busy s, kernels) of the device activity in a chrome trace: busy is the union of the
-    kernel / memcpy / memset intervals, span from the first start to the last end."""
+LONG_GAP_US = 20.0  # inside a graph, kernels follow each other within a few µs; longer gaps wait on the host
+
+
+def gpu_busy(trace_path: Path) -> tuple[float, float, int, float]:
+    """(span s, busy s, kernels, idle s in gaps over LONG_GAP_US) of the device activity in a chrome
+    trace: busy is the union of the kernel / memcpy / memset intervals, span from the first start to
+    the last end; the long gaps are the idle time between steps, not the launch gaps within a graph."""
     events = json.loads(trace_path.read_text())["traceEvents"]
     spans = sorted(
         (e["ts"], e["ts"] + e["dur"])
@@ -107,16 +111,18 @@ def gpu_busy(trace_path: Path) -> tuple[float, float, int]:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
     )
     if not spans:
-        return 0.0, 0.0, 0
-    busy, start, end = 0.0, spans[0][0], spans[0][1]
+        return 0.0, 0.0, 0, 0.0
+    busy, long_idle, start, end = 0.0, 0.0, spans[0][0], spans[0][1]
     for s, e in spans[1:]:
         if s > end:
             busy += end - start
+            if s - end > LONG_GAP_US:
+                long_idle += s - end
             start, end = s, e
         else:
             end = max(end, e)
     busy += end - start
-    return (spans[-1][1] - spans[0][0]) * 1e-6, busy * 1e-6, len(spans)
+    return (spans[-1][1] - spans[0][0]) * 1e-6, busy * 1e-6, len(spans), long_idle * 1e-6
 
 
 def until_decoding(engine, times: dict[str, list[float]], extra: int = 8) -> None:
@@ -152,7 +158,7 @@ def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args
             torch.cuda.synchronize()
             wall = time.perf_counter() - started
         prof.export_chrome_trace(str(trace))
-        span, busy, kernels = gpu_busy(trace)
+        span, busy, kernels, long_idle = gpu_busy(trace)
     served_graphs = captured_step_times(engine, concurrency)
     engine.run_until_done()
     return {
@@ -164,6 +170,7 @@ def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args
         "window_step_ms": wall / window * 1e3,
         "gpu_busy_ms": busy / window * 1e3,
         "gpu_idle_pct": 100 * (1 - busy / span) if span else float("nan"),
+        "between_steps_idle_pct": 100 * long_idle / span if span else float("nan"),
         "kernels_per_step": kernels / window,
         "phases_ms": phases,
         "served_graphs": served_graphs,
@@ -413,14 +420,15 @@ def main() -> None:
         print("step ms: a decode step, unprofiled; TPOT: over the whole run, profiled window included")
         print(
             "| overlap | C | step ms | tok/s | TPOT ms | step ms, profiled | GPU busy ms/step | GPU idle %, profiled "
-            "| kernels/step |"
+            f"| idle in gaps > {LONG_GAP_US:.0f} µs % | kernels/step |"
         )
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(
                 f"| {'on' if r['overlap'] else 'off'} | {r['concurrency']} | {r['step_ms']:.3f} | "
                 f"{r['tokens_per_s']:.0f} | "
                 f"{r['tpot_ms']:.3f} | {r['window_step_ms']:.3f} | {r['gpu_busy_ms']:.3f} | {r['gpu_idle_pct']:.1f} | "
+                f"{r['between_steps_idle_pct']:.1f} | "
                 f"{r['kernels_per_step']:.0f} |"
             )
         for concurrency in args.concurrency:
