@@ -6,6 +6,8 @@ the same through CUDA graph replays."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -59,7 +61,7 @@ def _requests() -> list[GenerationRequest]:
             SamplingParams(temperature=0.0),
             max_tokens=30 + 7 * i,
             ignore_eos=True,
-        )  # fmt: skip
+        )
         for i in range(3)
     ]
 
@@ -136,10 +138,15 @@ def test_on_cuda_captured_steps_replay_and_give_the_uncaptured_tokens(tiny_ckpt,
     config = f'{{"method": "mtp", "num_speculative_tokens": {k}}}'
     results = {}
     for captured in (True, False):
-        engine, _, _ = build_engine(ServeOptions(artifact=art, max_num_seqs=8, speculative_config=config))
+        engine, _, _ = build_engine(
+            ServeOptions(artifact=art, max_num_seqs=8, kv_memory_gib=1.0, speculative_config=config)
+        )
         assert engine.runner.spec_steps is not None and engine.runner.spec_steps.captured
         if not captured:
             engine.runner.spec_steps = None
         results[captured] = _run(engine)
+        del engine  # its KV cache goes before the next engine takes one
+        gc.collect()
+        torch.cuda.empty_cache()
     assert results[True][0] == results[False][0]
     assert results[True][1] > 10 and results[True][2] > 0 and results[False][1] == 0

@@ -5,6 +5,8 @@ left held."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -238,7 +240,9 @@ def test_on_cuda_mtp_with_overlap_replays_graphs_and_changes_nothing(tiny_ckpt, 
     config = f'{{"method": "mtp", "num_speculative_tokens": {k}}}'
     runs = {}
     for overlap in (True, False):
-        engine, _, _ = build_engine(ServeOptions(artifact=art, max_num_seqs=8, speculative_config=config))
+        engine, _, _ = build_engine(
+            ServeOptions(artifact=art, max_num_seqs=8, kv_memory_gib=1.0, speculative_config=config)
+        )
         assert engine.runner.step_graphs and engine.runner.draft_graphs
         engine.config.async_scheduling = overlap
         requests = [
@@ -252,5 +256,8 @@ def test_on_cuda_mtp_with_overlap_replays_graphs_and_changes_nothing(tiny_ckpt, 
             for i in range(4)
         ]
         runs[overlap] = _chained_run(engine, requests)
+        del engine  # its KV cache goes before the next engine takes one
+        gc.collect()
+        torch.cuda.empty_cache()
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] > 0 and runs[False][1] == 0
