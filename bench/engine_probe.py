@@ -349,6 +349,8 @@ def find_syncs(engine, args) -> list[tuple[int, str]]:
     shown = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
+        if "debug mode is a prototype" in str(message):  # torch's notice on turning the mode on
+            return
         stack = "".join(traceback.format_stack(limit=14)[:-2])
         seen[f"{message}\n{stack}"] += 1
 
