@@ -519,6 +519,21 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kv-memory", type=_positive_float, metavar="GIB", help="KV cache size in GiB")
     p.add_argument("--page-size", type=_positive_int, help="tokens per KV page (default: the recipe's)")
+    p.add_argument(
+        "--kv-host-gib",
+        type=_positive_float,
+        metavar="GIB",
+        help="L2: pinned host memory holding KV pages evicted from the GPU (default: none)",
+    )
+    p.add_argument(
+        "--kv-store",
+        metavar="file:DIR",
+        help="L3 below L2 (needs --kv-host-gib): page files in DIR, reused across restarts",
+    )
+    p.add_argument("--kv-store-gib", type=_positive_float, default=64.0, metavar="GIB", help="L3 size bound")
+    p.add_argument(
+        "--kv-store-timeout", type=_positive_float, default=2.0, metavar="S", help="seconds per L3 call"
+    )
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument(
         "--compile",
@@ -595,6 +610,10 @@ def _run_serve(args: argparse.Namespace) -> None:
             max_num_partial_prefills=args.max_num_partial_prefills,
             max_model_len=args.max_model_len,
             kv_memory_gib=args.kv_memory,
+            kv_host_gib=args.kv_host_gib,
+            kv_store=args.kv_store,
+            kv_store_gib=args.kv_store_gib,
+            kv_store_timeout=args.kv_store_timeout,
             page_size=args.page_size,
             device=args.device,
             compile=args.compile,

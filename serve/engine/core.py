@@ -46,6 +46,7 @@ from hy3c.logs import log_event
 from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
 from hy3c.serve.engine.detokenizer import IncrementalDetokenizer
 from hy3c.serve.engine.kv_pages import OutOfPages, PagePool
+from hy3c.serve.engine.kv_tiers import KVTiers, TierConfig
 from hy3c.serve.engine.metrics import EngineMetrics
 from hy3c.serve.engine.sampler import (
     History,
@@ -95,6 +96,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # MTP speculative decoding (its steps are read at once)
     long_prefill_token_threshold: int = 0  # a prefill chunk's tokens per step at most (0: the budget)
     max_num_partial_prefills: int = 0  # requests prefilling in one step at most (0: any number)
+    kv_tiers: TierConfig | None = None  # L2 pinned host memory and an L3 store below the page pool
 
 
 WARM_UP_TOKENS = (1, 15, 16, 127, 128, 1023, 1024)  # prefill lengths `Engine.warm_up` runs
@@ -254,6 +256,14 @@ class Engine:
             self.speculator = Speculator(config.speculative, config.page_size)
         self.metrics.watch(lambda: len(self.scheduler.running), lambda: len(self.scheduler.waiting), usage)
         self.kv_cache = runner.allocate_kv_cache(config.num_pages, config.page_size)
+        self.tiers: KVTiers | None = None
+        if config.kv_tiers is not None and config.kv_tiers.host_gib > 0:
+            if self.data_parallel > 1:
+                raise ValueError("--kv-host-gib: not supported with attention data parallelism yet")
+            self.tiers = KVTiers(self.kv_cache, config.kv_tiers)
+            self.pool.on_publish, self.pool.on_allocate = self.tiers.published, self.tiers.reusing
+            self.scheduler.tiers = self.tiers
+            self.metrics.watch_tiers(self.tiers)
         self.eos_ids = set(runner.config.eos_token_ids)
         self._live: dict[str, _Live] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -308,6 +318,8 @@ class Engine:
             while self._iterate():
                 pass
 
+        hooks = self.pool.on_publish, self.pool.on_allocate
+        self.pool.on_publish = None  # warm-up pages are not worth keeping in L2 / L3
         try:
             for size in sizes:
                 admit(f"warm-up-prefill-{size}", size, kinds[0])
@@ -317,6 +329,7 @@ class Engine:
             drain()
         finally:
             self.scheduler.reset_prefix_cache()
+            self.pool.on_publish, self.pool.on_allocate = hooks
             self.metrics = metrics
 
     # ---- API side (any thread) ---------------------------------------------------------------------
@@ -327,6 +340,8 @@ class Engine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        if self.tiers is not None:
+            self.tiers.close()
 
     @property
     def alive(self) -> bool:

@@ -1,4 +1,4 @@
-"""The KV page pool (L1) with prefix reuse by chained page hashes.
+"""The KV page pool (L1) with prefix reuse by chained page hashes (L2 and L3 below it: `kv_tiers`).
 
 Pages hold `page_size` tokens of every layer's K and V. A full page whose KV is computed is *published*
 under a chained key — key_0 = H(namespace, tokens[0:P]), key_i = H(key_{i-1}, tokens[iP:(i+1)P]) — so a
@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def page_keys(tokens: Sequence[int], page_size: int, namespace: bytes, full_pages: int) -> list[bytes]:
@@ -69,6 +69,10 @@ class PagePool:
         self._understudies: dict[bytes, list[int]] = {}
         self._understudy_key: dict[int, bytes] = {}
         self.pages_walked = 0  # pages `publish` looked at, in all (instrumentation: O(new pages) per step)
+        # the tiers below (`kv_tiers.KVTiers`): told of each page published, and of pages handed out
+        # again (before anything writes them)
+        self.on_publish: Callable[[int, bytes], None] | None = None
+        self.on_allocate: Callable[[list[int]], None] | None = None
 
     # ---- accounting --------------------------------------------------------------------------------
     @property
@@ -134,6 +138,8 @@ class PagePool:
                 continue
             self.key_of[page] = key
             self.page_of[key] = page
+            if self.on_publish is not None:
+                self.on_publish(page, key)
         return full
 
     def _unpublish(self, page: int) -> None:
@@ -167,6 +173,8 @@ class PagePool:
                 self._unpublish(page)
             self.ref[page] = 1
             pages.append(page)
+        if self.on_allocate is not None:
+            self.on_allocate(pages)
         return pages
 
     def release(self, pages: Sequence[int]) -> None:

@@ -208,6 +208,33 @@ class EngineMetrics:
         self.waiting.set_function(waiting)
         self.kv_usage.set_function(kv_usage)
 
+    def watch_tiers(self, tiers) -> None:
+        """The KV tiers' gauges (`kv_tiers.KVTiers`), read at each scrape: per tier (`l2`, `l3`) the
+        pages looked up, found and stored, bytes loaded into / stored from GPU pages, seconds spent, the
+        store's failures, dropped writes and degraded state (1: serving on L1 + L2 only)."""
+        reg, stats = self.registry, tiers.stats
+        pages = Gauge(
+            "hy3c:kv_tier_pages", "KV tier page counts by tier and event.", ["tier", "event"], registry=reg
+        )
+        for tier in ("l2", "l3"):
+            for event in ("queries", "hits", "stored"):
+                pages.labels(tier, event).set_function(lambda name=f"{tier}_{event}": getattr(stats, name))
+        pages.labels("l2", "evicted").set_function(lambda: stats.l2_evicted)
+        pages.labels("l2", "resident").set_function(lambda: tiers.blocks_used)
+        pages.labels("l3", "dropped").set_function(lambda: stats.l3_dropped)
+        pages.labels("l3", "failures").set_function(lambda: stats.l3_failures)
+        moved = Gauge("hy3c:kv_tier_bytes", "KV bytes by direction.", ["direction"], registry=reg)
+        moved.labels("loaded").set_function(lambda: stats.loaded_bytes)
+        moved.labels("stored").set_function(lambda: stats.stored_bytes)
+        seconds = Gauge("hy3c:kv_tier_seconds", "Seconds spent by operation.", ["op"], registry=reg)
+        seconds.labels("load").set_function(lambda: stats.load_seconds)
+        seconds.labels("l3_read").set_function(lambda: stats.l3_read_seconds)
+        seconds.labels("l3_write").set_function(lambda: stats.l3_write_seconds)
+        degraded = Gauge(
+            "hy3c:kv_l3_degraded", "1 while the L3 store is degraded (L1 + L2 only).", registry=reg
+        )
+        degraded.set_function(lambda: float(tiers.degraded))
+
     def describe_cache(self, page_size: int, num_pages: int, dtype: str) -> None:
         """`cache_config_info`: vLLM's label names for the page size, page count and KV dtype."""
         self.cache_info.labels(str(page_size), str(num_pages), dtype, "True").set(1)

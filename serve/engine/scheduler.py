@@ -44,8 +44,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hy3c.serve.engine.kv_pages import OutOfPages, PagePool
+
+if TYPE_CHECKING:
+    from hy3c.serve.engine.kv_tiers import KVTiers
 
 PROMPT_LOGITS_ROWS = 512  # logits rows of prompt-scoring chunks per step
 
@@ -118,6 +122,7 @@ class Scheduler:
         self.speculative = speculative
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.tiers: KVTiers | None = None  # L2 / L3 below the pool: a prefix continues there
         self.num_preemptions = 0
 
     @property
@@ -311,6 +316,8 @@ class Scheduler:
                 break
             if not seq.pages:
                 seq.pages = [] if self._scoring(seq) else self.pool.match_prefix(seq.tokens)
+                if self.tiers is not None and not self._scoring(seq):
+                    seq.pages += self.tiers.extend_prefix(self.pool, seq.tokens, seq.pages)
                 if self.speculative and seq.pages:
                     self.pool.release([seq.pages.pop()])
                 seq.published = len(seq.pages)

@@ -49,6 +49,10 @@ class ServeOptions:
     max_num_partial_prefills: int | None = None  # requests prefilling in one step at most
     max_model_len: int | None = None
     kv_memory_gib: float | None = None
+    kv_host_gib: float | None = None  # L2 (pinned host memory) below the GPU pages
+    kv_store: str | None = None  # L3 below L2: file:DIR
+    kv_store_gib: float = 64.0
+    kv_store_timeout: float = 2.0
     page_size: int | None = None
     device: str | None = None
     compile: bool = False
@@ -188,7 +192,26 @@ def _engine_over(
     if options.speculative_config is not None:
         layers = getattr(runner, "num_draft_layers", 0)
         speculative = parse_speculative_config(options.speculative_config, layers)
+    tiers = None
+    if options.kv_store is not None and not options.kv_host_gib:
+        raise ValueError("--kv-store: needs --kv-host-gib (L3 pages pass through L2)")
+    if options.kv_host_gib:
+        from hy3c.serve.engine.kv_tiers import TierConfig, open_store
+
+        # KV of one artifact (model, quantization), page layout and KV dtype is never read by another
+        kv_shape = (page_size, page_bytes(runner, page_size), str(runner.kv_dtype))
+        namespace = f"{runner.manifest['cache_key']['key']}|{kv_shape}".encode()
+        if options.kv_store is not None:
+            open_store(options.kv_store, namespace, 1)  # a bad spec or directory fails here, at start-up
+        tiers = TierConfig(
+            host_gib=options.kv_host_gib,
+            store=options.kv_store,
+            store_gib=options.kv_store_gib,
+            store_timeout=options.kv_store_timeout,
+            namespace=namespace,
+        )
     config = EngineConfig(
+        kv_tiers=tiers,
         num_pages=num_pages,
         page_size=page_size,
         max_num_seqs=serving.max_num_seqs if options.max_num_seqs is None else options.max_num_seqs,

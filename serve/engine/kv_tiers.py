@@ -1,0 +1,453 @@
+"""KV tiers below the GPU page pool: L2 in pinned host memory, L3 in a store (`file:DIR`).
+
+    tiers = KVTiers(kv_cache, TierConfig(host_gib=8, store="file:/var/cache/hy3c", namespace=key))
+    pool.on_publish, pool.on_allocate = tiers.published, tiers.reusing
+    pages = pool.match_prefix(tokens)              # L1 hit
+    pages += tiers.extend_prefix(pool, tokens, pages)   # then L2, then L3 hits, loaded into new L1 pages
+
+Every tier keys a page by the chained page hash the L1 pool publishes it under (`kv_pages`), so a
+prefix is found page by page in L1, then L2, then L3, stopping at the first miss.
+
+* **Write-through.** When the pool publishes a full page, its KV (every layer, the MTP layer's too: one
+  [layers, 2, page_size, heads, head_dim] slab) is copied to an L2 block on a side CUDA stream that
+  first waits for the work queued so far (the KV it copies is computed by then), so the copy is off the
+  step's critical path; the L1 page is not handed out again before that copy is done (`reusing` makes
+  the stream wait on its event — no host wait). Pages L2 already holds are only touched (LRU).
+* **L2 → L3.** A page new to L2 is queued to a writer thread that waits for the copy's event, then
+  writes the block's bytes to the store (a bounded queue: a full one drops the write, counted). A
+  block being written is pinned until its write ends, so L2 eviction never hands it out mid-write.
+* **Load-back** (`extend_prefix`, at admission): the pages after the L1 hit that L2 holds, then those
+  the store has (read into L2 blocks first), go into newly allocated L1 pages with one H2D copy each on
+  the side stream — after the work queued so far, since a freshly freed L1 page may still be written
+  by a step in flight — and the compute stream waits on the copies' event before the next step. The
+  loaded pages are published in L1 at once, so concurrent requests with that prefix share them.
+* **L3 never blocks serving for long.** Each store call runs on a worker with a timeout; after
+  `failures_to_degrade` consecutive failures or timeouts the store is *degraded*: lookups miss and
+  writes drop while a background probe retries it every `probe_seconds`, resuming when it answers. A
+  page that fails its checksum or is truncated is deleted and reads as a miss: the prefix is
+  recomputed from there, never served wrong.
+
+Off CUDA (tests, the CPU runner) the copies are plain synchronous copies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from hy3c.logs import log_event
+from hy3c.serve.engine.kv_pages import OutOfPages, PagePool, page_keys
+
+log = logging.getLogger("hy3c.serve.engine.kv_tiers")
+
+_MAGIC = b"HY3CKV01"
+_HEADER = struct.Struct("<8s16sQ16s")  # magic, namespace digest, payload bytes, payload checksum
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """`--kv-host-gib` (L2 size; 0: no L2, and then no L3), `--kv-store` (None or `file:DIR`),
+    `--kv-store-gib` (the file store's size bound), `--kv-store-timeout` (seconds per store call), and
+    the cache key KV is stored under: the artifact's model, quantization and page layout, so KV from one
+    artifact is never read by another."""
+
+    host_gib: float = 0.0
+    store: str | None = None
+    store_gib: float = 64.0
+    store_timeout: float = 2.0
+    namespace: bytes = b""
+    failures_to_degrade: int = 3
+    probe_seconds: float = 5.0
+    write_queue: int = 256
+
+
+class PageStore(Protocol):
+    """An L3 backend: page payloads by key (bytes of a fixed length), atomic, checksummed."""
+
+    def get(self, key: bytes, length: int) -> bytes | None: ...
+
+    def put(self, key: bytes, payload: bytes) -> None: ...
+
+    def contains(self, key: bytes) -> bool: ...
+
+    def probe(self) -> None: ...
+
+
+class FileStore:
+    """The embedded L3: one file per page, `root/<xx>/<hex>.kv`, a header (magic, namespace digest,
+    payload length, blake2b checksum) then the payload; written to a temporary file and renamed (a
+    reader never sees half a page), bounded to `max_bytes` by evicting the least recently used files
+    (an index rebuilt by scanning the directory at start, so pages survive a restart)."""
+
+    def __init__(self, root: Path, namespace: bytes, max_bytes: int) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.namespace = hashlib.blake2b(namespace, digest_size=16).digest()
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._index: OrderedDict[Path, int] = OrderedDict()  # path → size, least recently used first
+        self.bytes = 0
+        files = sorted(self.root.glob("*/*.kv"), key=lambda p: p.stat().st_mtime)
+        for path in files:
+            self._index[path] = path.stat().st_size
+            self.bytes += self._index[path]
+
+    def _path(self, key: bytes) -> Path:
+        name = hashlib.blake2b(self.namespace + key, digest_size=20).hexdigest()
+        return self.root / name[:2] / f"{name}.kv"
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return self._path(key) in self._index
+
+    def get(self, key: bytes, length: int) -> bytes | None:
+        """The payload, or None when absent, truncated, foreign or corrupt (a bad file is deleted)."""
+        path = self._path(key)
+        with self._lock:
+            if path not in self._index:
+                return None
+            self._index.move_to_end(path)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            self._forget(path)
+            return None
+        if len(data) == _HEADER.size + length:
+            magic, namespace, size, checksum = _HEADER.unpack_from(data)
+            payload = data[_HEADER.size :]
+            if (magic, namespace, size) == (_MAGIC, self.namespace, length) and checksum == _digest(payload):
+                os.utime(path)
+                return payload
+        log_event(log, "kv_store_page_rejected", level=logging.WARNING, path=str(path), bytes=len(data))
+        self._forget(path, unlink=True)
+        return None
+
+    def put(self, key: bytes, payload: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+        with open(tmp, "wb") as f:
+            f.write(_HEADER.pack(_MAGIC, self.namespace, len(payload), _digest(payload)))
+            f.write(payload)
+        os.replace(tmp, path)
+        size = _HEADER.size + len(payload)
+        with self._lock:
+            self.bytes += size - self._index.pop(path, 0)
+            self._index[path] = size
+            victims = []
+            while self.bytes > self.max_bytes and len(self._index) > 1:
+                victim, victim_size = self._index.popitem(last=False)
+                self.bytes -= victim_size
+                victims.append(victim)
+        for victim in victims:
+            victim.unlink(missing_ok=True)
+
+    def probe(self) -> None:
+        """Raise unless the store can be written and read (the degraded state's health check)."""
+        path = self.root / ".probe"
+        path.write_bytes(_MAGIC)
+        if path.read_bytes() != _MAGIC:
+            raise OSError(f"{self.root}: a probe read back wrong")
+
+    def _forget(self, path: Path, unlink: bool = False) -> None:
+        with self._lock:
+            self.bytes -= self._index.pop(path, 0)
+        if unlink:
+            path.unlink(missing_ok=True)
+
+
+def _digest(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def open_store(spec: str, namespace: bytes, max_bytes: int) -> PageStore:
+    """The store `--kv-store` names: `file:DIR`."""
+    kind, _, where = spec.partition(":")
+    if kind != "file" or not where:
+        raise ValueError(f"--kv-store {spec!r}: expected file:DIR")
+    try:
+        return FileStore(Path(where), namespace, max_bytes)
+    except OSError as exc:
+        raise ValueError(f"--kv-store {spec!r}: {exc.strerror or exc}") from None
+
+
+@dataclass
+class TierStats:
+    """Per-tier counters (pages unless named bytes), read by the metrics."""
+
+    l2_queries: int = 0
+    l2_hits: int = 0
+    l2_stored: int = 0
+    l2_evicted: int = 0
+    l3_queries: int = 0
+    l3_hits: int = 0
+    l3_stored: int = 0
+    l3_dropped: int = 0  # writes dropped: queue full or store degraded
+    l3_failures: int = 0
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+    load_seconds: float = 0.0
+    l3_read_seconds: float = 0.0
+    l3_write_seconds: float = 0.0
+
+
+class KVTiers:
+    """L2 (pinned host blocks, LRU by page key) and the optional L3 store over one KV cache."""
+
+    def __init__(self, kv_cache: Tensor, config: TierConfig) -> None:
+        self.kv_cache = kv_cache
+        self.config = config
+        page = kv_cache[:, :, 0]
+        self.page_bytes = page.numel() * page.element_size()
+        self.num_blocks = int(config.host_gib * 2**30) // self.page_bytes
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"--kv-host-gib {config.host_gib}: smaller than one KV page ({self.page_bytes / 2**20:.1f} MiB)"
+            )
+        self.cuda = kv_cache.is_cuda
+        self.host = torch.empty((self.num_blocks, *page.shape), dtype=kv_cache.dtype, pin_memory=self.cuda)
+        self.stream = torch.cuda.Stream(kv_cache.device) if self.cuda else None
+        self.stats = TierStats()
+        self._lock = threading.Lock()  # blocks: the engine thread and the L3 writer
+        self._block_of: OrderedDict[bytes, int] = OrderedDict()  # key → block, least recently used first
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._busy: dict[int, int] = {}  # block → pending L3 writes of it (not evictable meanwhile)
+        self._saving: dict[int, torch.cuda.Event] = {}  # L1 page → its D2H copy's event
+        self.store: PageStore | None = None
+        self.degraded = False
+        self._failures = 0
+        self._workers: ThreadPoolExecutor | None = None
+        self._writes: queue.Queue = queue.Queue(config.write_queue)
+        self._closed = threading.Event()
+        if config.store:
+            self.store = open_store(config.store, config.namespace, int(config.store_gib * 2**30))
+            self._workers = ThreadPoolExecutor(2, thread_name_prefix="hy3c-kv-store")
+            threading.Thread(target=self._write_loop, name="hy3c-kv-writer", daemon=True).start()
+
+    # ---- blocks -------------------------------------------------------------------------------------
+    @property
+    def blocks_used(self) -> int:
+        with self._lock:
+            return len(self._block_of)
+
+    @property
+    def blocks_busy(self) -> int:
+        with self._lock:
+            return len(self._busy)
+
+    def _take_block(self) -> int | None:
+        """A free block, else the least recently used one not being written to L3 (its key dropped)."""
+        if self._free:
+            return self._free.pop()
+        for key, block in self._block_of.items():
+            if block not in self._busy:
+                del self._block_of[key]
+                self.stats.l2_evicted += 1
+                return block
+        return None
+
+    # ---- write-through ------------------------------------------------------------------------------
+    def published(self, page: int, key: bytes) -> None:
+        """The pool published L1 `page` under `key`: copy it to L2 unless L2 holds the key."""
+        with self._lock:
+            if key in self._block_of:
+                self._block_of.move_to_end(key)
+                return
+            block = self._take_block()
+            if block is None:
+                return
+            self._block_of[key] = block
+            to_store = self.store is not None and not self.degraded
+            if to_store:
+                self._busy[block] = self._busy.get(block, 0) + 1
+        event = self._copy(self.host[block], self.kv_cache[:, :, page])
+        if event is not None:
+            self._saving[page] = event
+        self.stats.l2_stored += 1
+        self.stats.stored_bytes += self.page_bytes
+        if to_store:
+            try:
+                self._writes.put_nowait((key, block, event))
+            except queue.Full:
+                self._release_busy(block)
+                self.stats.l3_dropped += 1
+
+    def reusing(self, pages: Sequence[int]) -> None:
+        """The pool hands these L1 pages out again: the compute stream waits for their pending copies
+        to L2 (no host wait)."""
+        for page in pages:
+            event = self._saving.pop(page, None)
+            if event is not None:
+                torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
+
+    def _copy(self, destination: Tensor, source: Tensor) -> torch.cuda.Event | None:
+        """One page copy on the side stream after the work queued so far; its event (None off CUDA)."""
+        if self.stream is None:
+            destination.copy_(source)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+        with torch.cuda.stream(self.stream):
+            destination.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return event
+
+    # ---- load-back ----------------------------------------------------------------------------------
+    def extend_prefix(self, pool: PagePool, tokens: Sequence[int], pages: list[int]) -> list[int]:
+        """L1 pages holding the pages after `pages` (an L1 hit on `tokens`) that L2 or the store have,
+        loaded, published in L1 and referenced; stops at the first miss (leaving at least one token to
+        compute, as `match_prefix` does) or when L1 has no page to give."""
+        full = (len(tokens) - 1) // pool.page_size
+        if full <= len(pages):
+            return []
+        keys = page_keys(tokens, pool.page_size, pool.namespace, full)[len(pages) :]
+        started = time.perf_counter()
+        blocks: list[int] = []
+        with self._lock:
+            for key in keys:
+                self.stats.l2_queries += 1
+                block = self._block_of.get(key)
+                if block is None:
+                    break
+                self._block_of.move_to_end(key)
+                self._busy[block] = self._busy.get(block, 0) + 1  # held while it is copied from
+                blocks.append(block)
+            self.stats.l2_hits += len(blocks)
+        for key in keys[len(blocks) :]:
+            block = self._from_store(key)
+            if block is None:
+                break
+            blocks.append(block)
+        if not blocks:
+            return []
+        try:
+            loaded = pool.allocate(len(blocks))
+        except OutOfPages:
+            loaded = []
+        event = None
+        for page, block in zip(loaded, blocks):
+            event = self._copy(self.kv_cache[:, :, page], self.host[block])
+        if event is not None:  # the next step reads the pages: it waits for their copies
+            torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
+        for block in blocks:
+            self._release_busy(block)
+        if loaded:
+            computed = (len(pages) + len(loaded)) * pool.page_size
+            pool.publish(tokens, [*pages, *loaded], computed, since=len(pages))
+            self.stats.loaded_bytes += len(loaded) * self.page_bytes
+            self.stats.load_seconds += time.perf_counter() - started
+        return loaded
+
+    def _from_store(self, key: bytes) -> int | None:
+        """The store's copy of a page read into an L2 block (held busy for the caller), or None."""
+        if self.store is None or self.degraded:
+            return None
+        self.stats.l3_queries += 1
+        started = time.perf_counter()
+        ok, payload = self._call(self.store.get, key, self.page_bytes)
+        self.stats.l3_read_seconds += time.perf_counter() - started
+        if not ok or payload is None:
+            return None
+        with self._lock:
+            block = self._take_block()
+            if block is None:
+                return None
+            self._block_of[key] = block
+            self._busy[block] = self._busy.get(block, 0) + 1
+        self.host[block].view(-1).view(torch.uint8).copy_(
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        )
+        self.stats.l3_hits += 1
+        return block
+
+    def _release_busy(self, block: int) -> None:
+        with self._lock:
+            left = self._busy.get(block, 0) - 1
+            if left > 0:
+                self._busy[block] = left
+            else:
+                self._busy.pop(block, None)
+
+    # ---- the store's health -------------------------------------------------------------------------
+    def _call(self, fn, *args) -> tuple[bool, object]:
+        """A store call with the timeout: (True, its result), or (False, None) with a failure counted
+        when it raises or times out."""
+        assert self._workers is not None
+        try:
+            result = self._workers.submit(fn, *args).result(timeout=self.config.store_timeout)
+        except (FutureTimeout, OSError, RuntimeError, ValueError) as exc:
+            self._failed(exc)
+            return False, None
+        self._failures = 0
+        return True, result
+
+    def _failed(self, exc: BaseException) -> None:
+        self.stats.l3_failures += 1
+        self._failures += 1
+        if self._failures >= self.config.failures_to_degrade and not self.degraded:
+            self.degraded = True
+            log_event(log, "kv_store_degraded", level=logging.WARNING, reason=repr(exc))
+            threading.Thread(target=self._probe_loop, name="hy3c-kv-probe", daemon=True).start()
+
+    def _probe_loop(self) -> None:
+        assert self.store is not None
+        while not self._closed.wait(self.config.probe_seconds):
+            assert self._workers is not None
+            try:
+                self._workers.submit(self.store.probe).result(timeout=self.config.store_timeout)
+            except Exception:  # still down (whatever it raised): probe again later
+                continue
+            self._failures = 0
+            self.degraded = False
+            log_event(log, "kv_store_resumed")
+            return
+
+    def _write_loop(self) -> None:
+        assert self.store is not None
+        while not self._closed.is_set():
+            try:
+                key, block, event = self._writes.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                if self.degraded:
+                    self.stats.l3_dropped += 1
+                    continue
+                if event is not None:
+                    event.synchronize()
+                payload = self.host[block].view(-1).view(torch.uint8).numpy().tobytes()
+                started = time.perf_counter()
+                ok, present = self._call(self.store.contains, key)
+                if ok and not present:
+                    ok, _ = self._call(self.store.put, key, payload)
+                    self.stats.l3_stored += ok
+                self.stats.l3_write_seconds += time.perf_counter() - started
+            finally:
+                self._release_busy(block)
+                self._writes.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued store write is done (tests, shutdown)."""
+        if self.store is not None:
+            self._writes.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._closed.set()
+        if self._workers is not None:
+            self._workers.shutdown(wait=False)

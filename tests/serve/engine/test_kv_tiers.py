@@ -1,0 +1,182 @@
+"""KV tiers below the page pool (`serve/engine/kv_tiers.py`): L2 host blocks and the file store (L3).
+
+A prompt evicted from a small GPU pool comes back from L2 (cached tokens, same greedy output as without
+tiers); a new engine on the same file store (a restart) finds it in L3; corrupt or truncated page files
+are rejected and recomputed; a failing store degrades to L1 + L2 and resumes after a probe; no page or
+host block is left held."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from hy3c.serve.engine.core import Engine, EngineConfig, GenerationRequest, StepOutput
+from hy3c.serve.engine.kv_tiers import FileStore, TierConfig
+from hy3c.serve.engine.sampler import SamplingParams
+
+PAGE = 4
+PROMPT = [(11 * i + 5) % 90 + 3 for i in range(41)]  # 10 full pages and one token
+
+
+def _engine(model, tokenizer, tiers: TierConfig | None, num_pages: int = 24) -> Engine:
+    config = EngineConfig(
+        num_pages=num_pages,
+        page_size=PAGE,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=80,
+        kv_tiers=tiers,
+    )
+    return Engine(model, tokenizer, config)
+
+
+def _generate(engine: Engine, prompt: list[int], name: str) -> tuple[list[int], int]:
+    """(greedy tokens, cached prompt tokens) of one request run alone."""
+    outputs: list[StepOutput] = []
+    engine.submit(
+        GenerationRequest(name, prompt, SamplingParams(temperature=0.0), 6, ignore_eos=True), outputs.append
+    )
+    engine.run_until_done()
+    return [t for o in outputs for t in o.token_ids], outputs[-1].cached_tokens
+
+
+def _evict(engine: Engine, rounds: int = 3) -> None:
+    """Fill the small pool with other prompts so that PROMPT's published pages are evicted."""
+    for r in range(rounds):
+        _generate(engine, [(7 * i + 13 * r) % 80 + 2 for i in range(41)], f"filler-{r}")
+
+
+def _no_leaks(engine: Engine) -> None:
+    assert engine.pool.num_free == engine.pool.usable, "GPU pages leaked"
+    if engine.tiers is not None:
+        engine.tiers.flush()
+        assert engine.tiers.blocks_busy == 0, "host blocks left held"
+
+
+def _config(tmp_path=None, **overrides) -> TierConfig:
+    store = None if tmp_path is None else f"file:{tmp_path}"
+    return TierConfig(host_gib=0.001, store=store, namespace=b"test-artifact", **overrides)
+
+
+def test_an_evicted_prefix_comes_back_from_host_memory(model, tokenizer):
+    plain = _engine(model, tokenizer, None)
+    expected, _ = _generate(plain, PROMPT, "a")
+    _evict(plain)
+    again, cached = _generate(plain, PROMPT, "b")
+    assert again == expected and cached == 0  # L1 alone lost it
+
+    engine = _engine(model, tokenizer, _config())
+    first, cached = _generate(engine, PROMPT, "a")
+    assert first == expected and cached == 0
+    _evict(engine)
+    assert engine.pool.match_prefix(PROMPT) == []  # gone from L1 …
+    again, cached = _generate(engine, PROMPT, "b")
+    assert again == expected and cached == 40  # … back from L2: every full page
+    assert engine.tiers.stats.l2_hits == 10 and engine.tiers.stats.l3_queries == 0
+    _no_leaks(engine)
+
+
+def test_a_restart_on_the_same_file_store_reuses_the_prefix(model, tokenizer, tmp_path):
+    first = _engine(model, tokenizer, _config(tmp_path))
+    expected, _ = _generate(first, PROMPT, "a")
+    first.tiers.flush()
+    assert first.tiers.stats.l3_stored >= 10
+    _no_leaks(first)
+    first.tiers.close()
+
+    restarted = _engine(model, tokenizer, _config(tmp_path))
+    tokens, cached = _generate(restarted, PROMPT, "a")
+    assert tokens == expected and cached == 40
+    assert restarted.tiers.stats.l3_hits == 10
+    _no_leaks(restarted)
+
+    other = _engine(
+        model, tokenizer, TierConfig(host_gib=0.001, store=f"file:{tmp_path}", namespace=b"other")
+    )
+    tokens, cached = _generate(other, PROMPT, "a")  # another artifact's cache key: never read
+    assert tokens == expected and cached == 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_page_files_are_recomputed(model, tokenizer, tmp_path, damage):
+    first = _engine(model, tokenizer, _config(tmp_path))
+    expected, _ = _generate(first, PROMPT, "a")
+    first.tiers.close()
+    files = sorted(tmp_path.glob("*/*.kv"))
+    assert len(files) >= 10
+    for path in files:
+        data = bytearray(path.read_bytes())
+        if damage == "flip":
+            data[-1] ^= 0xFF
+        else:
+            del data[-7:]
+        path.write_bytes(bytes(data))
+    restarted = _engine(model, tokenizer, _config(tmp_path))
+    tokens, cached = _generate(restarted, PROMPT, "a")
+    assert tokens == expected and cached == 0
+    assert restarted.tiers.stats.l3_hits == 0
+    restarted.tiers.flush()
+    _no_leaks(restarted)
+
+
+def test_the_file_store_is_bounded_and_keeps_its_pages_across_instances(tmp_path):
+    payload = bytes(range(256)) * 4
+    store = FileStore(tmp_path, b"ns", max_bytes=3 * (len(payload) + 64))
+    for i in range(5):
+        store.put(bytes([i]) * 16, payload)
+    assert store.bytes <= store.max_bytes
+    assert store.get(bytes([0]) * 16, len(payload)) is None  # the oldest went
+    assert store.get(bytes([4]) * 16, len(payload)) == payload
+    reopened = FileStore(tmp_path, b"ns", max_bytes=store.max_bytes)
+    assert reopened.get(bytes([4]) * 16, len(payload)) == payload
+    assert reopened.get(bytes([4]) * 16, len(payload) + 1) is None  # another page layout: rejected
+    assert FileStore(tmp_path, b"other", store.max_bytes).get(bytes([4]) * 16, len(payload)) is None
+    assert not list(tmp_path.glob("*/*.tmp*"))
+
+
+class _Flaky:
+    """A store that fails every call while `down`."""
+
+    def __init__(self) -> None:
+        self.down = True
+        self.pages: dict[bytes, bytes] = {}
+
+    def _check(self) -> None:
+        if self.down:
+            raise OSError("store unreachable")
+
+    def get(self, key, length):
+        self._check()
+        return self.pages.get(key)
+
+    def put(self, key, payload):
+        self._check()
+        self.pages[key] = payload
+
+    def contains(self, key):
+        self._check()
+        return key in self.pages
+
+    def probe(self):
+        self._check()
+
+
+def test_a_failing_store_degrades_to_host_memory_and_resumes(model, tokenizer, tmp_path):
+    engine = _engine(model, tokenizer, _config(tmp_path, failures_to_degrade=3, probe_seconds=0.05))
+    flaky = _Flaky()
+    engine.tiers.store = flaky
+    expected, _ = _generate(_engine(model, tokenizer, None), PROMPT, "ref")
+    tokens, _ = _generate(engine, PROMPT, "a")
+    engine.tiers.flush()
+    assert tokens == expected
+    assert engine.tiers.degraded and engine.tiers.stats.l3_failures >= 3
+    flaky.down = False
+    deadline = time.monotonic() + 5
+    while engine.tiers.degraded and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not engine.tiers.degraded  # the probe saw it back
+    _evict(engine)
+    tokens, cached = _generate(engine, PROMPT, "b")
+    assert tokens == expected and cached == 40  # L2 served it throughout
+    _no_leaks(engine)
