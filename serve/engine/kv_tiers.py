@@ -328,11 +328,7 @@ class KVTiers:
                 self._busy[block] = self._busy.get(block, 0) + 1  # held while it is copied from
                 blocks.append(block)
             self.stats.l2_hits += len(blocks)
-        for key in keys[len(blocks) :]:
-            block = self._from_store(key)
-            if block is None:
-                break
-            blocks.append(block)
+        blocks += self._from_store(keys[len(blocks) :])
         if not blocks:
             return []
         try:
@@ -353,27 +349,41 @@ class KVTiers:
             self.stats.load_seconds += time.perf_counter() - started
         return loaded
 
-    def _from_store(self, key: bytes) -> int | None:
-        """The store's copy of a page read into an L2 block (held busy for the caller), or None."""
-        if self.store is None or self.degraded:
-            return None
-        self.stats.l3_queries += 1
+    def _from_store(self, keys: list[bytes]) -> list[int]:
+        """The store's copies of the leading pages of `keys` it has, read in one call (one timeout) into
+        L2 blocks held busy for the caller."""
+        if self.store is None or self.degraded or not keys:
+            return []
+        store = self.store
+
+        def read_run() -> list[bytes]:
+            payloads = []
+            for key in keys:
+                payload = store.get(key, self.page_bytes)
+                if payload is None:
+                    break
+                payloads.append(payload)
+            return payloads
+
         started = time.perf_counter()
-        ok, payload = self._call(self.store.get, key, self.page_bytes)
+        ok, payloads = self._call(read_run)
         self.stats.l3_read_seconds += time.perf_counter() - started
-        if not ok or payload is None:
-            return None
-        with self._lock:
-            block = self._take_block()
-            if block is None:
-                return None
-            self._block_of[key] = block
-            self._busy[block] = self._busy.get(block, 0) + 1
-        self.host[block].view(-1).view(torch.uint8).copy_(
-            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        )
-        self.stats.l3_hits += 1
-        return block
+        # pages looked up: those found and the first one missing (one when the call failed)
+        self.stats.l3_queries += len(payloads) + (len(payloads) < len(keys)) if ok else 1
+        blocks: list[int] = []
+        for key, payload in zip(keys, payloads if ok else []):
+            with self._lock:
+                block = self._take_block()
+                if block is None:
+                    break
+                self._block_of[key] = block
+                self._busy[block] = self._busy.get(block, 0) + 1
+            self.host[block].view(-1).view(torch.uint8).copy_(
+                torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            )
+            blocks.append(block)
+        self.stats.l3_hits += len(blocks)
+        return blocks
 
     def _release_busy(self, block: int) -> None:
         with self._lock:
