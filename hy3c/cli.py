@@ -690,7 +690,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--api-key", help="sent as a bearer token (default: $OPENAI_API_KEY)")
     s.add_argument("--label", help="the result's label and file name start (default: the backend)")
     s.add_argument(
-        "--dataset-name", default="random", help="random | prefix_repetition (also prefix-repetition)"
+        "--dataset-name",
+        default="random",
+        help="random | prefix_repetition (also prefix-repetition) | hy3-trace",
     )
     s.add_argument("--num-prompts", type=int, default=1000)
     s.add_argument("--input-len", type=int, help="sets --random-input-len")
@@ -703,6 +705,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     s.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     s.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    s.add_argument(
+        "--prefix-repetition-hit-ratio",
+        type=float,
+        metavar="R",
+        help="the shared prefix's share of each prompt (ours; default: the prefix and suffix lengths)",
+    )
+    s.add_argument("--trace-scale", type=float, default=1.0, help="hy3-trace: lengths times this")
+    s.add_argument("--trace-reuse", type=float, default=0.8, help="hy3-trace: the share of a prompt reused")
     s.add_argument(
         "--request-rate", type=float, default=float("inf"), help="requests per second (Poisson; default: inf)"
     )
@@ -775,6 +785,9 @@ def _run_bench_serve(args: argparse.Namespace) -> None:
         prefix_repetition_suffix_len=args.prefix_repetition_suffix_len,
         prefix_repetition_num_prefixes=args.prefix_repetition_num_prefixes,
         prefix_repetition_output_len=args.output_len or args.prefix_repetition_output_len,
+        prefix_repetition_hit_ratio=args.prefix_repetition_hit_ratio,
+        trace_scale=args.trace_scale,
+        trace_reuse=args.trace_reuse,
         request_rate=args.request_rate,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,

@@ -42,8 +42,8 @@ from hy3c.model.batch import StepBatch
 
 log = logging.getLogger("hy3c.runtime.spec_graphs")
 
-# accept(drafts [b, K], argmax of the rows checking them [b, K]) → bool [b, K]
-Accept = Callable[[Tensor, Tensor], Tensor]
+# accept(drafts [b, K], argmax of the rows checking them [b, K], real rows [b]) → bool [b, K]
+Accept = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 # a program run uncaptured: the step program's eight inputs or the draft program's nine → (logits, hidden)
@@ -213,7 +213,7 @@ def _build(
         )
         argmax = logits.argmax(-1).view(size, q)
         # 3. acceptance: emitted tokens are the rows' argmax up to the first refusal
-        counts = accept(ids.view(size, q)[:, 1:], argmax[:, :-1]).long().cumprod(1).sum(1)
+        counts = accept(ids.view(size, q)[:, 1:], argmax[:, :-1], real).long().cumprod(1).sum(1)
         emitted = torch.where(column[None, :] <= counts[:, None], argmax, -1)
         # 4. the MTP pass over the fed positions, then its recursion
         rows = request * q + counts

@@ -139,6 +139,19 @@ class ForcedAcceptance:
         drawn.add_(count)
         return _uniform_hash(index, self.seed) < self.alpha
 
+    def accepts_rows(self, real: Tensor, k: int) -> Tensor:
+        """The decisions of a captured step's [b, k] draft positions (bool), drawn for the `real` rows
+        only (bool [b]; padding rows draw nothing and read False), in the order `accepts` would draw
+        them for those rows — the same decisions as an uncaptured step of the same requests."""
+        device = real.device
+        drawn = self._drawn.get(device)
+        if drawn is None:
+            drawn = self._drawn[device] = torch.zeros(1, dtype=torch.long, device=device)
+        rows = real.long()
+        index = drawn + (rows.cumsum(0) - 1)[:, None] * k + torch.arange(k, device=device)[None, :]
+        drawn.add_(rows.sum() * k)
+        return (_uniform_hash(index, self.seed) < self.alpha) & real[:, None]
+
 
 def _uniform_hash(index: Tensor, seed: int) -> Tensor:
     """A uniform in [0, 1) per int64 index, from a 32-bit integer hash of (seed, index) in int64 lanes

@@ -78,13 +78,14 @@ class Speculator:
             self.forced = ForcedAcceptance(config.forced_acceptance)
         self._probs: dict[Sequence, Tensor] = {}  # a sampled request's draft distributions [k, V]
 
-    def accept_captured(self, drafts: Tensor, argmax: Tensor) -> Tensor:
+    def accept_captured(self, drafts: Tensor, argmax: Tensor, real: Tensor) -> Tensor:
         """A captured speculative step's acceptance (`hy3c.runtime.spec_graphs`), bool [b, K]: a greedy
         draft is accepted while it equals the argmax of the row checking it, as `verify` does; in the
-        forced benchmark mode, by its coin (from the same draw counter as uncaptured steps)."""
+        forced benchmark mode, by its coin, drawn for the `real` rows only (padding rows draw none), so
+        captured and uncaptured steps make the same decisions."""
         if self.forced is None:
             return drafts == argmax
-        return self.forced.accepts(drafts.numel(), drafts.device).view(drafts.shape)
+        return self.forced.accepts_rows(real, drafts.shape[1])
 
     def forget(self, seq: Sequence) -> None:
         """The sequence left (finished, aborted, preempted): its draft distributions go."""

@@ -10,7 +10,14 @@ valid for any vocabulary):
   `--random-output-len` tokens out (both lengths drawn from ±`--random-range-ratio`);
 * `prefix_repetition` (also spelled `prefix-repetition`): `--prefix-repetition-num-prefixes` random
   prefixes of `--prefix-repetition-prefix-len` tokens, each shared by an equal part of the prompts,
-  then `--prefix-repetition-suffix-len` random tokens; `--prefix-repetition-output-len` out.
+  then `--prefix-repetition-suffix-len` random tokens; `--prefix-repetition-output-len` out. Ours:
+  `--prefix-repetition-hit-ratio R` makes the shared prefix R of each prompt's length (prefix + suffix),
+  so a share R of the prompt tokens repeat earlier ones (less the prefixes' first sendings: with many
+  prefixes the working set outgrows the GPU's pages, which is what the KV tiers are for);
+* `hy3-trace` (ours): lengths shaped like the Hy3 stack's production load — inputs log-normal around
+  68K tokens with a long tail (σ 1, cut at 4× the median), outputs around 900 (σ 0.5), both times
+  `--trace-scale` so it fits a slice on one GPU — where `--trace-reuse R` of each prompt is the start of
+  its session's context (sessions of about 8 requests, as agent turns re-send their history).
 
 With `--tokenizer` (a local `tokenizer.json` or a directory holding one, as vLLM's flag points at a
 model's files; hub names are not fetched) the prompts are built with that tokenizer instead, so the
@@ -20,7 +27,7 @@ Requests arrive all at once (`--request-rate inf`) or by a Poisson process (gamm
 `--burstiness` ≠ 1) seeded by `--seed`; at most `--max-concurrency` are in flight. Each streams from
 `--endpoint` (/v1/completions; /v1/chat/completions sends the prompt's text as a user message; the
 default follows vLLM's `--backend`: `openai-chat` is the chat endpoint, the other OpenAI-compatible
-ones completions) with `ignore_eos` for `random` (as vLLM; `--ignore-eos` for the other dataset) and
+ones completions) with `ignore_eos` for `random` (as vLLM) and `hy3-trace` (`--ignore-eos` for the other) and
 the usage chunk, which gives the token counts. A progress bar shows completed requests.
 
 The result has vLLM's keys — `duration`, `completed`, `failed`, `total_input_tokens`,
@@ -61,7 +68,7 @@ _TEXT = (
     "The compiler traces the model into a graph, rewrites it into fused kernels and serves it. "
     "Requests arrive, share prefixes, stream tokens back and leave; the scheduler keeps the GPU busy. "
 ) * 8
-DATASETS = ("random", "prefix_repetition", "prefix-repetition")
+DATASETS = ("random", "prefix_repetition", "prefix-repetition", "hy3-trace")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 # vLLM's `--backend`s that speak OpenAI's API, and the endpoint each sends to (the others are not
 # OpenAI-compatible: TGI, TensorRT-LLM, DeepSpeed-MII, audio, embeddings)
@@ -105,6 +112,9 @@ class BenchConfig:
     prefix_repetition_suffix_len: int = 256
     prefix_repetition_num_prefixes: int = 10
     prefix_repetition_output_len: int = 128
+    prefix_repetition_hit_ratio: float | None = None  # the prefix's share of each prompt (ours)
+    trace_scale: float = 1.0
+    trace_reuse: float = 0.8
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -122,7 +132,9 @@ class BenchConfig:
     def check(self) -> None:
         """Each bad setting is a ValueError naming its flag."""
         if self.dataset_name not in DATASETS:
-            raise ValueError(f"--dataset-name: {self.dataset_name!r} is not one of {', '.join(DATASETS[:2])}")
+            raise ValueError(
+                f"--dataset-name: {self.dataset_name!r} is not one of {', '.join((*DATASETS[:2], DATASETS[3]))}"
+            )
         if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"--backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.endpoint is not None and self.endpoint not in ENDPOINTS:
@@ -151,6 +163,13 @@ class BenchConfig:
         for flag, value in positive.items():
             if not value > 0:
                 raise ValueError(f"--{flag} must be positive (got {value})")
+        ratio = self.prefix_repetition_hit_ratio
+        if ratio is not None and not 0 <= ratio < 1:
+            raise ValueError(f"--prefix-repetition-hit-ratio must lie in [0, 1) (got {ratio})")
+        if not 0 < self.trace_scale <= 1:
+            raise ValueError(f"--trace-scale must lie in (0, 1] (got {self.trace_scale})")
+        if not 0 <= self.trace_reuse < 1:
+            raise ValueError(f"--trace-reuse must lie in [0, 1) (got {self.trace_reuse})")
         if self.random_prefix_len < 0:
             raise ValueError(f"--random-prefix-len must be at least 0 (got {self.random_prefix_len})")
         if not 0 <= self.random_range_ratio < 1:
@@ -232,16 +251,36 @@ def make_prompts(
         prefix = draw(config.random_prefix_len)
         inputs, outputs = length(config.random_input_len), length(config.random_output_len)
         return [(prefix + draw(int(i)), int(o)) for i, o in zip(inputs, outputs)]
-    prefixes = [
-        draw(config.prefix_repetition_prefix_len) for _ in range(config.prefix_repetition_num_prefixes)
-    ]
+    if config.dataset == "hy3-trace":
+        return trace_prompts(config, draw, rng)
+    prefix_len, suffix_len = config.prefix_repetition_prefix_len, config.prefix_repetition_suffix_len
+    if config.prefix_repetition_hit_ratio is not None:
+        total = prefix_len + suffix_len
+        prefix_len = round(config.prefix_repetition_hit_ratio * total)
+        suffix_len = total - prefix_len
+    prefixes = [draw(prefix_len) for _ in range(config.prefix_repetition_num_prefixes)]
     prompts = [
-        (
-            prefixes[i % len(prefixes)] + draw(config.prefix_repetition_suffix_len),
-            config.prefix_repetition_output_len,
-        )
+        (prefixes[i % len(prefixes)] + draw(suffix_len), config.prefix_repetition_output_len)
         for i in range(n)
     ]
+    return [prompts[i] for i in rng.permutation(n)]
+
+
+TRACE_INPUT_MEDIAN, TRACE_OUTPUT_MEDIAN, TRACE_SESSION = 68_000, 900, 8
+
+
+def trace_prompts(config: BenchConfig, draw, rng: np.random.Generator) -> list[tuple[list[int], int]]:
+    """The `hy3-trace` dataset (module docstring): per request a log-normal input and output length
+    (scaled), the first `trace_reuse` of its prompt taken from its session's context."""
+    n, scale = config.num_prompts, config.trace_scale
+    median = max(16, int(TRACE_INPUT_MEDIAN * scale))
+    inputs = np.clip(rng.lognormal(np.log(median), 1.0, n), 16, 4 * median).astype(int)
+    outputs = np.clip(rng.lognormal(np.log(max(1, TRACE_OUTPUT_MEDIAN * scale)), 0.5, n), 1, None).astype(int)
+    sessions = [draw(4 * median) for _ in range(max(1, n // TRACE_SESSION))]
+    prompts = []
+    for i, (length, out) in enumerate(zip(inputs, outputs)):
+        shared = int(config.trace_reuse * length)
+        prompts.append((sessions[i % len(sessions)][:shared] + draw(int(length) - shared), int(out)))
     return [prompts[i] for i in rng.permutation(n)]
 
 
@@ -463,7 +502,7 @@ async def _body(
         "max_tokens": out,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "ignore_eos": config.ignore_eos or config.dataset == "random",
+        "ignore_eos": config.ignore_eos or config.dataset in ("random", "hy3-trace"),
     }
     if config.chat:
         if local is None:

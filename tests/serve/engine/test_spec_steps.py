@@ -1,7 +1,7 @@
 """Whole speculative decode steps (`hy3c.runtime.spec_graphs`) through the engine: the step body a CUDA
 graph captures — chained correction, verify, acceptance, MTP passes — run uncaptured on the CPU gives
 the tokens of the uncaptured speculative path and of plain decoding (greedy, K = 1, 2, 3; padded
-batches; chained steps; forced acceptance at 1.0), and is used for every steady decode. GPU (`gpu`):
+batches; chained steps; forced acceptance at 1.0 and 0.6), and is used for every steady decode. GPU (`gpu`):
 the same through CUDA graph replays."""
 
 from __future__ import annotations
@@ -108,11 +108,13 @@ def test_captured_step_body_gives_the_tokens_of_plain_decoding(cpu_artifact, pla
     assert read_first == plain and runs > 10 and chained == 0
 
 
-def test_captured_step_body_at_full_forced_acceptance(cpu_artifact):
-    """Forced acceptance 1.0: every draft accepted, K + 1 tokens a step, the recursion at its deepest
-    positions; the same tokens as the uncaptured path."""
-    captured, runs, chained = _run(_engine(cpu_artifact, 2, True, forced=1.0))
-    uncaptured, _, _ = _run(_engine(cpu_artifact, 2, False, forced=1.0))
+@pytest.mark.parametrize("alpha", [1.0, 0.6])
+def test_captured_step_body_under_forced_acceptance(cpu_artifact, alpha):
+    """Forced acceptance: at 1.0 every draft is accepted (K + 1 tokens a step, the recursion at its
+    deepest positions); at 0.6 the coins decide, drawn for real rows only (3 requests padded to a
+    captured size of 4), so the captured path makes the uncaptured path's decisions."""
+    captured, runs, chained = _run(_engine(cpu_artifact, 2, True, forced=alpha))
+    uncaptured, _, _ = _run(_engine(cpu_artifact, 2, False, forced=alpha))
     assert captured == uncaptured and runs > 0 and chained > 0
 
 

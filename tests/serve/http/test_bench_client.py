@@ -19,6 +19,7 @@ from hy3c.serve.http.bench_client import (
     arrival_times,
     engine_report,
     format_report,
+    make_prompts,
     parse_engine_totals,
     summarize,
 )
@@ -292,3 +293,41 @@ def test_spec_decode_report_reads_what_the_engine_metrics_render():
     assert report["spec_decode_acceptance_rate"] == pytest.approx(50.0)
     assert report["spec_decode_acceptance_length"] == pytest.approx(2.0)
     assert report["spec_decode_per_position_acceptance_rates"] == pytest.approx([2 / 3, 1 / 3])
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.2, 0.5, 0.8])
+def test_prefix_repetition_hit_ratio_sets_the_repeated_share_of_prompt_tokens(ratio):
+    """With R set, a share R of each prompt is its shared prefix: the tokens a prefix cache can serve
+    are R of all, less each prefix's first sending."""
+    config = BenchConfig(
+        base_url="http://x", dataset_name="prefix_repetition", num_prompts=200,
+        prefix_repetition_num_prefixes=10, prefix_repetition_hit_ratio=ratio,
+    )  # fmt: skip
+    prompts = make_prompts(config, list(range(1000, 5000)), np.random.default_rng(0))
+    assert all(len(p) == 512 for p, _ in prompts)
+    seen, repeated, total = set(), 0, 0
+    for prompt, _ in prompts:
+        prefix = tuple(prompt[: round(ratio * 512)])
+        repeated += len(prefix) if prefix in seen else 0
+        seen.add(prefix)
+        total += len(prompt)
+    assert repeated / total == pytest.approx(round(ratio * 512) / 512 * (1 - 10 / 200), abs=1e-9)
+
+
+def test_the_hy3_trace_has_a_long_tail_short_outputs_and_the_chosen_reuse():
+    config = BenchConfig(
+        base_url="http://x", dataset_name="hy3-trace", num_prompts=400, trace_scale=0.01, trace_reuse=0.6
+    )
+    prompts = make_prompts(config, list(range(1000, 5000)), np.random.default_rng(1))
+    inputs = np.array([len(p) for p, _ in prompts])
+    outputs = np.array([o for _, o in prompts])
+    assert 500 < np.median(inputs) < 900 and inputs.max() > 3 * np.median(inputs)  # median 680, long tail
+    assert 5 < np.median(outputs) < 13
+    by_session: dict[int, list[list[int]]] = {}
+    for prompt, _ in prompts:
+        by_session.setdefault(prompt[0], []).append(prompt)
+    assert 40 <= len(by_session) <= 50  # 400 prompts in sessions of ~8 (a first token may repeat)
+    session = max(by_session.values(), key=len)
+    shortest = min(session, key=len)
+    shared = int(0.6 * len(shortest))
+    assert all(p[:shared] == shortest[:shared] for p in session)
