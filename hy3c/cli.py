@@ -528,9 +528,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-store",
         metavar="file:DIR",
-        help="L3 below L2 (needs --kv-host-gib): page files in DIR, reused across restarts",
+        help="L3 below L2 (needs --kv-host-gib): file:DIR (page files, reused across restarts) or"
+        " mooncake:HOST:PORT (a Mooncake Store master: pages shared between instances)",
     )
-    p.add_argument("--kv-store-gib", type=_positive_float, default=64.0, metavar="GIB", help="L3 size bound")
+    p.add_argument(
+        "--kv-store-gib",
+        type=_positive_float,
+        default=64.0,
+        metavar="GIB",
+        help="L3 size: the file store's bound, or the memory this server mounts into the Mooncake pool",
+    )
     p.add_argument(
         "--kv-store-timeout", type=_positive_float, default=2.0, metavar="S", help="seconds per L3 call"
     )

@@ -87,6 +87,8 @@ class PageStore(Protocol):
 
     def probe(self) -> None: ...
 
+    def close(self) -> None: ...
+
 
 class FileStore:
     """The embedded L3: one file per page, `root/<xx>/<hex>.kv`, a header (magic, namespace digest,
@@ -127,12 +129,10 @@ class FileStore:
         except FileNotFoundError:
             self._forget(path)
             return None
-        if len(data) == _HEADER.size + length:
-            magic, namespace, size, checksum = _HEADER.unpack_from(data)
-            payload = data[_HEADER.size :]
-            if (magic, namespace, size) == (_MAGIC, self.namespace, length) and checksum == _digest(payload):
-                os.utime(path)
-                return payload
+        payload = _unseal(data, self.namespace, length)
+        if payload is not None:
+            os.utime(path)
+            return payload
         log_event(log, "kv_store_page_rejected", level=logging.WARNING, path=str(path), bytes=len(data))
         self._forget(path, unlink=True)
         return None
@@ -142,8 +142,7 @@ class FileStore:
         path.parent.mkdir(exist_ok=True, mode=0o700)
         tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
         with open(tmp, "wb") as f:
-            f.write(_HEADER.pack(_MAGIC, self.namespace, len(payload), _digest(payload)))
-            f.write(payload)
+            f.write(_seal(payload, self.namespace))
         os.replace(tmp, path)
         size = _HEADER.size + len(payload)
         with self._lock:
@@ -164,6 +163,9 @@ class FileStore:
         if path.read_bytes() != _MAGIC:
             raise OSError(f"{self.root}: a probe read back wrong")
 
+    def close(self) -> None:
+        """Nothing to let go of: every write is complete when `put` returns."""
+
     def _forget(self, path: Path, unlink: bool = False) -> None:
         with self._lock:
             self.bytes -= self._index.pop(path, 0)
@@ -175,11 +177,104 @@ def _digest(payload: bytes) -> bytes:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
+def _seal(payload: bytes, namespace: bytes) -> bytes:
+    """A stored page: the header (magic, namespace digest, length, checksum), then the payload."""
+    return _HEADER.pack(_MAGIC, namespace, len(payload), _digest(payload)) + payload
+
+
+def _unseal(data: bytes, namespace: bytes, length: int) -> bytes | None:
+    """The payload of a stored page, or None when it is truncated, foreign or corrupt."""
+    if len(data) != _HEADER.size + length:
+        return None
+    magic, stored_namespace, size, checksum = _HEADER.unpack_from(data)
+    payload = data[_HEADER.size :]
+    if (magic, stored_namespace, size) != (_MAGIC, namespace, length) or checksum != _digest(payload):
+        return None
+    return payload
+
+
+class MooncakeStore:
+    """L3 in a Mooncake Store (`--kv-store mooncake:HOST:PORT`, the master's RPC address; the
+    `mooncake-transfer-engine` package): pages shared by every instance on that master, as objects
+    `hy3c/<namespace>/<key>` holding the same sealed page as a file. The client joins over TCP with the
+    P2P handshake (no metadata server to start) and mounts a segment of `segment_bytes` into the pool.
+    Mooncake's calls return codes and never raise: a negative code is an OSError here (the tiers'
+    failure count), an empty `get` a miss."""
+
+    def __init__(
+        self, master: str, namespace: bytes, segment_bytes: int, local_host: str = "127.0.0.1"
+    ) -> None:
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise ValueError(
+                "--kv-store mooncake: needs the mooncake-transfer-engine package"
+                " (mooncake-transfer-engine-non-cuda on a machine without CUDA)"
+            ) from exc
+        self.namespace = hashlib.blake2b(namespace, digest_size=16).digest()
+        self.prefix = f"hy3c/{self.namespace.hex()}/"
+        self._make = MooncakeDistributedStore
+        self._setup = (
+            local_host,
+            "P2PHANDSHAKE",
+            segment_bytes,
+            min(segment_bytes, 256 << 20),
+            "tcp",
+            "",
+            master,
+        )
+        try:
+            self.client = self._join()
+        except OSError as exc:
+            raise ValueError(f"--kv-store mooncake:{master}: {exc}") from None
+
+    def _join(self):
+        """A client joined to the master, its segment mounted in the pool."""
+        client = self._make()
+        code = client.setup(*self._setup)
+        if code != 0:
+            client.close()
+            raise OSError(f"the Mooncake client could not join the master (code {code})")
+        return client
+
+    def get(self, key: bytes, length: int) -> bytes | None:
+        data = self.client.get(self.prefix + key.hex())
+        return _unseal(bytes(data), self.namespace, length) if data else None
+
+    def put(self, key: bytes, payload: bytes) -> None:
+        code = self.client.put(self.prefix + key.hex(), _seal(payload, self.namespace))
+        if code != 0:
+            raise OSError(f"mooncake put returned {code}")
+
+    def contains(self, key: bytes) -> bool:
+        code = self.client.is_exist(self.prefix + key.hex())
+        if code < 0:
+            raise OSError(f"mooncake is_exist returned {code}")
+        return code == 1
+
+    def probe(self) -> None:
+        """Join the master again (a restarted master has lost every segment and object) and round-trip
+        a probe object; raise while that fails."""
+        client = self._join()
+        name = self.prefix + "probe"
+        if client.upsert(name, _MAGIC) != 0 or bytes(client.get(name)) != _MAGIC:
+            client.close()
+            raise OSError("a Mooncake probe object did not round-trip")
+        self.client, previous = client, self.client
+        previous.close()
+
+    def close(self) -> None:
+        self.client.close()
+
+
 def open_store(spec: str, namespace: bytes, max_bytes: int) -> PageStore:
-    """The store `--kv-store` names: `file:DIR`."""
+    """The store `--kv-store` names: `file:DIR` (bounded to `max_bytes`) or `mooncake:HOST:PORT` (a
+    segment of `max_bytes` mounted into the pool)."""
     kind, _, where = spec.partition(":")
+    if kind == "mooncake" and where.rpartition(":")[2].isdigit():
+        return MooncakeStore(where, namespace, max_bytes)
     if kind != "file" or not where:
-        raise ValueError(f"--kv-store {spec!r}: expected file:DIR")
+        raise ValueError(f"--kv-store {spec!r}: expected file:DIR or mooncake:HOST:PORT")
     try:
         return FileStore(Path(where), namespace, max_bytes)
     except OSError as exc:
@@ -457,7 +552,11 @@ class KVTiers:
             self._writes.join()
 
     def close(self) -> None:
+        if self._closed.is_set():
+            return
         self.flush()
         self._closed.set()
         if self._workers is not None:
             self._workers.shutdown(wait=False)
+        if self.store is not None:
+            self.store.close()

@@ -196,13 +196,11 @@ def _engine_over(
     if options.kv_store is not None and not options.kv_host_gib:
         raise ValueError("--kv-store: needs --kv-host-gib (L3 pages pass through L2)")
     if options.kv_host_gib:
-        from hy3c.serve.engine.kv_tiers import TierConfig, open_store
+        from hy3c.serve.engine.kv_tiers import TierConfig
 
         # KV of one artifact (model, quantization), page layout and KV dtype is never read by another
         kv_shape = (page_size, page_bytes(runner, page_size), str(runner.kv_dtype))
         namespace = f"{runner.manifest['cache_key']['key']}|{kv_shape}".encode()
-        if options.kv_store is not None:
-            open_store(options.kv_store, namespace, 1)  # a bad spec or directory fails here, at start-up
         tiers = TierConfig(
             host_gib=options.kv_host_gib,
             store=options.kv_store,

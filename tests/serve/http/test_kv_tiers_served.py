@@ -47,7 +47,10 @@ def test_a_restarted_server_serves_the_prefix_from_the_file_store(tiny_artifact,
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"kv_store": "s3:bucket", "kv_host_gib": 0.01}, "--kv-store 's3:bucket': expected file:DIR"),
+        (
+            {"kv_store": "s3:bucket", "kv_host_gib": 0.01},
+            "--kv-store 's3:bucket': expected file:DIR or mooncake:HOST:PORT",
+        ),
         ({"kv_store": "file:/tmp/x"}, "--kv-store: needs --kv-host-gib"),
         ({"kv_host_gib": 1e-9}, "--kv-host-gib 1e-09: smaller than one KV page"),
     ],
