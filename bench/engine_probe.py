@@ -283,16 +283,7 @@ def replay_time(
     step program's at `query_len` tokens per request, or the draft program's (`program="draft"`)."""
     for graphs in (runner.step_graphs if program == "step" else runner.draft_graphs).values():
         if graphs.query_len == query_len and batch in graphs.graphs:
-            graph = graphs.graphs[batch].graph
-            for _ in range(10):
-                graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeats):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / repeats * 1e-3
+            return timed_replays(graphs.graphs[batch].graph, repeats)
     return None
 
 
