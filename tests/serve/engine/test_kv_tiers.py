@@ -180,3 +180,36 @@ def test_a_failing_store_degrades_to_host_memory_and_resumes(model, tokenizer, t
     tokens, cached = _generate(engine, PROMPT, "b")
     assert tokens == expected and cached == 40  # L2 served it throughout
     _no_leaks(engine)
+
+
+class _Hanging(_Flaky):
+    """A store whose reads hang far past the timeout (a master that stopped answering mid-load)."""
+
+    def __init__(self, pages: dict[bytes, bytes]) -> None:
+        super().__init__()
+        self.down, self.pages = False, pages
+
+    def get(self, key, length):
+        time.sleep(3.0)
+        return self.pages.get(key)
+
+
+def test_a_store_that_hangs_mid_load_costs_one_timeout_and_the_prefix_is_recomputed(
+    model, tokenizer, tmp_path
+):
+    """Reads that never come back: each request waits one timeout, recomputes its prefix (the output
+    of an engine without tiers), and after `failures_to_degrade` failures the store is skipped."""
+    prompts = [[(11 * i + 7 * r) % 90 + 3 for i in range(41)] for r in range(3)]
+    plain = _engine(model, tokenizer, None)
+    expected = [_generate(plain, prompt, f"ref{r}")[0] for r, prompt in enumerate(prompts)]
+    engine = _engine(
+        model, tokenizer, _config(tmp_path, store_timeout=0.2, failures_to_degrade=2, probe_seconds=60)
+    )
+    engine.tiers.store = _Hanging({})
+    for r, prompt in enumerate(prompts):
+        started = time.monotonic()
+        tokens, cached = _generate(engine, prompt, f"a{r}")
+        assert tokens == expected[r] and cached == 0
+        assert time.monotonic() - started < 2.0
+    assert engine.tiers.degraded and engine.tiers.stats.l3_failures >= 2  # (hung workers delay writes too)
+    _no_leaks(engine)
