@@ -392,6 +392,8 @@ class Engine:
                         self._idle()
                     self._wake.wait(0.05)
                     self._wake.clear()
+                elif self.tiers is not None and self.tiers.waiting_on_store and not self.scheduler.running:
+                    self._wake.wait(0.001)  # only an admission waiting for the store: nap, do not spin
         except BaseException as exc:  # the loop itself broke: report unhealthy, fail everything
             self._dead = f"{type(exc).__name__}: {exc}"
             log_event(log, "engine_dead", level=logging.ERROR, error=self._dead)
@@ -1099,12 +1101,14 @@ class Engine:
         return self._usage(live, out)
 
     def _forget(self, seq: Sequence) -> None:
-        """A request left: its page-table row and its draft distributions go."""
+        """A request left: its page-table row, its draft distributions and its store read go."""
         self._inputs.drop(seq)
         if self._penalties is not None:
             self._penalties.drop(seq)
         if self.speculator is not None:
             self.speculator.forget(seq)
+        if self.tiers is not None:
+            self.tiers.forget(seq.request_id)
 
     def _fail(self, request_id: str, error: str) -> None:
         live = self._live.pop(request_id, None)

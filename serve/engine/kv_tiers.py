@@ -2,8 +2,9 @@
 
     tiers = KVTiers(kv_cache, TierConfig(host_gib=8, store="file:/var/cache/hy3c", namespace=key))
     pool.on_publish, pool.on_allocate = tiers.published, tiers.reusing
-    pages = pool.match_prefix(tokens)              # L1 hit
-    pages += tiers.extend_prefix(pool, tokens, pages)   # then L2, then L3 hits, loaded into new L1 pages
+    while tiers.fetching(pool, request_id, tokens): ...   # the store's pages read into L2 (the engine steps on)
+    pages = pool.match_prefix(tokens)                    # L1 hit
+    pages += tiers.extend_prefix(pool, tokens, pages)    # then L2 hits, loaded into new L1 pages
 
 Every tier keys a page by the chained page hash the L1 pool publishes it under (`kv_pages`), so a
 prefix is found page by page in L1, then L2, then L3, stopping at the first miss.
@@ -16,11 +17,15 @@ prefix is found page by page in L1, then L2, then L3, stopping at the first miss
 * **L2 → L3.** A page new to L2 is queued to a writer thread that waits for the copy's event, then
   writes the block's bytes to the store (a bounded queue: a full one drops the write, counted). A
   block being written is pinned until its write ends, so L2 eviction never hands it out mid-write.
-* **Load-back** (`extend_prefix`, at admission): the pages after the L1 hit that L2 holds, then those
-  the store has (read into L2 blocks first), go into newly allocated L1 pages with one H2D copy each on
-  the side stream — after the work queued so far, since a freshly freed L1 page may still be written
-  by a step in flight — and the compute stream waits on the copies' event before the next step. The
-  loaded pages are published in L1 at once, so concurrent requests with that prefix share them.
+* **Store reads** (`fetching`, before admission): when a waiting request's prefix continues past what
+  L1 and L2 hold, one read of those pages runs on a worker while the engine keeps stepping the running
+  requests; the request is admitted when the read ends or its timeout passes, the pages read landing
+  in L2 blocks (the host writes a block only after its last device copy is done).
+* **Load-back** (`extend_prefix`, at admission): the pages after the L1 hit that L2 holds go into newly
+  allocated L1 pages with one H2D copy each on the side stream — after the work queued so far, since a
+  freshly freed L1 page may still be written by a step in flight — and the compute stream waits on
+  the copies' event before the next step. The loaded pages are published in L1 at once, so concurrent
+  requests with that prefix share them.
 * **L3 never blocks serving for long.** Each store call runs on a worker with a timeout; after
   `failures_to_degrade` consecutive failures or timeouts the store is *degraded*: lookups miss and
   writes drop while a background probe retries it every `probe_seconds`, resuming when it answers. A
@@ -41,7 +46,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,6 +306,13 @@ class TierStats:
     l3_write_seconds: float = 0.0
 
 
+@dataclass
+class _Fetch:
+    keys: list[bytes]
+    future: Future
+    started: float
+
+
 class KVTiers:
     """L2 (pinned host blocks, LRU by page key) and the optional L3 store over one KV cache."""
 
@@ -323,6 +335,9 @@ class KVTiers:
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._busy: dict[int, int] = {}  # block → pending L3 writes of it (not evictable meanwhile)
         self._saving: dict[int, torch.cuda.Event] = {}  # L1 page → its D2H copy's event
+        self._block_events: dict[int, torch.cuda.Event] = {}  # block → its last device copy's event
+        self._fetches: dict[str, _Fetch] = {}  # request → its store read in flight
+        self._fetched: set[str] = set()  # requests whose store read is done (until admitted)
         self.store: PageStore | None = None
         self.degraded = False
         self._failures = 0
@@ -371,6 +386,7 @@ class KVTiers:
             if to_store:
                 self._busy[block] = self._busy.get(block, 0) + 1
         event = self._copy(self.host[block], self.kv_cache[:, :, page])
+        self._note_copy(block, event)
         if event is not None:
             self._saving[page] = event
         self.stats.l2_stored += 1
@@ -403,10 +419,14 @@ class KVTiers:
         return event
 
     # ---- load-back ----------------------------------------------------------------------------------
-    def extend_prefix(self, pool: PagePool, tokens: Sequence[int], pages: list[int]) -> list[int]:
-        """L1 pages holding the pages after `pages` (an L1 hit on `tokens`) that L2 or the store have,
-        loaded, published in L1 and referenced; stops at the first miss (leaving at least one token to
-        compute, as `match_prefix` does) or when L1 has no page to give."""
+    def extend_prefix(
+        self, pool: PagePool, tokens: Sequence[int], pages: list[int], request_id: str = ""
+    ) -> list[int]:
+        """L1 pages holding the pages after `pages` (an L1 hit on `tokens`) that L2 has (those a
+        `fetching` read brought from the store included), loaded, published in L1 and referenced;
+        stops at the first miss (leaving at least one token to compute, as `match_prefix` does) or when
+        L1 has no page to give."""
+        self._fetched.discard(request_id)
         full = (len(tokens) - 1) // pool.page_size
         if full <= len(pages):
             return []
@@ -423,7 +443,6 @@ class KVTiers:
                 self._busy[block] = self._busy.get(block, 0) + 1  # held while it is copied from
                 blocks.append(block)
             self.stats.l2_hits += len(blocks)
-        blocks += self._from_store(keys[len(blocks) :])
         if not blocks:
             return []
         try:
@@ -433,6 +452,7 @@ class KVTiers:
         event = None
         for page, block in zip(loaded, blocks):
             event = self._copy(self.kv_cache[:, :, page], self.host[block])
+            self._note_copy(block, event)
         if event is not None:  # the next step reads the pages: it waits for their copies
             torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
         for block in blocks:
@@ -444,41 +464,103 @@ class KVTiers:
             self.stats.load_seconds += time.perf_counter() - started
         return loaded
 
-    def _from_store(self, keys: list[bytes]) -> list[int]:
-        """The store's copies of the leading pages of `keys` it has, read in one call (one timeout) into
-        L2 blocks held busy for the caller."""
-        if self.store is None or self.degraded or not keys:
-            return []
-        store = self.store
+    def fetching(self, pool: PagePool, request_id: str, tokens: Sequence[int]) -> bool:
+        """Whether the request's admission waits for the store: the first call starts one read, on a
+        worker, of the pages after its L1 and L2 hit (one call, so one timeout), and this is True until
+        the read ends or the timeout passes; the pages read land in L2, where `extend_prefix` finds
+        them. Running requests keep stepping meanwhile; a failed or late read is a miss (recompute)."""
+        if self.store is None:
+            return False
+        fetch = self._fetches.get(request_id)
+        if fetch is None:
+            if request_id in self._fetched or self.degraded:
+                return False
+            self._fetched.add(request_id)
+            keys = self._beyond_l2(pool, tokens)
+            if not keys:
+                return False
+            self.stats.l3_queries += 1
+            self._fetches[request_id] = _Fetch(keys, self._read_run(keys), time.perf_counter())
+            return True
+        waited = time.perf_counter() - fetch.started
+        if not fetch.future.done() and waited < self.config.store_timeout:
+            return True
+        del self._fetches[request_id]
+        self.stats.l3_read_seconds += waited
+        try:
+            if not fetch.future.done():
+                raise FutureTimeout()
+            payloads = fetch.future.result()
+        except (FutureTimeout, OSError, RuntimeError, ValueError) as exc:
+            self._failed(exc)
+            return False
+        self._failures = 0
+        self.stats.l3_queries += len(payloads) - (len(payloads) == len(fetch.keys))
+        self._into_l2(fetch.keys, payloads)
+        return False
 
-        def read_run() -> list[bytes]:
+    @property
+    def waiting_on_store(self) -> bool:
+        """Whether an admission waits for a store read (the engine loop then naps instead of spinning)."""
+        return bool(self._fetches)
+
+    def forget(self, request_id: str) -> None:
+        """The request left (finished, aborted): its fetch bookkeeping goes (a read in flight ends unused)."""
+        self._fetches.pop(request_id, None)
+        self._fetched.discard(request_id)
+
+    def _beyond_l2(self, pool: PagePool, tokens: Sequence[int]) -> list[bytes]:
+        """The keys of the request's full pages after the run L1 and then L2 hold."""
+        full = (len(tokens) - 1) // pool.page_size
+        keys = page_keys(tokens, pool.page_size, pool.namespace, full)
+        at = 0
+        while at < len(keys) and keys[at] in pool.page_of:
+            at += 1
+        with self._lock:
+            while at < len(keys) and keys[at] in self._block_of:
+                at += 1
+        return keys[at:]
+
+    def _read_run(self, keys: list[bytes]) -> Future:
+        """A worker's read of the leading pages of `keys` the store has (stops at the first miss)."""
+        assert self._workers is not None and self.store is not None
+        store, length = self.store, self.page_bytes
+
+        def read() -> list[bytes]:
             payloads = []
             for key in keys:
-                payload = store.get(key, self.page_bytes)
+                payload = store.get(key, length)
                 if payload is None:
                     break
                 payloads.append(payload)
             return payloads
 
-        started = time.perf_counter()
-        ok, payloads = self._call(read_run)
-        self.stats.l3_read_seconds += time.perf_counter() - started
-        # pages looked up: those found and the first one missing (one when the call failed)
-        self.stats.l3_queries += len(payloads) + (len(payloads) < len(keys)) if ok else 1
-        blocks: list[int] = []
-        for key, payload in zip(keys, payloads if ok else []):
+        return self._workers.submit(read)
+
+    def _into_l2(self, keys: list[bytes], payloads: list[bytes]) -> None:
+        """Pages read from the store into L2 blocks (least recently used ones evicted for them)."""
+        for key, payload in zip(keys, payloads):
             with self._lock:
+                if key in self._block_of:
+                    continue
                 block = self._take_block()
                 if block is None:
-                    break
+                    return
                 self._block_of[key] = block
-                self._busy[block] = self._busy.get(block, 0) + 1
-            self.host[block].view(-1).view(torch.uint8).copy_(
-                torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            )
-            blocks.append(block)
-        self.stats.l3_hits += len(blocks)
-        return blocks
+            self._settled(block)  # no device copy of the block's old content may still be running
+            host = self.host[block].view(-1).view(torch.uint8)
+            host.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            self.stats.l3_hits += 1
+
+    def _note_copy(self, block: int, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            self._block_events[block] = event
+
+    def _settled(self, block: int) -> None:
+        """Wait for the last device copy into or out of the block (before the host writes it)."""
+        event = self._block_events.pop(block, None)
+        if event is not None:
+            event.synchronize()
 
     def _release_busy(self, block: int) -> None:
         with self._lock:

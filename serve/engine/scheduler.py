@@ -315,9 +315,12 @@ class Scheduler:
             if seq.in_flight:  # preempted with a token in flight: it waits until the host has it
                 break
             if not seq.pages:
+                tiers = None if self._scoring(seq) else self.tiers
+                if tiers is not None and tiers.fetching(self.pool, seq.request_id, seq.tokens):
+                    break  # its prefix is being read from the store (running requests step on)
                 seq.pages = [] if self._scoring(seq) else self.pool.match_prefix(seq.tokens)
-                if self.tiers is not None and not self._scoring(seq):
-                    seq.pages += self.tiers.extend_prefix(self.pool, seq.tokens, seq.pages)
+                if tiers is not None:
+                    seq.pages += tiers.extend_prefix(self.pool, seq.tokens, seq.pages, seq.request_id)
                 if self.speculative and seq.pages:
                     self.pool.release([seq.pages.pop()])
                 seq.published = len(seq.pages)
