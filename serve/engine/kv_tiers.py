@@ -1,4 +1,4 @@
-"""KV tiers below the GPU page pool: L2 in pinned host memory, L3 in a store (`file:DIR`).
+"""KV tiers below the GPU page pool: L2 in pinned host memory, L3 in a store (`file:DIR`, `mooncake:HOST:PORT`).
 
     tiers = KVTiers(kv_cache, TierConfig(host_gib=8, store="file:/var/cache/hy3c", namespace=key))
     pool.on_publish, pool.on_allocate = tiers.published, tiers.reusing
