@@ -213,3 +213,24 @@ def test_a_store_that_hangs_mid_load_costs_one_timeout_and_the_prefix_is_recompu
         assert time.monotonic() - started < 2.0
     assert engine.tiers.degraded and engine.tiers.stats.l3_failures >= 2  # (hung workers delay writes too)
     _no_leaks(engine)
+
+
+def test_concurrent_requests_share_one_load_from_the_store(model, tokenizer, tmp_path):
+    """After a restart, three requests with one prompt submitted together: the store is read once,
+    the pages loaded once into the GPU pool, and all three start from the cached prefix."""
+    first = _engine(model, tokenizer, _config(tmp_path))
+    expected, _ = _generate(first, PROMPT, "a")
+    first.tiers.close()
+    restarted = _engine(model, tokenizer, _config(tmp_path))
+    outputs: dict[str, list[StepOutput]] = {f"c{i}": [] for i in range(3)}
+    for name, sink in outputs.items():
+        request = GenerationRequest(name, PROMPT, SamplingParams(temperature=0.0), 6, ignore_eos=True)
+        restarted.submit(request, sink.append)
+    restarted.run_until_done()
+    for outs in outputs.values():
+        assert [t for o in outs for t in o.token_ids] == expected and outs[-1].cached_tokens == 40
+    assert (
+        restarted.tiers.stats.l3_hits == 10
+        and restarted.tiers.stats.loaded_bytes == 10 * restarted.tiers.page_bytes
+    )
+    _no_leaks(restarted)
