@@ -258,8 +258,9 @@ class Engine:
         self.kv_cache = runner.allocate_kv_cache(config.num_pages, config.page_size)
         self.tiers: KVTiers | None = None
         if config.kv_tiers is not None and config.kv_tiers.host_gib > 0:
-            if self.data_parallel > 1:
-                raise ValueError("--kv-host-gib: not supported with attention data parallelism yet")
+            if self.data_parallel > 1 or getattr(runner, "world_size", 1) > 1:
+                # each rank holds its own KV shard; the tiers copy this process's cache only
+                raise ValueError("--kv-host-gib: not supported with several ranks (TP / EP / DP) yet")
             self.tiers = KVTiers(self.kv_cache, config.kv_tiers)
             self.pool.on_publish, self.pool.on_allocate = self.tiers.published, self.tiers.reusing
             self.scheduler.tiers = self.tiers

@@ -37,10 +37,12 @@ Off CUDA (tests, the CPU runner) the copies are plain synchronous copies.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 import time
@@ -99,48 +101,76 @@ class FileStore:
     """The embedded L3: one file per page, `root/<xx>/<hex>.kv`, a header (magic, namespace digest,
     payload length, blake2b checksum) then the payload; written to a temporary file and renamed (a
     reader never sees half a page), bounded to `max_bytes` by evicting the least recently used files
-    (an index rebuilt by scanning the directory at start, so pages survive a restart)."""
+    (an index rebuilt by scanning the directory at start, so pages survive a restart; a page another
+    process wrote since is found on disk). The directory must be ours (owner, no group or other write):
+    whoever can write it can plant KV. Files are opened without following links, only regular files of
+    the expected size are read."""
 
     def __init__(self, root: Path, namespace: bytes, max_bytes: int) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        info = self.root.stat()
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise ValueError(
+                f"--kv-store file:{self.root}: the directory must be ours and not group/other-writable"
+            )
         self.namespace = hashlib.blake2b(namespace, digest_size=16).digest()
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._index: OrderedDict[Path, int] = OrderedDict()  # path → size, least recently used first
         self.bytes = 0
-        files = sorted(self.root.glob("*/*.kv"), key=lambda p: p.stat().st_mtime)
-        for path in files:
-            self._index[path] = path.stat().st_size
-            self.bytes += self._index[path]
+        found = []
+        for path in self.root.glob("*/*.kv"):
+            try:  # another process may evict files meanwhile
+                info = path.stat()
+            except FileNotFoundError:
+                continue
+            found.append((info.st_mtime, path, info.st_size))
+        for _, path, size in sorted(found):
+            self._index[path] = size
+            self.bytes += size
 
     def _path(self, key: bytes) -> Path:
         name = hashlib.blake2b(self.namespace + key, digest_size=20).hexdigest()
         return self.root / name[:2] / f"{name}.kv"
 
     def contains(self, key: bytes) -> bool:
-        with self._lock:
-            return self._path(key) in self._index
-
-    def get(self, key: bytes, length: int) -> bytes | None:
-        """The payload, or None when absent, truncated, foreign or corrupt (a bad file is deleted)."""
         path = self._path(key)
         with self._lock:
-            if path not in self._index:
-                return None
-            self._index.move_to_end(path)
+            if path in self._index:
+                return True
+        return path.is_file()
+
+    def get(self, key: bytes, length: int) -> bytes | None:
+        """The payload, or None when absent, not a regular file of the page's size, truncated, foreign
+        or corrupt (a bad file is deleted)."""
+        path = self._path(key)
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # absent (maybe evicted by another process), or a link
             self._forget(path)
             return None
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size != _HEADER.size + length:
+                data = b""
+            else:
+                data = f.read(_HEADER.size + length + 1)
         payload = _unseal(data, self.namespace, length)
-        if payload is not None:
+        if payload is None:
+            log_event(
+                log, "kv_store_page_rejected", level=logging.WARNING, path=str(path), bytes=info.st_size
+            )
+            self._forget(path, unlink=True)
+            return None
+        with self._lock:
+            if path not in self._index:
+                self.bytes += len(data)
+            self._index[path] = len(data)
+            self._index.move_to_end(path)
+        with contextlib.suppress(OSError):
             os.utime(path)
-            return payload
-        log_event(log, "kv_store_page_rejected", level=logging.WARNING, path=str(path), bytes=len(data))
-        self._forget(path, unlink=True)
-        return None
+        return payload
 
     def put(self, key: bytes, payload: bytes) -> None:
         path = self._path(key)
@@ -265,8 +295,7 @@ class MooncakeStore:
         if client.upsert(name, _MAGIC) != 0 or bytes(client.get(name)) != _MAGIC:
             client.close()
             raise OSError("a Mooncake probe object did not round-trip")
-        self.client, previous = client, self.client
-        previous.close()
+        self.client = client  # the old one is left open: a hung call may still be inside it
 
     def close(self) -> None:
         self.client.close()
@@ -341,6 +370,7 @@ class KVTiers:
         self.store: PageStore | None = None
         self.degraded = False
         self._failures = 0
+        self._health = threading.Lock()
         self._workers: ThreadPoolExecutor | None = None
         self._writes: queue.Queue = queue.Queue(config.write_queue)
         self._closed = threading.Event()
@@ -491,7 +521,7 @@ class KVTiers:
             if not fetch.future.done():
                 raise FutureTimeout()
             payloads = fetch.future.result()
-        except (FutureTimeout, OSError, RuntimeError, ValueError) as exc:
+        except Exception as exc:  # whatever the read raised: a miss, and the store's failure
             self._failed(exc)
             return False
         self._failures = 0
@@ -517,9 +547,12 @@ class KVTiers:
         while at < len(keys) and keys[at] in pool.page_of:
             at += 1
         with self._lock:
+            hits = 0
             while at < len(keys) and keys[at] in self._block_of:
-                at += 1
-        return keys[at:]
+                self._block_of.move_to_end(keys[at])  # most recent: the read must not evict them
+                at, hits = at + 1, hits + 1
+            room = self.num_blocks - hits - len(self._busy)  # what L2 can take without evicting them
+        return keys[at : at + max(0, room)]
 
     def _read_run(self, keys: list[bytes]) -> Future:
         """A worker's read of the leading pages of `keys` the store has (stops at the first miss)."""
@@ -577,30 +610,34 @@ class KVTiers:
         assert self._workers is not None
         try:
             result = self._workers.submit(fn, *args).result(timeout=self.config.store_timeout)
-        except (FutureTimeout, OSError, RuntimeError, ValueError) as exc:
+        except Exception as exc:  # whatever a backend raises is its failure, never the engine's
             self._failed(exc)
             return False, None
         self._failures = 0
         return True, result
 
     def _failed(self, exc: BaseException) -> None:
-        self.stats.l3_failures += 1
-        self._failures += 1
-        if self._failures >= self.config.failures_to_degrade and not self.degraded:
+        with self._health:  # the engine and writer threads both report; one probe thread at most
+            self.stats.l3_failures += 1
+            self._failures += 1
+            if self._failures < self.config.failures_to_degrade or self.degraded:
+                return
             self.degraded = True
-            log_event(log, "kv_store_degraded", level=logging.WARNING, reason=repr(exc))
-            threading.Thread(target=self._probe_loop, name="hy3c-kv-probe", daemon=True).start()
+        log_event(log, "kv_store_degraded", level=logging.WARNING, reason=repr(exc))
+        threading.Thread(target=self._probe_loop, name="hy3c-kv-probe", daemon=True).start()
 
     def _probe_loop(self) -> None:
+        """Probe the degraded store every `probe_seconds` on this thread (not behind calls still hung
+        on the workers) until it answers, then resume."""
         assert self.store is not None
         while not self._closed.wait(self.config.probe_seconds):
-            assert self._workers is not None
             try:
-                self._workers.submit(self.store.probe).result(timeout=self.config.store_timeout)
+                self.store.probe()
             except Exception:  # still down (whatever it raised): probe again later
                 continue
-            self._failures = 0
-            self.degraded = False
+            with self._health:
+                self._failures = 0
+                self.degraded = False
             log_event(log, "kv_store_resumed")
             return
 
@@ -624,14 +661,19 @@ class KVTiers:
                     ok, _ = self._call(self.store.put, key, payload)
                     self.stats.l3_stored += ok
                 self.stats.l3_write_seconds += time.perf_counter() - started
+            except Exception as exc:  # the writer lives on: the page is not stored, the store failed
+                self._failed(exc)
             finally:
                 self._release_busy(block)
                 self._writes.task_done()
 
-    def flush(self) -> None:
-        """Wait until every queued store write is done (tests, shutdown)."""
-        if self.store is not None:
-            self._writes.join()
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every queued store write is done, or `timeout` seconds (tests, shutdown)."""
+        if self.store is None:
+            return
+        deadline = time.monotonic() + timeout
+        while self._writes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def close(self) -> None:
         if self._closed.is_set():

@@ -234,3 +234,46 @@ def test_concurrent_requests_share_one_load_from_the_store(model, tokenizer, tmp
         and restarted.tiers.stats.loaded_bytes == 10 * restarted.tiers.page_bytes
     )
     _no_leaks(restarted)
+
+
+def test_a_store_run_longer_than_host_memory_loads_what_fits(model, tokenizer, tmp_path):
+    """L2 of 4 blocks, a 10-page prefix in the store: the read is cut to 4 pages (it must not evict its
+    own first pages), which load; the rest is recomputed."""
+    first = _engine(model, tokenizer, _config(tmp_path))
+    expected, _ = _generate(first, PROMPT, "a")
+    first.tiers.close()
+    small = TierConfig(
+        host_gib=4.5 * first.tiers.page_bytes / 2**30, store=f"file:{tmp_path}", namespace=b"test-artifact"
+    )
+    engine = _engine(model, tokenizer, small)
+    assert engine.tiers.num_blocks == 4
+    tokens, cached = _generate(engine, PROMPT, "a")
+    assert tokens == expected and cached == 16 and engine.tiers.stats.l3_hits == 4
+    _no_leaks(engine)
+
+
+def test_tiers_are_refused_with_several_ranks(model, tokenizer, monkeypatch):
+    monkeypatch.setattr(model, "world_size", 2, raising=False)
+    with pytest.raises(ValueError, match="--kv-host-gib: not supported with several ranks"):
+        _engine(model, tokenizer, _config())
+
+
+class _Broken(_Flaky):
+    """A backend that raises something unexpected (not an OSError) on every write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    def contains(self, key):
+        raise TypeError("a binding bug")
+
+
+def test_an_unexpected_store_error_is_a_failure_and_the_writer_lives_on(model, tokenizer, tmp_path):
+    engine = _engine(model, tokenizer, _config(tmp_path, failures_to_degrade=100))
+    engine.tiers.store = _Broken()
+    expected, _ = _generate(_engine(model, tokenizer, None), PROMPT, "ref")
+    tokens, _ = _generate(engine, PROMPT, "a")
+    engine.tiers.flush(timeout=10)
+    assert tokens == expected and engine.tiers.stats.l3_failures >= 10
+    _no_leaks(engine)  # every queued block released: the writer thread survived each error
