@@ -200,7 +200,8 @@ def _engine_over(
 
         # KV of one artifact (model, quantization), page layout and KV dtype is never read by another
         kv_shape = (page_size, page_bytes(runner, page_size), str(runner.kv_dtype))
-        namespace = f"{runner.manifest['cache_key']['key']}|{kv_shape}".encode()
+        # (a weightless artifact's random weights come from --random-weights' seed: part of the key too)
+        namespace = f"{runner.manifest['cache_key']['key']}|{kv_shape}|{options.random_weights}".encode()
         tiers = TierConfig(
             host_gib=options.kv_host_gib,
             store=options.kv_store,
