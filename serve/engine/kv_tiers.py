@@ -476,17 +476,19 @@ class KVTiers:
         if not blocks:
             return []
         try:
-            loaded = pool.allocate(len(blocks))
-        except OutOfPages:
-            loaded = []
-        event = None
-        for page, block in zip(loaded, blocks):
-            event = self._copy(self.kv_cache[:, :, page], self.host[block])
-            self._note_copy(block, event)
-        if event is not None:  # the next step reads the pages: it waits for their copies
-            torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
-        for block in blocks:
-            self._release_busy(block)
+            try:  # as many pages as L1 can give (a shorter hit; the rest is computed)
+                loaded = pool.allocate(min(len(blocks), pool.num_free))
+            except OutOfPages:
+                loaded = []
+            event = None
+            for page, block in zip(loaded, blocks):
+                event = self._copy(self.kv_cache[:, :, page], self.host[block])
+                self._note_copy(block, event)
+            if event is not None:  # the next step reads the pages: it waits for their copies
+                torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
+        finally:
+            for block in blocks:
+                self._release_busy(block)
         if loaded:
             computed = (len(pages) + len(loaded)) * pool.page_size
             pool.publish(tokens, [*pages, *loaded], computed, since=len(pages))
