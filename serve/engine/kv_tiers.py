@@ -15,7 +15,9 @@ prefix is found page by page in L1, then L2, then L3, stopping at the first miss
   step's critical path; the L1 page is not handed out again before that copy is done (`reusing` makes
   the stream wait on its event — no host wait). Pages L2 already holds are only touched (LRU).
 * **L2 → L3.** A page new to L2 is queued to a writer thread that waits for the copy's event, then
-  writes the block's bytes to the store (a bounded queue: a full one drops the write, counted). A
+  writes the block's bytes to the store (a bounded queue: a full one drops the write, counted); a
+  zero-copy store (Mooncake: the L2 blocks registered with it) moves the block itself, and reads land
+  straight in reserved blocks — a read that outlives its timeout keeps them until it ends. A
   block being written is pinned until its write ends, so L2 eviction never hands it out mid-write.
 * **Store reads** (`fetching`, before admission): when a waiting request's prefix continues past what
   L1 and L2 hold, one read of those pages runs on a worker while the engine keeps stepping the running
@@ -50,7 +52,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -249,6 +251,8 @@ class MooncakeStore:
         self.namespace = hashlib.blake2b(namespace, digest_size=16).digest()
         self.prefix = f"hy3c/{self.namespace.hex()}/"
         self._make = MooncakeDistributedStore
+        self._host: Tensor | None = None
+        self._block_bytes = 0
         self._setup = (
             local_host,
             "P2PHANDSHAKE",
@@ -272,6 +276,46 @@ class MooncakeStore:
             raise OSError(f"the Mooncake client could not join the master (code {code})")
         return client
 
+    def attach(self, host: Tensor) -> None:
+        """Register the L2 blocks (`host`, a page per row) for zero-copy transfers: pages then move
+        between L2 and the pool with `put_blocks` / `get_blocks`, no bytes in between."""
+        self._host = host
+        self._block_bytes = host[0].numel() * host.element_size()
+        self._register(self.client)
+
+    def _register(self, client) -> None:
+        if self._host is not None:
+            code = client.register_buffer(
+                self._host.data_ptr(), self._host.numel() * self._host.element_size()
+            )
+            if code != 0:
+                raise OSError(f"mooncake register_buffer returned {code}")
+
+    def _pointers(self, blocks: list[int]) -> list[int]:
+        assert self._host is not None
+        return [self._host.data_ptr() + block * self._block_bytes for block in blocks]
+
+    def put_blocks(self, keys: list[bytes], blocks: list[int]) -> None:
+        """Store L2 blocks as the pages `keys` in one batch, straight from the registered buffer."""
+        names = [self.prefix + key.hex() for key in keys]
+        codes = self.client.batch_put_from(names, self._pointers(blocks), [self._block_bytes] * len(keys))
+        failed = [code for code in codes if code < 0]
+        if failed:
+            raise OSError(
+                f"mooncake batch_put_from returned {failed[0]} for {len(failed)} of {len(keys)} pages"
+            )
+
+    def get_blocks(self, keys: list[bytes], blocks: list[int]) -> int:
+        """Read the pages `keys` into L2 blocks in one batch; how many leading ones arrived whole."""
+        names = [self.prefix + key.hex() for key in keys]
+        sizes = self.client.batch_get_into(names, self._pointers(blocks), [self._block_bytes] * len(keys))
+        whole = 0
+        for size in sizes:
+            if size != self._block_bytes:
+                break
+            whole += 1
+        return whole
+
     def get(self, key: bytes, length: int) -> bytes | None:
         data = self.client.get(self.prefix + key.hex())
         return _unseal(bytes(data), self.namespace, length) if data else None
@@ -291,6 +335,7 @@ class MooncakeStore:
         """Join the master again (a restarted master has lost every segment and object) and round-trip
         a probe object; raise while that fails."""
         client = self._join()
+        self._register(client)
         name = self.prefix + "probe"
         if client.upsert(name, _MAGIC) != 0 or bytes(client.get(name)) != _MAGIC:
             client.close()
@@ -340,6 +385,7 @@ class _Fetch:
     keys: list[bytes]
     future: Future
     started: float
+    blocks: list[int] = field(default_factory=list)  # a zero-copy read's target blocks
 
 
 class KVTiers:
@@ -367,7 +413,9 @@ class KVTiers:
         self._block_events: dict[int, torch.cuda.Event] = {}  # block → its last device copy's event
         self._fetches: dict[str, _Fetch] = {}  # request → its store read in flight
         self._fetched: set[str] = set()  # requests whose store read is done (until admitted)
+        self._orphans: list[_Fetch] = []  # timed-out zero-copy reads still holding their blocks
         self.store: PageStore | None = None
+        self.zero_copy = False
         self.degraded = False
         self._failures = 0
         self._health = threading.Lock()
@@ -376,6 +424,10 @@ class KVTiers:
         self._closed = threading.Event()
         if config.store:
             self.store = open_store(config.store, config.namespace, int(config.store_gib * 2**30))
+            # a store that can move pages straight from and into the L2 blocks (Mooncake) does
+            self.zero_copy = hasattr(self.store, "attach")
+            if self.zero_copy:
+                self.store.attach(self.host)  # type: ignore[attr-defined]
             self._workers = ThreadPoolExecutor(2, thread_name_prefix="hy3c-kv-store")
             threading.Thread(target=self._write_loop, name="hy3c-kv-writer", daemon=True).start()
 
@@ -512,7 +564,13 @@ class KVTiers:
             if not keys:
                 return False
             self.stats.l3_queries += 1
-            self._fetches[request_id] = _Fetch(keys, self._read_run(keys), time.perf_counter())
+            if self.zero_copy:
+                blocks = self._reserve_blocks(len(keys))
+                keys = keys[: len(blocks)]
+                future = self._workers.submit(self.store.get_blocks, keys, blocks)  # type: ignore[union-attr]
+                self._fetches[request_id] = _Fetch(keys, future, time.perf_counter(), blocks)
+            else:
+                self._fetches[request_id] = _Fetch(keys, self._read_run(keys), time.perf_counter())
             return True
         waited = time.perf_counter() - fetch.started
         if not fetch.future.done() and waited < self.config.store_timeout:
@@ -521,15 +579,61 @@ class KVTiers:
         self.stats.l3_read_seconds += waited
         try:
             if not fetch.future.done():
+                if fetch.blocks:  # the read may still write them: they wait for it (`_reap`)
+                    self._orphans.append(fetch)
                 raise FutureTimeout()
-            payloads = fetch.future.result()
+            result = fetch.future.result()
         except Exception as exc:  # whatever the read raised: a miss, and the store's failure
+            if fetch.future.done():
+                self._return_blocks(fetch.blocks)
             self._failed(exc)
             return False
         self._failures = 0
-        self.stats.l3_queries += len(payloads) - (len(payloads) == len(fetch.keys))
-        self._into_l2(fetch.keys, payloads)
+        found = result if fetch.blocks else len(result)
+        self.stats.l3_queries += found - (found == len(fetch.keys))
+        if fetch.blocks:
+            self._adopt(fetch.keys[:found], fetch.blocks[:found])
+            self._return_blocks(fetch.blocks[found:])
+        else:
+            self._into_l2(fetch.keys, result)
         return False
+
+    def _reserve_blocks(self, count: int) -> list[int]:
+        """Up to `count` L2 blocks for a zero-copy read, out of the LRU and held busy (no device copy of
+        their old content still running)."""
+        self._reap()
+        blocks = []
+        with self._lock:
+            for _ in range(count):
+                block = self._take_block()
+                if block is None:
+                    break
+                self._busy[block] = self._busy.get(block, 0) + 1
+                blocks.append(block)
+        for block in blocks:
+            self._settled(block)
+        return blocks
+
+    def _adopt(self, keys: list[bytes], blocks: list[int]) -> None:
+        """Blocks a zero-copy read filled become the L2 copies of `keys`."""
+        with self._lock:
+            for key, block in zip(keys, blocks):
+                self._block_of[key] = block
+        for block in blocks:
+            self._release_busy(block)
+        self.stats.l3_hits += len(blocks)
+
+    def _return_blocks(self, blocks: list[int]) -> None:
+        with self._lock:
+            for block in blocks:
+                self._busy.pop(block, None)
+                self._free.append(block)
+
+    def _reap(self) -> None:
+        """Blocks of timed-out zero-copy reads go back once those reads have ended."""
+        for fetch in [f for f in self._orphans if f.future.done()]:
+            self._orphans.remove(fetch)
+            self._return_blocks(fetch.blocks)
 
     @property
     def waiting_on_store(self) -> bool:
@@ -656,8 +760,15 @@ class KVTiers:
                     continue
                 if event is not None:
                     event.synchronize()
-                payload = self.host[block].view(-1).view(torch.uint8).numpy().tobytes()
                 started = time.perf_counter()
+                if self.zero_copy:  # the transfer reads the block itself: on this thread, which holds it
+                    self.store.put_blocks([key], [block])  # type: ignore[attr-defined]
+                    with self._health:
+                        self._failures = 0
+                    self.stats.l3_stored += 1
+                    self.stats.l3_write_seconds += time.perf_counter() - started
+                    continue
+                payload = self.host[block].view(-1).view(torch.uint8).numpy().tobytes()
                 ok, present = self._call(self.store.contains, key)
                 if ok and not present:
                     ok, _ = self._call(self.store.put, key, payload)

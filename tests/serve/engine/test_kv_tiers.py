@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from hy3c.serve.engine.core import Engine, EngineConfig, GenerationRequest, StepOutput
 from hy3c.serve.engine.kv_tiers import FileStore, TierConfig
@@ -277,3 +278,68 @@ def test_an_unexpected_store_error_is_a_failure_and_the_writer_lives_on(model, t
     engine.tiers.flush(timeout=10)
     assert tokens == expected and engine.tiers.stats.l3_failures >= 10
     _no_leaks(engine)  # every queued block released: the writer thread survived each error
+
+
+class _ZeroCopy:
+    """A store moving pages straight between L2 blocks and itself (as Mooncake's registered buffer
+    does); `delay` makes its reads slow."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.pages: dict[bytes, bytes] = {}
+        self.delay = delay
+
+    def attach(self, host):
+        self.host = host
+
+    def put_blocks(self, keys, blocks):
+        for key, block in zip(keys, blocks):
+            self.pages[key] = self.host[block].view(-1).view(torch.uint8).numpy().tobytes()
+
+    def get_blocks(self, keys, blocks):
+        time.sleep(self.delay)
+        found = 0
+        for key, block in zip(keys, blocks):
+            if key not in self.pages:
+                break
+            self.host[block].view(-1).view(torch.uint8).copy_(
+                torch.frombuffer(bytearray(self.pages[key]), dtype=torch.uint8)
+            )
+            found += 1
+        return found
+
+    def probe(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_zero_copy_stores_and_late_reads_give_their_blocks_back(model, tokenizer, tmp_path):
+    """A zero-copy store: a restarted engine reads the prefix straight into L2 blocks; a read that
+    outlives the timeout keeps its blocks until it ends, then they return (none leaked, none adopted)."""
+    expected, _ = _generate(_engine(model, tokenizer, None), PROMPT, "ref")
+    store = _ZeroCopy()
+    first = _engine(model, tokenizer, _config(tmp_path))
+    first.tiers.store, first.tiers.zero_copy = store, True
+    store.attach(first.tiers.host)
+    _generate(first, PROMPT, "a")
+    first.tiers.flush()
+    assert len(store.pages) >= 10
+    second = _engine(model, tokenizer, _config(tmp_path, store_timeout=5.0))
+    second.tiers.store, second.tiers.zero_copy = store, True
+    store.attach(second.tiers.host)
+    tokens, cached = _generate(second, PROMPT, "a")
+    assert tokens == expected and cached == 40 and second.tiers.stats.l3_hits == 10
+    _no_leaks(second)
+
+    store.delay = 0.6
+    late = _engine(model, tokenizer, _config(tmp_path, store_timeout=0.1, failures_to_degrade=10))
+    late.tiers.store, late.tiers.zero_copy = store, True
+    store.attach(late.tiers.host)
+    tokens, cached = _generate(late, PROMPT, "a")
+    assert tokens == expected and cached == 0  # the read came too late: recomputed
+    assert late.tiers.blocks_busy > 0  # … and its blocks wait for it
+    time.sleep(0.8)
+    late.tiers._reap()
+    assert late.tiers.stats.l3_hits == 0
+    _no_leaks(late)

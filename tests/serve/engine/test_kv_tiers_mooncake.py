@@ -90,6 +90,7 @@ def test_a_second_engine_serves_the_prefix_the_first_computed(model, tokenizer, 
     second = _engine(model, tokenizer, _config(master))
     tokens, cached = _generate(second, PROMPT, "a")
     assert tokens == expected and cached == 40 and second.tiers.stats.l3_hits == 10
+    assert second.tiers.zero_copy  # pages moved straight between the registered L2 blocks and the pool
     _no_leaks(first)
     _no_leaks(second)
     first.tiers.close()
