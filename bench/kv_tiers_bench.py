@@ -1,0 +1,130 @@
+"""The KV tiers' data paths, without serving: L2 → GPU loads and GPU → L2 saves against a plain pinned
+host-to-device copy of the same bytes (the peer, same run), and the file store's write / read rate.
+
+A KV cache of the artifact's real shape (`--artifact`: its layers, KV heads, head size, KV dtype;
+`--page-size`) is allocated on the device with `--pages` pages, and `KVTiers` over it with room for
+them all. Timed, each the median of `--rounds`:
+
+* save: `--pages` published pages copied to L2 (`KVTiers.published`: side stream, one copy per page),
+  until the last copy's event;
+* load: those pages back into fresh GPU pages (`KVTiers.extend_prefix`), until the compute stream has
+  waited for them;
+* peer: one pinned host → device `copy_` of all those bytes (contiguous), and device → host;
+* file store: `FileStore.put` / `get` of every page (page cache warm: the rate of the code, not the disk).
+
+Prints GB/s and the load's share of the peer's bandwidth (the issue's goal: ≥ 80%) and of the H2D
+limit of the link. On a machine without CUDA it runs on the CPU (plain copies) as a dry run.
+
+    python3 bench/kv_tiers_bench.py --artifact ART [--pages 256] [--page-size 64] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hy3c.program.artifact import open_artifact
+from hy3c.serve.engine.kv_pages import PagePool, page_keys
+from hy3c.serve.engine.kv_tiers import FileStore, KVTiers, TierConfig
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, rounds: int) -> float:
+    """Median seconds of `fn()` (device work included)."""
+    fn()
+    sync(device)
+    seconds = []
+    for _ in range(rounds):
+        sync(device)
+        started = time.perf_counter()
+        fn()
+        sync(device)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--artifact", type=Path, required=True)
+    parser.add_argument("--pages", type=int, default=256)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    config = open_artifact(args.artifact).config
+    manifest = open_artifact(args.artifact).manifest
+    dtype = getattr(torch, manifest["kv_cache"]["dtype"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    n, size = args.pages, args.page_size
+    shape = (config.num_kv_layers, 2, 2 * n + 1, size, config.num_key_value_heads, config.head_dim)
+    kv = torch.randn(shape, device=device).to(dtype)
+    page_bytes = kv[:, :, 0].numel() * kv.element_size()
+    tiers = KVTiers(kv, TierConfig(host_gib=(n + 1) * page_bytes / 2**30))
+    pool = PagePool(2 * n + 1, size)
+    tokens = list(range(n * size + 1))
+    keys = page_keys(tokens, size, pool.namespace, n)
+    total = n * page_bytes
+
+    def save() -> None:
+        tiers._block_of.clear()
+        tiers._free = list(range(tiers.num_blocks - 1, -1, -1))
+        for page, key in zip(range(1, n + 1), keys):
+            tiers.published(page, key)
+        for event in list(tiers._saving.values()):
+            event.synchronize()
+        tiers._saving.clear()
+
+    def load() -> None:
+        pool.reset_prefix_cache()
+        pages = tiers.extend_prefix(pool, tokens, [])
+        assert len(pages) == n, f"loaded {len(pages)} of {n} pages"
+        pool.release(pages)
+        pool.reset_prefix_cache()
+
+    pinned = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    results = {
+        "save (GPU → L2, per page, side stream)": timed(save, device, args.rounds),
+        "load (L2 → GPU, per page, side stream)": timed(load, device, args.rounds),
+        "peer: pinned H2D copy_, contiguous": timed(
+            lambda: flat.copy_(pinned, non_blocking=True), device, args.rounds
+        ),
+        "peer: D2H copy_ to pinned, contiguous": timed(
+            lambda: pinned.copy_(flat, non_blocking=True), device, args.rounds
+        ),
+    }
+    with tempfile.TemporaryDirectory() as directory:
+        store = FileStore(Path(directory), b"bench", max_bytes=4 * total)
+        payload = bytes(page_bytes)
+        results["file store put"] = timed(lambda: [store.put(k, payload) for k in keys], device, args.rounds)
+        results["file store get"] = timed(
+            lambda: [store.get(k, page_bytes) for k in keys], device, args.rounds
+        )
+    print(
+        f"KV tiers: {device} {torch.cuda.get_device_name() if device.type == 'cuda' else ''}, torch {torch.__version__},"
+        f" {n} pages of {page_bytes / 2**20:.2f} MiB ({total / 2**30:.2f} GiB), KV {dtype}"
+    )
+    print("| path | ms | GB/s |")
+    print("|---|---|---|")
+    for name, seconds in results.items():
+        print(f"| {name} | {seconds * 1e3:.2f} | {total / seconds / 1e9:.2f} |")
+    peer = results["peer: pinned H2D copy_, contiguous"]
+    print(
+        f"load vs peer H2D: {peer / results['load (L2 → GPU, per page, side stream)']:.2f}× of its bandwidth"
+    )
+    print(
+        f"save vs peer D2H: {results['peer: D2H copy_ to pinned, contiguous'] / results['save (GPU → L2, per page, side stream)']:.2f}×"
+    )
+    tiers.close()
+
+
+if __name__ == "__main__":
+    main()
