@@ -615,13 +615,19 @@ class KVTiers:
         return blocks
 
     def _adopt(self, keys: list[bytes], blocks: list[int]) -> None:
-        """Blocks a zero-copy read filled become the L2 copies of `keys`."""
+        """Blocks a zero-copy read filled become the L2 copies of `keys` (a key another read brought in
+        meanwhile keeps its block; this one goes back)."""
+        spare = []
         with self._lock:
             for key, block in zip(keys, blocks):
-                self._block_of[key] = block
+                if key in self._block_of:
+                    spare.append(block)
+                else:
+                    self._block_of[key] = block
         for block in blocks:
             self._release_busy(block)
-        self.stats.l3_hits += len(blocks)
+        self._return_blocks(spare)
+        self.stats.l3_hits += len(blocks) - len(spare)
 
     def _return_blocks(self, blocks: list[int]) -> None:
         with self._lock:

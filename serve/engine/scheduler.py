@@ -310,14 +310,16 @@ class Scheduler:
             work[-1].count, work[-1].drafts = count, drafts
             budget -= count
             logit_rows -= count if work[-1].all_logits else 0
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        fetching: set[int] = set()  # waiting sequences whose prefix is being read from the store (ids)
+        while len(self.waiting) > len(fetching) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = next(s for s in self.waiting if id(s) not in fetching)
             if seq.in_flight:  # preempted with a token in flight: it waits until the host has it
                 break
             if not seq.pages:
                 tiers = None if self._scoring(seq) else self.tiers
                 if tiers is not None and tiers.fetching(self.pool, seq.request_id, seq.tokens):
-                    break  # its prefix is being read from the store (running requests step on)
+                    fetching.add(id(seq))  # its prefix is on its way from the store: the next may go first
+                    continue
                 seq.pages = [] if self._scoring(seq) else self.pool.match_prefix(seq.tokens)
                 if tiers is not None:
                     seq.pages += tiers.extend_prefix(self.pool, seq.tokens, seq.pages, seq.request_id)
@@ -341,7 +343,7 @@ class Scheduler:
                         f"request {seq.request_id} needs more KV pages than the pool has", seq.request_id
                     )
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.admitted = True
             self.running.append(seq)
             work.append(self._work(seq, count))

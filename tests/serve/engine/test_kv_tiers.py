@@ -343,3 +343,43 @@ def test_zero_copy_stores_and_late_reads_give_their_blocks_back(model, tokenizer
     late.tiers._reap()
     assert late.tiers.stats.l3_hits == 0
     _no_leaks(late)
+
+
+class _SlowHits(_ZeroCopy):
+    """Reads of pages it has take `delay`; a miss answers at once."""
+
+    def get_blocks(self, keys, blocks):
+        if keys and keys[0] in self.pages:
+            time.sleep(self.delay)
+        return super().get_blocks(keys, blocks)
+
+
+def test_a_request_waiting_for_the_store_lets_later_ones_start(model, tokenizer, tmp_path):
+    """A's prefix is being read from a slow store; B, behind it, has nothing there: B is admitted and
+    answers first, then A starts from its cached prefix."""
+    store = _SlowHits()
+    first = _engine(model, tokenizer, _config(tmp_path))
+    first.tiers.store, first.tiers.zero_copy = store, True
+    store.attach(first.tiers.host)
+    expected, _ = _generate(first, PROMPT, "a")
+    first.tiers.flush()
+    store.delay = 0.5
+    engine = _engine(model, tokenizer, _config(tmp_path, store_timeout=5.0))
+    engine.tiers.store, engine.tiers.zero_copy = store, True
+    store.attach(engine.tiers.host)
+    firsts: dict[str, float] = {}
+    outputs: dict[str, list[StepOutput]] = {"a": [], "b": []}
+    other = [(5 * i + 2) % 90 + 3 for i in range(9)]
+    for name, prompt in (("a", PROMPT), ("b", other)):
+
+        def emit(out: StepOutput, name=name) -> None:
+            firsts.setdefault(name, time.monotonic())
+            outputs[name].append(out)
+
+        engine.submit(
+            GenerationRequest(name, prompt, SamplingParams(temperature=0.0), 6, ignore_eos=True), emit
+        )
+    engine.run_until_done()
+    assert firsts["b"] < firsts["a"]
+    assert [t for o in outputs["a"] for t in o.token_ids] == expected and outputs["a"][-1].cached_tokens == 40
+    _no_leaks(engine)
