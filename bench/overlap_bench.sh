@@ -7,25 +7,14 @@
 set -uo pipefail
 source bench/device_env.sh
 w=/tmp/overlap; rm -rf $w; mkdir -p $w
-stamp() { echo "[bench $(date +%T)] $*"; }
-art=${ART:-$w/art}
-if [ -z "${ART:-}" ]; then
-  stamp checkpoint
-  python3 -m hy3c init-checkpoint --preset real-shapes:4 --fp8 static --device cuda --out $w/ckpt >/dev/null 2>&1
-  stamp compile
-  python3 -m hy3c compile --model $w/ckpt --recipe h20-w8a8c8 --out $art 2>/dev/null | tail -1
-  rm -rf $w/ckpt
-fi
+source bench/slice_serve.sh
+slice_artifact $w
 run() {  # name, then hy3c serve's extra flags
   local name=$1; shift
   stamp "serve $name"
   python3 -m hy3c serve $art --port 8011 "$@" >$w/serve-$name.log 2>&1 &
   local pid=$!
-  for _ in $(seq 300); do
-    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health', timeout=2)" 2>/dev/null && break
-    kill -0 $pid 2>/dev/null || { echo "$name: the server exited"; tail -3 $w/serve-$name.log; return; }
-    sleep 1
-  done
+  wait_healthy 8011 $pid $w/serve-$name.log || { echo "$name: not served"; return; }
   for c in ${LEVELS:-1 32 1 32}; do
     n=$((c == 1 ? 16 : 4 * c))
     python3 -m hy3c bench serve --base-url http://127.0.0.1:8011 --dataset-name random --num-prompts $n \
