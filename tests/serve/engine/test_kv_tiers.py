@@ -383,3 +383,26 @@ def test_a_request_waiting_for_the_store_lets_later_ones_start(model, tokenizer,
     assert firsts["b"] < firsts["a"]
     assert [t for o in outputs["a"] for t in o.token_ids] == expected and outputs["a"][-1].cached_tokens == 40
     _no_leaks(engine)
+
+
+def test_pages_evicted_from_the_gpu_and_from_host_memory_come_back_from_the_store(model, tokenizer, tmp_path):
+    """One engine, a GPU pool and an L2 both too small for the working set: PROMPT's pages leave L1,
+    then L2, and its next request reads them from the file store — same greedy output."""
+    expected, _ = _generate(_engine(model, tokenizer, None), PROMPT, "ref")
+    probe = _engine(model, tokenizer, _config())
+    page_bytes = probe.tiers.page_bytes
+    probe.tiers.close()
+    tiers = TierConfig(
+        host_gib=12.5 * page_bytes / 2**30, store=f"file:{tmp_path}", namespace=b"test-artifact"
+    )
+    engine = _engine(model, tokenizer, tiers)
+    assert engine.tiers.num_blocks == 12
+    first, _ = _generate(engine, PROMPT, "a")
+    engine.tiers.flush()
+    _evict(engine)  # 30 filler pages: through L1, and through the 12 L2 blocks
+    engine.tiers.flush()
+    assert engine.tiers.stats.l2_evicted > 0
+    again, cached = _generate(engine, PROMPT, "b")
+    assert first == again == expected and cached == 40
+    assert engine.tiers.stats.l3_hits == 10
+    _no_leaks(engine)
