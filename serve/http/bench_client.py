@@ -39,7 +39,9 @@ SLO, per second), `output_throughput`, `total_token_throughput`, `max_output_tok
 `errors`) that `--save-detailed` keeps in the saved file. Ours: `dataset_name`, the default
 percentiles 50 and 90 beside vLLM's 99, and, against a hy3c server, the engine's steps during the run
 from /metrics: `engine_steps`, `engine_step_ms` (mean), `engine_host_ms` (its host part: scheduling,
-batch building, detokenization) and `engine_kernel_builds` (Triton variants built during the run);
+batch building, detokenization), `engine_kernel_builds` (Triton variants built during the run),
+`prefix_cache_hit_rate` (prompt tokens found in any KV tier / looked up, in %) and, with KV tiers,
+`kv_l2_hit_pages` / `kv_l3_hit_pages`;
 when the server drafted during the run (speculative decoding), vLLM's keys from its spec-decode counters:
 `spec_decode_acceptance_rate` (accepted / draft tokens, in %), `spec_decode_acceptance_length` (mean
 acceptance length: 1 + accepted / drafts, the bonus token included), `spec_decode_num_drafts`,
@@ -353,7 +355,8 @@ async def _get_json(client: httpx.AsyncClient, method: str, path: str, headers: 
 _STEP, _HOST, _BUILDS = "hy3c:engine_step_seconds", "hy3c:engine_host_seconds", "hy3c:kernel_builds"
 _DRAFTS, _DRAFT_TOKENS = "hy3c:spec_decode_num_drafts", "hy3c:spec_decode_num_draft_tokens"
 _ACCEPTED, _PER_POS = "hy3c:spec_decode_num_accepted_tokens", "hy3c:spec_decode_num_accepted_tokens_per_pos"
-_FAMILIES = (_STEP, _HOST, _BUILDS, _DRAFTS, _DRAFT_TOKENS, _ACCEPTED, _PER_POS)
+_QUERIES, _HITS, _TIERS = "hy3c:prefix_cache_queries", "hy3c:prefix_cache_hits", "hy3c:kv_tier_pages"
+_FAMILIES = (_STEP, _HOST, _BUILDS, _DRAFTS, _DRAFT_TOKENS, _ACCEPTED, _PER_POS, _QUERIES, _HITS, _TIERS)
 
 
 async def _engine_totals(client: httpx.AsyncClient) -> dict[str, float] | None:
@@ -374,7 +377,10 @@ def parse_engine_totals(text: str) -> dict[str, float] | None:
     for family in text_string_to_metric_families(text):
         if family.name in _FAMILIES:
             for sample in family.samples:
-                if sample.name.endswith(("_sum", "_count", "_total")):
+                if family.name == _TIERS:  # a gauge per tier and event: `<name>:<tier>:<event>`
+                    key = f"{sample.name}:{sample.labels.get('tier')}:{sample.labels.get('event')}"
+                    totals[key] = totals.get(key, 0.0) + sample.value
+                elif sample.name.endswith(("_sum", "_count", "_total")):
                     key = sample.name
                     if family.name == _PER_POS:
                         key = f"{key}:{sample.labels.get('position', '0')}"
@@ -396,8 +402,21 @@ def engine_report(before: dict | None, after: dict | None) -> dict:
         "engine_step_ms": delta[f"{_STEP}_sum"] / steps * 1e3,
         "engine_host_ms": delta.get(f"{_HOST}_sum", 0.0) / steps * 1e3,
         "engine_kernel_builds": int(delta.get(f"{_BUILDS}_total", 0.0)),
+        **cache_report(delta),
         **spec_report(delta),
     }
+
+
+def cache_report(delta: dict[str, float]) -> dict:
+    """The prefix cache over the run: prompt tokens found (every tier) against those looked up, and
+    the pages the KV tiers found (`l2` / `l3`) when the server has them."""
+    queries, hits = delta.get(f"{_QUERIES}_total", 0.0), delta.get(f"{_HITS}_total", 0.0)
+    report = {"prefix_cache_hit_rate": hits / queries * 100 if queries else 0.0}
+    for tier in ("l2", "l3"):
+        key = f"{_TIERS}:{tier}:hits"
+        if key in delta:
+            report[f"kv_{tier}_hit_pages"] = int(delta[key])
+    return report
 
 
 def spec_report(delta: dict[str, float]) -> dict:
@@ -619,6 +638,10 @@ def format_report(report: dict, config: BenchConfig) -> str:
         row("Mean step (ms):", report["engine_step_ms"], ".2f")
         row("  of which host (ms):", report["engine_host_ms"], ".2f")
         row("Kernel variants built:", report["engine_kernel_builds"])
+        row("Prefix cache hit rate (%):", report["prefix_cache_hit_rate"], ".2f")
+        for tier in ("l2", "l3"):
+            if f"kv_{tier}_hit_pages" in report:
+                row(f"  pages found in {tier.upper()}:", report[f"kv_{tier}_hit_pages"])
     if "spec_decode_num_drafts" in report:
         lines.append(" Speculative Decoding ".center(width, "-"))
         row("Acceptance rate (%):", report["spec_decode_acceptance_rate"], ".2f")

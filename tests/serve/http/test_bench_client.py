@@ -331,3 +331,34 @@ def test_the_hy3_trace_has_a_long_tail_short_outputs_and_the_chosen_reuse():
     shortest = min(session, key=len)
     shared = int(0.6 * len(shortest))
     assert all(p[:shared] == shortest[:shared] for p in session)
+
+
+def test_prefix_cache_figures_from_metrics_before_and_after():
+    """Prompt tokens found / looked up over the run, and the pages each KV tier found."""
+
+    def text(queries: int, hits: int, l2: int, l3: int) -> str:
+        return (
+            _metrics_text(10 + queries, 0, 0, 0, [])
+            + "\n".join(
+                [
+                    "# TYPE hy3c:prefix_cache_queries_total counter",
+                    f'hy3c:prefix_cache_queries_total{{model_name="art"}} {queries}',
+                    "# TYPE hy3c:prefix_cache_hits_total counter",
+                    f'hy3c:prefix_cache_hits_total{{model_name="art"}} {hits}',
+                    "# TYPE hy3c:kv_tier_pages gauge",
+                    f'hy3c:kv_tier_pages{{event="hits",model_name="art",tier="l2"}} {l2}',
+                    f'hy3c:kv_tier_pages{{event="hits",model_name="art",tier="l3"}} {l3}',
+                    f'hy3c:kv_tier_pages{{event="queries",model_name="art",tier="l3"}} {l3 + 5}',
+                ]
+            )
+            + "\n"
+        )
+
+    report = engine_report(
+        parse_engine_totals(text(100, 20, 1, 2)), parse_engine_totals(text(500, 220, 9, 12))
+    )
+    assert report["prefix_cache_hit_rate"] == pytest.approx(50.0)
+    assert report["kv_l2_hit_pages"] == 8 and report["kv_l3_hit_pages"] == 10
+    results = [RequestResult(prompt_len=4, success=True, ttft=0.1, itl=[0.01], latency=0.2, output_tokens=2)]
+    printed = format_report({**summarize(results, 1.0, BenchConfig()), **report}, BenchConfig())
+    assert "Prefix cache hit rate (%):" in printed and "pages found in L3:" in printed
