@@ -129,12 +129,17 @@ class ForcedAcceptance:
         self.alpha, self.seed = float(alpha), seed
         self._drawn: dict[torch.device, Tensor] = {}  # device → int64 [1]: draws made there
 
-    def accepts(self, count: int, device: torch.device) -> Tensor:
-        """The next `count` positions' decisions (bool [count] on `device`)."""
-        device = torch.device(device)
+    def _counter(self, device: torch.device) -> Tensor:
+        """The draws made on `device` so far (int64 [1], advanced on the device)."""
         drawn = self._drawn.get(device)
         if drawn is None:
             drawn = self._drawn[device] = torch.zeros(1, dtype=torch.long, device=device)
+        return drawn
+
+    def accepts(self, count: int, device: torch.device) -> Tensor:
+        """The next `count` positions' decisions (bool [count] on `device`)."""
+        device = torch.device(device)
+        drawn = self._counter(device)
         index = drawn + torch.arange(count, device=device)
         drawn.add_(count)
         return _uniform_hash(index, self.seed) < self.alpha
@@ -144,9 +149,7 @@ class ForcedAcceptance:
         only (bool [b]; padding rows draw nothing and read False), in the order `accepts` would draw
         them for those rows — the same decisions as an uncaptured step of the same requests."""
         device = real.device
-        drawn = self._drawn.get(device)
-        if drawn is None:
-            drawn = self._drawn[device] = torch.zeros(1, dtype=torch.long, device=device)
+        drawn = self._counter(device)
         rows = real.long()
         index = drawn + (rows.cumsum(0) - 1)[:, None] * k + torch.arange(k, device=device)[None, :]
         drawn.add_(rows.sum() * k)
