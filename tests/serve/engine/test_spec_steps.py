@@ -6,8 +6,6 @@ the same through CUDA graph replays."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
@@ -19,6 +17,8 @@ from hy3c.runtime.spec_graphs import SpecDecodeSteps
 from hy3c.serve.engine.core import Engine, EngineConfig, GenerationRequest, StepOutput
 from hy3c.serve.engine.sampler import SamplingParams
 from hy3c.serve.engine.spec_decode import SpeculativeConfig
+
+from .conftest import free_cuda_memory, speculative_engine
 
 PAGE = 4
 
@@ -131,24 +131,17 @@ def test_captured_steps_refuse_without_a_device_or_drafts():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 2])
-def test_on_cuda_captured_steps_replay_and_give_the_uncaptured_tokens(tiny_ckpt, tmp_path, k):
+def test_on_cuda_captured_steps_replay_and_give_the_uncaptured_tokens(cuda_artifact, k):
     """The served engine on the GPU: steady greedy decodes replay the captured speculative step, with
     the tokens of the engine whose speculative steps run uncaptured."""
-    from hy3c.serve.http.server import ServeOptions, build_engine
-
-    art = compile_artifact(load_recipe("h200-bf16"), tmp_path / "art", checkpoint=tiny_ckpt).out
-    config = f'{{"method": "mtp", "num_speculative_tokens": {k}}}'
     results = {}
     for captured in (True, False):
-        engine, _, _ = build_engine(
-            ServeOptions(artifact=art, max_num_seqs=8, kv_memory_gib=1.0, speculative_config=config)
-        )
+        engine = speculative_engine(cuda_artifact, k)
         assert engine.runner.spec_steps is not None and engine.runner.spec_steps.captured
         if not captured:
             engine.runner.spec_steps = None
         results[captured] = _run(engine)
         del engine  # its KV cache goes before the next engine takes one
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_cuda_memory()
     assert results[True][0] == results[False][0]
     assert results[True][1] > 10 and results[True][2] > 0 and results[False][1] == 0

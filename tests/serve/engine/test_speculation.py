@@ -5,8 +5,6 @@ left held."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
@@ -15,6 +13,8 @@ from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.serve.engine.core import Engine, EngineConfig, GenerationRequest, StepOutput
 from hy3c.serve.engine.sampler import SamplingParams
 from hy3c.serve.engine.spec_decode import SpeculativeConfig
+
+from .conftest import free_cuda_memory, speculative_engine
 
 
 def _drafting_model(checkpoint):
@@ -228,21 +228,13 @@ def test_mtp_with_overlap_keeps_seeded_sampling_reproducible(model, tokenizer):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 2])
-def test_on_cuda_mtp_with_overlap_replays_graphs_and_changes_nothing(tiny_ckpt, tmp_path, k):
+def test_on_cuda_mtp_with_overlap_replays_graphs_and_changes_nothing(cuda_artifact, k):
     """The served engine on the GPU (compiled artifact, verify and draft steps replayed from CUDA
     graphs): steps planned from the speculative step in flight give the tokens of the engine that
     reads every step first, chaining happens, and no page leaks."""
-    from hy3c.compiler.driver import compile_artifact
-    from hy3c.recipe import load_recipe
-    from hy3c.serve.http.server import ServeOptions, build_engine
-
-    art = compile_artifact(load_recipe("h200-bf16"), tmp_path / "art", checkpoint=tiny_ckpt).out
-    config = f'{{"method": "mtp", "num_speculative_tokens": {k}}}'
     runs = {}
     for overlap in (True, False):
-        engine, _, _ = build_engine(
-            ServeOptions(artifact=art, max_num_seqs=8, kv_memory_gib=1.0, speculative_config=config)
-        )
+        engine = speculative_engine(cuda_artifact, k)
         assert engine.runner.step_graphs and engine.runner.draft_graphs
         engine.config.async_scheduling = overlap
         requests = [
@@ -257,7 +249,6 @@ def test_on_cuda_mtp_with_overlap_replays_graphs_and_changes_nothing(tiny_ckpt, 
         ]
         runs[overlap] = _chained_run(engine, requests)
         del engine  # its KV cache goes before the next engine takes one
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_cuda_memory()
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] > 0 and runs[False][1] == 0
