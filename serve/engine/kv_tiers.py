@@ -66,6 +66,7 @@ log = logging.getLogger("hy3c.serve.engine.kv_tiers")
 
 _MAGIC = b"HY3CKV01"
 _HEADER = struct.Struct("<8s16sQ16s")  # magic, namespace digest, payload bytes, payload checksum
+_STAGING_BYTES = 256 * 2**20  # the device staging buffer of one round of L2 → L1 loads
 
 
 @dataclass(frozen=True)
@@ -532,10 +533,7 @@ class KVTiers:
                 loaded = pool.allocate(min(len(blocks), pool.num_free))
             except OutOfPages:
                 loaded = []
-            event = None
-            for page, block in zip(loaded, blocks):
-                event = self._copy(self.kv_cache[:, :, page], self.host[block])
-                self._note_copy(block, event)
+            event = self._load(loaded, blocks[: len(loaded)])
             if event is not None:  # the next step reads the pages: it waits for their copies
                 torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
         finally:
@@ -547,6 +545,37 @@ class KVTiers:
             self.stats.loaded_bytes += len(loaded) * self.page_bytes
             self.stats.load_seconds += time.perf_counter() - started
         return loaded
+
+    def _load(self, pages: list[int], blocks: list[int]) -> torch.cuda.Event | None:
+        """Copy L2 `blocks` into L1 `pages` on the side stream; the last copy's event (None off CUDA).
+
+        A page is strided in the cache (one run per layer and K / V), so copying page by page would
+        cost two launches and a temporary per page. Instead, in rounds of at most `_STAGING_BYTES`:
+        each run of consecutive blocks goes host → device in one contiguous copy into a staging
+        buffer, then one `index_copy_` scatters the round into its pages."""
+        per_round = max(1, _STAGING_BYTES // self.page_bytes)
+        event = None
+        for at in range(0, len(pages), per_round):
+            round_pages, round_blocks = pages[at : at + per_round], blocks[at : at + per_round]
+            if self.stream is not None:
+                self.stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                staging = torch.empty_like(self.host[: len(round_blocks)], device=self.kv_cache.device)
+                start = 0
+                for end in range(1, len(round_blocks) + 1):
+                    if end == len(round_blocks) or round_blocks[end] != round_blocks[end - 1] + 1:
+                        first = round_blocks[start]
+                        staging[start:end].copy_(self.host[first : first + end - start], non_blocking=True)
+                        start = end
+                index = torch.tensor(round_pages, dtype=torch.long, pin_memory=self.cuda)
+                index = index.to(self.kv_cache.device, non_blocking=True)
+                self.kv_cache.index_copy_(2, index, staging.movedim(0, 2))
+                if self.stream is not None:
+                    event = torch.cuda.Event()
+                    event.record()
+            for block in round_blocks:
+                self._note_copy(block, event)
+        return event
 
     def fetching(self, pool: PagePool, request_id: str, tokens: Sequence[int]) -> bool:
         """Whether the request's admission waits for the store: the first call starts one read, on a

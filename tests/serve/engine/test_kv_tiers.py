@@ -406,3 +406,22 @@ def test_pages_evicted_from_the_gpu_and_from_host_memory_come_back_from_the_stor
     assert first == again == expected and cached == 40
     assert engine.tiers.stats.l3_hits == 10
     _no_leaks(engine)
+
+
+def test_loads_scatter_runs_of_blocks_into_their_pages_in_bounded_rounds(monkeypatch):
+    """`_load` copies runs of consecutive L2 blocks in one piece and scatters each round into its L1
+    pages: every page gets exactly its block, untouched pages keep theirs, across round boundaries."""
+    from hy3c.serve.engine import kv_tiers
+
+    cache = torch.randn(3, 2, 16, PAGE, 2, 8)  # layers, K / V, pages, page size, KV heads, head size
+    tiers = kv_tiers.KVTiers(cache, _config())
+    tiers.host.copy_(torch.randn_like(tiers.host))
+    page_bytes = cache[:, :, 0].numel() * cache.element_size()
+    monkeypatch.setattr(kv_tiers, "_STAGING_BYTES", 3 * page_bytes)  # rounds of three pages
+    pages, blocks = [9, 2, 3, 14, 0, 7, 5], [4, 5, 6, 1, 10, 11, 2]
+    before = cache.clone()
+    tiers._load(pages, blocks)
+    for page, block in zip(pages, blocks):
+        assert torch.equal(cache[:, :, page], tiers.host[block])
+    others = [p for p in range(16) if p not in pages]
+    assert torch.equal(cache[:, :, others], before[:, :, others])
