@@ -7,8 +7,9 @@ them all. Timed, each the median of `--rounds`:
 
 * save: `--pages` published pages copied to L2 (`KVTiers.published`: side stream, one copy per page),
   until the last copy's event;
-* load: those pages back into fresh GPU pages (`KVTiers.extend_prefix`), until the compute stream has
-  waited for them;
+* load: those pages back into fresh GPU pages (`KVTiers.extend_prefix`: runs of consecutive blocks
+  copied whole into a staging buffer, one scatter per round), until the compute stream has waited for
+  them; again with the pages' L2 blocks shuffled (few runs: about one copy per page, as after churn);
 * peer: one pinned host → device `copy_` of all those bytes (contiguous), and device → host;
 * file store: `FileStore.put` / `get` of every page (page cache warm: the rate of the code, not the disk).
 
@@ -89,11 +90,21 @@ def main() -> None:
         pool.release(pages)
         pool.reset_prefix_cache()
 
+    def load_scattered() -> None:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+        blocks = [tiers._block_of[k] for k in keys]
+        for key, at in zip(keys, order):
+            tiers._block_of[key] = blocks[at]
+        load()
+        for key, block in zip(keys, blocks):
+            tiers._block_of[key] = block
+
     pinned = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     results = {
         "save (GPU → L2, per page, side stream)": timed(save, device, args.rounds),
-        "load (L2 → GPU, per page, side stream)": timed(load, device, args.rounds),
+        "load (L2 → GPU, consecutive blocks)": timed(load, device, args.rounds),
+        "load (L2 → GPU, shuffled blocks)": timed(load_scattered, device, args.rounds),
         "peer: pinned H2D copy_, contiguous": timed(
             lambda: flat.copy_(pinned, non_blocking=True), device, args.rounds
         ),
@@ -117,9 +128,8 @@ def main() -> None:
     for name, seconds in results.items():
         print(f"| {name} | {seconds * 1e3:.2f} | {total / seconds / 1e9:.2f} |")
     peer = results["peer: pinned H2D copy_, contiguous"]
-    print(
-        f"load vs peer H2D: {peer / results['load (L2 → GPU, per page, side stream)']:.2f}× of its bandwidth"
-    )
+    for name in ("load (L2 → GPU, consecutive blocks)", "load (L2 → GPU, shuffled blocks)"):
+        print(f"{name} vs peer H2D: {peer / results[name]:.2f}× of its bandwidth")
     print(
         f"save vs peer D2H: {results['peer: D2H copy_ to pinned, contiguous'] / results['save (GPU → L2, per page, side stream)']:.2f}×"
     )

@@ -1,8 +1,13 @@
 # `hy3c serve` of one real-shape 4-layer FP8 slice with a GPU KV pool smaller than the working set, with
 # the KV tiers off and on, under `hy3c bench serve`'s prefix-repetition workload at several hit ratios,
-# then the hy3-trace workload: mean / p99 TTFT and throughput per setting (one GPU lease).
+# then the hy3-trace workload: mean / p99 TTFT and throughput per setting; then (SHARED=1, the default)
+# 16 requests on 61,440-token shared prefixes with 4,096 own tokens each: prompt tokens computed
+# (/metrics: prompt tokens − prefix-cache hits) against the ideal, with one prefix in a pool that holds
+# it, and with two prefixes alternating in a pool that holds only one (L1 loses each to the other;
+# L2 / L3 bring it back) (one GPU lease).
 #   bash bench/kv_tiers_serve.sh        (on the GPU machine; carry .whl; ART=DIR serves an artifact
-#   compiled before; KV_GIB, the GPU pool's size (default 1); RATIOS="0 0.2 0.5 0.8"; N prompts per level)
+#   compiled before; KV_GIB, the GPU pool's size (default 0.75: 98K tokens, less than the prefixes);
+#   RATIOS="0 0.2 0.5 0.8"; N prompts per level (default 128) over PREFIXES prefixes (default 32))
 set -uo pipefail
 source bench/device_env.sh
 w=/tmp/kv-tiers; rm -rf $w; mkdir -p $w/store && chmod 700 $w/store
@@ -11,22 +16,55 @@ slice_artifact $w
 run() {  # name, then hy3c serve's extra flags
   local name=$1; shift
   stamp "serve $name"
-  python3 -m hy3c serve $art --port 8012 --kv-memory ${KV_GIB:-1} "$@" >$w/serve-$name.log 2>&1 &
+  python3 -m hy3c serve $art "${slice_flags[@]}" --port 8012 --kv-memory ${KV_GIB:-0.75} "$@" >$w/serve-$name.log 2>&1 &
   local pid=$!
   wait_healthy 8012 $pid $w/serve-$name.log || { echo "$name: not served"; return; }
   for r in ${RATIOS:-0 0.2 0.5 0.8}; do
     python3 -m hy3c bench serve --base-url http://127.0.0.1:8012 --dataset-name prefix_repetition \
-      --num-prompts ${N:-96} --max-concurrency 8 --prefix-repetition-prefix-len 4096 \
-      --prefix-repetition-suffix-len 4096 --prefix-repetition-hit-ratio $r --prefix-repetition-num-prefixes 24 \
+      --num-prompts ${N:-128} --max-concurrency 8 --prefix-repetition-prefix-len 4096 \
+      --prefix-repetition-suffix-len 4096 --prefix-repetition-hit-ratio $r --prefix-repetition-num-prefixes ${PREFIXES:-32} \
       --prefix-repetition-output-len 16 --temperature 0 --ignore-eos --disable-tqdm \
-      | grep -E "Output token throughput|Mean TTFT|P99 TTFT|Request throughput" | sed "s/^/$name hit=$r /"
+      | grep -E "Output token throughput|Mean TTFT|P99 TTFT|Request throughput|hit rate|pages found" | sed "s/^/$name hit=$r /"
   done
   python3 -m hy3c bench serve --base-url http://127.0.0.1:8012 --dataset-name hy3-trace --trace-scale 0.1 \
     --trace-reuse 0.8 --num-prompts ${N:-96} --max-concurrency 8 --temperature 0 --disable-tqdm \
-    | grep -E "Output token throughput|Mean TTFT|P99 TTFT|Mean TPOT|P99 TPOT" | sed "s/^/$name trace /"
+    | grep -E "Output token throughput|Mean TTFT|P99 TTFT|Mean TPOT|P99 TPOT|hit rate|pages found" | sed "s/^/$name trace /"
   python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8012/metrics').read().decode())" | grep -E "^hy3c:kv_tier_pages|^hy3c:kv_l3_degraded|prefix_cache_hits_total" | sed "s/^/$name /"
+  kill $pid; wait $pid 2>/dev/null || true
+}
+computed() {  # prompt tokens the server on port 8012 computed so far (not found in any KV tier)
+  python3 -c "
+import urllib.request as u
+m = {l.split()[0]: float(l.split()[1]) for l in u.urlopen('http://127.0.0.1:8012/metrics').read().decode().splitlines() if l.startswith('hy3c:')}
+print(int(m['hy3c:prompt_tokens_total'] - m['hy3c:prefix_cache_hits_total']))"
+}
+shared() {  # name, KV GiB, prefixes, then hy3c serve's extra flags
+  local name=$1 gib=$2 prefixes=$3; shift 3
+  stamp "shared prefix $name"
+  python3 -m hy3c serve $art "${slice_flags[@]}" --port 8012 --kv-memory $gib "$@" >$w/shared-$name.log 2>&1 &
+  local pid=$!
+  wait_healthy 8012 $pid $w/shared-$name.log || { echo "$name: not served"; return; }
+  for c in 1 8; do
+    local before; before=$(computed)
+    python3 -m hy3c bench serve --base-url http://127.0.0.1:8012 --dataset-name prefix_repetition \
+      --num-prompts 16 --max-concurrency $c --prefix-repetition-prefix-len 61440 \
+      --prefix-repetition-suffix-len 4096 --prefix-repetition-num-prefixes $prefixes --seed $c \
+      --prefix-repetition-output-len 4 --temperature 0 --ignore-eos --disable-tqdm \
+      | grep -E "Mean TTFT|hit rate|pages found" | sed "s/^/shared $name C=$c /"
+    # ideal: each prefix once (its first request; later ones recompute only their last token) and every
+    # request's own tokens
+    echo "shared $name C=$c computed $(($(computed) - before)) ideal $((prefixes * 61440 + 16 * 4096))"
+  done
   kill $pid; wait $pid 2>/dev/null || true
 }
 run l1-only
 run l1-l2 --kv-host-gib ${HOST_GIB:-16}
 run l1-l2-file --kv-host-gib ${HOST_GIB:-16} --kv-store file:$w/store
+if [ "${SHARED:-1}" = 1 ]; then
+  rm -rf $w/store; mkdir -p $w/store && chmod 700 $w/store
+  shared one-prefix 4 1
+  # 0.55 GiB: 72K tokens, one prefix and one request's own tokens (C=1), and not two prefixes
+  shared two-l1-only 0.55 2
+  shared two-l1-l2 0.55 2 --kv-host-gib ${HOST_GIB:-16}
+  shared two-l1-l3 0.55 2 --kv-host-gib 0.25 --kv-store file:$w/store
+fi

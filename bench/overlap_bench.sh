@@ -12,7 +12,7 @@ slice_artifact $w
 run() {  # name, then hy3c serve's extra flags
   local name=$1; shift
   stamp "serve $name"
-  python3 -m hy3c serve $art --port 8011 "$@" >$w/serve-$name.log 2>&1 &
+  python3 -m hy3c serve $art "${slice_flags[@]}" --port 8011 "$@" >$w/serve-$name.log 2>&1 &
   local pid=$!
   wait_healthy 8011 $pid $w/serve-$name.log || { echo "$name: not served"; return; }
   for c in ${LEVELS:-1 32 1 32}; do
