@@ -8,8 +8,10 @@
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
 #     pydantic pydantic-core annotated-types typing-inspection typing-extensions fastapi starlette \
 #     annotated-doc anyio idna uvicorn h11 click httptools uvloop opentelemetry-api
-repo=$(pwd)
 run=/tmp/hy3c-run
+# Sourced again from inside the tree it built (a bench script run by a driver that sourced it): done.
+if [ "$(pwd)" = "$run" ] && [ -n "${HY3C_RUN_READY:-}" ]; then return 0; fi
+repo=$(pwd)
 rm -rf "$run" && mkdir -p "$run/hy3c"
 for entry in "$repo"/hy3c/*; do ln -s "$entry" "$run/hy3c/$(basename "$entry")"; done
 for sub in passes kernels serve recipes; do ln -sfn "$repo/$sub" "$run/hy3c/$sub"; done
@@ -20,4 +22,5 @@ if ls "$repo"/.whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$run${PYTHONPATH:+:$PYTHONPATH}
 cd "$run" || return 1
+export HY3C_RUN_READY=1
 python3 -c "import hy3c.kernels, hy3c.passes, torch, triton; print('hy3c ready:', torch.__version__, triton.__version__, torch.cuda.get_device_name())"

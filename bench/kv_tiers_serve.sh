@@ -1,6 +1,6 @@
 # `hy3c serve` of one real-shape 4-layer FP8 slice with a GPU KV pool smaller than the working set, with
 # the KV tiers off and on, under `hy3c bench serve`'s prefix-repetition workload at several hit ratios,
-# then the hy3-trace workload: mean / p99 TTFT and throughput per setting; then (SHARED=1, the default)
+# then the hy3-trace workload: mean / p99 TTFT and throughput per setting (MAIN=0 skips); then (SHARED=1, the default)
 # 16 requests on 61,440-token shared prefixes with 4,096 own tokens each: prompt tokens computed
 # (/metrics: prompt tokens − prefix-cache hits) against the ideal, with one prefix in a pool that holds
 # it, and with two prefixes alternating in a pool that holds only one (L1 loses each to the other;
@@ -38,13 +38,13 @@ import urllib.request as u
 m = {l.split()[0]: float(l.split()[1]) for l in u.urlopen('http://127.0.0.1:8012/metrics').read().decode().splitlines() if l.startswith('hy3c:')}
 print(int(m['hy3c:prompt_tokens_total'] - m['hy3c:prefix_cache_hits_total']))"
 }
-shared() {  # name, KV GiB, prefixes, then hy3c serve's extra flags
-  local name=$1 gib=$2 prefixes=$3; shift 3
+shared() {  # name, KV GiB, prefixes, concurrencies ("1 8"), then hy3c serve's extra flags
+  local name=$1 gib=$2 prefixes=$3 concurrencies=$4; shift 4
   stamp "shared prefix $name"
   python3 -m hy3c serve $art "${slice_flags[@]}" --port 8012 --kv-memory $gib "$@" >$w/shared-$name.log 2>&1 &
   local pid=$!
   wait_healthy 8012 $pid $w/shared-$name.log || { echo "$name: not served"; return; }
-  for c in 1 8; do
+  for c in $concurrencies; do
     local before; before=$(computed)
     python3 -m hy3c bench serve --base-url http://127.0.0.1:8012 --dataset-name prefix_repetition \
       --num-prompts 16 --max-concurrency $c --prefix-repetition-prefix-len 61440 \
@@ -57,14 +57,17 @@ shared() {  # name, KV GiB, prefixes, then hy3c serve's extra flags
   done
   kill $pid; wait $pid 2>/dev/null || true
 }
-run l1-only
-run l1-l2 --kv-host-gib ${HOST_GIB:-16}
-run l1-l2-file --kv-host-gib ${HOST_GIB:-16} --kv-store file:$w/store
+if [ "${MAIN:-1}" = 1 ]; then
+  run l1-only
+  run l1-l2 --kv-host-gib ${HOST_GIB:-16}
+  run l1-l2-file --kv-host-gib ${HOST_GIB:-16} --kv-store file:$w/store
+fi
 if [ "${SHARED:-1}" = 1 ]; then
   rm -rf $w/store; mkdir -p $w/store && chmod 700 $w/store
-  shared one-prefix 4 1
-  # 0.55 GiB: 72K tokens, one prefix and one request's own tokens (C=1), and not two prefixes
-  shared two-l1-only 0.55 2
-  shared two-l1-l2 0.55 2 --kv-host-gib ${HOST_GIB:-16}
-  shared two-l1-l3 0.55 2 --kv-host-gib 0.25 --kv-store file:$w/store
+  shared one-prefix 4 1 "1 8"
+  # 0.55 GiB: 72K tokens, one prefix and one request's own tokens (so one at a time), not two prefixes;
+  # L2 of 0.6 GiB holds one prefix (61,440 tokens: 480 MiB) and not two, so L3 brings back the other
+  shared two-l1-only 0.55 2 1
+  shared two-l1-l2 0.55 2 1 --kv-host-gib ${HOST_GIB:-16}
+  shared two-l1-l3 0.55 2 1 --kv-host-gib 0.6 --kv-store file:$w/store
 fi

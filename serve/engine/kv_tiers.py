@@ -24,9 +24,10 @@ prefix is found page by page in L1, then L2, then L3, stopping at the first miss
   requests; the request is admitted when the read ends or its timeout passes, the pages read landing
   in L2 blocks (the host writes a block only after its last device copy is done).
 * **Load-back** (`extend_prefix`, at admission): the pages after the L1 hit that L2 holds go into newly
-  allocated L1 pages with one H2D copy each on the side stream — after the work queued so far, since a
-  freshly freed L1 page may still be written by a step in flight — and the compute stream waits on
-  the copies' event before the next step. The loaded pages are published in L1 at once, so concurrent
+  allocated L1 pages on the side stream — after the work queued so far, since a freshly freed L1 page
+  may still be written by a step in flight: each run of consecutive blocks in one H2D copy into a
+  staging buffer, then one scatter into the pages per round — and the compute stream waits on the
+  copies' event before the next step. The loaded pages are published in L1 at once, so concurrent
   requests with that prefix share them.
 * **L3 never blocks serving for long.** Each store call runs on a worker with a timeout; after
   `failures_to_degrade` consecutive failures or timeouts the store is *degraded*: lookups miss and
@@ -552,7 +553,8 @@ class KVTiers:
         A page is strided in the cache (one run per layer and K / V), so copying page by page would
         cost two launches and a temporary per page. Instead, in rounds of at most `_STAGING_BYTES`:
         each run of consecutive blocks goes host → device in one contiguous copy into a staging
-        buffer, then one `index_copy_` scatters the round into its pages."""
+        buffer, then one `index_copy_` scatters the round into its pages (on byte views: torch has
+        no `index_copy_` for FP8)."""
         per_round = max(1, _STAGING_BYTES // self.page_bytes)
         event = None
         for at in range(0, len(pages), per_round):
@@ -569,7 +571,8 @@ class KVTiers:
                         start = end
                 index = torch.tensor(round_pages, dtype=torch.long, pin_memory=self.cuda)
                 index = index.to(self.kv_cache.device, non_blocking=True)
-                self.kv_cache.index_copy_(2, index, staging.movedim(0, 2))
+                cache_bytes, staging_bytes = self.kv_cache.view(torch.uint8), staging.view(torch.uint8)
+                cache_bytes.index_copy_(2, index, staging_bytes.movedim(0, 2))
                 if self.stream is not None:
                     event = torch.cuda.Event()
                     event.record()
