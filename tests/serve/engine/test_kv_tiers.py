@@ -415,7 +415,8 @@ def test_loads_scatter_runs_of_blocks_into_their_pages_in_bounded_rounds(monkeyp
     (FP8 caches too, which torch's `index_copy_` does not take directly)."""
     from hy3c.serve.engine import kv_tiers
 
-    cache = torch.randn(3, 2, 16, PAGE, 2, 8).to(dtype)  # layers, K / V, pages, page size, KV heads, head size
+    # layers, K / V, pages, page size, KV heads, head size
+    cache = torch.randn(3, 2, 16, PAGE, 2, 8).to(dtype)
     tiers = kv_tiers.KVTiers(cache, _config())
     tiers.host.copy_(torch.randn(tiers.host.shape).to(dtype))
     page_bytes = cache[:, :, 0].numel() * cache.element_size()
