@@ -66,6 +66,7 @@ from hy3c.serve.engine.kv_pages import OutOfPages, PagePool, page_keys
 log = logging.getLogger("hy3c.serve.engine.kv_tiers")
 
 _MAGIC = b"HY3CKV01"
+_MOONCAKE_NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND: a miss, unlike every other negative code
 _HEADER = struct.Struct("<8s16sQ16s")  # magic, namespace digest, payload bytes, payload checksum
 _STAGING_BYTES = 256 * 2**20  # the device staging buffer of one round of L2 → L1 loads
 
@@ -238,7 +239,7 @@ class MooncakeStore:
     `hy3c/<namespace>/<key>` holding the same sealed page as a file. The client joins over TCP with the
     P2P handshake (no metadata server to start) and mounts a segment of `segment_bytes` into the pool.
     Mooncake's calls return codes and never raise: a negative code is an OSError here (the tiers'
-    failure count), an empty `get` a miss."""
+    failure count) except OBJECT_NOT_FOUND, which is a miss, as is an empty `get`."""
 
     def __init__(
         self, master: str, namespace: bytes, segment_bytes: int, local_host: str = "127.0.0.1"
@@ -313,9 +314,12 @@ class MooncakeStore:
         sizes = self.client.batch_get_into(names, self._pointers(blocks), [self._block_bytes] * len(keys))
         whole = 0
         for size in sizes:
-            if size != self._block_bytes:
-                break
-            whole += 1
+            if size == self._block_bytes:
+                whole += 1
+                continue
+            if size < 0 and size != _MOONCAKE_NOT_FOUND:  # e.g. -900, the master unreachable: a failure
+                raise OSError(f"mooncake batch_get_into returned {size}")
+            break
         return whole
 
     def get(self, key: bytes, length: int) -> bytes | None:
