@@ -5,8 +5,9 @@ A KV cache of the artifact's real shape (`--artifact`: its layers, KV heads, hea
 `--page-size`) is allocated on the device with `--pages` pages, and `KVTiers` over it with room for
 them all. Timed, each the median of `--rounds`:
 
-* save: `--pages` published pages copied to L2 (`KVTiers.published`: side stream, one copy per page),
-  until the last copy's event;
+* save: `--pages` published pages copied to L2 (`KVTiers.published`, then `commit_saves`: side
+  stream, one gather into a staging buffer, one copy per run of consecutive blocks), until the last
+  copy's event; again with the blocks handed out shuffled (about one copy per page);
 * load: those pages back into fresh GPU pages (`KVTiers.extend_prefix`: runs of consecutive blocks
   copied whole into a staging buffer, one scatter per round), until the compute stream has waited for
   them; again with the pages' L2 blocks shuffled (few runs: about one copy per page, as after churn);
@@ -74,14 +75,27 @@ def main() -> None:
     keys = page_keys(tokens, size, pool.namespace, n)
     total = n * page_bytes
 
-    def save() -> None:
+    def save(shuffled: bool = False) -> None:
         tiers._block_of.clear()
         tiers._free = list(range(tiers.num_blocks - 1, -1, -1))
+        if shuffled:  # blocks handed out in no order: one D2H copy per page
+            order = torch.randperm(len(tiers._free), generator=torch.Generator().manual_seed(1))
+            tiers._free = [tiers._free[i] for i in order.tolist()]
         for page, key in zip(range(1, n + 1), keys):
             tiers.published(page, key)
+        tiers.commit_saves()
         for event in list(tiers._saving.values()):
             event.synchronize()
         tiers._saving.clear()
+
+    for shuffled in (False, True):  # correctness first: every saved block holds its page
+        save(shuffled)
+        for page, key in zip(range(1, n + 1), keys):
+            block = tiers._block_of[key]
+            assert torch.equal(
+                tiers.host[block].view(torch.uint8).cpu(), kv[:, :, page].view(torch.uint8).cpu()
+            )
+    save()
 
     def load() -> None:
         pool.reset_prefix_cache()
@@ -102,7 +116,8 @@ def main() -> None:
     pinned = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     results = {
-        "save (GPU → L2, per page, side stream)": timed(save, device, args.rounds),
+        "save (GPU → L2, consecutive blocks)": timed(save, device, args.rounds),
+        "save (GPU → L2, shuffled blocks)": timed(lambda: save(True), device, args.rounds),
         "load (L2 → GPU, consecutive blocks)": timed(load, device, args.rounds),
         "load (L2 → GPU, shuffled blocks)": timed(load_scattered, device, args.rounds),
         "peer: pinned H2D copy_, contiguous": timed(
@@ -130,9 +145,9 @@ def main() -> None:
     peer = results["peer: pinned H2D copy_, contiguous"]
     for name in ("load (L2 → GPU, consecutive blocks)", "load (L2 → GPU, shuffled blocks)"):
         print(f"{name} vs peer H2D: {peer / results[name]:.2f}× of its bandwidth")
-    print(
-        f"save vs peer D2H: {results['peer: D2H copy_ to pinned, contiguous'] / results['save (GPU → L2, per page, side stream)']:.2f}×"
-    )
+    peer = results["peer: D2H copy_ to pinned, contiguous"]
+    for name in ("save (GPU → L2, consecutive blocks)", "save (GPU → L2, shuffled blocks)"):
+        print(f"{name} vs peer D2H: {peer / results[name]:.2f}× of its bandwidth")
     tiers.close()
 
 

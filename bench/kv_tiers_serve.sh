@@ -6,8 +6,9 @@
 # it, and with two prefixes alternating in a pool that holds only one (L1 loses each to the other;
 # L2 / L3 bring it back) (one GPU lease).
 #   bash bench/kv_tiers_serve.sh        (on the GPU machine; carry .whl; ART=DIR serves an artifact
-#   compiled before; KV_GIB, the GPU pool's size (default 0.75: 98K tokens, less than the prefixes);
-#   RATIOS="0 0.2 0.5 0.8"; N prompts per level (default 128) over PREFIXES prefixes (default 32))
+#   compiled before; KV_GIB, the GPU pool's size (default 0.75: 78K tokens of 10 KiB, less than the working set);
+#   RATIOS="0 0.2 0.5 0.8"; N prompts per level (default 256) over PREFIXES prefixes (default 16: a
+#   working set of 105K tokens at 80%, and 16 sendings of each, so hits reach 75% of the prompt tokens))
 set -uo pipefail
 source bench/device_env.sh
 w=/tmp/kv-tiers; rm -rf $w; mkdir -p $w/store && chmod 700 $w/store
@@ -21,8 +22,8 @@ run() {  # name, then hy3c serve's extra flags
   wait_healthy 8012 $pid $w/serve-$name.log || { echo "$name: not served"; return; }
   for r in ${RATIOS:-0 0.2 0.5 0.8}; do
     python3 -m hy3c bench serve --base-url http://127.0.0.1:8012 --dataset-name prefix_repetition \
-      --num-prompts ${N:-128} --max-concurrency 8 --prefix-repetition-prefix-len 4096 \
-      --prefix-repetition-suffix-len 4096 --prefix-repetition-hit-ratio $r --prefix-repetition-num-prefixes ${PREFIXES:-32} \
+      --num-prompts ${N:-256} --max-concurrency 8 --prefix-repetition-prefix-len 4096 \
+      --prefix-repetition-suffix-len 4096 --prefix-repetition-hit-ratio $r --prefix-repetition-num-prefixes ${PREFIXES:-16} \
       --prefix-repetition-output-len 16 --temperature 0 --ignore-eos --disable-tqdm \
       | grep -E "Output token throughput|Mean TTFT|P99 TTFT|Request throughput|hit rate|pages found" | sed "s/^/$name hit=$r /"
   done
@@ -35,7 +36,7 @@ run() {  # name, then hy3c serve's extra flags
 computed() {  # prompt tokens the server on port 8012 computed so far (not found in any KV tier)
   python3 -c "
 import urllib.request as u
-m = {l.split()[0]: float(l.split()[1]) for l in u.urlopen('http://127.0.0.1:8012/metrics').read().decode().splitlines() if l.startswith('hy3c:')}
+m = {l.split('{')[0].split()[0]: float(l.split()[-1]) for l in u.urlopen('http://127.0.0.1:8012/metrics').read().decode().splitlines() if l.startswith('hy3c:')}
 print(int(m['hy3c:prompt_tokens_total'] - m['hy3c:prefix_cache_hits_total']))"
 }
 shared() {  # name, KV GiB, prefixes, concurrencies ("1 8"), then hy3c serve's extra flags
@@ -65,9 +66,10 @@ fi
 if [ "${SHARED:-1}" = 1 ]; then
   rm -rf $w/store; mkdir -p $w/store && chmod 700 $w/store
   shared one-prefix 4 1 "1 8"
-  # 0.55 GiB: 72K tokens, one prefix and one request's own tokens (so one at a time), not two prefixes;
-  # L2 of 0.6 GiB holds one prefix (61,440 tokens: 480 MiB) and not two, so L3 brings back the other
-  shared two-l1-only 0.55 2 1
-  shared two-l1-l2 0.55 2 1 --kv-host-gib ${HOST_GIB:-16}
-  shared two-l1-l3 0.55 2 1 --kv-host-gib 0.6 --kv-store file:$w/store
+  # 0.7 GiB: 72K tokens (10 KiB each: 4 layers and the MTP layer), one prefix and one request's own
+  # tokens (so one at a time), not two prefixes; L2 of 0.75 GiB holds one prefix (61,440 tokens:
+  # 600 MiB) and not two (it keeps what was published last, as L1 does), so L3 brings back the other
+  shared two-l1-only 0.7 2 1
+  shared two-l1-l2 0.7 2 1 --kv-host-gib ${HOST_GIB:-16}
+  shared two-l1-l3 0.7 2 1 --kv-host-gib 0.75 --kv-store file:$w/store
 fi

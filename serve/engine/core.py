@@ -810,6 +810,8 @@ class Engine:
         or the previous collect, whichever is later) and host time (planning, then what followed the
         read at `known`)."""
         self.scheduler.publish(work)
+        if self.tiers is not None:
+            self.tiers.commit_saves()
         finished = time.monotonic()
         since = max(started, self._last_collected)
         self._last_collected = finished
