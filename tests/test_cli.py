@@ -56,8 +56,10 @@ def test_chat_template_renders_the_hy3_format(tiny_ckpt):
         ]
     )
     assert text == (
-        "<｜hy_begin▁of▁sentence｜>Be brief.<｜hy_User｜>Hi<｜hy_Assistant｜>Hello<｜hy_eos｜>"
-        "<｜hy_User｜>Bye<｜hy_Assistant｜>"
+        "<｜hy_begin_of_sentence:opensource｜>Be brief.<｜reasoning_mode:opensource｜>reasoning_effort:no_think"
+        "<｜hy_User:opensource｜>Hi<｜hy_Assistant:opensource｜><think:opensource></think:opensource>Hello"
+        "<｜hy_eos:opensource｜><｜hy_User:opensource｜>Bye<｜hy_Assistant:opensource｜>"
+        "<think:opensource></think:opensource>"
     )
     ids = tok.encode(text)
     assert ids[0] == 0 and tok.decode(ids, skip_special_tokens=False) == text

@@ -20,15 +20,42 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
 
-# Hy3's special tokens (docs/ARCHITECTURE.md §1.8), in the tiny tokenizer's id order
-BOS = "<｜hy_begin▁of▁sentence｜>"
-EOS = "<｜hy_eos｜>"
-PAD = "<｜hy_pad｜>"
-USER = "<｜hy_User｜>"
-ASSISTANT = "<｜hy_Assistant｜>"
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
-SPECIAL_TOKENS = (BOS, EOS, PAD, USER, ASSISTANT, THINK_OPEN, THINK_CLOSE)
+# Hy3's special tokens as the released tokenizer spells them (HY3_SPEC §11, with the ":opensource"
+# suffix the release added; the preview's had none and `hy3c.serve.agent.markup` reads either spelling
+# off a tokenizer). Control tokens are special (dropped from decoded text); the markup tokens of
+# reasoning and tool calls are not (they reach the text, where the parsers find them).
+TOKEN_SUFFIX = ":opensource"
+BOS = "<｜hy_begin_of_sentence:opensource｜>"
+EOS = "<｜hy_eos:opensource｜>"
+PAD = "<｜hy_pad:opensource｜>"
+USER = "<｜hy_User:opensource｜>"
+ASSISTANT = "<｜hy_Assistant:opensource｜>"
+REASONING_MODE = "<｜reasoning_mode:opensource｜>"
+CONTROL_TOKENS = (BOS, EOS, PAD, USER, ASSISTANT, REASONING_MODE)
+# markup tags: `<name:opensource>` and (all but tool_sep) `</name:opensource>`
+MARKUP_NAMES = (
+    "think",
+    "tool_calls",
+    "tool_call",
+    "tool_sep",
+    "arg_key",
+    "arg_value",
+    "tool_responses",
+    "tool_response",
+)
+
+
+def markup_token(name: str, closing: bool = False, suffix: str = TOKEN_SUFFIX) -> str:
+    return f"<{'/' if closing else ''}{name}{suffix}>"
+
+
+MARKUP_TOKENS = tuple(
+    token
+    for name in MARKUP_NAMES
+    for token in (markup_token(name), *(() if name == "tool_sep" else (markup_token(name, closing=True),)))
+)
+THINK_OPEN, THINK_CLOSE = markup_token("think"), markup_token("think", closing=True)
+SPECIAL_TOKENS = CONTROL_TOKENS + MARKUP_TOKENS  # the tiny tokenizer's ids 0, 1, … in this order
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")  # what from_dir reads
 
@@ -80,6 +107,7 @@ class Hy3Tokenizer:
         self.eos_token = special.get("eos_token", EOS)
         env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
         env.globals["raise_exception"] = _raise_template_error
+        env.filters["tojson"] = _tojson  # as transformers renders chat templates (not HTML-escaped)
         self._template = env.from_string(chat_template) if chat_template else None
 
     @classmethod
@@ -167,6 +195,13 @@ class Hy3Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
+    @cached_property
+    def added_tokens(self) -> dict[str, int]:
+        """The added (special and markup) tokens' texts and ids."""
+        return {
+            token.content: token_id for token_id, token in self.tokenizer.get_added_tokens_decoder().items()
+        }
+
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
@@ -197,6 +232,18 @@ def _byte_level_table() -> dict[str, int]:
             table[chr(256 + extra)] = byte
             extra += 1
     return table
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators=None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_template_error(message: str) -> None:
