@@ -18,12 +18,15 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from fastapi import Request
 
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.logs import log_event
+from hy3c.serve.agent.chat_output import AgentOptions
+from hy3c.serve.agent.markup import Hy3Markup
 from hy3c.serve.engine.core import Engine, GenerationRequest, StepOutput
 from hy3c.serve.engine.sampler import DEFAULT_TEMPERATURE, SamplingParams
 from hy3c.serve.http.delivery import LoopSink, stream_outputs
@@ -38,6 +41,15 @@ from hy3c.serve.http.protocol import (
 log = logging.getLogger("hy3c.api")
 
 SYSTEM_ROLES = {"developer": "system"}
+HY3_EFFORTS = ("no_think", "low", "high")
+OPENAI_EFFORTS = {
+    "none": "no_think",
+    "no_think": "no_think",
+    "minimal": "low",
+    "low": "low",
+    "medium": "high",
+    "high": "high",
+}
 # what `Hy3Tokenizer.apply_chat_template` passes the template itself, besides add_generation_prompt
 TEMPLATE_OWN_ARGUMENTS = ("messages", "bos_token", "eos_token")
 LOGPROB_FLOOR = -9999.0  # what a -inf (or NaN) logprob is reported as: JSON has no infinities
@@ -84,6 +96,11 @@ class ApiContext:
     tokenizer: Hy3Tokenizer
     config: ServerConfig
     sinks: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)  # loop → its sink
+
+    @cached_property
+    def markup(self) -> Hy3Markup | None:
+        """The tokenizer's reasoning and tool-call tags (None: not a Hy3 tokenizer)."""
+        return Hy3Markup.of(self.tokenizer)
 
     @property
     def max_len(self) -> int:
@@ -243,12 +260,23 @@ class ApiContext:
         except Exception as exc:
             raise APIError(400, f"{param} cannot be tokenized: {exc}", param) from None
 
-    def render_chat(self, messages, add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> str:
-        """The chat template applied; OpenAI's `developer` role is the system prompt.
+    def render_chat(
+        self,
+        messages,
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any],
+        tools: list[dict] | None = None,
+        reasoning_effort: str | None = None,
+    ) -> str:
+        """The chat template applied; OpenAI's `developer` role is the system prompt, an assistant's
+        earlier `tool_calls` go in with their arguments as objects and its `reasoning_content` as
+        `reasoning_content`; `tools` and `reasoning_effort` (Hy3's: no_think, low or high) are template
+        variables.
 
-        `template_kwargs` (chat_template_kwargs) are further template variables. As in vLLM, an
-        `add_generation_prompt` among them overrides the request's (it must be a boolean); what the
-        server passes itself (TEMPLATE_OWN_ARGUMENTS) cannot be replaced (400)."""
+        `template_kwargs` (chat_template_kwargs) are further template variables (their
+        `reasoning_effort` wins over the request's). As in vLLM, an `add_generation_prompt` among them
+        overrides the request's (it must be a boolean); what the server passes itself
+        (TEMPLATE_OWN_ARGUMENTS) cannot be replaced (400)."""
         kwargs = dict(template_kwargs)
         for name in TEMPLATE_OWN_ARGUMENTS:
             if name in kwargs:
@@ -265,11 +293,92 @@ class ApiContext:
                 "chat_template_kwargs.add_generation_prompt must be a boolean",
                 "chat_template_kwargs.add_generation_prompt",
             )
-        turns = [{"role": SYSTEM_ROLES.get(m.role, m.role), "content": m.text()} for m in messages]
+        if tools:
+            kwargs.setdefault("tools", tools)
+        if reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", reasoning_effort)
+        turns = [self._turn(i, m) for i, m in enumerate(messages)]
         try:
             return self.tokenizer.apply_chat_template(turns, add, **kwargs)
         except Exception as exc:  # a template error names the problem (unknown role, missing template)
             raise APIError(400, str(exc), "messages") from None
+
+    @staticmethod
+    def _turn(index: int, message) -> dict[str, Any]:
+        turn: dict[str, Any] = {
+            "role": SYSTEM_ROLES.get(message.role, message.role),
+            "content": message.text(),
+        }
+        if message.reasoning_content is not None:
+            turn["reasoning_content"] = message.reasoning_content
+        if message.tool_calls:
+            calls = []
+            for j, call in enumerate(message.tool_calls):
+                param = f"messages[{index}].tool_calls[{j}].function.arguments"
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except ValueError:
+                    raise APIError(400, f"{param}: not valid JSON", param) from None
+                if not isinstance(arguments, dict):
+                    raise APIError(400, f"{param}: must be a JSON object", param)
+                calls.append(
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.function.name, "arguments": arguments},
+                    }
+                )
+            turn["tool_calls"] = calls
+        return turn
+
+    def agent_options(self, body) -> tuple[AgentOptions, list[dict] | None, str | None]:
+        """What a chat request asks of its output (`AgentOptions`), the tools its prompt lists (None:
+        none, or `tool_choice` none) and its Hy3 reasoning effort (None: the template's default).
+        400 naming the field for a `tool_choice` that names no function in `tools`, an effort Hy3 does
+        not have, and the `tool_choice` values that need constrained decoding (not yet here)."""
+        markup = self.markup
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+        choice = body.tool_choice
+        if choice is not None and not isinstance(choice, str):
+            names = [tool["function"]["name"] for tool in tools]
+            if choice.function.name not in names:
+                raise APIError(
+                    400, f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice"
+                )
+        if choice is not None and choice != "none" and choice != "auto":
+            if not tools:
+                raise APIError(400, "tool_choice: needs tools", "tool_choice")
+            raise APIError(
+                400,
+                "tool_choice: 'required' and a named function need constrained decoding, not yet in this server",
+                "tool_choice",
+            )
+        if tools and markup is None:
+            raise APIError(400, "tools: this model's tokenizer has no Hy3 tool-call markup", "tools")
+        listed = tools if tools and choice != "none" else None
+        effort = body.chat_template_kwargs.get("reasoning_effort")
+        if effort is not None:
+            if effort not in HY3_EFFORTS:
+                raise APIError(
+                    400,
+                    "chat_template_kwargs.reasoning_effort must be no_think, low or high",
+                    "chat_template_kwargs.reasoning_effort",
+                )
+        elif body.reasoning_effort is not None:
+            effort = OPENAI_EFFORTS[body.reasoning_effort]
+        end_ids = frozenset(
+            i
+            for t in ((markup.think_close, markup.tool_calls_open) if markup else ())
+            if (i := self.tokenizer.token_to_id(t)) is not None
+        )
+        options = AgentOptions(
+            markup,
+            thinking=markup is not None and effort in ("low", "high"),
+            tools=listed,
+            parallel_tool_calls=body.parallel_tool_calls,
+            reasoning_end_ids=end_ids,
+        )
+        return options, listed, effort
 
     def token_logprobs(self, entries, offset: int) -> dict:
         """Completions-style logprobs of (token, logprob, top) entries — logprob and top None for the

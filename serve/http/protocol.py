@@ -6,9 +6,9 @@ ignore_eos, chat_template_kwargs, prompt_logprobs. Prompts, stop lists, message 
 logit_bias have their own validators, so that an error names the field itself (not a member of a
 union) and never quotes the input back.
 
-Parameters a client may send that hy3c does not implement — structured output, tools, beam search,
+Parameters a client may send that hy3c does not implement — structured output, beam search,
 … (`UNSUPPORTED`) — are refused with a 400 naming the parameter unless their value is the one that
-changes nothing (`response_format: {"type": "text"}`, `tool_choice: "none"`, …): a client that asked
+changes nothing (`response_format: {"type": "text"}`, …): a client that asked
 for JSON must not get free text. Bookkeeping fields clients send with every request (`IGNORED`) are
 accepted without effect, as are fields nobody defines (as vLLM does; the server logs their names).
 """
@@ -154,10 +154,54 @@ class CompletionRequest(_Sampling):
         return value
 
 
+class FunctionSpec(BaseModel):
+    """A tool's function: OpenAI's name rule (letters, digits, _ and -, at most 64), a JSON-schema object
+    of parameters."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class CalledFunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: CalledFunctionName
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | None = None  # text parts are joined (see `_content`)
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call (Hy3's template orders results by position)
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (kept per the template)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -184,6 +228,11 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # OpenAI's efforts map onto Hy3's three: none / minimal → no_think / low, medium → high
+    reasoning_effort: Literal["none", "no_think", "minimal", "low", "medium", "high"] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -227,15 +276,12 @@ def _default_true(value: Any) -> bool:
 # parameter → (whether its value changes nothing, what is missing); refused otherwise
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "response_format": (_one_of({"type": "text"}), 'structured output (only {"type": "text"})'),
-    "tools": (_absent, "tool calling"),
-    "tool_choice": (_one_of("none", "auto"), "tool calling (tool_choice other than none)"),
     "functions": (_absent, "function calling"),
     "function_call": (_one_of("none", "auto"), "function calling"),
     "audio": (_absent, "audio output"),
     "modalities": (_one_of(["text"]), "output modalities other than text"),
     "prediction": (_absent, "predicted outputs"),
     "web_search_options": (_absent, "web search"),
-    "reasoning_effort": (_absent, "reasoning effort"),
     "verbosity": (_absent, "verbosity"),
     "guided_json": (_absent, "guided decoding"),
     "guided_regex": (_absent, "guided decoding"),
@@ -269,8 +315,8 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 UNSUPPORTED_IN_CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "echo": (_absent, "echo in chat"),
 }
-# accepted without effect: bookkeeping that does not change the output (parallel_tool_calls: there are
-# no tools; add_special_tokens: hy3c adds none to a prompt, chat templates write their own)
+# accepted without effect: bookkeeping that does not change the output (add_special_tokens: hy3c adds
+# none to a prompt, chat templates write their own)
 IGNORED = frozenset(
     {
         "user",
@@ -279,7 +325,6 @@ IGNORED = frozenset(
         "service_tier",
         "prompt_cache_key",
         "safety_identifier",
-        "parallel_tool_calls",
         "request_id",
         "add_special_tokens",
     }

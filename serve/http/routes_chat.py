@@ -1,6 +1,8 @@
-"""POST /v1/chat/completions: messages through the chat template, `n` choices, chat-style logprobs,
-vLLM's prompt_logprobs (of the templated prompt, at the response's top level as vLLM puts them; not
-with stream), streaming as server-sent chunks (a role delta first, then content deltas)."""
+"""POST /v1/chat/completions: messages (and `tools`, `reasoning_effort`) through the chat template, `n`
+choices, chat-style logprobs, vLLM's prompt_logprobs (of the templated prompt, at the response's top
+level as vLLM puts them; not with stream), streaming as server-sent chunks (a role delta first, then
+reasoning_content, content and tool_calls deltas). Each choice's text goes through
+`serve.agent.chat_output.ChoiceOutput`: reasoning split off, Hy3 tool calls parsed."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from hy3c.serve.agent.chat_output import ChoiceOutput
 from hy3c.serve.engine.core import StepOutput
 from hy3c.serve.http.api_context import ApiContext, APIError, finite_logprob, sse, stream_event, usage
 from hy3c.serve.http.protocol import ChatRequest, error_body
@@ -25,7 +28,10 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
         ctx.check_params(body, chat=True)
         if body.stream and body.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs: not available with stream", "prompt_logprobs")
-        text = ctx.render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        options, tools, effort = ctx.agent_options(body)
+        text = ctx.render_chat(
+            body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools, effort
+        )
         prompt_ids = ctx.encode(text, "messages")
         params = ctx.params_of(body)
         ctx.check_capacity()
@@ -55,6 +61,15 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
             return {"content": content}
 
         chunk = functools.partial(stream_event, "chat.completion.chunk", rid, created, model_name)
+        outputs = [ChoiceOutput(options) for _ in range(body.n)]
+
+        def usage_of(finals: dict[int, StepOutput]) -> dict:
+            counts = usage(finals, body.n)
+            if options.thinking:
+                counts["completion_tokens_details"] = {
+                    "reasoning_tokens": sum(o.reasoning_tokens for o in outputs)
+                }
+            return counts
 
         if body.stream:
 
@@ -69,46 +84,55 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
                         kind = "service_unavailable" if shutdown else "server_error"
                         yield sse(error_body(out.error, kind, code=503 if shutdown else 500))
                         continue
-                    delta = {"content": out.text} if out.text else {}
-                    yield chunk(
-                        [
-                            {
-                                "index": i,
-                                "delta": delta,
-                                "logprobs": logprobs_of(out),
-                                "finish_reason": out.finish_reason,
-                            }
-                        ]
-                    )
+                    choice = outputs[i]
+                    choice.count(out.token_ids)
+                    deltas = choice.feed(out.text) if out.text else []
+                    if out.finished:
+                        deltas += choice.finish()
+                    for k, delta in enumerate(deltas or [{}]):
+                        last = k == max(len(deltas), 1) - 1
+                        yield chunk(
+                            [
+                                {
+                                    "index": i,
+                                    "delta": delta,
+                                    "logprobs": logprobs_of(out) if k == 0 else None,
+                                    "finish_reason": choice.finish_reason(out.finish_reason)
+                                    if last
+                                    else None,
+                                }
+                            ]
+                        )
                 if body.stream_options and body.stream_options.include_usage:
-                    yield chunk([], usage=usage(finals, body.n))
+                    yield chunk([], usage=usage_of(finals))
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(
                 stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
 
-        texts = ["" for _ in range(body.n)]
         lps: list[list] = [[] for _ in range(body.n)]
         finals = {}
         scored: dict[int, list] = {}
         async for i, out in ctx.run(requests, http):
             if out.error:
                 raise APIError(500, out.error, kind="server_error")
-            texts[i] += out.text
+            outputs[i].count(out.token_ids)
+            outputs[i].feed(out.text)
             lps[i].extend(out.logprobs)
             if out.prompt_logprobs is not None:
                 scored[i] = out.prompt_logprobs
             if out.finished:
+                outputs[i].finish()
                 finals[i] = out
         if len(finals) < body.n:
             return JSONResponse(error_body("client disconnected", code=499), status_code=499)
         choices = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": texts[i]},
+                "message": outputs[i].message(),
                 "logprobs": logprobs_of(StepOutput("", logprobs=lps[i])),
-                "finish_reason": finals[i].finish_reason,
+                "finish_reason": outputs[i].finish_reason(finals[i].finish_reason),
                 "stop_reason": finals[i].stop_reason,
             }
             for i in range(body.n)
@@ -119,7 +143,7 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
             "created": created,
             "model": model_name,
             "choices": choices,
-            "usage": usage(finals, body.n),
+            "usage": usage_of(finals),
         }
         if body.prompt_logprobs is not None:
             response["prompt_logprobs"] = ctx.prompt_logprobs(scored.get(0, []), body.prompt_logprobs)

@@ -364,13 +364,57 @@ def _unsupported() -> list[Case]:
             "response_format",
             path=CHAT,
         ),
-        Case("tools", chat(tools=[tool]), 400, "tools", "tool calling", path=CHAT),
-        Case("tool_choice required", chat(tool_choice="required"), 400, "tool_choice", path=CHAT),
         Case(
-            "tool_choice a function",
-            chat(tool_choice={"type": "function", "function": {"name": "f"}}),
+            "a tool without a name",
+            chat(tools=[{"type": "function", "function": {"parameters": {}}}]),
+            400,
+            "tools.0.function.name",
+            path=CHAT,
+        ),
+        Case(
+            "a tool name OpenAI does not allow",
+            chat(tools=[{"type": "function", "function": {"name": "get weather"}}]),
+            400,
+            "tools.0.function.name",
+            path=CHAT,
+        ),
+        Case(
+            "tool_choice required without tools", chat(tool_choice="required"), 400, "tool_choice", path=CHAT
+        ),
+        Case(
+            "tool_choice required",
+            chat(tools=[tool], tool_choice="required"),
             400,
             "tool_choice",
+            "constrained decoding",
+            path=CHAT,
+        ),
+        Case(
+            "tool_choice naming a function not in tools",
+            chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "g"}}),
+            400,
+            "tool_choice",
+            "'g', which is not in tools",
+            path=CHAT,
+        ),
+        Case("reasoning_effort unknown", chat(reasoning_effort="max"), 400, "reasoning_effort", path=CHAT),
+        Case(
+            "chat_template_kwargs.reasoning_effort unknown",
+            chat(chat_template_kwargs={"reasoning_effort": "medium"}),
+            400,
+            "chat_template_kwargs.reasoning_effort",
+            path=CHAT,
+        ),
+        Case(
+            "tool call arguments that are not JSON",
+            chat(
+                messages=[
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+                ]
+            ),
+            400,
+            "messages[1].tool_calls[0].function.arguments",
             path=CHAT,
         ),
         Case("functions", chat(functions=[{"name": "f"}]), 400, "functions", path=CHAT),
@@ -472,6 +516,10 @@ ACCEPTED = [
     pytest.param(chat(tool_choice="none"), id="tool_choice none"),
     pytest.param(chat(tool_choice="auto", tools=[]), id="tool_choice auto without tools"),
     pytest.param(
+        chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto"), id="tools, auto"
+    ),
+    pytest.param(chat(reasoning_effort="low"), id="reasoning_effort"),
+    pytest.param(
         chat(parallel_tool_calls=False, user="u", metadata={"k": "v"}, store=False, service_tier="auto"),
         id="bookkeeping fields",
     ),
@@ -543,4 +591,4 @@ def test_add_generation_prompt_in_chat_template_kwargs_overrides_the_request(ser
         server.base_url + "/tokenize", json={"messages": messages, "add_generation_prompt": False}
     )
     assert prompt_tokens(chat_template_kwargs={"add_generation_prompt": False}) == without.json()["count"]
-    assert prompt_tokens() == without.json()["count"] + 1  # the assistant tag
+    assert prompt_tokens() == without.json()["count"] + 3  # the assistant tag, an empty think block

@@ -261,10 +261,15 @@ def test_errors_outside_the_request_schema_are_openai_json(server):
     assert missing.status_code == 404 and missing.json()["error"]["message"]
     wrong_method = httpx.get(f"{server.base_url}/v1/completions")
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["message"]
-    tool = httpx.post(
-        f"{server.base_url}/tokenize", json={"messages": [{"role": "tool", "content": "x"}]}, timeout=30
+    effort = httpx.post(
+        f"{server.base_url}/tokenize",
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "chat_template_kwargs": {"reasoning_effort": "max"},
+        },
+        timeout=30,
     )
-    assert tool.status_code == 400 and "unknown role" in tool.json()["error"]["message"]
+    assert effort.status_code == 400 and "reasoning_effort must be" in effort.json()["error"]["message"]
     assert httpx.get(f"{server.base_url}/health").status_code == 200
 
 
