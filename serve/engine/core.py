@@ -44,6 +44,7 @@ from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.config import Hy3Config
 from hy3c.logs import log_event
 from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
+from hy3c.serve.agent.structured import Constraint, allocate_masks, apply_masks, new_constraint
 from hy3c.serve.engine.detokenizer import IncrementalDetokenizer
 from hy3c.serve.engine.kv_pages import OutOfPages, PagePool
 from hy3c.serve.engine.kv_tiers import KVTiers, TierConfig
@@ -116,6 +117,8 @@ class GenerationRequest:
     # None: none; k: each prompt token's logprob and rank under the raw logits, and the top k there
     prompt_logprobs: int | None = None
     arrival: float = field(default_factory=time.monotonic)
+    # a compiled grammar (`hy3c.serve.agent.structured.Grammars.compile`) the output must follow
+    grammar: object | None = None
 
 
 @dataclass
@@ -150,6 +153,7 @@ class _Live:
     admitted_at: float | None = None  # first scheduled
     first_token_at: float | None = None
     last_token_at: float | None = None
+    constraint: Constraint | None = None  # the request's grammar state (structured outputs)
 
 
 @dataclass
@@ -448,9 +452,12 @@ class Engine:
         if not request.params.greedy:
             generator = torch.Generator()  # on the host: drawing a step's seed needs no GPU sync
             generator.seed() if request.params.seed is None else generator.manual_seed(request.params.seed)
-        self._live[request.request_id] = _Live(
-            request, seq, emit, IncrementalDetokenizer(self.tokenizer, request.stop), generator
-        )
+        live = _Live(request, seq, emit, IncrementalDetokenizer(self.tokenizer, request.stop), generator)
+        if request.grammar is not None:
+            if self.speculator is not None:
+                raise ValueError("structured outputs are not yet available with speculative decoding")
+            live.constraint = new_constraint(request.grammar)
+        self._live[request.request_id] = live
         self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
 
@@ -503,11 +510,14 @@ class Engine:
 
     @staticmethod
     def _needs_history(step: _InFlight) -> bool:
-        """Whether a request of the step samples with penalties over its output, which the next step's
-        draw needs on the host (so that step waits for this one's tokens)."""
+        """Whether a request of the step samples with penalties over its output, or under a grammar,
+        which the next step's draw needs on the host (so that step waits for this one's tokens)."""
         return any(
-            p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-            for p in (live.request.params for live in step.lives)
+            live.constraint is not None  # its next mask needs this step's token
+            or live.request.params.repetition_penalty != 1.0
+            or live.request.params.presence_penalty
+            or live.request.params.frequency_penalty
+            for live in step.lives
         )
 
     def _launch(self, previous: _InFlight | None) -> _InFlight | _SpecStep | None:
@@ -570,6 +580,8 @@ class Engine:
             width = getattr(self.runner, "sampling_width", None) if self.data_parallel == 1 else None
             in_graph = bool(width) and pick is None and not scoring and not want and 0 < len(params) <= width
             in_graph = in_graph and not any(has_penalties(p) for p in params)
+            constrained = [(i, lv.constraint) for i, lv in enumerate(lives) if lv.constraint is not None]
+            in_graph = in_graph and not constrained
             fused = bool(params) and fused_on(device)
             block = None
             if in_graph or fused:
@@ -588,8 +600,14 @@ class Engine:
                     logits, _ = self.runner.step(batch, self.kv_cache)
                 self.scheduler.advance(work, [lv.seq for lv in lives])
                 self._score_prompts(logits, scoring)
+                sampled = logits if pick is None else logits[pick]
+                if constrained:  # the masks are built while the device runs the step
+                    masks = allocate_masks(len(constrained), sampled.shape[-1])
+                    for row, (_, constraint) in enumerate(constrained):
+                        constraint.fill(masks, row)
+                    apply_masks(sampled, masks, [i for i, _ in constrained])
                 pending = sample_async(
-                    logits if pick is None else logits[pick],
+                    sampled,
                     params,
                     [self._history(lv) for lv in lives],
                     generators,
@@ -1025,6 +1043,8 @@ class Engine:
                         reason, out.stop_reason = "stop", token
                         break
                     lv.output.append(token)
+                    if lv.constraint is not None and not lv.constraint.accept(token):
+                        raise RuntimeError(f"request {req.request_id}: token {token} outside its grammar")
                     if tracked is not None and lv.seq in tracked:
                         counted.append((tracked.slot(lv.seq, [], []), token))
                     out.token_ids.append(token)

@@ -27,6 +27,7 @@ from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.logs import log_event
 from hy3c.serve.agent.chat_output import AgentOptions
 from hy3c.serve.agent.markup import Hy3Markup
+from hy3c.serve.agent.structured import GrammarError, Grammars, GrammarSpec
 from hy3c.serve.engine.core import Engine, GenerationRequest, StepOutput
 from hy3c.serve.engine.sampler import DEFAULT_TEMPERATURE, SamplingParams
 from hy3c.serve.http.delivery import LoopSink, stream_outputs
@@ -210,6 +211,7 @@ class ApiContext:
                 f"and max_tokens is {max_tokens}",
                 "max_tokens",
             )
+        grammar = self.grammar_of(body)
         out = []
         for i in range(body.n):
             params = (
@@ -228,9 +230,67 @@ class ApiContext:
                     body.ignore_eos,
                     num_logprobs,
                     prompt_logprobs=prompt_logprobs,
+                    grammar=grammar,
                 )
             )
         return out
+
+    @cached_property
+    def grammars(self) -> Grammars:
+        return Grammars(self.tokenizer, self.vocab_size)
+
+    def grammar_of(self, body):
+        """The compiled grammar a request's output must follow (None: free text): from
+        `response_format` json_object / json_schema, `structured_outputs` or `guided_json` /
+        `guided_regex` / `guided_choice`; 400 naming the field for two of them at once, a grammar the
+        library rejects, or a speculative server (not yet)."""
+        specs = []
+        form = body.response_format
+        if form is not None and form.type == "json_object":
+            specs.append(GrammarSpec("json", {"type": "object"}, "response_format"))
+        elif form is not None and form.type == "json_schema":
+            if form.json_schema is None:
+                raise APIError(
+                    400,
+                    "response_format.json_schema: required for type json_schema",
+                    "response_format.json_schema",
+                )
+            specs.append(GrammarSpec("json", form.json_schema.schema_, "response_format.json_schema.schema"))
+        outputs = body.structured_outputs
+        if outputs is not None:
+            given = [
+                GrammarSpec(kind, value, f"structured_outputs.{name}")
+                for kind, name, value in (
+                    ("json", "json", outputs.json_),
+                    ("regex", "regex", outputs.regex),
+                    ("choice", "choice", outputs.choice),
+                )
+                if value is not None
+            ]
+            if len(given) != 1:
+                raise APIError(
+                    400, "structured_outputs: give exactly one of json, regex, choice", "structured_outputs"
+                )
+            specs += given
+        for kind, name in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice")):
+            if getattr(body, name) is not None:
+                specs.append(GrammarSpec(kind, getattr(body, name), name))
+        if not specs:
+            return None
+        if len(specs) > 1:
+            raise APIError(
+                400, f"{specs[1].param}: only one grammar per request (also {specs[0].param})", specs[1].param
+            )
+        if self.engine.speculator is not None:
+            raise APIError(
+                400,
+                f"{specs[0].param}: structured outputs are not yet available with speculative decoding",
+                specs[0].param,
+            )
+        try:
+            return self.grammars.compile(specs[0])
+        except GrammarError as exc:
+            raise APIError(400, str(exc), exc.param) from None
 
     def run(self, requests: list[GenerationRequest], http: Request) -> AsyncIterator[tuple[int, StepOutput]]:
         """(choice index, output) of each request until all finish (`delivery.stream_outputs`)."""

@@ -6,7 +6,7 @@ ignore_eos, chat_template_kwargs, prompt_logprobs. Prompts, stop lists, message 
 logit_bias have their own validators, so that an error names the field itself (not a member of a
 union) and never quotes the input back.
 
-Parameters a client may send that hy3c does not implement — structured output, beam search,
+Parameters a client may send that hy3c does not implement — grammars, beam search,
 … (`UNSUPPORTED`) — are refused with a 400 naming the parameter unless their value is the one that
 changes nothing (`response_format: {"type": "text"}`, …): a client that asked
 for JSON must not get free text. Bookkeeping fields clients send with every request (`IGNORED`) are
@@ -66,6 +66,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text (nothing to do), any JSON object, or JSON of a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of a JSON schema, a regular expression, a list of choices."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_: dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[str] | None = Field(None, min_length=1)
+
+
 class _Sampling(_Body):
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -84,6 +109,12 @@ class _Sampling(_Body):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # structured outputs (`hy3c.serve.agent.structured`): at most one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: list[str] | None = Field(None, min_length=1)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -275,7 +306,6 @@ def _default_true(value: Any) -> bool:
 
 # parameter → (whether its value changes nothing, what is missing); refused otherwise
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (_one_of({"type": "text"}), 'structured output (only {"type": "text"})'),
     "functions": (_absent, "function calling"),
     "function_call": (_one_of("none", "auto"), "function calling"),
     "audio": (_absent, "audio output"),
@@ -283,13 +313,9 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prediction": (_absent, "predicted outputs"),
     "web_search_options": (_absent, "web search"),
     "verbosity": (_absent, "verbosity"),
-    "guided_json": (_absent, "guided decoding"),
-    "guided_regex": (_absent, "guided decoding"),
-    "guided_choice": (_absent, "guided decoding"),
     "guided_grammar": (_absent, "guided decoding"),
     "guided_decoding_backend": (_absent, "guided decoding"),
     "guided_whitespace_pattern": (_absent, "guided decoding"),
-    "structured_outputs": (_absent, "structured output"),
     "structural_tag": (_absent, "structured output"),
     "use_beam_search": (_absent, "beam search"),
     "length_penalty": (_one_of(1, 1.0), "beam search"),

@@ -352,16 +352,10 @@ def _unsupported() -> list[Case]:
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
     return [
         Case(
-            "response_format json_object",
-            completion(response_format={"type": "json_object"}),
-            400,
-            "response_format",
-        ),
-        Case(
-            "response_format json_schema",
+            "response_format json_schema without a schema",
             chat(response_format={"type": "json_schema", "json_schema": {}}),
             400,
-            "response_format",
+            "response_format.json_schema.schema",
             path=CHAT,
         ),
         Case(
@@ -419,9 +413,8 @@ def _unsupported() -> list[Case]:
         ),
         Case("functions", chat(functions=[{"name": "f"}]), 400, "functions", path=CHAT),
         Case("function_call", chat(function_call={"name": "f"}), 400, "function_call", path=CHAT),
-        Case("guided_json", completion(guided_json={"type": "object"}), 400, "guided_json"),
-        Case("guided_choice", chat(guided_choice=["a", "b"]), 400, "guided_choice", path=CHAT),
-        Case("structured_outputs", completion(structured_outputs={"json": {}}), 400, "structured_outputs"),
+        Case("guided_grammar", completion(guided_grammar="root ::= 'a'"), 400, "guided_grammar"),
+        Case("structural_tag", chat(structural_tag={"type": "x"}), 400, "structural_tag", path=CHAT),
         Case("best_of", completion(best_of=3), 400, "best_of"),
         Case("suffix", completion(suffix="x"), 400, "suffix"),
         Case("audio", chat(audio={"voice": "x", "format": "wav"}), 400, "audio", path=CHAT),

@@ -1,0 +1,156 @@
+"""Structured outputs: a request's output held to a grammar by a token mask at each step.
+
+`Grammars(tokenizer, vocab_size)` compiles what a request asks for — `response_format` `json_object`
+or `json_schema`, vLLM's `structured_outputs` / `guided_json` / `guided_regex` / `guided_choice` — with
+llguidance (bench/grammar_mask_bench.py measured xgrammar 0.2.9's masks 6× faster at Hy3's
+vocabulary size, but its JSON-schema strings with `maxLength` admit raw control characters — invalid
+JSON — where llguidance's do not; bench/LOG.md); the engine
+gives each such request a `Constraint`, which before every draw writes the packed mask of the tokens the
+grammar allows next (`fill`) and after it takes the drawn token (`accept`). Once the grammar is complete
+the mask allows only the stop tokens, so the request ends there. A schema or pattern the library
+rejects is a `GrammarError` naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
+
+CACHED = 64  # compiled grammars kept (requests of one schema share one)
+
+
+class GrammarError(ValueError):
+    """A grammar the request asked for that cannot be compiled; `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request constrains its output to: kind ∈ json (a JSON schema), regex, choice (a list of
+    strings); `param` the request field it came from (for errors)."""
+
+    kind: str
+    value: Any
+    param: str
+
+
+class Constraint:
+    """One request's grammar state: `fill` its row of a packed int32 mask, `accept` each drawn token."""
+
+    def __init__(self, matcher) -> None:
+        self._matcher = matcher
+
+    def fill(self, mask: Tensor, row: int) -> None:
+        from llguidance.torch import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self._matcher, mask, row)
+
+    def accept(self, token: int) -> bool:
+        """Take a drawn token; False when the grammar does not allow it (a bug upstream of the mask)."""
+        return self._matcher.consume_token(token)
+
+    @property
+    def done(self) -> bool:
+        return self._matcher.is_stopped()
+
+
+class Grammars:
+    """Compiles grammars for one tokenizer (its token table is built on first use: about a second at
+    Hy3's vocabulary size). A compiled grammar is a matcher at its start, which each request copies."""
+
+    def __init__(self, tokenizer: Hy3Tokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._tokens = None
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # the last CACHED grammars
+
+    def _tokens_of(self):
+        with self._lock:
+            if self._tokens is None:
+                try:
+                    import llguidance
+                except ImportError as exc:
+                    raise GrammarError(
+                        "response_format", f"structured outputs need llguidance ({exc})"
+                    ) from None
+                tok = self.tokenizer
+                self._tokens = llguidance.LLTokenizer(
+                    tok.tokenizer.to_str(),
+                    n_vocab=max(self.vocab_size, tok.vocab_size),
+                    eos_token=tok.token_to_id(tok.eos_token),
+                )
+            return self._tokens
+
+    def compile(self, spec: GrammarSpec):
+        """The compiled grammar of `spec` (shared by its requests' constraints); GrammarError naming
+        `spec.param` when the library rejects it."""
+        key = (spec.kind, json.dumps(spec.value, sort_keys=True))
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
+        grammar = self._compile(spec)
+        with self._lock:
+            self._compiled[key] = grammar
+            while len(self._compiled) > CACHED:
+                self._compiled.popitem(last=False)
+        return grammar
+
+    def _compile(self, spec: GrammarSpec):
+        import llguidance
+
+        tokens = self._tokens_of()
+        try:
+            if spec.kind == "json":
+                text = llguidance.LLMatcher.grammar_from_json_schema(
+                    json.dumps(spec.value), defaults={"whitespace_flexible": False}
+                )
+            elif spec.kind == "regex":
+                text = llguidance.LLMatcher.grammar_from_regex(spec.value)
+            elif spec.kind == "choice":
+                text = llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in spec.value))
+            else:
+                raise GrammarError(spec.param, f"unknown kind {spec.kind!r}")
+            matcher = llguidance.LLMatcher(tokens, text)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise GrammarError(spec.param, _first_line(exc)) from None
+        if matcher.is_error():
+            raise GrammarError(spec.param, _first_line(matcher.get_error()))
+        return matcher
+
+
+def _first_line(error: object) -> str:
+    return f"not a grammar the server can use ({str(error).strip().splitlines()[0][:200]})"
+
+
+def new_constraint(grammar) -> Constraint:
+    """A request's own state of a compiled grammar."""
+    return Constraint(grammar.deep_copy())
+
+
+def allocate_masks(rows: int, vocab_size: int) -> Tensor:
+    """A packed mask of `rows` rows: bit j of word w allows token 32·w + j."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def apply_masks(logits: Tensor, mask: Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, the logits of `rows` whose tokens `mask` (one row per entry of `rows`)
+    does not allow."""
+    device = logits.device
+    words = mask.to(device, non_blocking=True)
+    bits = (words.unsqueeze(-1) >> torch.arange(32, device=device, dtype=torch.int32)) & 1
+    allowed = bits.flatten(1)[:, : logits.shape[-1]].bool()
+    index = torch.tensor(rows, device=device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

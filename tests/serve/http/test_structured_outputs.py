@@ -1,0 +1,149 @@
+"""Structured outputs on the random tiny model: whatever the weights, the token mask holds the output
+to its grammar — `response_format` json_schema / json_object, vLLM's `structured_outputs` and
+`guided_*` — greedy and sampled, whole and streamed, on chat and completions; bad grammars are a 400
+naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+from hy3c.serve.http.demo import BackgroundServer
+from hy3c.serve.http.server import ServeOptions
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("xgrammar")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "hourly": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["rain", "sun"]}, "maxItems": 2},
+    },
+    "required": ["city", "days", "hourly", "tags"],
+    "additionalProperties": False,
+}
+MESSAGES = [{"role": "user", "content": "The weather, as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_artifact):
+    with BackgroundServer(ServeOptions(tiny_artifact, port=0, kv_memory_gib=0.02)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+
+
+def _json_schema(schema=SCHEMA) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema, "strict": True}}
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 1}, {"temperature": 1.5, "seed": 7}]
+)
+def test_json_schema_output_always_validates(client, sampling):
+    response = client.chat.completions.create(
+        model="art", messages=MESSAGES, max_tokens=120, response_format=_json_schema(), n=3, **sampling
+    )
+    for choice in response.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_streamed_json_schema_output_validates(client):
+    stream = client.chat.completions.create(
+        model="art",
+        messages=MESSAGES,
+        max_tokens=120,
+        response_format=_json_schema(),
+        temperature=1.0,
+        seed=2,
+        stream=True,
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object_and_vllms_forms(server):
+    def post(path: str, **fields) -> str:
+        body = {"max_tokens": 60, "temperature": 1.0, "seed": 5, **fields}
+        body.update({"messages": MESSAGES} if path == "chat" else {"prompt": "Answer:"})
+        response = httpx.post(
+            f"{server.base_url}/v1/{'chat/completions' if path == 'chat' else 'completions'}",
+            json=body,
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        return choice["message"]["content"] if path == "chat" else choice["text"]
+
+    # any JSON object: one the random model closes, one it is still writing at max_tokens (a valid start)
+    closed = json.loads(post("chat", response_format={"type": "json_object"}, seed=1))
+    assert isinstance(closed, dict)
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 40,
+        "temperature": 1.0,
+        "seed": 0,
+        "response_format": {"type": "json_object"},
+    }
+    cut = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    text = cut["message"]["content"]
+    assert cut["finish_reason"] == "length" and text.startswith('{"') and not any(ord(c) < 32 for c in text)
+    jsonschema.validate(
+        json.loads(post("completions", structured_outputs={"json": SCHEMA}, max_tokens=120)), SCHEMA
+    )
+    jsonschema.validate(json.loads(post("completions", guided_json=SCHEMA, max_tokens=120)), SCHEMA)
+    assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", post("completions", guided_regex=r"[a-c]{3}-[0-9]{2}"))
+    assert post("chat", structured_outputs={"choice": ["yes", "no", "maybe"]}) in ("yes", "no", "maybe")
+    assert post("completions", guided_choice=["left", "right"]) in ("left", "right")
+
+
+def test_the_openai_clients_parse_with_a_pydantic_model(client):
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=10)
+        days: int = Field(ge=1, le=7)
+
+    parsed = (
+        client.chat.completions.parse(
+            model="art", messages=MESSAGES, max_tokens=120, temperature=0, response_format=Weather
+        )
+        .choices[0]
+        .message.parsed
+    )
+    assert isinstance(parsed, Weather)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": _json_schema({"type": "objekt"})}, "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"guided_regex": "("}, "guided_regex"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ],
+)
+def test_bad_grammars_are_a_400_naming_the_field(server, fields, param):
+    body = {"messages": MESSAGES, "max_tokens": 4, **fields}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "\n" not in error["message"]
+    assert (
+        httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code
+        == 200
+    )
