@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
+from hy3c.serve.agent.markup import Hy3Markup
 
 CACHED = 64  # compiled grammars kept (requests of one schema share one)
 
@@ -38,7 +39,7 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request constrains its output to: kind ∈ json (a JSON schema), regex, choice (a list of
-    strings); `param` the request field it came from (for errors)."""
+    strings), tool_calls (`tool_call_grammar`'s arguments); `param` the request field it came from."""
 
     kind: str
     value: Any
@@ -96,7 +97,7 @@ class Grammars:
     def compile(self, spec: GrammarSpec):
         """The compiled grammar of `spec` (shared by its requests' constraints); GrammarError naming
         `spec.param` when the library rejects it."""
-        key = (spec.kind, json.dumps(spec.value, sort_keys=True))
+        key = (spec.kind, json.dumps(spec.value, sort_keys=True, default=repr))
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
@@ -121,6 +122,8 @@ class Grammars:
                 text = llguidance.LLMatcher.grammar_from_regex(spec.value)
             elif spec.kind == "choice":
                 text = llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in spec.value))
+            elif spec.kind == "tool_calls":
+                text = llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(self.tokenizer, **spec.value))
             else:
                 raise GrammarError(spec.param, f"unknown kind {spec.kind!r}")
             matcher = llguidance.LLMatcher(tokens, text)
@@ -129,6 +132,46 @@ class Grammars:
         if matcher.is_error():
             raise GrammarError(spec.param, _first_line(matcher.get_error()))
         return matcher
+
+
+def tool_call_grammar(
+    tokenizer: Hy3Tokenizer,
+    markup: Hy3Markup,
+    functions: dict[str, list[str]],
+    thinking: bool,
+    parallel: bool,
+) -> str:
+    """A Lark grammar of Hy3 tool calls (`tool_calls` module docstring) to the `functions` given
+    (name → its parameter names) — one call, or several with `parallel` — after the reasoning when
+    `thinking` (the prompt ends inside a think block); `tool_choice` required / a named function. The
+    tags are the tokenizer's tokens (llguidance sees added tokens as tokens, not text); argument values
+    are any text."""
+    ids = tokenizer.added_tokens
+
+    def tag(text: str) -> str:
+        return f"<[{ids[text]}]>"
+
+    m = markup
+    rules = [
+        f"start: {'reasoning ' if thinking else ''}calls",
+        f"reasoning: /(.|\\n)*/ {tag(m.think_close)}",
+        f'calls: {tag(m.tool_calls_open)} "\\n" call{"+" if parallel else ""} {tag(m.tool_calls_close)}',
+        "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
+        "VALUE: /(.|\\n)*/",
+    ]
+    for i, (name, keys) in enumerate(functions.items()):
+        head = f'{tag(m.tool_call_open)} {json.dumps(name)} {tag(m.tool_sep)} "\\n"'
+        end = f'{tag(m.tool_call_close)} "\\n"'
+        if keys:
+            rules.append(f"call_{i}: {head} arg_{i}* {end}")
+            key = " | ".join(json.dumps(k) for k in keys)
+            rules.append(
+                f'arg_{i}: {tag(m.arg_key_open)} ({key}) {tag(m.arg_key_close)} "\\n" '
+                f'{tag(m.arg_value_open)} VALUE {tag(m.arg_value_close)} "\\n"'
+            )
+        else:
+            rules.append(f"call_{i}: {head} {end}")
+    return "\n".join(rules)
 
 
 def _first_line(error: object) -> str:

@@ -187,6 +187,7 @@ class ApiContext:
         max_tokens: int | None,
         num_logprobs: int | None,
         prompt_logprobs: int | None = None,
+        forced: GrammarSpec | None = None,
     ) -> list[GenerationRequest]:
         """The body's `n` generation requests for a prompt, after the prompt and length checks.
         `max_tokens` 0 scores the prompt only (the caller allows it only then); the prompt may then
@@ -211,7 +212,7 @@ class ApiContext:
                 f"and max_tokens is {max_tokens}",
                 "max_tokens",
             )
-        grammar = self.grammar_of(body)
+        grammar = self.grammar_of(body, forced)
         out = []
         for i in range(body.n):
             params = (
@@ -239,10 +240,10 @@ class ApiContext:
     def grammars(self) -> Grammars:
         return Grammars(self.tokenizer, self.vocab_size)
 
-    def grammar_of(self, body):
+    def grammar_of(self, body, forced: GrammarSpec | None = None):
         """The compiled grammar a request's output must follow (None: free text): from
-        `response_format` json_object / json_schema, `structured_outputs` or `guided_json` /
-        `guided_regex` / `guided_choice`; 400 naming the field for two of them at once, a grammar the
+        `forced` (tool_choice), `response_format` json_object / json_schema, `structured_outputs` or
+        `guided_json` / `guided_regex` / `guided_choice`; 400 naming the field for two of them at once, a grammar the
         library rejects, or a speculative server (not yet)."""
         specs = []
         form = body.response_format
@@ -275,6 +276,8 @@ class ApiContext:
         for kind, name in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice")):
             if getattr(body, name) is not None:
                 specs.append(GrammarSpec(kind, getattr(body, name), name))
+        if forced is not None:
+            specs.insert(0, forced)
         if not specs:
             return None
         if len(specs) > 1:
@@ -393,9 +396,10 @@ class ApiContext:
 
     def agent_options(self, body) -> tuple[AgentOptions, list[dict] | None, str | None]:
         """What a chat request asks of its output (`AgentOptions`), the tools its prompt lists (None:
-        none, or `tool_choice` none) and its Hy3 reasoning effort (None: the template's default).
-        400 naming the field for a `tool_choice` that names no function in `tools`, an effort Hy3 does
-        not have, and the `tool_choice` values that need constrained decoding (not yet here)."""
+        none, or `tool_choice` none), its Hy3 reasoning effort (None: the template's default) and, for
+        `tool_choice` required or a named function, the grammar that holds the output to those calls.
+        400 naming the field for a `tool_choice` that names no function in `tools` and an effort Hy3
+        does not have."""
         markup = self.markup
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
         choice = body.tool_choice
@@ -405,14 +409,8 @@ class ApiContext:
                 raise APIError(
                     400, f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice"
                 )
-        if choice is not None and choice != "none" and choice != "auto":
-            if not tools:
-                raise APIError(400, "tool_choice: needs tools", "tool_choice")
-            raise APIError(
-                400,
-                "tool_choice: 'required' and a named function need constrained decoding, not yet in this server",
-                "tool_choice",
-            )
+        if choice is not None and choice != "none" and choice != "auto" and not tools:
+            raise APIError(400, "tool_choice: needs tools", "tool_choice")
         if tools and markup is None:
             raise APIError(400, "tools: this model's tokenizer has no Hy3 tool-call markup", "tools")
         listed = tools if tools and choice != "none" else None
@@ -431,14 +429,27 @@ class ApiContext:
             for t in ((markup.think_close, markup.tool_calls_open) if markup else ())
             if (i := self.tokenizer.token_to_id(t)) is not None
         )
+        thinking = markup is not None and effort in ("low", "high")
         options = AgentOptions(
             markup,
-            thinking=markup is not None and effort in ("low", "high"),
+            thinking=thinking,
             tools=listed,
             parallel_tool_calls=body.parallel_tool_calls,
             reasoning_end_ids=end_ids,
         )
-        return options, listed, effort
+        forced = None  # `required` / a named function: the output is held to tool calls by a grammar
+        if listed and choice is not None and choice not in ("none", "auto"):
+            functions = {
+                tool["function"]["name"]: list(
+                    (tool["function"].get("parameters") or {}).get("properties") or {}
+                )
+                for tool in listed
+                if choice == "required" or tool["function"]["name"] == choice.function.name
+            }
+            parallel = body.parallel_tool_calls and choice == "required"
+            value = {"markup": markup, "functions": functions, "thinking": thinking, "parallel": parallel}
+            forced = GrammarSpec("tool_calls", value, "tool_choice")
+        return options, listed, effort, forced
 
     def token_logprobs(self, entries, offset: int) -> dict:
         """Completions-style logprobs of (token, logprob, top) entries — logprob and top None for the

@@ -28,7 +28,7 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
         ctx.check_params(body, chat=True)
         if body.stream and body.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs: not available with stream", "prompt_logprobs")
-        options, tools, effort = ctx.agent_options(body)
+        options, tools, effort, forced = ctx.agent_options(body)
         text = ctx.render_chat(
             body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools, effort
         )
@@ -43,6 +43,7 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
             body.max_completion_tokens or body.max_tokens,
             num_logprobs,
             body.prompt_logprobs,
+            forced,
         )
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

@@ -376,11 +376,11 @@ def _unsupported() -> list[Case]:
             "tool_choice required without tools", chat(tool_choice="required"), 400, "tool_choice", path=CHAT
         ),
         Case(
-            "tool_choice required",
-            chat(tools=[tool], tool_choice="required"),
+            "tool_choice required with a response_format",
+            chat(tools=[tool], tool_choice="required", response_format={"type": "json_object"}),
             400,
-            "tool_choice",
-            "constrained decoding",
+            "response_format",
+            "only one grammar per request",
             path=CHAT,
         ),
         Case(

@@ -147,3 +147,54 @@ def test_bad_grammars_are_a_400_naming_the_field(server, fields, param):
         httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code
         == 200
     )
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    },
+]
+
+
+def test_tool_choice_required_and_named_always_give_a_tool_call(client):
+    """Even from random weights: the grammar admits only Hy3 tool calls to the tools given, so the
+    parsed message always has one (its arguments cut short at max_tokens, at worst)."""
+    for seed in range(4):
+        for choice, names in (
+            ("required", {"get_weather", "get_time"}),
+            ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+        ):
+            response = client.chat.completions.create(
+                model="art", messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=160,
+                temperature=1.0, seed=seed,
+            )  # fmt: skip
+            message = response.choices[0].message
+            assert message.tool_calls, (message.content, response.choices[0].finish_reason)
+            assert {call.function.name for call in message.tool_calls} <= names
+            for call in message.tool_calls:
+                assert isinstance(json.loads(call.function.arguments), dict)
+            assert response.choices[0].finish_reason in ("tool_calls", "length")
+
+
+def test_with_reasoning_the_tool_call_comes_after_it(client):
+    """Reasoning on: the grammar lets the reasoning run (a random model may not close it within
+    max_tokens) and then admits only the tool calls."""
+    extra = {"chat_template_kwargs": {"reasoning_effort": "high"}}
+    for seed in range(4):
+        response = client.chat.completions.create(
+            model="art", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=60,
+            temperature=1.0, seed=seed, extra_body=extra,
+        )  # fmt: skip
+        choice = response.choices[0]
+        if choice.message.tool_calls:
+            assert choice.message.model_extra["reasoning_content"] is not None
+        else:  # still reasoning: nothing else came out
+            assert choice.finish_reason == "length" and not choice.message.content
