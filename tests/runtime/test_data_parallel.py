@@ -75,15 +75,17 @@ def test_generate_spreads_requests_over_the_dp_ranks_with_the_single_rank_greedy
     done = subprocess.run(
         [sys.executable, "-m", "hy3c", "generate", "--artifact", str(artifacts["dp2-ep2"]), *prompts,
          "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--show-ids", "--collective-timeout", "60"],
-        capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
+        capture_output=True, timeout=TIMEOUT_S, env=env,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == "".join(f"{r.text}\n{' '.join(map(str, r.token_ids))}\n" for r in single_rank)
-    tokens = re.search(r"event=ranks_stopped world_size=2 dp_tokens=(\d+),(\d+) failure=none", done.stderr)
-    assert tokens, done.stderr
+    # bytes, decoded here: text=True would turn a generated "\r" into "\n" (universal newlines)
+    stdout, stderr = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, stderr
+    assert stdout == "".join(f"{r.text}\n{' '.join(map(str, r.token_ids))}\n" for r in single_rank)
+    tokens = re.search(r"event=ranks_stopped world_size=2 dp_tokens=(\d+),(\d+) failure=none", stderr)
+    assert tokens, stderr
     # two requests each: every rank ran its prompts and their decodes, not the other's
     assert all(int(n) >= 2 * MAX_TOKENS for n in tokens.groups())
-    assert "event=rank_stopped rank=1 steps=" in done.stderr
+    assert "event=rank_stopped rank=1 steps=" in stderr
 
 
 def _drive(engine: Engine) -> list[list[int]]:
