@@ -44,7 +44,7 @@ from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.config import Hy3Config
 from hy3c.logs import log_event
 from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
-from hy3c.serve.agent.structured import Constraint, allocate_masks, apply_masks, new_constraint
+from hy3c.serve.agent.structured import Constraint, allocate_masks, apply_masks, fill_masks, new_constraint
 from hy3c.serve.engine.detokenizer import IncrementalDetokenizer
 from hy3c.serve.engine.kv_pages import OutOfPages, PagePool
 from hy3c.serve.engine.kv_tiers import KVTiers, TierConfig
@@ -603,8 +603,7 @@ class Engine:
                 sampled = logits if pick is None else logits[pick]
                 if constrained:  # the masks are built while the device runs the step
                     masks = allocate_masks(len(constrained), sampled.shape[-1])
-                    for row, (_, constraint) in enumerate(constrained):
-                        constraint.fill(masks, row)
+                    fill_masks([constraint for _, constraint in constrained], masks)
                     apply_masks(sampled, masks, [i for i, _ in constrained])
                 pending = sample_async(
                     sampled,

@@ -1,0 +1,88 @@
+"""The grammar masks of structured outputs (`serve/agent/structured.py`) against their references: the
+parallel fill equals one request at a time, the applied mask leaves exactly the allowed logits, and a
+grammar's tokens walk to a complete document that the stop token then ends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hy3c.checkpoint.tokenizer import Hy3Tokenizer
+from hy3c.serve.agent.structured import (
+    Grammars,
+    GrammarSpec,
+    allocate_masks,
+    apply_masks,
+    fill_masks,
+    new_constraint,
+)
+
+pytest.importorskip("llguidance")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def grammars(tiny_ckpt) -> Grammars:
+    tokenizer = Hy3Tokenizer.from_dir(tiny_ckpt)
+    return Grammars(tokenizer, tokenizer.vocab_size)
+
+
+def _allowed(mask: torch.Tensor, row: int, vocab: int) -> set[int]:
+    return {t for t in range(vocab) if (int(mask[row, t // 32]) >> (t % 32)) & 1}
+
+
+def test_parallel_fill_equals_one_at_a_time_and_masks_apply(grammars):
+    tok, vocab = grammars.tokenizer, grammars.vocab_size
+    specs = [
+        GrammarSpec("json", SCHEMA, "x"),
+        GrammarSpec("regex", "[ab]+c", "y"),
+        GrammarSpec("choice", ["yes", "no"], "z"),
+    ]
+    constraints = [new_constraint(grammars.compile(spec)) for spec in specs]
+    assert constraints[0].accept(tok.encode("{")[0])  # states differ per request
+    together = allocate_masks(3, vocab)
+    fill_masks(constraints, together)
+    for row, constraint in enumerate(constraints):
+        alone = allocate_masks(1, vocab)
+        constraint.fill(alone, 0)
+        assert _allowed(together, row, vocab) == _allowed(alone, 0, vocab) != set()
+    logits = torch.randn(4, vocab)
+    before = logits.clone()
+    apply_masks(logits, together, [0, 2, 3])
+    assert torch.equal(logits[1], before[1])  # a row without a grammar is untouched
+    for row, mask_row in ((0, 0), (2, 1), (3, 2)):
+        kept = {t for t in range(vocab) if logits[row, t] > float("-inf")}
+        assert kept == _allowed(together, mask_row, vocab)
+
+
+def test_a_walk_under_the_mask_ends_in_a_valid_document_and_then_only_eos(grammars):
+    tok, vocab = grammars.tokenizer, grammars.vocab_size
+    bounded = {**SCHEMA, "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    constraint = new_constraint(grammars.compile(GrammarSpec("json", bounded, "x")))
+    eos = tok.token_to_id(tok.eos_token)
+    out = []
+    for _ in range(60):
+        mask = allocate_masks(1, vocab)
+        constraint.fill(mask, 0)
+        allowed = sorted(_allowed(mask, 0, vocab))
+        if allowed == [eos]:
+            break
+        token = next(t for t in reversed(allowed) if t != eos)  # the highest id: some walk
+        assert constraint.accept(token)
+        out.append(token)
+    assert json.loads(tok.decode(out)).keys() == {"n"}
+
+
+def test_a_grammar_the_library_rejects_names_the_field(grammars):
+    from hy3c.serve.agent.structured import GrammarError
+
+    with pytest.raises(GrammarError, match="guided_regex: not a grammar"):
+        grammars.compile(GrammarSpec("regex", "(", "guided_regex"))
