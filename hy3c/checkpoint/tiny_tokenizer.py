@@ -113,26 +113,20 @@ _TEMPLATE = """
 {{- '@ASSISTANT@@THINK@' + ('' if effort in ['low', 'high'] else '@/THINK@') }}
 {%- endif %}
 """
-_MARKS = {
-    "@MODE@": REASONING_MODE,
-    "@USER@": USER,
-    "@ASSISTANT@": ASSISTANT,
-    "@/THINK@": markup_token("think", closing=True),
-    "@THINK@": markup_token("think"),
-    "@/TCS@": markup_token("tool_calls", closing=True),
-    "@TCS@": markup_token("tool_calls"),
-    "@/TC@": markup_token("tool_call", closing=True),
-    "@TC@": markup_token("tool_call"),
-    "@SEP@": markup_token("tool_sep"),
-    "@/AK@": markup_token("arg_key", closing=True),
-    "@AK@": markup_token("arg_key"),
-    "@/AV@": markup_token("arg_value", closing=True),
-    "@AV@": markup_token("arg_value"),
-    "@/TRS@": markup_token("tool_responses", closing=True),
-    "@TRS@": markup_token("tool_responses"),
-    "@/TR@": markup_token("tool_response", closing=True),
-    "@TR@": markup_token("tool_response"),
+_TAGS = {  # the template's @SHORT@ / @/SHORT@ placeholders of the markup tags
+    "THINK": "think",
+    "TCS": "tool_calls",
+    "TC": "tool_call",
+    "SEP": "tool_sep",
+    "AK": "arg_key",
+    "AV": "arg_value",
+    "TRS": "tool_responses",
+    "TR": "tool_response",
 }
+_MARKS = {"@MODE@": REASONING_MODE, "@USER@": USER, "@ASSISTANT@": ASSISTANT}
+for _short, _name in _TAGS.items():
+    _MARKS[f"@{_short}@"] = markup_token(_name)
+    _MARKS[f"@/{_short}@"] = markup_token(_name, closing=True)
 CHAT_TEMPLATE = _TEMPLATE.strip()
 for _mark, _token in _MARKS.items():
     CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_mark, _token)
