@@ -12,6 +12,7 @@ rejects is a `GrammarError` naming the field."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -77,6 +78,11 @@ class Grammars:
         self._tokens = None
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # the last CACHED grammars
+
+    def warm(self) -> None:
+        """Build the token table now (a server starting), if the library is installed."""
+        with contextlib.suppress(GrammarError):
+            self._tokens_of()
 
     def _tokens_of(self):
         with self._lock:

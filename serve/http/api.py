@@ -12,6 +12,8 @@ disconnects has its requests aborted (their KV pages are freed; `delivery`).
 
 from __future__ import annotations
 
+import threading
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -38,6 +40,9 @@ def build_app(
     app = FastAPI(title="hy3c", version=hy3c.__version__)
     _add_error_handlers(app)
     ctx = ApiContext(engine, tokenizer, config)
+    # the grammar library's token table (about a second at Hy3's vocabulary) is built off the event
+    # loop now, not by the first structured-output request
+    threading.Thread(target=ctx.grammars.warm, name="hy3c-grammar-table", daemon=True).start()
     add_completions_route(app, ctx)
     add_chat_route(app, ctx)
     add_info_routes(app, ctx)
