@@ -1055,6 +1055,8 @@ class Engine:
                         reason, out.stop_reason = "stop", lv.detok.stopped_by
                     elif len(lv.output) >= req.max_tokens or len(lv.seq.tokens) >= self.config.max_model_len:
                         reason = "length"
+                    elif lv.constraint is not None and lv.constraint.done:  # its grammar admits nothing more
+                        reason = "stop"
                     if reason is not None:
                         break
                 if reason is not None:

@@ -198,3 +198,19 @@ def test_with_reasoning_the_tool_call_comes_after_it(client):
             assert choice.message.model_extra["reasoning_content"] is not None
         else:  # still reasoning: nothing else came out
             assert choice.finish_reason == "length" and not choice.message.content
+
+
+def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(server):
+    body = {
+        "prompt": "x",
+        "max_tokens": 30,
+        "temperature": 1.0,
+        "seed": 3,
+        "ignore_eos": True,
+        "guided_choice": ["yes", "no"],
+    }
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    choice = response.json()["choices"][0]
+    assert (
+        response.status_code == 200 and choice["text"] in ("yes", "no") and choice["finish_reason"] == "stop"
+    )
