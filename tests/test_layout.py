@@ -27,8 +27,10 @@ ALLOWED = {
     "runtime": {"ops", "kernels", "model", "program", "checkpoint"},
     "compiler": {"ops", "kernels", "model", "program", "checkpoint", "passes", "runtime"},
     "serve": set(),  # hy3c.serve's __init__: a docstring
-    "serve.engine": {"ops", "kernels", "model", "program", "checkpoint", "runtime"},
-    "serve.http": {"ops", "kernels", "model", "program", "checkpoint", "runtime", "serve.engine"},
+    # what the agent API adds (Hy3 markup parsers, grammars): below the engine, which masks draws with it
+    "serve.agent": {"checkpoint"},
+    "serve.engine": {"ops", "kernels", "model", "program", "checkpoint", "runtime", "serve.agent"},
+    "serve.http": {"ops", "kernels", "model", "program", "checkpoint", "runtime", "serve.agent", "serve.engine"},
     "recipes": set(),
     "hy3c": {"checkpoint"},  # the package's reference_logits, imported when called
     "cli": {"ops", "kernels", "model", "program", "checkpoint", "passes", "runtime", "compiler",
@@ -38,7 +40,7 @@ ALLOWED = {
 
 
 def room(module: str) -> str:
-    """A module's room: hy3c.<room>..., with serving in two, hy3c.serve.engine and hy3c.serve.http."""
+    """A module's room: hy3c.<room>..., with serving in three: hy3c.serve.agent, .engine and .http."""
     parts = module.split(".")
     if len(parts) < 2:
         return "hy3c"

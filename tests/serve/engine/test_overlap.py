@@ -37,8 +37,10 @@ def _requests(stop_token: int | None = None, penalties: bool = True) -> list[Gen
         else SamplingParams(temperature=0.7, seed=5),
         SamplingParams(temperature=0.0),
     ]
+    # the penalised request is the longest: every step runs while it does (and so is read before the
+    # next is planned), whatever the others' stops
     requests = [
-        GenerationRequest(f"r{i}", prompt, p, max_tokens=12 + 3 * i, ignore_eos=True)
+        GenerationRequest(f"r{i}", prompt, p, max_tokens=40 if i == 4 else 12 + 3 * i, ignore_eos=True)
         for i, (prompt, p) in enumerate(zip(prompts, params))
     ]
     if stop_token is not None:
