@@ -30,6 +30,14 @@ from hy3c.serve.agent.markup import Hy3Markup
 CACHED = 64  # compiled grammars kept (requests of one schema share one)
 
 
+def _limits():
+    import llguidance
+
+    # a grammar that needs more is refused (a 400 at compile, or the request ends in error), not served
+    # slowly: a tenth of llguidance's default lexer states, two fifths of its items per step
+    return llguidance.LLParserLimits(max_lexer_states=25_000, step_max_items=20_000)
+
+
 class GrammarError(ValueError):
     """A grammar the request asked for that cannot be compiled; `param` names the field."""
 
@@ -67,6 +75,10 @@ class Constraint:
     def done(self) -> bool:
         return self.matcher.is_stopped()
 
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error() if self.matcher.is_error() else ""
+
 
 class Grammars:
     """Compiles grammars for one tokenizer (its token table is built on first use: about a second at
@@ -78,11 +90,14 @@ class Grammars:
         self._tokens = None
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # the last CACHED grammars
+        self.width = max(vocab_size, tokenizer.vocab_size)  # of the masks: the logits' or the vocabulary's
 
     def warm(self) -> None:
-        """Build the token table now (a server starting), if the library is installed."""
-        with contextlib.suppress(GrammarError):
+        """Build the token table and import the mask helpers now (a server starting; the import of
+        `llguidance.torch` alone takes seconds), if the library is installed."""
+        with contextlib.suppress(GrammarError, ImportError):
             self._tokens_of()
+            import llguidance.torch  # noqa: F401
 
     def _tokens_of(self):
         with self._lock:
@@ -95,9 +110,7 @@ class Grammars:
                     ) from None
                 tok = self.tokenizer
                 self._tokens = llguidance.LLTokenizer(
-                    tok.tokenizer.to_str(),
-                    n_vocab=max(self.vocab_size, tok.vocab_size),
-                    eos_token=tok.token_to_id(tok.eos_token),
+                    tok.tokenizer.to_str(), n_vocab=self.width, eos_token=tok.token_to_id(tok.eos_token)
                 )
             return self._tokens
 
@@ -133,8 +146,10 @@ class Grammars:
                 text = llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(self.tokenizer, **spec.value))
             else:
                 raise GrammarError(spec.param, f"unknown kind {spec.kind!r}")
-            matcher = llguidance.LLMatcher(tokens, text)
-        except (RuntimeError, ValueError, TypeError) as exc:
+            matcher = llguidance.LLMatcher(tokens, text, limits=_limits())
+            if not matcher.is_error():  # a first mask: grammars that blow the limits fail here, not in a step
+                Constraint(matcher.deep_copy()).fill(allocate_masks(1, self.width), 0)
+        except (RuntimeError, ValueError, TypeError, KeyError) as exc:
             raise GrammarError(spec.param, _first_line(exc)) from None
         if matcher.is_error():
             raise GrammarError(spec.param, _first_line(matcher.get_error()))
@@ -182,7 +197,8 @@ def tool_call_grammar(
 
 
 def _first_line(error: object) -> str:
-    return f"not a grammar the server can use ({str(error).strip().splitlines()[0][:200]})"
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return f"not a grammar the server can use ({lines[0][:200]})"
 
 
 def new_constraint(grammar) -> Constraint:

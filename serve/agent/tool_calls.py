@@ -22,6 +22,7 @@ as one delta."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from typing import Any
 
 from hy3c.serve.agent.markup import Hy3Markup
 from hy3c.serve.agent.reasoning import held_back
+
+MAX_PARSED_CHARS = 4000  # a longer argument value stays text
 
 
 @dataclass
@@ -58,6 +61,8 @@ def coerce_argument(value: str, schema: Any) -> Any:
     if types == ["string"]:
         return value
     text = value.strip()
+    if len(text) > MAX_PARSED_CHARS:  # not parsed: stays text (int() refuses > 4300 digits anyway)
+        return value
     for kind in types:
         if kind == "boolean" and text in ("true", "false"):
             return text == "true"
@@ -70,6 +75,8 @@ def coerce_argument(value: str, schema: Any) -> Any:
                 number = float(text)
             except ValueError:
                 continue
+            if not math.isfinite(number):  # NaN and Infinity are not JSON
+                continue
             return int(text) if re.fullmatch(r"-?\d+", text) else number
         if kind in ("object", "array"):
             try:
@@ -80,7 +87,9 @@ def coerce_argument(value: str, schema: Any) -> Any:
                 return parsed
     if not types:
         try:
-            return json.loads(text)
+            parsed = json.loads(text)
+            json.dumps(parsed, allow_nan=False)  # NaN / Infinity parse but are not JSON
+            return parsed
         except ValueError:
             pass
     return value
@@ -120,6 +129,7 @@ class ToolCallParser:
         self._pending = ""  # content held back (may begin <tool_calls>)
         self._calls_text: str | None = None  # the text after <tool_calls>, once it came
         self._scan = 0  # where the next call starts in it
+        self._searched = 0  # where the open call's closing tag is looked for next
         self._open: tuple[str, str] | None = None  # the started call's (id, name), not yet closed
         self._done = False  # </tool_calls> seen
         self.calls: list[dict] = []  # OpenAI tool_calls, complete ones and (after finish) a cut one
@@ -157,11 +167,17 @@ class ToolCallParser:
                     return events
                 self._open = (f"call_{uuid.uuid4().hex[:24]}", head.group(1).strip())
                 events.append(ToolCallEvent("call", self._open[1], len(self.calls), self._open[0]))
-            call = self._call.search(rest)
-            if call is None:
+            # the open call ends at its closing tag: look for it only in text not searched before
+            close = self._calls_text.find(self.markup.tool_call_close, self._searched)
+            if close < 0:
+                self._searched = max(self._scan, len(self._calls_text) - len(self.markup.tool_call_close) + 1)
                 return events
-            events.append(self._close(call.group(2)))
-            self._scan += call.end()
+            end = close + len(self.markup.tool_call_close)
+            call = self._call.match(
+                self._calls_text, self._calls_text.find(self.markup.tool_call_open, self._scan), end
+            )
+            events.append(self._close(call.group(2) if call else ""))
+            self._scan = self._searched = end
 
     def _close(self, body: str) -> ToolCallEvent:
         assert self._open is not None

@@ -602,7 +602,9 @@ class Engine:
                 self._score_prompts(logits, scoring)
                 sampled = logits if pick is None else logits[pick]
                 if constrained:  # the masks are built while the device runs the step
-                    masks = allocate_masks(len(constrained), sampled.shape[-1])
+                    masks = allocate_masks(
+                        len(constrained), max(sampled.shape[-1], self.tokenizer.vocab_size)
+                    )
                     fill_masks([constraint for _, constraint in constrained], masks)
                     apply_masks(sampled, masks, [i for i, _ in constrained])
                 pending = sample_async(
@@ -1036,6 +1038,12 @@ class Engine:
                 out = StepOutput(req.request_id, prompt_logprobs=self._prompt_logprobs_once(lv))
                 reason = None
                 for at, token in enumerate(new):
+                    if lv.constraint is not None and lv.constraint.error:  # its mask held no real choice
+                        reason, out.error = (
+                            "error",
+                            f"structured output: {lv.constraint.error.splitlines()[0]}",
+                        )
+                        break
                     stop_token = (token in self.eos_ids and not req.ignore_eos) or token in req.stop_token_ids
                     self.scheduler.append_token(lv.seq, None if stop_token else token)
                     if stop_token:
@@ -1043,7 +1051,12 @@ class Engine:
                         break
                     lv.output.append(token)
                     if lv.constraint is not None and not lv.constraint.accept(token):
-                        raise RuntimeError(f"request {req.request_id}: token {token} outside its grammar")
+                        # the grammar's matcher failed (a limit met mid-way): this request ends, alone
+                        reason, out.error = (
+                            "error",
+                            f"structured output: {lv.constraint.error or 'token refused'}",
+                        )
+                        break
                     if tracked is not None and lv.seq in tracked:
                         counted.append((tracked.slot(lv.seq, [], []), token))
                     out.token_ids.append(token)

@@ -11,6 +11,7 @@ events are serialized with allow_nan=False.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -240,6 +241,34 @@ class ApiContext:
     def grammars(self) -> Grammars:
         return Grammars(self.tokenizer, self.vocab_size)
 
+    @staticmethod
+    def settle_thinking(
+        options: AgentOptions, forced: GrammarSpec | None, prompt: str, body
+    ) -> tuple[AgentOptions, GrammarSpec | None]:
+        """Reasoning is split off (and a forced tool grammar lets it run first) only when the rendered
+        prompt ends inside a think block — not without a generation prompt or after an assistant turn.
+        A response grammar with reasoning on is a 400 (the grammar would hold the reasoning too)."""
+        if options.thinking and options.markup is not None and not prompt.endswith(options.markup.think_open):
+            options = dataclasses.replace(options, thinking=False)
+            if forced is not None:
+                forced = GrammarSpec(forced.kind, {**forced.value, "thinking": False}, forced.param)
+        if options.thinking:
+            for name in (
+                "response_format",
+                "structured_outputs",
+                "guided_json",
+                "guided_regex",
+                "guided_choice",
+            ):
+                value = getattr(body, name)
+                if value is not None and not (name == "response_format" and value.type == "text"):
+                    raise APIError(
+                        400,
+                        f"{name}: not yet with reasoning (reasoning_effort low / high); use no_think",
+                        name,
+                    )
+        return options, forced
+
     def grammar_of(self, body, forced: GrammarSpec | None = None):
         """The compiled grammar a request's output must follow (None: free text): from
         `forced` (tool_choice), `response_format` json_object / json_schema, `structured_outputs` or
@@ -394,7 +423,7 @@ class ApiContext:
             turn["tool_calls"] = calls
         return turn
 
-    def agent_options(self, body) -> tuple[AgentOptions, list[dict] | None, str | None]:
+    def agent_options(self, body) -> tuple[AgentOptions, list[dict] | None, str | None, GrammarSpec | None]:
         """What a chat request asks of its output (`AgentOptions`), the tools its prompt lists (None:
         none, or `tool_choice` none), its Hy3 reasoning effort (None: the template's default) and, for
         `tool_choice` required or a named function, the grammar that holds the output to those calls.
@@ -440,9 +469,7 @@ class ApiContext:
         forced = None  # `required` / a named function: the output is held to tool calls by a grammar
         if listed and choice is not None and choice not in ("none", "auto"):
             functions = {
-                tool["function"]["name"]: list(
-                    (tool["function"].get("parameters") or {}).get("properties") or {}
-                )
+                tool["function"]["name"]: _parameter_names(tool["function"].get("parameters"))
                 for tool in listed
                 if choice == "required" or tool["function"]["name"] == choice.function.name
             }
@@ -491,6 +518,12 @@ class ApiContext:
             "rank": rank,
             "decoded_token": self.tokenizer.token_text(token),
         }
+
+
+def _parameter_names(parameters: Any) -> list[str]:
+    """The parameter names of a function's JSON-schema object (none when it is not one)."""
+    properties = parameters.get("properties") if isinstance(parameters, dict) else None
+    return [name for name in properties if isinstance(name, str)] if isinstance(properties, dict) else []
 
 
 def usage(outs: dict[int, StepOutput], n: int = 1) -> dict:

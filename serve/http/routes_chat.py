@@ -32,6 +32,7 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
         text = ctx.render_chat(
             body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools, effort
         )
+        options, forced = ctx.settle_thinking(options, forced, text, body)
         prompt_ids = ctx.encode(text, "messages")
         params = ctx.params_of(body)
         ctx.check_capacity()

@@ -131,6 +131,9 @@ def test_malformed_and_cut_short_calls():
         (" 007 ", {"type": "string"}, " 007 "),
         ("007", None, "007"),
         ("[1, 2]", None, [1, 2]),
+        ("NaN", {"type": "number"}, "NaN"),  # NaN and Infinity are not JSON: the text stays
+        ("Infinity", None, "Infinity"),
+        ("9" * 5000, {"type": "integer"}, "9" * 5000),  # too long to parse (int() refuses past 4300 digits)
     ],
 )
 def test_argument_values_take_their_parameter_type(value, schema, expected):

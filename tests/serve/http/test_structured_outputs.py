@@ -135,6 +135,13 @@ def test_the_openai_clients_parse_with_a_pydantic_model(client):
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
+        (
+            {
+                "response_format": {"type": "json_object"},
+                "chat_template_kwargs": {"reasoning_effort": "high"},
+            },
+            "response_format",
+        ),
     ],
 )
 def test_bad_grammars_are_a_400_naming_the_field(server, fields, param):
@@ -213,4 +220,37 @@ def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(server):
     choice = response.json()["choices"][0]
     assert (
         response.status_code == 200 and choice["text"] in ("yes", "no") and choice["finish_reason"] == "stop"
+    )
+
+
+def test_no_reasoning_split_when_the_prompt_does_not_end_in_a_think_block(server):
+    """Without a generation prompt the template opens no think block: the output is content."""
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 4,
+        "temperature": 0,
+        "add_generation_prompt": False,
+        "chat_template_kwargs": {"reasoning_effort": "high"},
+    }
+    message = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60).json()["choices"][
+        0
+    ]["message"]
+    assert "reasoning_content" not in message and message["content"]
+
+
+def test_tools_whose_parameters_are_not_a_schema_object_still_get_a_call(client):
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}]
+    response = client.chat.completions.create(
+        model="art", messages=MESSAGES, tools=odd, tool_choice="required", max_tokens=40, temperature=0
+    )
+    assert response.choices[0].message.tool_calls[0].function.name == "f"
+
+
+def test_a_grammar_past_the_librarys_limits_fails_its_request_not_the_server(server):
+    body = {"prompt": "x", "max_tokens": 4, "guided_regex": "a{1000000}"}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+    assert response.status_code in (400, 500) and "lexer" in response.json()["error"]["message"]
+    assert (
+        httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code
+        == 200
     )
