@@ -188,9 +188,10 @@ class ApiContext:
         max_tokens: int | None,
         num_logprobs: int | None,
         prompt_logprobs: int | None = None,
-        forced: GrammarSpec | None = None,
+        grammar: object | None = None,
     ) -> list[GenerationRequest]:
-        """The body's `n` generation requests for a prompt, after the prompt and length checks.
+        """The body's `n` generation requests for a prompt (their output held to `grammar`, from
+        `grammar_of`), after the prompt and length checks.
         `max_tokens` 0 scores the prompt only (the caller allows it only then); the prompt may then
         fill the whole context."""
         max_len = self.max_len
@@ -213,7 +214,6 @@ class ApiContext:
                 f"and max_tokens is {max_tokens}",
                 "max_tokens",
             )
-        grammar = self.grammar_of(body, forced)
         out = []
         for i in range(body.n):
             params = (
@@ -272,7 +272,8 @@ class ApiContext:
     def grammar_of(self, body, forced: GrammarSpec | None = None):
         """The compiled grammar a request's output must follow (None: free text): from
         `forced` (tool_choice), `response_format` json_object / json_schema, `structured_outputs` or
-        `guided_json` / `guided_regex` / `guided_choice`; 400 naming the field for two of them at once, a grammar the
+        `guided_json` / `guided_regex` / `guided_choice` (routes call it on a worker thread: compiling
+        can take a while); 400 naming the field for two of them at once, a grammar the
         library rejects, or a speculative server (not yet)."""
         specs = []
         form = body.response_format

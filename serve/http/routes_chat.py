@@ -6,6 +6,7 @@ reasoning_content, content and tool_calls deltas). Each choice's text goes throu
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 import uuid
@@ -37,6 +38,7 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
         params = ctx.params_of(body)
         ctx.check_capacity()
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        grammar = await asyncio.to_thread(ctx.grammar_of, body, forced)
         requests = ctx.make_requests(
             prompt_ids,
             body,
@@ -44,7 +46,7 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
             body.max_completion_tokens or body.max_tokens,
             num_logprobs,
             body.prompt_logprobs,
-            forced,
+            grammar,
         )
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

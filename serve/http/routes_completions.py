@@ -10,6 +10,7 @@ raw model logits (no penalties, bias or temperature), as vLLM's.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 import uuid
@@ -58,10 +59,13 @@ def add_completions_route(app: FastAPI, ctx: ApiContext) -> None:
         prompt_k = max((k for k in asked if k is not None), default=None)
         params = ctx.params_of(body)
         ctx.check_capacity()
+        grammar = await asyncio.to_thread(ctx.grammar_of, body)
         requests = [
             request
             for ids in prompts
-            for request in ctx.make_requests(ids, body, params, body.max_tokens, body.logprobs, prompt_k)
+            for request in ctx.make_requests(
+                ids, body, params, body.max_tokens, body.logprobs, prompt_k, grammar
+            )
         ]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
