@@ -16,6 +16,7 @@ Every command exits with status 2 and a one-line `error: ...` message (no traceb
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -459,6 +460,22 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _json_object(flag: str):
+    """argparse type of a flag that takes a JSON object."""
+
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not JSON ({exc.msg} at character {exc.pos})") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"must be a JSON object (got {type(value).__name__})")
+        return value
+
+    parse.__name__ = flag  # argparse names the type in its error
+    return parse
+
+
 def _top_p(text: str) -> float:
     """argparse type of --top-p: the probability mass kept, in (0, 1]."""
     value = _finite(text)
@@ -733,6 +750,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--top-p", type=float)
     s.add_argument("--top-k", type=int)
     s.add_argument(
+        "--extra-body",
+        type=_json_object("--extra-body"),
+        default={},
+        metavar="JSON",
+        help="a JSON object merged into every request, e.g. a response_format",
+    )
+    s.add_argument(
         "--goodput",
         nargs="+",
         default=[],
@@ -803,6 +827,7 @@ def _run_bench_serve(args: argparse.Namespace) -> None:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        extra_body=args.extra_body,
         goodput=parse_goodput(args.goodput),
         percentile_metrics=tuple(m for m in args.percentile_metrics.split(",") if m),
         metric_percentiles=numbers("metric-percentiles", args.metric_percentiles),

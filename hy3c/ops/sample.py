@@ -2,11 +2,14 @@
 pure-torch reference, kernel providers beside it — the Triton one is `hy3c.kernels.sampler`).
 
     tokens, logprobs, top_ids, top_logprobs, top_exact = torch.ops.hy3.sample(
-        logits, temperature, top_k, top_p, min_p, seeds, noise, num_logprobs)
+        logits, temperature, top_k, top_p, min_p, seeds, noise, num_logprobs, allowed)
 
 Inputs are the step's logits [B, V] (fp32, penalties and logit bias already applied: they depend on each
 request's history, which the serving sampler holds) and per-row parameter columns [B]: temperature
-(fp32, 0 = greedy), top_k (int32, 0 = off), top_p, min_p (fp32) and seeds (int32). Per row: temperature,
+(fp32, 0 = greedy), top_k (int32, 0 = off), top_p, min_p (fp32) and seeds (int32); `allowed`, when
+given, a packed mask [B, ceil(V / 32)] int32 (bit j of word w allows token 32·w + j: a grammar's
+structured-output mask, llguidance's and xgrammar's layout) whose disallowed tokens count as logits of
+-inf — in the draw, the filters and the logprobs alike. Per row: temperature,
 then min-p, top-k and top-p filtering (`filter_mask`, vLLM's order), then a draw — greedy (argmax) or
 Gumbel-max over the kept logits with uniforms from `noise` [B, V] when given, else from the row's seed.
 Returns the chosen token (int64), its logprob under the tempered distribution before filtering (fp32),
@@ -34,6 +37,27 @@ def block_columns(block: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor, Ten
     host-to-device copy takes them all)."""
     floats = block[:3].view(torch.float32)
     return floats[0, :rows], block[3, :rows], floats[1, :rows], floats[2, :rows], block[4, :rows]
+
+
+def unpack_allowed(allowed: Tensor, vocab: int) -> Tensor:
+    """A packed mask [B, W] int32 (the module docstring) as booleans [B, vocab]."""
+    bits = torch.arange(32, device=allowed.device, dtype=torch.int32)
+    return ((allowed.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab].bool()
+
+
+def check_allowed(allowed: Tensor | None, logits: Tensor) -> None:
+    """Raise a ValueError unless `allowed` is a packed mask that covers `logits` [B, V]."""
+    if allowed is None:
+        return
+    rows, vocab = logits.shape
+    if allowed.dtype != torch.int32 or allowed.dim() != 2 or allowed.shape[0] != rows:
+        raise ValueError(
+            f"sample: allowed must be int32 [{rows}, words], got {allowed.dtype} {list(allowed.shape)}"
+        )
+    if allowed.shape[1] * 32 < vocab:
+        raise ValueError(
+            f"sample: allowed has {allowed.shape[1]} words, {vocab} tokens need {(vocab + 31) // 32}"
+        )
 
 
 def filter_mask(probs: Tensor, min_p: float, top_k: int, top_p: float) -> Tensor:
@@ -75,9 +99,13 @@ def sample_reference(
     seeds: Tensor,
     noise: Tensor | None,
     num_logprobs: int,
+    allowed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`hy3::sample` row by row (the module docstring)."""
+    check_allowed(allowed, logits)
     rows = logits.shape[0]
+    if allowed is not None:
+        logits = logits.float().masked_fill(~unpack_allowed(allowed, logits.shape[1]), float("-inf"))
     columns = zip(temperature.tolist(), top_k.tolist(), top_p.tolist(), min_p.tolist(), seeds.tolist())
     tokens, chosen, top_ids, top_logprobs = [], [], [], []
     for row, (t, k, p, m, seed) in enumerate(columns):
@@ -117,10 +145,11 @@ def sample(
     seeds: Tensor,
     noise: Tensor | None,
     num_logprobs: int,
+    allowed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """One token per row: (tokens [B] int64, logprobs [B], top_ids [B, n] int32, top_logprobs [B, n],
     top_exact [B] int32, or [0] when n is 0), n = num_logprobs (the module docstring)."""
-    return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, noise, num_logprobs)
+    return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, noise, num_logprobs, allowed)
 
 
 def sample_outputs(logits: Tensor, num_logprobs: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -136,5 +165,5 @@ def sample_outputs(logits: Tensor, num_logprobs: int) -> tuple[Tensor, Tensor, T
 
 
 @sample.register_fake
-def _(logits, temperature, top_k, top_p, min_p, seeds, noise, num_logprobs):
+def _(logits, temperature, top_k, top_p, min_p, seeds, noise, num_logprobs, allowed=None):
     return sample_outputs(logits, num_logprobs)

@@ -3,9 +3,12 @@
 `hy3_triton::sample` implements `hy3::sample` (`hy3c.ops.sample`, the reference); `fused_sample` is the
 launch, with the tunables and the fallback flags the tests read:
 
-    tokens, logprobs = fused_sample(logits, temperature, top_k, top_p, min_p, seeds, noise=None)
+    tokens, logprobs = fused_sample(logits, temperature, top_k, top_p, min_p, seeds, noise=None, allowed=None)
 
-Penalties are applied before (they touch only the tokens a request has seen). Filters follow
+Penalties are applied before (they touch only the tokens a request has seen). A structured output's
+grammar mask comes in packed (`allowed` [B, ceil(V / 32)] int32, one bit a token, `hy3c.ops.sample`):
+every read of a row's logits reads its bits beside them and takes a disallowed token as -inf, so the
+mask costs a 32nd of the logits' bytes and no launch of its own. Filters follow
 `hy3c.ops.sample.filter_mask`: min-p, then top-k, then top-p renormalised over what is left;
 tokens tied at a cut-off are kept. Two launches; the logits are read once on the usual path:
 
@@ -37,7 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hy3c.kernels.registry import Provider, register_provider
-from hy3c.ops.sample import block_columns, sample_outputs
+from hy3c.ops.sample import block_columns, check_allowed, sample_outputs
 
 CHUNK = 4096  # tokens per program of the chunk kernel (held in registers)
 CANDIDATES = 32  # largest tokens each chunk hands to the merge
@@ -70,6 +73,16 @@ def _gumbel(noise_ptr, stride_n, row, seed, idx, ok, USE_NOISE: tl.constexpr):
         u = tl.rand(seed, idx)
     u = tl.minimum(tl.maximum(u, 1e-20), 1.0 - 1e-7)
     return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _load_scaled(row_ptr, idx, ok, inv_t, allowed_row_ptr, HAS_MASK: tl.constexpr):
+    """x = logits / T at `idx`, -inf where out of the row or (HAS_MASK) not allowed by its packed mask."""
+    x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+    if HAS_MASK:
+        words = tl.load(allowed_row_ptr + idx // 32, mask=ok, other=0)
+        x = tl.where(((words >> (idx % 32)) & 1) != 0, x, float("-inf"))
+    return x
 
 
 @triton.jit
@@ -112,12 +125,15 @@ def _chunk_kernel(
     seed_ptr,
     noise_ptr,
     stride_n,
+    allowed_ptr,
+    stride_a,
     stats_ptr,
     cand_value_ptr,
     cand_id_ptr,
     best_ptr,
     best_id_ptr,
     USE_NOISE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     CHUNK: tl.constexpr,
     CANDIDATES: tl.constexpr,
 ):
@@ -127,8 +143,14 @@ def _chunk_kernel(
     sampled, inv_t = _inverse_temperature(temp_ptr, row)
     idx = chunk * CHUNK + tl.arange(0, CHUNK)
     ok = idx < V
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + idx, mask=ok, other=float("-inf"))
-    x = x.to(tl.float32) * inv_t
+    x = _load_scaled(
+        logits_ptr + row.to(tl.int64) * stride_l,
+        idx,
+        ok,
+        inv_t,
+        allowed_ptr + row.to(tl.int64) * stride_a,
+        HAS_MASK,
+    )
     m = tl.max(x, axis=0)
     s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - tl.where(m > float("-inf"), m, 0.0)), 0.0), axis=0)
     floor = tl.min(tl.topk(x, CANDIDATES), axis=0)
@@ -171,6 +193,8 @@ def _merge_kernel(
     seed_ptr,
     noise_ptr,
     stride_n,
+    allowed_ptr,
+    stride_a,
     stats_ptr,
     cand_value_ptr,
     cand_id_ptr,
@@ -185,6 +209,7 @@ def _merge_kernel(
     N_CHUNKS,
     top_n,
     USE_NOISE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     CANDIDATES: tl.constexpr,
     CHUNKS_P2: tl.constexpr,
     MERGE_TOP: tl.constexpr,
@@ -254,6 +279,7 @@ def _merge_kernel(
                 fallback = 1
                 token, value = _sample_by_bisection(
                     logits_ptr + row.to(tl.int64) * stride_l,
+                    allowed_ptr + row.to(tl.int64) * stride_a,
                     V,
                     inv_t,
                     m,
@@ -265,6 +291,7 @@ def _merge_kernel(
                     row,
                     seed,
                     USE_NOISE,
+                    HAS_MASK,
                     BLOCK,
                     STEPS,
                 )
@@ -283,6 +310,7 @@ def _merge_kernel(
 @triton.jit
 def _sample_by_bisection(
     row_ptr,
+    allowed_row_ptr,
     V,
     inv_t,
     m,
@@ -294,6 +322,7 @@ def _sample_by_bisection(
     row,
     seed,
     USE_NOISE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
     STEPS: tl.constexpr,
 ):
@@ -305,17 +334,37 @@ def _sample_by_bisection(
     if min_p > 0.0:
         t = m + tl.log(min_p)
     if (k > 0) & (k < V):
-        t = tl.maximum(t, _bisect(row_ptr, V, inv_t, m, lo, k.to(tl.float32), False, STEPS, BLOCK))
+        t = tl.maximum(
+            t,
+            _bisect(
+                row_ptr, allowed_row_ptr, V, inv_t, m, lo, k.to(tl.float32), False, HAS_MASK, STEPS, BLOCK
+            ),
+        )
     if top_p < 1.0:
-        _count, mass = _count_and_mass(row_ptr, V, inv_t, m, t, BLOCK)
-        t = tl.maximum(t, _bisect(row_ptr, V, inv_t, m, tl.maximum(lo, t), top_p * mass, True, STEPS, BLOCK))
+        _count, mass = _count_and_mass(row_ptr, allowed_row_ptr, V, inv_t, m, t, HAS_MASK, BLOCK)
+        t = tl.maximum(
+            t,
+            _bisect(
+                row_ptr,
+                allowed_row_ptr,
+                V,
+                inv_t,
+                m,
+                tl.maximum(lo, t),
+                top_p * mass,
+                True,
+                HAS_MASK,
+                STEPS,
+                BLOCK,
+            ),
+        )
     best = float("-inf")
     best_idx = 0
     best_x = 0.0
     for start in range(0, V, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         ok = idx < V
-        x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+        x = _load_scaled(row_ptr, idx, ok, inv_t, allowed_row_ptr, HAS_MASK)
         score = x + _gumbel(noise_ptr, stride_n, row, seed, idx, ok, USE_NOISE)
         score = tl.where(ok & (x >= t), score, float("-inf"))
         block_best = tl.max(score, axis=0)
@@ -328,13 +377,15 @@ def _sample_by_bisection(
 
 
 @triton.jit
-def _count_and_mass(row_ptr, V, inv_t, m, threshold, BLOCK: tl.constexpr):
+def _count_and_mass(
+    row_ptr, allowed_row_ptr, V, inv_t, m, threshold, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr
+):
     count = 0.0
     mass = 0.0
     for start in range(0, V, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         ok = idx < V
-        x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+        x = _load_scaled(row_ptr, idx, ok, inv_t, allowed_row_ptr, HAS_MASK)
         above = ok & (x >= threshold)
         count += tl.sum(above.to(tl.float32), axis=0)
         mass += tl.sum(tl.where(above, tl.exp(x - m), 0.0), axis=0)
@@ -343,14 +394,24 @@ def _count_and_mass(row_ptr, V, inv_t, m, threshold, BLOCK: tl.constexpr):
 
 @triton.jit
 def _bisect(
-    row_ptr, V, inv_t, m, lo, target, BY_MASS: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr
+    row_ptr,
+    allowed_row_ptr,
+    V,
+    inv_t,
+    m,
+    lo,
+    target,
+    BY_MASS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    STEPS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Largest threshold t in [lo, m] with count(x ≥ t) ≥ target (or mass, by BY_MASS)."""
     a = lo
     b = m
     for _ in range(STEPS):
         mid = (a + b) * 0.5
-        count, mass = _count_and_mass(row_ptr, V, inv_t, m, mid, BLOCK)
+        count, mass = _count_and_mass(row_ptr, allowed_row_ptr, V, inv_t, m, mid, HAS_MASK, BLOCK)
         take = tl.where(BY_MASS, mass, count) >= target
         a = tl.where(take, mid, a)
         b = tl.where(take, b, mid)
@@ -370,8 +431,10 @@ def fused_sample(
     merge_top: int = MERGE_TOP,
     fallback: Tensor | None = None,
     top: tuple[Tensor, Tensor, Tensor] | None = None,
+    allowed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Per-row parameter tensors [B] (fp32; top_k int32 with 0 = off; seeds int32).
+    """Per-row parameter tensors [B] (fp32; top_k int32 with 0 = off; seeds int32); `allowed`: a packed
+    mask [B, ≥ ceil(V / 32)] int32 of the tokens each row may draw (`hy3c.ops.sample`), or None.
 
     → (tokens int64, logprobs fp32). `fallback` ([B] int32), if given, is set to 1 for the rows whose
     cut-offs the candidates could not decide (then found by bisection), else 0. `top` = (ids [B, n]
@@ -380,6 +443,7 @@ def fused_sample(
     candidates cannot vouch for (ties or a flat tail at the chunk floors): recompute those rows.
     """
     rows, vocab = logits.shape
+    check_allowed(allowed, logits)
     chunk = min(chunk, triton.next_power_of_2(vocab))
     candidates = min(candidates, chunk)
     n_chunks = triton.cdiv(vocab, chunk)
@@ -411,6 +475,8 @@ def fused_sample(
         seeds,
         noise if noise is not None else logits,
         noise.stride(0) if noise is not None else 0,
+        allowed if allowed is not None else logits,
+        allowed.stride(0) if allowed is not None else 0,
         stats,
         cand_values,
         cand_ids,
@@ -420,6 +486,7 @@ def fused_sample(
     _chunk_kernel[(rows, n_chunks)](
         *row_args,
         USE_NOISE=noise is not None,
+        HAS_MASK=allowed is not None,
         CHUNK=chunk,
         CANDIDATES=candidates,
         num_warps=8 if chunk >= 4096 else 4,
@@ -435,6 +502,7 @@ def fused_sample(
         n_chunks,
         top_n,
         USE_NOISE=noise is not None,
+        HAS_MASK=allowed is not None,
         CANDIDATES=candidates,
         CHUNKS_P2=triton.next_power_of_2(n_chunks),
         MERGE_TOP=merge_top,
@@ -464,6 +532,7 @@ def sample(
     seeds: Tensor,
     noise: Tensor | None,
     num_logprobs: int,
+    allowed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     rows = logits.shape[0]
     top = (
@@ -472,13 +541,21 @@ def sample(
         logits.new_empty(rows if num_logprobs else 0, dtype=torch.int32),
     )
     tokens, logprobs = fused_sample(
-        logits, temperature, top_k, top_p, min_p, seeds, noise, top=top if num_logprobs else None
+        logits,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seeds,
+        noise,
+        top=top if num_logprobs else None,
+        allowed=allowed,
     )
     return tokens, logprobs, *top
 
 
 @sample.register_fake
-def _(logits, temperature, top_k, top_p, min_p, seeds, noise, num_logprobs):
+def _(logits, temperature, top_k, top_p, min_p, seeds, noise, num_logprobs, allowed=None):
     return sample_outputs(logits, num_logprobs)
 
 

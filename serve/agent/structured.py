@@ -71,6 +71,18 @@ class Constraint:
         """Take a drawn token; False when the grammar does not allow it (a bug upstream of the mask)."""
         return self.matcher.consume_token(token)
 
+    def ahead(self, drafts: list[int]) -> list[Constraint]:
+        """The states a speculative step's rows are masked by: this one, then after each of `drafts`
+        in turn, up to the first the grammar refuses or that ends it (the rows past it are never
+        emitted from). Copies: this state is untouched until the tokens kept are `accept`ed."""
+        states = [self]
+        for token in drafts:
+            state = states[-1].matcher.deep_copy()
+            if not state.consume_token(token) or state.is_error() or state.is_stopped():
+                break
+            states.append(Constraint(state))
+        return states
+
     @property
     def done(self) -> bool:
         return self.matcher.is_stopped()
@@ -213,28 +225,19 @@ def _executor():
     return llguidance.LLExecutor()  # its own threads, one per core
 
 
-def fill_masks(constraints: list[Constraint], mask: Tensor) -> None:
-    """Row i of `mask` for constraint i: one request alone on this thread, several in parallel on
-    llguidance's (a mask of Hy3's vocabulary takes ~0.2 ms a request: BENCHMARKS)."""
+def fill_masks(constraints: list[Constraint], mask: Tensor, rows: list[int] | None = None) -> None:
+    """Row rows[i] (default i) of `mask` for constraint i: one request alone on this thread, several in
+    parallel on llguidance's (a mask of Hy3's vocabulary takes ~0.2 ms a request: BENCHMARKS)."""
+    rows = list(range(len(constraints))) if rows is None else rows
     if len(constraints) == 1:
-        constraints[0].fill(mask, 0)
+        constraints[0].fill(mask, rows[0])
         return
     from llguidance.torch import fill_next_token_bitmask_par
 
-    fill_next_token_bitmask_par(_executor(), [(c.matcher, i) for i, c in enumerate(constraints)], mask)
+    fill_next_token_bitmask_par(_executor(), [(c.matcher, row) for c, row in zip(constraints, rows)], mask)
 
 
 def allocate_masks(rows: int, vocab_size: int) -> Tensor:
-    """A packed mask of `rows` rows: bit j of word w allows token 32·w + j."""
+    """A packed mask of `rows` rows, every token allowed: bit j of word w allows token 32·w + j (the
+    layout `hy3.sample` reads, `hy3c.ops.sample`)."""
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
-
-
-def apply_masks(logits: Tensor, mask: Tensor, rows: list[int]) -> None:
-    """Set to -inf, in place, the logits of `rows` whose tokens `mask` (one row per entry of `rows`)
-    does not allow."""
-    device = logits.device
-    words = mask.to(device, non_blocking=True)
-    bits = (words.unsqueeze(-1) >> torch.arange(32, device=device, dtype=torch.int32)) & 1
-    allowed = bits.flatten(1)[:, : logits.shape[-1]].bool()
-    index = torch.tensor(rows, device=device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

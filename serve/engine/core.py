@@ -44,7 +44,7 @@ from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.config import Hy3Config
 from hy3c.logs import log_event
 from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
-from hy3c.serve.agent.structured import Constraint, allocate_masks, apply_masks, fill_masks, new_constraint
+from hy3c.serve.agent.structured import Constraint, allocate_masks, fill_masks, new_constraint
 from hy3c.serve.engine.detokenizer import IncrementalDetokenizer
 from hy3c.serve.engine.kv_pages import OutOfPages, PagePool
 from hy3c.serve.engine.kv_tiers import KVTiers, TierConfig
@@ -169,6 +169,7 @@ class _InFlight:
     preempted: int
     started: float
     host_seconds: float  # planning and building it, before the runner was called
+    collected: bool = False
 
 
 @dataclass
@@ -454,8 +455,8 @@ class Engine:
             generator.seed() if request.params.seed is None else generator.manual_seed(request.params.seed)
         live = _Live(request, seq, emit, IncrementalDetokenizer(self.tokenizer, request.stop), generator)
         if request.grammar is not None:
-            if self.speculator is not None:
-                raise ValueError("structured outputs are not yet available with speculative decoding")
+            if self.speculator is not None and self.speculator.forced is not None:
+                raise ValueError("structured outputs: not with forced acceptance (its tokens are not drawn)")
             live.constraint = new_constraint(request.grammar)
         self._live[request.request_id] = live
         self.scheduler.add(seq)
@@ -470,11 +471,11 @@ class Engine:
         if self.speculator is not None:
             return self._iterate_speculative()
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and self._needs_history(previous):  # its tokens feed the penalties
-            self._collect(previous)
-            previous = None
-        launched = self._launch(previous) if self.scheduler.has_work else None
-        if previous is not None:
+        # a step whose tokens the next draws need (grammar masks, penalties) is read once the next
+        # model step is running, before its draws are launched
+        history = previous is not None and self._needs_history(previous)
+        launched = self._launch(previous, previous if history else None) if self.scheduler.has_work else None
+        if previous is not None and not previous.collected:
             self._collect(previous)
         if launched is not None and not self.config.async_scheduling:
             self._collect(launched)
@@ -520,9 +521,14 @@ class Engine:
             for live in step.lives
         )
 
-    def _launch(self, previous: _InFlight | None) -> _InFlight | _SpecStep | None:
+    def _launch(
+        self, previous: _InFlight | None, read_first: _InFlight | None = None
+    ) -> _InFlight | _SpecStep | None:
         """Plan a step and launch it on the device: the model step, then the draws (which stay on the
-        device). Tokens of `previous` that are still in flight are fed from the device."""
+        device). Tokens of `previous` that are still in flight are fed from the device. `read_first`
+        (the previous step, when its tokens decide this step's grammar masks or penalties) is collected
+        after the model step is launched and before the draws: the host reads it, advances the grammars
+        and builds the masks while the device runs the model."""
         started = time.monotonic()
         preempted = self.scheduler.num_preemptions
         try:
@@ -580,8 +586,7 @@ class Engine:
             width = getattr(self.runner, "sampling_width", None) if self.data_parallel == 1 else None
             in_graph = bool(width) and pick is None and not scoring and not want and 0 < len(params) <= width
             in_graph = in_graph and not any(has_penalties(p) for p in params)
-            constrained = [(i, lv.constraint) for i, lv in enumerate(lives) if lv.constraint is not None]
-            in_graph = in_graph and not constrained
+            in_graph = in_graph and not any(lv.constraint is not None for lv in lives)
             fused = bool(params) and fused_on(device)
             block = None
             if in_graph or fused:
@@ -601,12 +606,8 @@ class Engine:
                 self.scheduler.advance(work, [lv.seq for lv in lives])
                 self._score_prompts(logits, scoring)
                 sampled = logits if pick is None else logits[pick]
-                if constrained:  # the masks are built while the device runs the step
-                    masks = allocate_masks(
-                        len(constrained), max(sampled.shape[-1], self.tokenizer.vocab_size)
-                    )
-                    fill_masks([constraint for _, constraint in constrained], masks)
-                    apply_masks(sampled, masks, [i for i, _ in constrained])
+                if read_first is not None:  # the device runs the model meanwhile
+                    self._collect(read_first)
                 pending = sample_async(
                     sampled,
                     params,
@@ -615,6 +616,7 @@ class Engine:
                     want,
                     prepared=inputs,
                     staging=self._staging,
+                    allowed=self._grammar_masks(lives, sampled.shape[-1], device),
                 )
         except Exception as exc:  # fail the requests of this step, keep serving the others
             self._step_failed(work, exc)
@@ -622,10 +624,47 @@ class Engine:
         rows_of = {lv.seq: row for row, lv in enumerate(lives)}
         return _InFlight(work, lives, pending, rows_of, scored_only, preempted, started, prepared - started)
 
+    def _grammar_masks(self, lives: list[_Live], vocab: int, device: torch.device) -> Tensor | None:
+        """The packed masks of a step's sampled rows (`hy3c.ops.sample`; every token allowed in a row
+        without a grammar, or whose request ended since the step was planned), on `device`; None when
+        no row has a grammar."""
+        rows = [
+            (row, lv.constraint)
+            for row, lv in enumerate(lives)
+            if lv.constraint is not None and self._live.get(lv.request.request_id) is lv
+        ]
+        if not rows:
+            return None
+        masks = allocate_masks(len(lives), max(vocab, self.tokenizer.vocab_size))
+        fill_masks([constraint for _, constraint in rows], masks, [row for row, _ in rows])
+        return masks.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else masks
+
+    def _verify_masks(
+        self, work: list[Work], lives: list[_Live], vocab: int, device: torch.device
+    ) -> Tensor | None:
+        """The packed masks of a speculative step's target rows (request i's w.drafts + 1 rows, each
+        masked by its grammar after the drafts before it: `Constraint.ahead`; every token allowed in
+        the rows of a request without a grammar), built while the device runs the model; None when
+        no request has a grammar. The drafts are on the host: a constrained step is never chained."""
+        if not any(lv.constraint is not None for lv in lives):
+            return None
+        states, rows, start = [], [], 0
+        for w, lv in zip(work, lives):
+            if lv.constraint is not None and self._live.get(lv.request.request_id) is lv:
+                ahead = lv.constraint.ahead(w.seq.drafts[: w.drafts])
+                states += ahead
+                rows += range(start, start + len(ahead))
+            start += w.drafts + 1
+        masks = allocate_masks(start, max(vocab, self.tokenizer.vocab_size))
+        if states:
+            fill_masks(states, masks, rows)
+        return masks.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else masks
+
     def _collect(self, step: _InFlight) -> None:
         """Read a launched step's tokens (waiting for the device if it is still running), then
         detokenize, check stops and emit; publish the pages it completed. Rows of requests that ended
         since it was launched (a stop token read meanwhile, an abort) are dropped."""
+        step.collected = True
         try:
             result = step.pending.result()
             known = time.monotonic()
@@ -696,6 +735,7 @@ class Engine:
             [lv.generator for lv in lives],
             max(asked) if asked else None,
             None if chained is None else chained[0],
+            self._verify_masks(sampled, lives, logits.shape[-1], logits.device),
         )
         row_of = {lv.seq: row for row, lv in enumerate(lives)}
         items = [
@@ -768,6 +808,8 @@ class Engine:
             if live.seq is not w.seq or w.drafts != k or w.count != k + 1:
                 return False
             if not p.greedy or has_penalties(p) or live.request.num_logprobs is not None:
+                return False
+            if live.constraint is not None:  # its rows are masked between the model and the verify
                 return False
             if len(w.seq.pages) * page_size < w.start + w.count + k - 1:
                 return False
@@ -859,6 +901,7 @@ class Engine:
             if (
                 has_penalties(p)
                 or live.request.num_logprobs is not None
+                or live.constraint is not None  # its masks need this step's tokens and drafts on the host
                 or step.drafted.depth.get(w.seq, (0, 0))[1] != k
             ):
                 return False

@@ -23,6 +23,7 @@ finite after division by any temperature ≥ SAMPLING_EPS.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from torch import Tensor
 import hy3c.kernels  # noqa: F401  (registers hy3.sample and its providers)
 from hy3c.kernels.registry import providers_for
 from hy3c.model.batch import aligned
-from hy3c.ops.sample import block_columns
+from hy3c.ops.sample import block_columns, unpack_allowed
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (logits / 1e-40 overflow fp32 to inf)
 PENALISED_LOGIT_LIMIT = 1e30  # x 1 / SAMPLING_EPS = 1e35: far below fp32's 3.4e38
@@ -320,10 +321,14 @@ def sample(
     num_logprobs: int = 0,
     noise: Tensor | None = None,
     prepared: FusedInputs | None = None,
+    allowed: Tensor | None = None,
 ) -> SampleResult:
     """Sample one token per row; on CUDA through the Triton fused sampler (with the columns `prepared`
-    earlier, else prepared now), elsewhere the reference."""
-    return sample_async(logits, params, history, generators, num_logprobs, noise, prepared).result()
+    earlier, else prepared now), elsewhere the reference. `allowed`: the rows' packed grammar masks
+    (`hy3c.ops.sample`), or None."""
+    return sample_async(
+        logits, params, history, generators, num_logprobs, noise, prepared, allowed=allowed
+    ).result()
 
 
 @dataclass
@@ -372,6 +377,7 @@ def sample_async(
     noise: Tensor | None = None,
     prepared: FusedInputs | None = None,
     staging: HostStaging | None = None,
+    allowed: Tensor | None = None,
 ) -> PendingSample:
     """`sample` without waiting for the draws: on CUDA the fused sampler's tokens stay on the device and
     reach the host through a pinned `staging` buffer (copied without blocking; `result()` waits for it).
@@ -384,8 +390,8 @@ def sample_async(
     if logits.is_cuda and _triton_sampler() is not None:
         inputs = prepared or prepare_fused(params, generators, logits.device)
         assert inputs is not None
-        return _sample_fused(logits, params, history, inputs, num_logprobs, noise, staging)
-    result = sample_reference(logits, params, history, generators, num_logprobs, noise)
+        return _sample_fused(logits, params, history, inputs, num_logprobs, noise, staging, allowed)
+    result = sample_reference(logits, params, history, generators, num_logprobs, noise, allowed)
     return PendingSample(torch.tensor(result.tokens, dtype=torch.long, device=logits.device), lambda: result)
 
 
@@ -395,14 +401,21 @@ def _triton_sampler() -> torch._ops.OpOverload | None:
 
 
 def _sample_fused(
-    logits, params, history, inputs: FusedInputs, num_logprobs, noise, staging: HostStaging | None = None
+    logits,
+    params,
+    history,
+    inputs: FusedInputs,
+    num_logprobs,
+    noise,
+    staging: HostStaging | None = None,
+    allowed: Tensor | None = None,
 ) -> PendingSample:
     logits = apply_penalties(logits.float(), params, history)
-    outputs = _triton_sampler()(logits, *inputs.columns, noise, num_logprobs)
+    outputs = _triton_sampler()(logits, *inputs.columns, noise, num_logprobs, allowed)
     tokens, chosen = outputs[:2]
     pair = torch.stack([tokens.double(), chosen.double()], 1)
     if staging is None or num_logprobs:
-        result = _fused_result(logits, params, pair.T.tolist(), outputs, num_logprobs)
+        result = _fused_result(logits, params, pair.T.tolist(), outputs, num_logprobs, allowed)
         return PendingSample(tokens.long(), lambda: result)
     return staged_draws(tokens.long(), pair, staging)
 
@@ -432,7 +445,9 @@ def _drawn(rows: list[list[float]]) -> SampleResult:
     return SampleResult([int(token) for token, _ in rows], [chosen for _, chosen in rows], [[] for _ in rows])
 
 
-def _fused_result(logits, params, pair: list[list[float]], outputs, num_logprobs) -> SampleResult:
+def _fused_result(
+    logits, params, pair: list[list[float]], outputs, num_logprobs, allowed: Tensor | None = None
+) -> SampleResult:
     token_list, chosen_list = pair
     top: list[list[tuple[int, float]]] = [[] for _ in params]
     if num_logprobs:  # the kernel's sorted candidates give the top logprobs too
@@ -440,7 +455,12 @@ def _fused_result(logits, params, pair: list[list[float]], outputs, num_logprobs
         for row in range(len(params)):
             if not exact[row]:  # the candidates cannot vouch for the n-th token: the whole row
                 temperature = params[row].temperature or 1.0
-                values[row], ids[row] = torch.log_softmax(logits[row] / temperature, -1).topk(num_logprobs)
+                scaled = logits[row] / temperature
+                if allowed is not None:  # the grammar's disallowed tokens are -inf, as in the kernel
+                    scaled = scaled.masked_fill(
+                        ~unpack_allowed(allowed[row : row + 1], scaled.shape[-1])[0], -math.inf
+                    )
+                values[row], ids[row] = torch.log_softmax(scaled, -1).topk(num_logprobs)
                 values[row], ids[row] = values[row].tolist(), ids[row].tolist()
             top[row] = list(zip(ids[row], values[row]))
     return SampleResult([int(t) for t in token_list], chosen_list, top)
@@ -459,6 +479,7 @@ def sample_reference(
     generators: list[torch.Generator | None],
     num_logprobs: int = 0,
     noise: Tensor | None = None,
+    allowed: Tensor | None = None,
 ) -> SampleResult:
     """The penalties, then `hy3.sample`'s reference with each sampled row's uniforms drawn from its
     request's generator (or taken from `noise`); greedy rows draw nothing."""
@@ -469,6 +490,6 @@ def sample_reference(
             if not p.greedy:
                 noise[row] = _uniforms(logits[row], generator)
     columns = fused_inputs(params, [0] * len(params), logits.device).columns
-    tokens, chosen, ids, values, _ = torch.ops.hy3.sample(logits, *columns, noise, num_logprobs)
+    tokens, chosen, ids, values, _ = torch.ops.hy3.sample(logits, *columns, noise, num_logprobs, allowed)
     top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     return SampleResult(tokens.tolist(), chosen.tolist(), top)

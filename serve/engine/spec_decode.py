@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hy3c.ops.sample import unpack_allowed
 from hy3c.serve.engine.sampler import History, SamplingParams, apply_penalties
 
 METHODS = ("mtp",)
@@ -398,6 +399,7 @@ def verify(
     generators: list[torch.Generator | None],
     forced: ForcedAcceptance | None = None,
     num_logprobs: int | None = None,
+    allowed: Tensor | None = None,
 ) -> Verified:
     """Accept or reject each request's drafts against the target rows (module docstring for the rule).
 
@@ -405,7 +407,10 @@ def verify(
     `draft_tokens` [sum(num_drafts)] and `draft_probs` [sum(num_drafts), V] (the q each was drawn from;
     None: drawn deterministically) in the same request-major order (`gather_drafts`); `history`: each
     request's prompt and output so far, without the drafts. `forced`: the benchmark mode. `num_logprobs`:
-    None for no logprobs, 0 for the emitted tokens', n for the top n too."""
+    None for no logprobs, 0 for the emitted tokens', n for the top n too. `allowed`: a packed grammar
+    mask per target row (`hy3c.ops.sample`; row j of a request masked by its grammar after d_1..d_j),
+    whose disallowed tokens are -inf in p: a draft the grammar refuses is never accepted, and the
+    correction and bonus tokens follow the grammar."""
     rows_needed, drafted = sum(num_drafts) + len(num_drafts), sum(num_drafts)
     if not len(params) == len(history) == len(generators) == len(num_drafts):
         raise ValueError("verify: params, history, generators and num_drafts differ in length")
@@ -431,6 +436,8 @@ def verify(
     valid, limit = table[:, 2 * width - 1 : -1] > 0, table[:, -1]
 
     logits = _penalised(target_logits.float(), num_drafts, draft_tokens, params, history)
+    if allowed is not None:
+        logits = logits.masked_fill(~unpack_allowed(allowed, logits.shape[-1]), float("-inf"))
     row_columns = _columns(row_params, device)
     greedy = row_columns.greedy[rows[:, 0]]  # per request
     logprobs = torch.log_softmax(logits / row_columns.temperature[:, None], -1)

@@ -101,10 +101,12 @@ class Speculator:
         generators: list[torch.Generator | None],
         num_logprobs: int | None,
         draft_tokens: Tensor | None = None,
+        allowed: Tensor | None = None,
     ) -> Verified:
         """Accept the drafts of the sampled requests (`work[i]` is request i's item; `last_rows[i]` its
         last logits row: its k_i + 1 rows end there). `draft_tokens`: the drafts on the device
-        (request-major), when the host has not read them yet (a step planned from one in flight)."""
+        (request-major), when the host has not read them yet (a step planned from one in flight).
+        `allowed`: the grammar masks of those rows (`spec_decode.verify`)."""
         counts = [w.drafts for w in work]
         rows = [r for last, k in zip(last_rows, counts) for r in range(last - k, last + 1)]
         device = logits.device
@@ -122,7 +124,16 @@ class Speculator:
             ]
             probs = torch.cat(parts)
         return verify(
-            target, counts, draft_tokens, probs, params, history, generators, self.forced, num_logprobs
+            target,
+            counts,
+            draft_tokens,
+            probs,
+            params,
+            history,
+            generators,
+            self.forced,
+            num_logprobs,
+            allowed,
         )
 
     def draft_pass(

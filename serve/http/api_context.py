@@ -314,11 +314,10 @@ class ApiContext:
             raise APIError(
                 400, f"{specs[1].param}: only one grammar per request (also {specs[0].param})", specs[1].param
             )
-        if self.engine.speculator is not None:
+        speculator = self.engine.speculator
+        if speculator is not None and speculator.forced is not None:
             raise APIError(
-                400,
-                f"{specs[0].param}: structured outputs are not yet available with speculative decoding",
-                specs[0].param,
+                400, f"{specs[0].param}: not with forced acceptance (a benchmark mode)", specs[0].param
             )
         try:
             return self.grammars.compile(specs[0])

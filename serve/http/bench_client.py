@@ -125,6 +125,7 @@ class BenchConfig:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    extra_body: dict = field(default_factory=dict)  # merged into every request's body (vLLM's flag)
     goodput: dict[str, float] = field(default_factory=dict)  # metric → SLO in ms
     percentile_metrics: tuple[str, ...] = METRICS
     metric_percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
@@ -534,7 +535,7 @@ async def _body(
     for name in ("temperature", "top_p", "top_k"):
         if getattr(config, name) is not None:
             body[name] = getattr(config, name)
-    return body
+    return {**body, **config.extra_body}
 
 
 def summarize(results: list[RequestResult], duration: float, config: BenchConfig) -> dict:

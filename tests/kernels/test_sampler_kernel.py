@@ -181,3 +181,65 @@ def test_seeded_kernel_draws_follow_the_distribution(top_k):
     expected = probs[probs > 0] * rows
     chi2 = float(((counts[probs > 0] - expected) ** 2 / expected).sum())
     assert chi2 < 20.5  # p = 0.001 at ≤ 5 degrees of freedom
+
+
+def _packed(allowed: torch.Tensor, words: int) -> torch.Tensor:
+    """Booleans [B, V] as a packed int32 mask [B, words] (bit j of word w: token 32·w + j)."""
+    rows, vocab = allowed.shape
+    bits = torch.zeros(rows, words * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    weights = torch.ones(32, dtype=torch.int64) << torch.arange(32)
+    packed = (bits.view(rows, words, 32) * weights).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),  # drawn by the chunks
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02),
+        SamplingParams(temperature=1.0, top_k=80),  # beyond the merge: the bisection reads the mask too
+        SamplingParams(temperature=3.0, top_p=0.99),  # flat: bisection
+    ],
+)
+def test_packed_grammar_mask_is_read_by_the_kernel_as_the_reference_applies_it(params):
+    """Rows allowing a few tokens (one of them in a chunk of its own), many, every token, and a mask
+    wider than the vocabulary (the tokenizer's width): tokens, logprobs and the fallback path agree
+    with the reference, and no drawn token is outside its mask."""
+    rows, vocab = 4, 1500
+    logits = torch.randn(rows, vocab) * 2
+    logits[:, torch.randperm(vocab)[:12]] += 8.0
+    allowed = torch.zeros(rows, vocab, dtype=torch.bool)
+    allowed[0, [3, 700, 1499]] = True  # three tokens, in three of the six chunks
+    allowed[1] = torch.rand(vocab) < 0.4
+    allowed[2] = True
+    allowed[3, 1000:1200] = True  # one chunk's worth, the head mostly outside it
+    mask = _packed(allowed, (vocab + 31) // 32 + 2)
+    noise = torch.rand(rows, vocab)
+    columns = _columns(params, rows)
+    ref_tokens, ref_logprobs, *_ = hy3.sample(logits, *columns, noise, 0, mask)
+    tokens, logprobs = fused_sample(
+        logits, *columns, noise, chunk=256, candidates=16, merge_top=64, allowed=mask
+    )
+    assert allowed[torch.arange(rows), tokens].all()
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    assert torch.equal(hy3.sample(masked, *columns, noise, 0)[0], ref_tokens)  # the mask is -inf logits
+
+
+def test_sampler_ops_take_the_mask_through_opcheck_and_refuse_a_narrow_one():
+    rows, vocab = 3, 100
+    logits = torch.randn(rows, vocab)
+    mask = _packed(torch.rand(rows, vocab) < 0.5, 4)
+    columns = _columns(SamplingParams(temperature=0.8, top_p=0.9), rows)
+    noise = torch.rand(rows, vocab)
+    for op in (hy3.sample.default, tri.sample.default):
+        torch.library.opcheck(op, (logits, *columns, noise, 2, mask))
+    ours, ref = tri.sample(logits, *columns, noise, 2, mask), hy3.sample(logits, *columns, noise, 2, mask)
+    assert torch.equal(ours[0], ref[0])
+    with pytest.raises(ValueError, match="allowed has 3 words, 100 tokens need 4"):
+        fused_sample(logits, *columns, noise, allowed=mask[:, :3].contiguous())

@@ -1,5 +1,6 @@
 """The grammar masks of structured outputs (`serve/agent/structured.py`) against their references: the
-parallel fill equals one request at a time, the applied mask leaves exactly the allowed logits, and a
+parallel fill equals one request at a time and into the rows asked, the sampler op's unpacking leaves
+exactly the allowed tokens, and a
 grammar's tokens walk to a complete document that the stop token then ends."""
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ import pytest
 import torch
 
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
+from hy3c.ops.sample import unpack_allowed
 from hy3c.serve.agent.structured import (
     Grammars,
     GrammarSpec,
     allocate_masks,
-    apply_masks,
     fill_masks,
     new_constraint,
 )
@@ -54,13 +55,12 @@ def test_parallel_fill_equals_one_at_a_time_and_masks_apply(grammars):
         alone = allocate_masks(1, vocab)
         constraint.fill(alone, 0)
         assert _allowed(together, row, vocab) == _allowed(alone, 0, vocab) != set()
-    logits = torch.randn(4, vocab)
-    before = logits.clone()
-    apply_masks(logits, together, [0, 2, 3])
-    assert torch.equal(logits[1], before[1])  # a row without a grammar is untouched
+    step = allocate_masks(5, vocab)  # a step's rows: those without a grammar allow every token
+    fill_masks(constraints, step, [0, 2, 3])
+    unpacked = unpack_allowed(step, vocab)
+    assert unpacked[1].all() and unpacked[4].all()
     for row, mask_row in ((0, 0), (2, 1), (3, 2)):
-        kept = {t for t in range(vocab) if logits[row, t] > float("-inf")}
-        assert kept == _allowed(together, mask_row, vocab)
+        assert {t for t in range(vocab) if unpacked[row, t]} == _allowed(together, mask_row, vocab)
 
 
 def test_a_walk_under_the_mask_ends_in_a_valid_document_and_then_only_eos(grammars):

@@ -1,9 +1,12 @@
 """Overlapped scheduling: the engine plans and launches step N+1 before it reads step N's tokens. Its
 outputs must equal those of the engine that reads every step at once (`async_scheduling=False`), with
 greedy and seeded sampling, stop tokens and strings, preemptions forced by a small page pool, aborts
-and prefix-cache hits — and leave no page held."""
+and prefix-cache hits, penalties and grammars (whose next draws need the previous tokens on the host:
+read while the next model step runs) — and leave no page held."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 
@@ -57,10 +60,12 @@ def _run(engine: Engine, requests: list[GenerationRequest], abort: str | None = 
         engine.submit(request, outputs[request.request_id].append)
     schedule = engine.scheduler.schedule
     engine.fed_from_device = 0
+    engine.fed_ids = Counter()
 
     def recording():
         work = schedule()
         engine.fed_from_device += sum(w.from_device for w in work)
+        engine.fed_ids.update(w.seq.request_id for w in work if w.from_device)
         return work
 
     engine.scheduler.schedule = recording
@@ -86,8 +91,8 @@ def _run(engine: Engine, requests: list[GenerationRequest], abort: str | None = 
 def test_overlap_gives_the_outputs_of_the_step_by_step_engine(model, tokenizer, penalties):
     """Greedy and seeded requests, a stop token met mid-way and a stop string: the same tokens, text
     and finish reasons with overlap on and off; with it on, steps really were fed tokens still on the
-    device — unless a request samples with penalties over its output, whose next draw needs the
-    tokens on the host (then each step is read before the next is planned)."""
+    device — the penalised request's too (its previous step is read while the next model step runs,
+    before the draws that need its history)."""
     first = _run(_engine(model, tokenizer, overlap=False), _requests(penalties=penalties))
     stop_token = first["r2"][0][4]  # r2's fifth greedy token: it stops there when asked to
     sync_engine, overlap_engine = (_engine(model, tokenizer, o) for o in (False, True))
@@ -96,7 +101,46 @@ def test_overlap_gives_the_outputs_of_the_step_by_step_engine(model, tokenizer, 
     assert overlapped == sync
     assert sync["r2"][2] == "stop" and len(sync["r2"][0]) == first["r2"][0].index(stop_token)
     assert sync_engine.fed_from_device == 0
-    assert (overlap_engine.fed_from_device > 0) == (not penalties)
+    assert overlap_engine.fed_from_device > 0 and overlap_engine.fed_ids["r4"] > 20
+
+
+def test_grammar_requests_overlap_and_equal_the_step_by_step_engine(model, tokenizer):
+    """Requests under a grammar (a regex, a choice) beside free ones, greedy and seeded: overlap on and
+    off give the same outputs, each output follows its grammar and ends when it is complete, and the
+    constrained requests' steps were fed tokens still on the device (the masks built while the next
+    model step runs)."""
+    import re
+
+    pytest.importorskip("llguidance")
+    from hy3c.serve.agent.structured import Grammars, GrammarSpec
+
+    grammars = Grammars(tokenizer, model.config.vocab_size)
+    pattern = "(ab|cd){3,6}e"
+    regex = grammars.compile(GrammarSpec("regex", pattern, "guided_regex"))
+    choice = grammars.compile(GrammarSpec("choice", ["sunny", "cloudy", "rain"], "guided_choice"))
+
+    def requests():
+        out = _requests(penalties=False)[:4]
+        for i, (grammar, seed) in enumerate([(regex, None), (regex, 11), (choice, 4)]):
+            params = (
+                SamplingParams(temperature=0.0)
+                if seed is None
+                else SamplingParams(temperature=1.0, seed=seed)
+            )
+            out.append(GenerationRequest(f"g{i}", [9, 17, 4 + i], params, max_tokens=40, grammar=grammar))
+        return out
+
+    results = {}
+    for overlap in (False, True):
+        engine = _engine(model, tokenizer, overlap)
+        results[overlap] = _run(engine, requests())
+        if overlap:
+            assert all(engine.fed_ids[f"g{i}"] > 0 for i in range(3))
+    assert results[True] == results[False]
+    for i in range(2):
+        _, text, reason, _ = results[True][f"g{i}"]
+        assert re.fullmatch(pattern, text) and reason == "stop"
+    assert results[True]["g2"][1] in ("sunny", "cloudy", "rain")
 
 
 def test_overlap_survives_preemption_and_aborts(model, tokenizer):

@@ -252,3 +252,94 @@ def test_on_cuda_mtp_with_overlap_replays_graphs_and_changes_nothing(cuda_artifa
         free_cuda_memory()
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] > 0 and runs[False][1] == 0
+
+
+def _grammars(tokenizer, model):
+    pytest.importorskip("llguidance")
+    from hy3c.serve.agent.structured import Grammars
+
+    return Grammars(tokenizer, model.config.vocab_size)
+
+
+def _constrained_run(engine: Engine, requests: list[GenerationRequest]) -> dict[str, tuple[str, str]]:
+    outputs: dict[str, list[StepOutput]] = {r.request_id: [] for r in requests}
+    for request in requests:
+        engine.submit(request, outputs[request.request_id].append)
+    engine.run_until_done()
+    assert engine.pool.num_free == engine.pool.usable, "pages leaked"
+    return {rid: ("".join(o.text for o in outs), outs[-1].finish_reason) for rid, outs in outputs.items()}
+
+
+def test_grammar_masks_the_verified_rows_and_output_equals_plain_decoding(model, tokenizer):
+    """Structured outputs under MTP (random weights: the drafts ignore the grammar, so most are refused
+    by its masks): greedy and seeded requests under a regex and a JSON schema give, at K = 1 and 2, the
+    output of plain decoding (greedy: the same text; seeded: reproducible), each following its grammar
+    to a stop; a request without a grammar beside them is unchanged."""
+    import json
+    import re
+
+    from hy3c.serve.agent.structured import GrammarSpec
+
+    grammars = _grammars(tokenizer, model)
+    pattern = "(ab|cd){2,5}!"
+    regex = grammars.compile(GrammarSpec("regex", pattern, "guided_regex"))
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"]}
+    schema["additionalProperties"] = False
+    document = grammars.compile(GrammarSpec("json", schema, "response_format"))
+
+    def requests(seeded: bool):
+        params = SamplingParams(temperature=0.9, seed=5) if seeded else SamplingParams(temperature=0.0)
+        out = [GenerationRequest("free", [5, 17, 33], SamplingParams(temperature=0.0), max_tokens=12)]
+        out.append(GenerationRequest("regex", [9, 17, 4], params, max_tokens=30, grammar=regex))
+        out.append(GenerationRequest("json", [9, 3, 4], params, max_tokens=40, grammar=document))
+        return out
+
+    plain = _constrained_run(_engine(model, tokenizer, 0), requests(False))
+    for k in (1, 2):
+        assert _constrained_run(_engine(model, tokenizer, k), requests(False)) == plain
+        seeded = _constrained_run(_engine(model, tokenizer, k), requests(True))
+        assert seeded == _constrained_run(_engine(model, tokenizer, k), requests(True))
+        for got in (plain, seeded):
+            assert re.fullmatch(pattern, got["regex"][0]) and got["regex"][1] == "stop"
+            assert json.loads(got["json"][0]).keys() == {"n"} and got["json"][1] == "stop"
+
+
+def test_on_the_trained_model_constrained_drafts_are_accepted_and_change_nothing(trained_ckpt):
+    """On the trained model the drafts often agree with the target: under a grammar of short lines
+    (at most 12 code-like characters, so the grammar's state — how long the line is — decides the
+    mask), greedy K = 1 equals plain decoding with drafts accepted: the mask of a row after a draft is
+    the grammar's state past that draft (with the state before it, a 12th character accepted as a
+    draft would let the next row continue the line)."""
+    import re
+
+    from hy3c.checkpoint.train_tiny import stdlib_files
+    from hy3c.serve.agent.structured import GrammarSpec
+
+    model = _drafting_model(trained_ckpt)
+    tokenizer = Hy3Tokenizer.from_dir(trained_ckpt)
+    pattern = "([a-zA-Z0-9_ .,:=()'\"#-]{1,12}\\n){1,8}"
+    grammar = _grammars(tokenizer, model).compile(GrammarSpec("regex", pattern, "guided_regex"))
+    text = stdlib_files()[1][0].read_text()
+    prompts = [tokenizer.encode(text[i : i + 300])[:48] for i in range(0, 4000, 1000)]
+    requests = [
+        GenerationRequest(f"h{i}", p, SamplingParams(temperature=0.0), max_tokens=24, grammar=grammar)
+        for i, p in enumerate(prompts)
+    ]
+    plain, drafting = _engine(model, tokenizer, 0), _engine(model, tokenizer, 1)
+    want = _constrained_run(plain, requests)
+    assert _constrained_run(drafting, requests) == want
+    for text, reason in want.values():  # a whole document, or one cut at max_tokens
+        assert reason in ("stop", "length")
+        assert re.fullmatch(pattern, text) or (reason == "length" and re.fullmatch(pattern, text + "\n"))
+    accepted = drafting.metrics.spec_accepted_tokens._value.get()
+    drafted = drafting.metrics.spec_draft_tokens._value.get()
+    assert accepted >= 0.2 * drafted > 0, (accepted, drafted)
+
+
+def test_forced_acceptance_refuses_a_grammar(model, tokenizer):
+    from hy3c.serve.agent.structured import GrammarSpec
+
+    grammar = _grammars(tokenizer, model).compile(GrammarSpec("regex", "a+", "guided_regex"))
+    request = GenerationRequest("g", [5, 6], SamplingParams(temperature=0.0), max_tokens=4, grammar=grammar)
+    out = _constrained_run(_engine(model, tokenizer, 1, forced=0.5), [request])
+    assert out["g"][1] == "error"

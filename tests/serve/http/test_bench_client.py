@@ -109,6 +109,19 @@ def test_chat_endpoint(server, tmp_path):
     assert result["backend"] == "openai-chat" and result["total_input_tokens"] > 3 * 6  # the chat template
 
 
+def test_extra_body_reaches_every_request(server, tmp_path):
+    """`--extra-body` (vLLM's flag) merged into each body: a response_format whose choice of two words
+    the outputs then are (and end on: stop before the 8 tokens asked)."""
+    pytest.importorskip("llguidance")
+    choice = {"structured_outputs": {"choice": ["alpha", "beta"]}}
+    flags = ["--endpoint", "/v1/chat/completions", "--num-prompts", "3", "--random-input-len", "6"]
+    flags += ["--random-output-len", "8", "--extra-body", json.dumps(choice), "--save-detailed"]
+    flags += ["--save-result", "--result-filename", str(tmp_path / "extra.json")]
+    assert bench(server, *flags, "--disable-tqdm") == 0
+    result = json.loads((tmp_path / "extra.json").read_text())
+    assert result["completed"] == 3 and set(result["generated_texts"]) <= {"alpha", "beta"}
+
+
 class _AccessLines(logging.Handler):
     """The paths of the server's access log lines while installed."""
 
@@ -212,6 +225,8 @@ def test_statistics_and_goodput():
         (["--tokenizer", "/nonexistent"], "error: --tokenizer /nonexistent: no tokenizer.json there"),
         (["--tokenizer", "{bad}"], "error: --tokenizer {bad}: not a tokenizer.json"),
         (["--port", "70000"], "argument --port: 70000 is not a port number (0 to 65535)"),
+        (["--extra-body", "[1]"], "argument --extra-body: must be a JSON object (got list)"),
+        (["--extra-body", "nope"], "argument --extra-body: not JSON"),
     ],
 )
 def test_bad_flags_are_one_line_errors(flags, message, capsys, tmp_path):

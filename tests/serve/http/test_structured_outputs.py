@@ -16,7 +16,7 @@ from hy3c.serve.http.demo import BackgroundServer
 from hy3c.serve.http.server import ServeOptions
 
 openai = pytest.importorskip("openai")
-pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
 
 SCHEMA = {
     "type": "object",

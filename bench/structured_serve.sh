@@ -1,0 +1,48 @@
+# `hy3c serve` of the real-shape 4-layer FP8 slice with structured outputs: TPOT of chat requests under
+# a json_schema response_format against free text (same prompts, same token budget), at concurrency 32
+# (LEVELS to change), greedy, in one GPU lease; then the sampler benchmark with real grammar masks.
+#   bash bench/structured_serve.sh        (on the GPU machine; carry .whl with llguidance; ART=DIR serves
+#   an artifact compiled before; RANDOM_WEIGHTS=1 compiles the slice without weights)
+set -uo pipefail
+source bench/device_env.sh
+w=/tmp/structured; rm -rf $w; mkdir -p $w
+source bench/slice_serve.sh
+slice_artifact $w
+schema='{"response_format": {"type": "json_schema", "json_schema": {"name": "report", "strict": true, "schema":
+ {"type": "object", "additionalProperties": false, "required": ["title", "items"], "properties":
+ {"title": {"type": "string", "maxLength": 60}, "items": {"type": "array", "maxItems": 8, "items":
+ {"type": "object", "additionalProperties": false, "required": ["name", "score", "note"], "properties":
+ {"name": {"type": "string", "maxLength": 24}, "score": {"type": "integer"}, "note": {"type": "string", "maxLength": 40}}}}}}}}}'
+stamp serve
+python3 -m hy3c serve $art "${slice_flags[@]}" --port 8011 >$w/serve.log 2>&1 &
+pid=$!
+wait_healthy 8011 $pid $w/serve.log || exit 1
+for c in ${LEVELS:-32}; do
+  n=$((4 * c))
+  for kind in free json free json; do
+    extra='{}'; [ $kind = json ] && extra=$schema
+    python3 -m hy3c bench serve --base-url http://127.0.0.1:8011 --endpoint /v1/chat/completions \
+      --dataset-name random --num-prompts $n --max-concurrency $c --random-input-len 1024 \
+      --random-output-len 128 --temperature 0 --disable-tqdm --extra-body "$extra" \
+      --save-result --save-detailed --result-filename $w/$kind-c$c.json \
+      | grep -E "Successful|Total generated|Output token throughput|Mean TPOT|Median TPOT|P99 TPOT|Mean step|of which host" \
+      | sed "s/^/$kind c=$c /"
+    python3 - "$w/$kind-c$c.json" "$kind" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+texts = r.get("generated_texts", [])
+if sys.argv[2] == "json":
+    valid = 0
+    for t in texts:
+        try:
+            doc = json.loads(t)
+            valid += isinstance(doc, dict) and set(doc) == {"title", "items"}
+        except ValueError:
+            pass
+    print(f"json c: {valid}/{len(texts)} outputs parse and have the schema's keys")
+PY
+  done
+done
+kill $pid; wait $pid 2>/dev/null || true
+stamp sampler
+python3 bench/grammar_sampler_bench.py
