@@ -16,13 +16,15 @@ then drives it on this thread (`run_until_done`) with greedy requests of random 
 - with `--long-prompts`: decode protection — `--decoders` requests decode while that many prompts of
   `--long-len` tokens are prefilled; the decoders' inter-token latency (median, p99, max) during the
   prefill, with the prefill chunk per step at the token budget and at `--long-prefill-token-threshold`;
+- with `--json-schema JSON`: every request's output follows that schema (structured outputs: the
+  grammar masks' host work shows among the phases);
 - with `--speculative-config` (as `hy3c serve`'s): the engine speculates, and the verify and draft
   graphs' bare replays give the speedup MTP can reach at acceptances 0.57 and 0.9 (and projected to
   80 layers).
 
     python3 bench/engine_probe.py ART [--concurrency 1 32] [--input-len 1024] [--output-len 200]
         [--contexts 1024 32768 131072] [--long-prompts 2 --long-len 65536 --decoders 8]
-        [--long-prefill-token-threshold 1024] [--skip-settings]
+        [--long-prefill-token-threshold 1024] [--skip-settings] [--json-schema JSON] [--random-weights SEED]
 """
 
 from __future__ import annotations
@@ -72,8 +74,12 @@ class PhaseClock:
         self.calls.clear()
 
 
+GRAMMAR = None  # the compiled --json-schema, when given
+
+
 def submit(engine, count: int, input_len: int, output_len: int, salt: int) -> dict[str, list[float]]:
-    """`count` greedy requests of distinct random prompts; returns request → its output times."""
+    """`count` greedy requests of distinct random prompts (under GRAMMAR when set); returns request →
+    its output times."""
     vocab = engine.runner.config.vocab_size
     times: dict[str, list[float]] = {}
     generator = torch.Generator().manual_seed(salt)
@@ -86,7 +92,7 @@ def submit(engine, count: int, input_len: int, output_len: int, salt: int) -> di
             stamps.extend([time.perf_counter()] * len(out.token_ids))  # a stamp per token
 
         request = GenerationRequest(
-            name, prompt, SamplingParams(temperature=0.0), output_len, ignore_eos=True
+            name, prompt, SamplingParams(temperature=0.0), output_len, ignore_eos=True, grammar=GRAMMAR
         )
         engine.submit(request, emit)
     return times
@@ -379,14 +385,23 @@ def main() -> None:
     parser.add_argument(
         "--speculative-config", default=None, help="as hy3c serve's (MTP): also times its graphs"
     )
+    parser.add_argument("--json-schema", default=None, help="every request under this JSON schema")
+    parser.add_argument("--random-weights", type=int, default=None, help="as hy3c serve's")
     args = parser.parse_args()
     options = ServeOptions(
         artifact=args.artifact,
+        random_weights=args.random_weights,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         speculative_config=args.speculative_config,
     )
     engine, _, _ = build_engine(options)
+    if args.json_schema is not None:
+        from hy3c.serve.agent.structured import Grammars, GrammarSpec
+
+        global GRAMMAR
+        grammars = Grammars(engine.tokenizer, engine.runner.config.vocab_size)
+        GRAMMAR = grammars.compile(GrammarSpec("json", json.loads(args.json_schema), "--json-schema"))
     clock = PhaseClock()
     clock.wrap(engine.scheduler, "schedule", "schedule")
     clock.wrap(engine._inputs, "build", "inputs.build")
@@ -401,6 +416,8 @@ def main() -> None:
     clock.wrap(engine, "_emit", "emit")
     clock.wrap(engine.scheduler, "publish", "publish")
     clock.wrap(engine, "_launch", "launch (all)")
+    clock.wrap(engine, "_grammar_masks", "grammar masks")
+    clock.wrap(core, "fill_masks", "fill_masks")
     rows = []
     salt = 0
     for concurrency in [] if args.skip_settings else args.concurrency:

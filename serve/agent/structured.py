@@ -17,6 +17,7 @@ import functools
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,9 @@ from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.serve.agent.markup import Hy3Markup
 
 CACHED = 64  # compiled grammars kept (requests of one schema share one)
+# a step's masks cheaper than this one after another are filled on the engine's thread: llguidance's
+# pool costs more to wake (0.3–3.7 ms a step measured for 32 cheap masks, against 0.2 ms in turn)
+PARALLEL_AFTER_S = 0.5e-3
 
 
 def _limits():
@@ -226,15 +230,58 @@ def _executor():
 
 
 def fill_masks(constraints: list[Constraint], mask: Tensor, rows: list[int] | None = None) -> None:
-    """Row rows[i] (default i) of `mask` for constraint i: one request alone on this thread, several in
-    parallel on llguidance's (a mask of Hy3's vocabulary takes ~0.2 ms a request: BENCHMARKS)."""
+    """Row rows[i] (default i) of `mask` for constraint i. The first is filled on this thread and
+    timed: when the others would take longer than PARALLEL_AFTER_S at its pace, they are filled in
+    parallel on llguidance's threads (a mask of a 120,832-token vocabulary inside a JSON string takes
+    ~0.2 ms: BENCHMARKS), else here too."""
     rows = list(range(len(constraints))) if rows is None else rows
-    if len(constraints) == 1:
-        constraints[0].fill(mask, rows[0])
+    if not constraints:
+        return
+    started = time.perf_counter()
+    constraints[0].fill(mask, rows[0])
+    first = time.perf_counter() - started
+    rest = list(zip(constraints[1:], rows[1:]))
+    if first * len(rest) < PARALLEL_AFTER_S:
+        for constraint, row in rest:
+            constraint.fill(mask, row)
         return
     from llguidance.torch import fill_next_token_bitmask_par
 
-    fill_next_token_bitmask_par(_executor(), [(c.matcher, row) for c, row in zip(constraints, rows)], mask)
+    fill_next_token_bitmask_par(_executor(), [(c.matcher, row) for c, row in rest], mask)
+
+
+class MaskStaging:
+    """Pinned host buffers a step's packed masks are filled in and copied to the device from, without
+    blocking: two used in turn (the overlapped engine has at most two steps' draws in flight), each
+    reused only once its copy is done; grown to the largest step seen. Pinning a buffer per step cost
+    ~7 ms at 32 rows on the H200 (bench/LOG.md), the masks themselves a fraction of that."""
+
+    def __init__(self) -> None:
+        self._buffers: list[Tensor] = []
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._next = 0
+
+    def take(self, rows: int, vocab_size: int) -> Tensor:
+        """A [rows, ceil(vocab_size / 32)] view of the next buffer, every token allowed."""
+        words = (vocab_size + 31) // 32
+        if not self._buffers or self._buffers[0].numel() < rows * words:
+            size = max(rows, 64) * words
+            self._buffers = [torch.empty(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+            self._copied = [None, None]
+        copied = self._copied[self._next]
+        if copied is not None:
+            copied.synchronize()
+        view = self._buffers[self._next][: rows * words].view(rows, words)
+        return view.fill_(-1)
+
+    def upload(self, masks: Tensor, device: torch.device) -> Tensor:
+        """The masks of the last `take` on `device` (queued on the current stream)."""
+        on_device = masks.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[self._next] = event
+        self._next ^= 1
+        return on_device
 
 
 def allocate_masks(rows: int, vocab_size: int) -> Tensor:

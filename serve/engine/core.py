@@ -44,7 +44,7 @@ from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.config import Hy3Config
 from hy3c.logs import log_event
 from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
-from hy3c.serve.agent.structured import Constraint, allocate_masks, fill_masks, new_constraint
+from hy3c.serve.agent.structured import Constraint, MaskStaging, allocate_masks, fill_masks, new_constraint
 from hy3c.serve.engine.detokenizer import IncrementalDetokenizer
 from hy3c.serve.engine.kv_pages import OutOfPages, PagePool
 from hy3c.serve.engine.kv_tiers import KVTiers, TierConfig
@@ -284,6 +284,7 @@ class Engine:
         rows, pages = config.max_num_seqs, -(-config.max_model_len // config.page_size)
         self._inputs = StepInputs(config.page_size, runner.device, rows, pages)
         self._staging = HostStaging()  # pinned buffers the draws reach the host through
+        self._mask_staging = MaskStaging()  # pinned buffers of the grammar masks (structured outputs)
         self._penalties: TrackedPenalties | None = None  # penalised requests' counts, on the device
         self._last_collected = 0.0
 
@@ -635,9 +636,23 @@ class Engine:
         ]
         if not rows:
             return None
-        masks = allocate_masks(len(lives), max(vocab, self.tokenizer.vocab_size))
-        fill_masks([constraint for _, constraint in rows], masks, [row for row, _ in rows])
-        return masks.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else masks
+        return self._masks_of(
+            [constraint for _, constraint in rows], [row for row, _ in rows], len(lives), vocab, device
+        )
+
+    def _masks_of(
+        self, constraints: list[Constraint], rows: list[int], total: int, vocab: int, device: torch.device
+    ) -> Tensor:
+        """`total` rows of packed masks, rows[i] filled by constraints[i] and the others allowing every
+        token; on CUDA built in a pinned staging buffer and copied up without blocking."""
+        width = max(vocab, self.tokenizer.vocab_size)
+        if device.type != "cuda":
+            masks = allocate_masks(total, width)
+            fill_masks(constraints, masks, rows)
+            return masks
+        masks = self._mask_staging.take(total, width)
+        fill_masks(constraints, masks, rows)
+        return self._mask_staging.upload(masks, device)
 
     def _verify_masks(
         self, work: list[Work], lives: list[_Live], vocab: int, device: torch.device
@@ -655,10 +670,7 @@ class Engine:
                 states += ahead
                 rows += range(start, start + len(ahead))
             start += w.drafts + 1
-        masks = allocate_masks(start, max(vocab, self.tokenizer.vocab_size))
-        if states:
-            fill_masks(states, masks, rows)
-        return masks.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else masks
+        return self._masks_of(states, rows, start, vocab, device)
 
     def _collect(self, step: _InFlight) -> None:
         """Read a launched step's tokens (waiting for the device if it is still running), then

@@ -36,6 +36,32 @@ def test_fused_sampler_at_hy3_vocabulary_equals_reference(params):
     torch.testing.assert_close(logprobs.cpu(), torch.tensor(ref.logprobs), atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9)]
+)
+def test_fused_sampler_reads_a_grammar_mask_at_hy3_vocabulary(params):
+    """Packed masks of 32 rows at the real vocabulary (a few hundred tokens, about half, all): the kernels' tokens
+    and logprobs equal the reference's under the same mask and noise, inside the mask."""
+    from hy3c.kernels.sampler.fused_sampler import fused_sample
+    from hy3c.ops.sample import unpack_allowed
+
+    rows, vocab = 32, 120832
+    logits = torch.randn(rows, vocab, device="cuda") * 4
+    noise = torch.rand(rows, vocab, device="cuda")
+    words = torch.randint(-(2**31), 2**31 - 1, (rows, vocab // 32), dtype=torch.int32, device="cuda")
+    words[: rows // 3] &= torch.randint(-(2**31), 2**31 - 1, words[: rows // 3].shape, device="cuda").int()
+    words[: rows // 3, 100:] = 0  # a few hundred tokens at the vocabulary's start
+    words[-4:] = -1  # every token
+    allowed = unpack_allowed(words, vocab)
+    columns = [torch.full((rows,), v, device="cuda") for v in (params.temperature, 0, params.top_p, 0.0, 0)]
+    for at in (1, 4):
+        columns[at] = columns[at].int()
+    tokens, logprobs = fused_sample(logits, *columns, noise, allowed=words)
+    ref_tokens, ref_logprobs, *_ = torch.ops.hy3.sample(logits, *columns, noise, 0, words)
+    assert torch.equal(tokens, ref_tokens) and allowed[torch.arange(rows, device="cuda"), tokens].all()
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-3, rtol=1e-4)
+
+
 def test_fused_dispatch_with_logit_bias_tiny_temperatures_and_extreme_penalties():
     """What the engine calls on CUDA (`sample` with columns prepared before the step) equals the
     reference for logit_bias, temperatures below SAMPLING_EPS (greedy) and a 1e-300 repetition penalty,

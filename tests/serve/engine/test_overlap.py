@@ -184,3 +184,52 @@ def test_a_stopped_request_gets_no_output_from_the_extra_step(model, tokenizer):
     engine.run_until_done()
     assert [o.finished for o in outputs] == [False, False, True]
     assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == stop
+
+
+@pytest.mark.gpu
+def test_on_cuda_grammar_masks_reach_the_kernels_through_the_staging_buffers(cuda_artifact, tokenizer):
+    """The served engine on the GPU (CUDA graphs, the fused sampler reading the masks, the pinned
+    staging buffers used in turn): requests under a regex and a choice beside free ones, overlap on
+    and off, and MTP at K = 1: the same outputs, each following its grammar."""
+    import re
+
+    pytest.importorskip("llguidance")
+    from hy3c.serve.agent.structured import Grammars, GrammarSpec
+    from hy3c.serve.http.server import ServeOptions, build_engine
+
+    from .conftest import free_cuda_memory, speculative_engine
+
+    pattern = "(ab|cd){3,6}e"
+    results = {}
+    for setting in ("sync", "overlap", "mtp"):
+        if setting == "mtp":
+            engine = speculative_engine(cuda_artifact, 1)
+        else:
+            options = ServeOptions(artifact=cuda_artifact, max_num_seqs=8, kv_memory_gib=1.0)
+            engine = build_engine(options)[0]
+            engine.config.async_scheduling = setting == "overlap"
+        grammars = Grammars(engine.tokenizer, engine.runner.config.vocab_size)
+        regex = grammars.compile(GrammarSpec("regex", pattern, "guided_regex"))
+        choice = grammars.compile(GrammarSpec("choice", ["sunny", "cloudy"], "guided_choice"))
+        requests = _requests(penalties=False)[:4]
+        for i, (grammar, seed) in enumerate([(regex, None), (regex, 3), (choice, None)] * 2):
+            params = (
+                SamplingParams(temperature=0.0)
+                if seed is None
+                else SamplingParams(temperature=1.0, seed=seed)
+            )
+            requests.append(GenerationRequest(f"g{i}", [9, 17, 4 + i], params, 40, grammar=grammar))
+        results[setting] = _run(engine, requests)
+        del engine
+        free_cuda_memory()
+    assert results["overlap"] == results["sync"]
+    for i in range(6):
+        text, reason = results["sync"][f"g{i}"][1:3]
+        assert reason == "stop" and (
+            text in ("sunny", "cloudy") if i % 3 == 2 else re.fullmatch(pattern, text)
+        )
+    greedy = [f"g{i}" for i in (0, 2, 3, 5)] + [
+        "r0",
+        "r2",
+    ]  # MTP's sampled draws differ from plain decoding's
+    assert {r: results["mtp"][r] for r in greedy} == {r: results["sync"][r] for r in greedy}
