@@ -418,12 +418,23 @@ def main() -> None:
     clock.wrap(engine, "_launch", "launch (all)")
     clock.wrap(engine, "_grammar_masks", "grammar masks")
     clock.wrap(core, "fill_masks", "fill_masks")
+    if args.json_schema is not None:
+        import llguidance.torch
+
+        clock.wrap(llguidance.torch, "fill_next_token_bitmask_par", "masks on llguidance's pool")
     rows = []
     salt = 0
     for concurrency in [] if args.skip_settings else args.concurrency:
         for overlap in (False, True):
             salt += 1
             rows.append(run_setting(engine, clock, overlap, concurrency, args, salt))
+        if args.json_schema is not None:  # again with every mask filled on the engine's thread
+            from hy3c.serve.agent import structured
+
+            pool_after, structured.PARALLEL_AFTER_S = structured.PARALLEL_AFTER_S, float("inf")
+            salt += 1
+            rows.append({**run_setting(engine, clock, True, concurrency, args, salt), "in_turn": True})
+            structured.PARALLEL_AFTER_S = pool_after
     if rows:
         print(f"\nengine probe: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.artifact}")
         print(f"input {args.input_len}, output {args.output_len}, profile window {args.profile_steps} steps")
@@ -435,7 +446,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(
-                f"| {'on' if r['overlap'] else 'off'} | {r['concurrency']} | {r['step_ms']:.3f} | "
+                f"| {'on' if r['overlap'] else 'off'}{' (masks in turn)' if r.get('in_turn') else ''} | "
+                f"{r['concurrency']} | {r['step_ms']:.3f} | "
                 f"{r['tokens_per_s']:.0f} | "
                 f"{r['tpot_ms']:.3f} | {r['window_step_ms']:.3f} | {r['gpu_busy_ms']:.3f} | {r['gpu_idle_pct']:.1f} | "
                 f"{r['between_steps_idle_pct']:.1f} | "
@@ -450,7 +462,8 @@ def main() -> None:
             listed = ", ".join(
                 f"{k} {v:.3f}" for k, v in sorted(r["phases_ms"].items(), key=lambda kv: -kv[1])
             )
-            print(f"  overlap {'on' if r['overlap'] else 'off'} C={r['concurrency']}: {listed}")
+            turn = ", masks in turn" if r.get("in_turn") else ""
+            print(f"  overlap {'on' if r['overlap'] else 'off'}{turn} C={r['concurrency']}: {listed}")
     if args.contexts:
         print(f"\noverlapped decode step by context ({args.context_requests} requests):")
         print(

@@ -131,8 +131,10 @@ class Hy3Tokenizer:
         except (UnicodeDecodeError, TemplateError) as exc:
             raise TokenizerError(f"{source}: invalid chat template ({str(exc)[:200]})") from None
 
-    @property
+    @cached_property
     def vocab_size(self) -> int:
+        """The ids the tokenizer knows, added tokens included (read once: `tokenizers` builds the whole
+        vocabulary to count it, 3.4 ms at 120,832 tokens, and the engine asks every constrained step)."""
         return self.tokenizer.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
