@@ -29,6 +29,7 @@ from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.serve.agent.markup import Hy3Markup
 
 CACHED = 64  # compiled grammars kept (requests of one schema share one)
+MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, pattern or list of choices longer than this (as JSON) is refused
 # a step's masks cheaper than this one after another are filled on the engine's thread: llguidance's
 # pool costs more to wake (0.3–3.7 ms a step measured for 32 cheap masks, against 0.2 ms in turn)
 PARALLEL_AFTER_S = 0.5e-3
@@ -57,6 +58,15 @@ class GrammarSpec:
 
     kind: str
     value: Any
+    param: str
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A compiled grammar: a matcher at its start, which each request's `Constraint` copies, and the
+    request field it came from (named by the 400 of a grammar that fails while generating)."""
+
+    matcher: Any
     param: str
 
 
@@ -105,7 +115,9 @@ class Grammars:
         self.vocab_size = vocab_size
         self._tokens = None
         self._lock = threading.Lock()
-        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # the last CACHED grammars
+        self._compiled: OrderedDict[tuple[str, str, str], CompiledGrammar] = (
+            OrderedDict()
+        )  # the last CACHED grammars
         self.width = max(vocab_size, tokenizer.vocab_size)  # of the masks: the logits' or the vocabulary's
 
     def warm(self) -> None:
@@ -130,15 +142,20 @@ class Grammars:
                 )
             return self._tokens
 
-    def compile(self, spec: GrammarSpec):
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The compiled grammar of `spec` (shared by its requests' constraints); GrammarError naming
         `spec.param` when the library rejects it."""
-        key = (spec.kind, json.dumps(spec.value, sort_keys=True, default=repr))
+        text = json.dumps(spec.value, sort_keys=True, default=repr)
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(
+                spec.param, f"{len(text)} characters, more than the {MAX_GRAMMAR_CHARS} allowed"
+            )
+        key = (spec.kind, text, spec.param)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
-        grammar = self._compile(spec)
+        grammar = CompiledGrammar(self._compile(spec), spec.param)
         with self._lock:
             self._compiled[key] = grammar
             while len(self._compiled) > CACHED:
@@ -163,12 +180,14 @@ class Grammars:
             else:
                 raise GrammarError(spec.param, f"unknown kind {spec.kind!r}")
             matcher = llguidance.LLMatcher(tokens, text, limits=_limits())
+            probe = Constraint(matcher.deep_copy())
             if not matcher.is_error():  # a first mask: grammars that blow the limits fail here, not in a step
-                Constraint(matcher.deep_copy()).fill(allocate_masks(1, self.width), 0)
+                probe.fill(allocate_masks(1, self.width), 0)
         except (RuntimeError, ValueError, TypeError, KeyError) as exc:
             raise GrammarError(spec.param, _first_line(exc)) from None
-        if matcher.is_error():
-            raise GrammarError(spec.param, _first_line(matcher.get_error()))
+        error = matcher.get_error() if matcher.is_error() else probe.error
+        if error:
+            raise GrammarError(spec.param, _first_line(error))
         return matcher
 
 
@@ -212,14 +231,17 @@ def tool_call_grammar(
     return "\n".join(rules)
 
 
+STRUCTURED_ERROR = "structured output: "  # how the engine's error of a failing grammar begins
+
+
 def _first_line(error: object) -> str:
     lines = str(error).strip().splitlines() or [type(error).__name__]
     return f"not a grammar the server can use ({lines[0][:200]})"
 
 
-def new_constraint(grammar) -> Constraint:
+def new_constraint(grammar: CompiledGrammar) -> Constraint:
     """A request's own state of a compiled grammar."""
-    return Constraint(grammar.deep_copy())
+    return Constraint(grammar.matcher.deep_copy())
 
 
 @functools.cache

@@ -44,7 +44,14 @@ from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.config import Hy3Config
 from hy3c.logs import log_event
 from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
-from hy3c.serve.agent.structured import Constraint, MaskStaging, allocate_masks, fill_masks, new_constraint
+from hy3c.serve.agent.structured import (
+    STRUCTURED_ERROR,
+    Constraint,
+    MaskStaging,
+    allocate_masks,
+    fill_masks,
+    new_constraint,
+)
 from hy3c.serve.engine.detokenizer import IncrementalDetokenizer
 from hy3c.serve.engine.kv_pages import OutOfPages, PagePool
 from hy3c.serve.engine.kv_tiers import KVTiers, TierConfig
@@ -1096,7 +1103,7 @@ class Engine:
                     if lv.constraint is not None and lv.constraint.error:  # its mask held no real choice
                         reason, out.error = (
                             "error",
-                            f"structured output: {lv.constraint.error.splitlines()[0]}",
+                            f"{STRUCTURED_ERROR}{lv.constraint.error.splitlines()[0]}",
                         )
                         break
                     stop_token = (token in self.eos_ids and not req.ignore_eos) or token in req.stop_token_ids
@@ -1109,7 +1116,7 @@ class Engine:
                         # the grammar's matcher failed (a limit met mid-way): this request ends, alone
                         reason, out.error = (
                             "error",
-                            f"structured output: {lv.constraint.error or 'token refused'}",
+                            f"{STRUCTURED_ERROR}{lv.constraint.error or 'token refused'}",
                         )
                         break
                     if tracked is not None and lv.seq in tracked:

@@ -28,7 +28,7 @@ from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.logs import log_event
 from hy3c.serve.agent.chat_output import AgentOptions
 from hy3c.serve.agent.markup import Hy3Markup
-from hy3c.serve.agent.structured import GrammarError, Grammars, GrammarSpec
+from hy3c.serve.agent.structured import STRUCTURED_ERROR, CompiledGrammar, GrammarError, Grammars, GrammarSpec
 from hy3c.serve.engine.core import Engine, GenerationRequest, StepOutput
 from hy3c.serve.engine.sampler import DEFAULT_TEMPERATURE, SamplingParams
 from hy3c.serve.http.delivery import LoopSink, stream_outputs
@@ -323,6 +323,14 @@ class ApiContext:
             return self.grammars.compile(specs[0])
         except GrammarError as exc:
             raise APIError(400, str(exc), exc.param) from None
+
+    @staticmethod
+    def failure(error: str, grammar: CompiledGrammar | None) -> APIError:
+        """The error of a request that ended in error: a 400 naming the field when its grammar failed
+        while generating (a limit llguidance meets only as the output grows), else a 500."""
+        if grammar is not None and error.startswith(STRUCTURED_ERROR):
+            return APIError(400, f"{grammar.param}: {error}", grammar.param)
+        return APIError(500, error, kind="server_error")
 
     def run(self, requests: list[GenerationRequest], http: Request) -> AsyncIterator[tuple[int, StepOutput]]:
         """(choice index, output) of each request until all finish (`delivery.stream_outputs`)."""

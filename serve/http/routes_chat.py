@@ -84,9 +84,11 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
                     yield chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
                 async for i, out in ctx.updates(requests, http, finals):
                     if out.error:  # "abort": the shutdown's (`Engine.abort_all`), retry elsewhere
-                        shutdown = out.finish_reason == "abort"
-                        kind = "service_unavailable" if shutdown else "server_error"
-                        yield sse(error_body(out.error, kind, code=503 if shutdown else 500))
+                        if out.finish_reason == "abort":
+                            yield sse(error_body(out.error, "service_unavailable", code=503))
+                        else:
+                            failed = ctx.failure(out.error, grammar)
+                            yield sse(error_body(failed.message, failed.kind, failed.param, failed.status))
                         continue
                     choice = outputs[i]
                     choice.count(out.token_ids)
@@ -120,7 +122,7 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
         scored: dict[int, list] = {}
         async for i, out in ctx.run(requests, http):
             if out.error:
-                raise APIError(500, out.error, kind="server_error")
+                raise ctx.failure(out.error, grammar)
             outputs[i].count(out.token_ids)
             outputs[i].feed(out.text)
             lps[i].extend(out.logprobs)

@@ -90,9 +90,11 @@ def add_completions_route(app: FastAPI, ctx: ApiContext) -> None:
                 opened = [False] * len(requests)
                 async for i, out in ctx.updates(requests, http, finals):
                     if out.error:  # "abort": the shutdown's (`Engine.abort_all`), retry elsewhere
-                        shutdown = out.finish_reason == "abort"
-                        kind = "service_unavailable" if shutdown else "server_error"
-                        yield sse(error_body(out.error, kind, code=503 if shutdown else 500))
+                        if out.finish_reason == "abort":
+                            yield sse(error_body(out.error, "service_unavailable", code=503))
+                        else:
+                            failed = ctx.failure(out.error, grammar)
+                            yield sse(error_body(failed.message, failed.kind, failed.param, failed.status))
                         continue
                     text, entries = out.text, list(out.logprobs)
                     if not opened[i]:
@@ -122,7 +124,7 @@ def add_completions_route(app: FastAPI, ctx: ApiContext) -> None:
         finals = {}
         async for i, out in ctx.run(requests, http):
             if out.error:
-                raise APIError(500, out.error, kind="server_error")
+                raise ctx.failure(out.error, grammar)
             texts[i] += out.text
             entries[i].extend(out.logprobs)
             if out.prompt_logprobs is not None:

@@ -132,6 +132,7 @@ def test_the_openai_clients_parse_with_a_pydantic_model(client):
         ({"response_format": _json_schema({"type": "objekt"})}, "response_format.json_schema.schema"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({"guided_regex": "("}, "guided_regex"),
+        ({"guided_choice": ["x" * 1000] * 70}, "guided_choice"),  # past MAX_GRAMMAR_CHARS
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
@@ -246,11 +247,46 @@ def test_tools_whose_parameters_are_not_a_schema_object_still_get_a_call(client)
     assert response.choices[0].message.tool_calls[0].function.name == "f"
 
 
-def test_a_grammar_past_the_librarys_limits_fails_its_request_not_the_server(server):
+def test_a_grammar_past_the_librarys_limits_is_a_400_and_the_server_goes_on(server):
+    """llguidance builds this regex's lexer lazily: the compile-time first mask meets the limit."""
     body = {"prompt": "x", "max_tokens": 4, "guided_regex": "a{1000000}"}
     response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
-    assert response.status_code in (400, 500) and "lexer" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "guided_regex" and "lexer" in error["message"]
+    streamed = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": True}, timeout=120)
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    failed = [e["error"] for e in events if "error" in e]
+    assert len(failed) == 1 and failed[0]["code"] == 400 and failed[0]["param"] == "guided_regex"
     assert (
         httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code
         == 200
     )
+
+
+def test_structured_outputs_and_tool_calls_under_mtp(tiny_artifact):
+    """A server speculating with the artifact's MTP layer (K = 2): json_schema outputs validate,
+    greedy ones equal the plain server's, and `tool_choice: required` still gives a tool call (each
+    verified row masked by the grammar past the drafts before it)."""
+    config = '{"method": "mtp", "num_speculative_tokens": 2}'
+    contents = {}
+    for speculative in (None, config):
+        options = ServeOptions(tiny_artifact, port=0, kv_memory_gib=0.02, speculative_config=speculative)
+        with BackgroundServer(options) as running:
+            client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="none", max_retries=0)
+            response = client.chat.completions.create(
+                model="art", messages=MESSAGES, max_tokens=120, response_format=_json_schema(), temperature=0
+            )
+            contents[speculative] = response.choices[0].message.content
+            sampled = client.chat.completions.create(
+                model="art", messages=MESSAGES, max_tokens=120, response_format=_json_schema(),
+                temperature=1.0, seed=3, n=2,
+            )  # fmt: skip
+            for choice in sampled.choices:
+                jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+            called = client.chat.completions.create(
+                model="art", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=160,
+                temperature=1.0, seed=1,
+            )  # fmt: skip
+            assert called.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(contents[config]), SCHEMA)
+    assert contents[config] == contents[None]
