@@ -27,6 +27,7 @@ from torch import Tensor
 
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.serve.agent.markup import Hy3Markup
+from hy3c.serve.agent.tool_calls import schema_types
 
 CACHED = 64  # compiled grammars kept (requests of one schema share one)
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, pattern or list of choices longer than this (as JSON) is refused
@@ -194,15 +195,17 @@ class Grammars:
 def tool_call_grammar(
     tokenizer: Hy3Tokenizer,
     markup: Hy3Markup,
-    functions: dict[str, list[str]],
+    functions: dict[str, dict[str, Any]],
     thinking: bool,
     parallel: bool,
 ) -> str:
     """A Lark grammar of Hy3 tool calls (`tool_calls` module docstring) to the `functions` given
-    (name → its parameter names) — one call, or several with `parallel` — after the reasoning when
-    `thinking` (the prompt ends inside a think block); `tool_choice` required / a named function. The
-    tags are the tokenizer's tokens (llguidance sees added tokens as tokens, not text); argument values
-    are any text."""
+    (name → its parameters' schemas by name) — one call, or several with `parallel` — after the
+    reasoning when `thinking` (the prompt ends inside a think block); `tool_choice` required / a named
+    function. The tags are the tokenizer's tokens (llguidance sees added tokens as tokens, not text).
+    A value is JSON of its parameter's schema when that schema is self-contained and admits no string
+    (an integer, an enum of numbers, an object, …: what the parser then reads as that type); a string
+    parameter, or one without a usable schema, takes any text (Hy3 writes strings raw)."""
     ids = tokenizer.added_tokens
 
     def tag(text: str) -> str:
@@ -216,19 +219,32 @@ def tool_call_grammar(
         "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
         "VALUE: /(.|\\n)*/",
     ]
-    for i, (name, keys) in enumerate(functions.items()):
+    for i, (name, parameters) in enumerate(functions.items()):
         head = f'{tag(m.tool_call_open)} {json.dumps(name)} {tag(m.tool_sep)} "\\n"'
         end = f'{tag(m.tool_call_close)} "\\n"'
-        if keys:
+        if parameters:
             rules.append(f"call_{i}: {head} arg_{i}* {end}")
-            key = " | ".join(json.dumps(k) for k in keys)
-            rules.append(
-                f'arg_{i}: {tag(m.arg_key_open)} ({key}) {tag(m.arg_key_close)} "\\n" '
-                f'{tag(m.arg_value_open)} VALUE {tag(m.arg_value_close)} "\\n"'
-            )
+            rules.append(f"arg_{i}: " + " | ".join(f"arg_{i}_{j}" for j in range(len(parameters))))
+            for j, (key, schema) in enumerate(parameters.items()):
+                value = "VALUE"
+                if _typed_value(schema):
+                    value = f"value_{i}_{j}"
+                    rules.append(f"{value}: %json {json.dumps(schema)}")
+                rules.append(
+                    f'arg_{i}_{j}: {tag(m.arg_key_open)} {json.dumps(key)} {tag(m.arg_key_close)} "\\n" '
+                    f'{tag(m.arg_value_open)} {value} {tag(m.arg_value_close)} "\\n"'
+                )
         else:
             rules.append(f"call_{i}: {head} {end}")
     return "\n".join(rules)
+
+
+def _typed_value(schema: Any) -> bool:
+    """Whether a parameter's value is held to JSON of its schema (`tool_call_grammar`)."""
+    if not isinstance(schema, dict) or "$ref" in json.dumps(schema):
+        return False
+    types = schema_types(schema)
+    return bool(types) and "string" not in types
 
 
 STRUCTURED_ERROR = "structured output: "  # how the engine's error of a failing grammar begins

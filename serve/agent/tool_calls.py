@@ -44,20 +44,21 @@ class ToolCallEvent:
     call_id: str = ""
 
 
-def _schema_types(schema: Any) -> list[str]:
+def schema_types(schema: Any) -> list[str]:
+    """The JSON types a schema names (its `type`, and those of its anyOf / oneOf options)."""
     if not isinstance(schema, dict):
         return []
     kinds = schema.get("type")
     types = [kinds] if isinstance(kinds, str) else [k for k in kinds or [] if isinstance(k, str)]
     for key in ("anyOf", "oneOf"):
         for option in schema.get(key) or []:
-            types += _schema_types(option)
+            types += schema_types(option)
     return types
 
 
 def coerce_argument(value: str, schema: Any) -> Any:
     """An argument's raw text as the JSON value its parameter schema calls for (module docstring)."""
-    types = _schema_types(schema)
+    types = schema_types(schema)
     if types == ["string"]:
         return value
     text = value.strip()

@@ -477,7 +477,7 @@ class ApiContext:
         forced = None  # `required` / a named function: the output is held to tool calls by a grammar
         if listed and choice is not None and choice not in ("none", "auto"):
             functions = {
-                tool["function"]["name"]: _parameter_names(tool["function"].get("parameters"))
+                tool["function"]["name"]: _parameter_schemas(tool["function"].get("parameters"))
                 for tool in listed
                 if choice == "required" or tool["function"]["name"] == choice.function.name
             }
@@ -528,10 +528,12 @@ class ApiContext:
         }
 
 
-def _parameter_names(parameters: Any) -> list[str]:
-    """The parameter names of a function's JSON-schema object (none when it is not one)."""
+def _parameter_schemas(parameters: Any) -> dict[str, Any]:
+    """Each parameter's schema by name, from a function's JSON-schema object (none when it is not one)."""
     properties = parameters.get("properties") if isinstance(parameters, dict) else None
-    return [name for name in properties if isinstance(name, str)] if isinstance(properties, dict) else []
+    if not isinstance(properties, dict):
+        return {}
+    return {name: schema for name, schema in properties.items() if isinstance(name, str)}
 
 
 def usage(outs: dict[int, StepOutput], n: int = 1) -> dict:

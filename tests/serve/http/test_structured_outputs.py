@@ -169,6 +169,20 @@ TOOLS = [
         "type": "function",
         "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
     },
+    {
+        "type": "function",
+        "function": {
+            "name": "set_count",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "exact": {"type": "boolean"},
+                    "label": {"type": "string"},
+                },
+            },
+        },
+    },
 ]
 
 
@@ -177,7 +191,7 @@ def test_tool_choice_required_and_named_always_give_a_tool_call(client):
     parsed message always has one (its arguments cut short at max_tokens, at worst)."""
     for seed in range(4):
         for choice, names in (
-            ("required", {"get_weather", "get_time"}),
+            ("required", {"get_weather", "get_time", "set_count"}),
             ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
         ):
             response = client.chat.completions.create(
@@ -190,6 +204,30 @@ def test_tool_choice_required_and_named_always_give_a_tool_call(client):
             for call in message.tool_calls:
                 assert isinstance(json.loads(call.function.arguments), dict)
             assert response.choices[0].finish_reason in ("tool_calls", "length")
+
+
+def test_forced_tool_arguments_follow_their_parameter_types(client):
+    """A named function whose parameters are an integer in [0, 99], a boolean and a string: under
+    `tool_choice` the grammar holds the non-string values to JSON of their schemas, so the parsed
+    arguments carry those types (random weights: whatever the model writes)."""
+    named = {"type": "function", "function": {"name": "set_count"}}
+    seen = set()
+    for seed in range(8):
+        response = client.chat.completions.create(
+            model="art", messages=MESSAGES, tools=TOOLS, tool_choice=named, max_tokens=200,
+            temperature=1.0, seed=seed,
+        )  # fmt: skip
+        for call in response.choices[0].message.tool_calls or []:
+            if response.choices[0].finish_reason != "tool_calls":
+                continue  # cut at max_tokens: its last value may be unfinished
+            arguments = json.loads(call.function.arguments)
+            assert set(arguments) <= {"n", "exact", "label"}
+            if "n" in arguments:
+                assert type(arguments["n"]) is int and 0 <= arguments["n"] <= 99, arguments
+            if "exact" in arguments:
+                assert type(arguments["exact"]) is bool, arguments
+            seen |= set(arguments)
+    assert {"n", "exact"} <= seen  # the typed values were really written
 
 
 def test_with_reasoning_the_tool_call_comes_after_it(client):
