@@ -116,9 +116,8 @@ class Grammars:
         self.vocab_size = vocab_size
         self._tokens = None
         self._lock = threading.Lock()
-        self._compiled: OrderedDict[tuple[str, str, str], CompiledGrammar] = (
-            OrderedDict()
-        )  # the last CACHED grammars
+        # the last CACHED grammars, by (kind, value as JSON, field)
+        self._compiled: OrderedDict[tuple[str, str, str], CompiledGrammar] = OrderedDict()
         self.width = max(vocab_size, tokenizer.vocab_size)  # of the masks: the logits' or the vocabulary's
 
     def warm(self) -> None:

@@ -482,7 +482,7 @@ class Engine:
         # a step whose tokens the next draws need (grammar masks, penalties) is read once the next
         # model step is running, before its draws are launched
         history = previous is not None and self._needs_history(previous)
-        launched = self._launch(previous, previous if history else None) if self.scheduler.has_work else None
+        launched = self._launch(previous, read_previous=history) if self.scheduler.has_work else None
         if previous is not None and not previous.collected:
             self._collect(previous)
         if launched is not None and not self.config.async_scheduling:
@@ -519,8 +519,8 @@ class Engine:
 
     @staticmethod
     def _needs_history(step: _InFlight) -> bool:
-        """Whether a request of the step samples with penalties over its output, or under a grammar,
-        which the next step's draw needs on the host (so that step waits for this one's tokens)."""
+        """Whether a request of the step samples with penalties over its output, or under a grammar:
+        the next step's draws need this one's tokens on the host (read once that step's model runs)."""
         return any(
             live.constraint is not None  # its next mask needs this step's token
             or live.request.params.repetition_penalty != 1.0
@@ -530,13 +530,13 @@ class Engine:
         )
 
     def _launch(
-        self, previous: _InFlight | None, read_first: _InFlight | None = None
+        self, previous: _InFlight | None, read_previous: bool = False
     ) -> _InFlight | _SpecStep | None:
         """Plan a step and launch it on the device: the model step, then the draws (which stay on the
-        device). Tokens of `previous` that are still in flight are fed from the device. `read_first`
-        (the previous step, when its tokens decide this step's grammar masks or penalties) is collected
-        after the model step is launched and before the draws: the host reads it, advances the grammars
-        and builds the masks while the device runs the model."""
+        device). Tokens of `previous` that are still in flight are fed from the device. With
+        `read_previous` (its tokens decide this step's grammar masks or penalties) `previous` is
+        collected after the model step is launched and before the draws: the host reads it, advances
+        the grammars and builds the masks while the device runs the model."""
         started = time.monotonic()
         preempted = self.scheduler.num_preemptions
         try:
@@ -614,8 +614,8 @@ class Engine:
                 self.scheduler.advance(work, [lv.seq for lv in lives])
                 self._score_prompts(logits, scoring)
                 sampled = logits if pick is None else logits[pick]
-                if read_first is not None:  # the device runs the model meanwhile
-                    self._collect(read_first)
+                if read_previous and previous is not None:  # the device runs the model meanwhile
+                    self._collect(previous)
                 pending = sample_async(
                     sampled,
                     params,
