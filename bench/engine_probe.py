@@ -18,6 +18,8 @@ then drives it on this thread (`run_until_done`) with greedy requests of random 
   prefill, with the prefill chunk per step at the token budget and at `--long-prefill-token-threshold`;
 - with `--json-schema JSON`: every request's output follows that schema (structured outputs: the
   grammar masks' host work shows among the phases);
+- with `--host-profile`: each setting's top host functions (cProfile, by own time) over one more window;
+- `--overlap on|off|both` picks the settings run (each setting's row also prints as it ends);
 - with `--speculative-config` (as `hy3c serve`'s): the engine speculates, and the verify and draft
   graphs' bare replays give the speedup MTP can reach at acceptances 0.57 and 0.9 (and projected to
   80 layers).
@@ -25,14 +27,18 @@ then drives it on this thread (`run_until_done`) with greedy requests of random 
     python3 bench/engine_probe.py ART [--concurrency 1 32] [--input-len 1024] [--output-len 200]
         [--contexts 1024 32768 131072] [--long-prompts 2 --long-len 65536 --decoders 8]
         [--long-prefill-token-threshold 1024] [--skip-settings] [--json-schema JSON] [--random-weights SEED]
+        [--overlap both] [--host-profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
 import itertools
 import json
+import pstats
 import statistics
 import tempfile
 import time
@@ -166,6 +172,7 @@ def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args
         prof.export_chrome_trace(str(trace))
         span, busy, kernels, long_idle = gpu_busy(trace)
     served_graphs = captured_step_times(engine, concurrency)
+    host_profile = profile_host(engine, window) if args.host_profile else ""
     engine.run_until_done()
     return {
         "overlap": overlap,
@@ -180,7 +187,21 @@ def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args
         "kernels_per_step": kernels / window,
         "phases_ms": phases,
         "served_graphs": served_graphs,
+        "host_profile": host_profile,
     }
+
+
+def profile_host(engine, steps: int, top: int = 25) -> str:
+    """The top `top` host functions by own time over `steps` more engine steps (cProfile)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine._iterate()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def timed_replays(graph, repeats: int = 100) -> float:
@@ -366,6 +387,20 @@ def find_syncs(engine, args) -> list[tuple[int, str]]:
     return [(count, text) for text, count in seen.most_common()]
 
 
+def report_setting(row: dict) -> None:
+    """A setting's step, TPOT and host phases as soon as it is measured (and its host profile)."""
+    turn = ", masks in turn" if row.get("in_turn") else ""
+    phases = ", ".join(f"{k} {v:.3f}" for k, v in sorted(row["phases_ms"].items(), key=lambda kv: -kv[1]))
+    print(
+        f"[setting] overlap {'on' if row['overlap'] else 'off'}{turn} C={row['concurrency']}: "
+        f"step {row['step_ms']:.3f} ms, TPOT {row['tpot_ms']:.3f} ms, GPU busy {row['gpu_busy_ms']:.3f} ms; "
+        f"host ms/step: {phases}",
+        flush=True,
+    )
+    if row["host_profile"]:
+        print(row["host_profile"], flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("artifact", type=Path)
@@ -387,6 +422,8 @@ def main() -> None:
     )
     parser.add_argument("--json-schema", default=None, help="every request under this JSON schema")
     parser.add_argument("--random-weights", type=int, default=None, help="as hy3c serve's")
+    parser.add_argument("--overlap", choices=("both", "on", "off"), default="both")
+    parser.add_argument("--host-profile", action="store_true", help="cProfile one more window per setting")
     args = parser.parse_args()
     options = ServeOptions(
         artifact=args.artifact,
@@ -418,23 +455,29 @@ def main() -> None:
     clock.wrap(engine, "_launch", "launch (all)")
     clock.wrap(engine, "_grammar_masks", "grammar masks")
     clock.wrap(core, "fill_masks", "fill_masks")
+    clock.wrap(engine._mask_staging, "take", "masks: staging take")
+    clock.wrap(engine._mask_staging, "upload", "masks: upload")
+    clock.wrap(engine, "_emit_sampled", "emit sampled")
     if args.json_schema is not None:
         import llguidance.torch
 
         clock.wrap(llguidance.torch, "fill_next_token_bitmask_par", "masks on llguidance's pool")
     rows = []
     salt = 0
+    overlaps = {"both": (False, True), "on": (True,), "off": (False,)}[args.overlap]
     for concurrency in [] if args.skip_settings else args.concurrency:
-        for overlap in (False, True):
+        for overlap in overlaps:
             salt += 1
             rows.append(run_setting(engine, clock, overlap, concurrency, args, salt))
-        if args.json_schema is not None:  # again with every mask filled on the engine's thread
+            report_setting(rows[-1])
+        if args.json_schema is not None and True in overlaps:  # again with every mask filled in turn
             from hy3c.serve.agent import structured
 
             pool_after, structured.PARALLEL_AFTER_S = structured.PARALLEL_AFTER_S, float("inf")
             salt += 1
             rows.append({**run_setting(engine, clock, True, concurrency, args, salt), "in_turn": True})
             structured.PARALLEL_AFTER_S = pool_after
+            report_setting(rows[-1])
     if rows:
         print(f"\nengine probe: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.artifact}")
         print(f"input {args.input_len}, output {args.output_len}, profile window {args.profile_steps} steps")

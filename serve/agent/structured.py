@@ -55,11 +55,14 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request constrains its output to: kind ∈ json (a JSON schema), regex, choice (a list of
-    strings), tool_calls (`tool_call_grammar`'s arguments); `param` the request field it came from."""
+    strings), tool_calls (`tool_call_grammar`'s arguments); `param` the request field it came from.
+    `after`: a special token the output runs free up to (the reasoning's end, `</think>`), the grammar
+    holding what follows it (None: the grammar holds the whole output)."""
 
     kind: str
     value: Any
     param: str
+    after: str | None = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self._tokens = None
         self._lock = threading.Lock()
-        # the last CACHED grammars, by (kind, value as JSON, field)
+        # the last CACHED grammars, by (kind, value as JSON, field, special token they follow)
         self._compiled: OrderedDict[tuple[str, str, str], CompiledGrammar] = OrderedDict()
         self.width = max(vocab_size, tokenizer.vocab_size)  # of the masks: the logits' or the vocabulary's
 
@@ -150,7 +153,7 @@ class Grammars:
             raise GrammarError(
                 spec.param, f"{len(text)} characters, more than the {MAX_GRAMMAR_CHARS} allowed"
             )
-        key = (spec.kind, text, spec.param)
+        key = (spec.kind, text, spec.param, spec.after)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
@@ -179,6 +182,8 @@ class Grammars:
                 text = llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(self.tokenizer, **spec.value))
             else:
                 raise GrammarError(spec.param, f"unknown kind {spec.kind!r}")
+            if spec.after is not None:
+                text = self._after(spec.after, text)
             matcher = llguidance.LLMatcher(tokens, text, limits=_limits())
             probe = Constraint(matcher.deep_copy())
             if not matcher.is_error():  # a first mask: grammars that blow the limits fail here, not in a step
@@ -189,6 +194,17 @@ class Grammars:
         if error:
             raise GrammarError(spec.param, _first_line(error))
         return matcher
+
+    def _after(self, token: str, grammar: str) -> str:
+        """`grammar` (llguidance's JSON form) preceded by free text up to the special token `token`:
+        a Lark start rule referring to it by name (`@body`)."""
+        ids = self.tokenizer.added_tokens
+        if token not in ids:
+            raise ValueError(f"the tokenizer has no special token {token!r}")
+        inner = json.loads(grammar)["grammars"]
+        inner[0]["name"] = "body"
+        start = f"start: free @body\nfree: /(.|\\n)*/ <[{ids[token]}]>"
+        return json.dumps({"grammars": [{"name": "start", "lark_grammar": start}, *inner]})
 
 
 def tool_call_grammar(

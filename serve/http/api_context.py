@@ -247,38 +247,24 @@ class ApiContext:
     ) -> tuple[AgentOptions, GrammarSpec | None]:
         """Reasoning is split off (and a forced tool grammar lets it run first) only when the rendered
         prompt ends inside a think block — not without a generation prompt or after an assistant turn.
-        A response grammar with reasoning on is a 400 (the grammar would hold the reasoning too)."""
+        A response grammar then holds only what follows the reasoning (`grammar_of`'s `after`)."""
         if options.thinking and options.markup is not None and not prompt.endswith(options.markup.think_open):
             options = dataclasses.replace(options, thinking=False)
             if forced is not None:
                 forced = GrammarSpec(forced.kind, {**forced.value, "thinking": False}, forced.param)
-        if options.thinking:
-            for name in (
-                "response_format",
-                "structured_outputs",
-                "guided_json",
-                "guided_regex",
-                "guided_choice",
-            ):
-                value = getattr(body, name)
-                if value is not None and not (name == "response_format" and value.type == "text"):
-                    raise APIError(
-                        400,
-                        f"{name}: not yet with reasoning (reasoning_effort low / high); use no_think",
-                        name,
-                    )
         return options, forced
 
-    def grammar_of(self, body, forced: GrammarSpec | None = None):
+    def grammar_of(self, body, forced: GrammarSpec | None = None, after: str | None = None):
         """The compiled grammar a request's output must follow (None: free text): from
         `forced` (tool_choice), `response_format` json_object / json_schema, `structured_outputs` or
         `guided_json` / `guided_regex` / `guided_choice` (routes call it on a worker thread: compiling
-        can take a while); 400 naming the field for two of them at once, a grammar the
-        library rejects, or a speculative server (not yet)."""
+        can take a while); with `after` (the reasoning's end tag, reasoning on) a response grammar
+        holds only what follows it. 400 naming the field for two of them at once, a grammar the
+        library rejects, or a forced-acceptance server."""
         specs = []
         form = body.response_format
         if form is not None and form.type == "json_object":
-            specs.append(GrammarSpec("json", {"type": "object"}, "response_format"))
+            specs.append(GrammarSpec("json", {"type": "object"}, "response_format", after))
         elif form is not None and form.type == "json_schema":
             if form.json_schema is None:
                 raise APIError(
@@ -286,11 +272,13 @@ class ApiContext:
                     "response_format.json_schema: required for type json_schema",
                     "response_format.json_schema",
                 )
-            specs.append(GrammarSpec("json", form.json_schema.schema_, "response_format.json_schema.schema"))
+            specs.append(
+                GrammarSpec("json", form.json_schema.schema_, "response_format.json_schema.schema", after)
+            )
         outputs = body.structured_outputs
         if outputs is not None:
             given = [
-                GrammarSpec(kind, value, f"structured_outputs.{name}")
+                GrammarSpec(kind, value, f"structured_outputs.{name}", after)
                 for kind, name, value in (
                     ("json", "json", outputs.json_),
                     ("regex", "regex", outputs.regex),
@@ -305,7 +293,7 @@ class ApiContext:
             specs += given
         for kind, name in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice")):
             if getattr(body, name) is not None:
-                specs.append(GrammarSpec(kind, getattr(body, name), name))
+                specs.append(GrammarSpec(kind, getattr(body, name), name, after))
         if forced is not None:
             specs.insert(0, forced)
         if not specs:

@@ -38,7 +38,8 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
         params = ctx.params_of(body)
         ctx.check_capacity()
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        grammar = await asyncio.to_thread(ctx.grammar_of, body, forced)
+        after = options.markup.think_close if options.thinking and options.markup is not None else None
+        grammar = await asyncio.to_thread(ctx.grammar_of, body, forced, after)
         requests = ctx.make_requests(
             prompt_ids,
             body,

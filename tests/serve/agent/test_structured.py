@@ -86,3 +86,37 @@ def test_a_grammar_the_library_rejects_names_the_field(grammars):
 
     with pytest.raises(GrammarError, match="guided_regex: not a grammar"):
         grammars.compile(GrammarSpec("regex", "(", "guided_regex"))
+
+
+@pytest.mark.parametrize(
+    ("spec", "answer"),
+    [(GrammarSpec("json", SCHEMA, "x"), '{"n":42}'), (GrammarSpec("choice", ["yes", "no"], "y"), "no")],
+)
+def test_after_the_reasoning_tag_the_grammar_holds_only_what_follows(grammars, spec, answer):
+    """Reasoning on (`after`): any text runs until the think block's end tag, where the stop token
+    is not allowed; past the tag only the grammar's own output, then only the stop token."""
+    from dataclasses import replace
+
+    from hy3c.serve.agent.markup import Hy3Markup
+
+    tok, vocab = grammars.tokenizer, grammars.vocab_size
+    close = Hy3Markup.of(tok).think_close
+    close_id, eos = tok.added_tokens[close], tok.token_to_id(tok.eos_token)
+    constraint = new_constraint(grammars.compile(replace(spec, after=close)))
+    free_text = tok.encode("let me think: it is not JSON")
+
+    def allowed() -> set[int]:
+        mask = allocate_masks(1, vocab)
+        constraint.fill(mask, 0)
+        return _allowed(mask, 0, vocab)
+
+    for token in free_text:
+        assert token in allowed() and close_id in allowed() and eos not in allowed()
+        assert constraint.accept(token)
+    assert constraint.accept(close_id)
+    after_tag = allowed()
+    assert free_text[0] not in after_tag and close_id not in after_tag and eos not in after_tag
+    for token in tok.encode(answer):
+        assert constraint.accept(token)
+    assert allowed() == {eos}
+    assert not new_constraint(grammars.compile(spec)).accept(free_text[0])  # without `after`: refused
