@@ -28,6 +28,7 @@ the scheduler's work — so sampling, detokenizing and emitting are the same as 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -292,6 +293,7 @@ class Engine:
         self._inputs = StepInputs(config.page_size, runner.device, rows, pages)
         self._staging = HostStaging()  # pinned buffers the draws reach the host through
         self._mask_staging = MaskStaging()  # pinned buffers of the grammar masks (structured outputs)
+        self._held: list[tuple[Callable[[StepOutput], None], StepOutput]] | None = None  # _holding_outputs
         self._penalties: TrackedPenalties | None = None  # penalised requests' counts, on the device
         self._last_collected = 0.0
 
@@ -614,18 +616,20 @@ class Engine:
                 self.scheduler.advance(work, [lv.seq for lv in lives])
                 self._score_prompts(logits, scoring)
                 sampled = logits if pick is None else logits[pick]
-                if read_previous and previous is not None:  # the device runs the model meanwhile
-                    self._collect(previous)
-                pending = sample_async(
-                    sampled,
-                    params,
-                    [self._history(lv) for lv in lives],
-                    generators,
-                    want,
-                    prepared=inputs,
-                    staging=self._staging,
-                    allowed=self._grammar_masks(lives, sampled.shape[-1], device),
-                )
+                reading = read_previous and previous is not None
+                with self._holding_outputs(reading):
+                    if reading:  # the device runs the model meanwhile
+                        self._collect(previous)
+                    pending = sample_async(
+                        sampled,
+                        params,
+                        [self._history(lv) for lv in lives],
+                        generators,
+                        want,
+                        prepared=inputs,
+                        staging=self._staging,
+                        allowed=self._grammar_masks(lives, sampled.shape[-1], device),
+                    )
         except Exception as exc:  # fail the requests of this step, keep serving the others
             self._step_failed(work, exc)
             return None
@@ -1144,11 +1148,30 @@ class Engine:
             self.metrics.generation_tokens.inc(generated)
             self._deliver(emissions)
 
-    @staticmethod
-    def _deliver(emissions: list[tuple[Callable[[StepOutput], None], StepOutput]]) -> None:
-        """Hand a step's outputs over: emits that share a `batch_sink` get them in one call. A consumer
-        that raises (e.g. its event loop closed) does not keep the others from theirs; the first
-        error is raised after every delivery was tried."""
+    @contextlib.contextmanager
+    def _holding_outputs(self, hold: bool):
+        """With `hold`, outputs emitted inside are delivered on leaving: a step read between the next
+        one's model launch and its draws hands its outputs over once those draws are launched. The
+        HTTP server's event loop then takes the GIL to stream them while the device works, not while
+        the host builds the grammar masks the draws wait for (on the H200 that contention made a
+        constrained step 3x slower served over HTTP than driven alone: bench/LOG.md)."""
+        if not hold:
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            self._deliver(held)
+
+    def _deliver(self, emissions: list[tuple[Callable[[StepOutput], None], StepOutput]]) -> None:
+        """Hand a step's outputs over (kept for later inside `_holding_outputs`): emits that share a
+        `batch_sink` get them in one call. A consumer that raises (e.g. its event loop closed) does not
+        keep the others from theirs; the first error is raised after every delivery was tried."""
+        if self._held is not None:
+            self._held.extend(emissions)
+            return
         batches: dict[int, tuple[Callable, list]] = {}
         calls: list[tuple[Callable, object]] = []
         for emit, out in emissions:

@@ -143,6 +143,38 @@ def test_grammar_requests_overlap_and_equal_the_step_by_step_engine(model, token
     assert results[True]["g2"][1] in ("sunny", "cloudy", "rain")
 
 
+def test_a_step_read_before_the_draws_delivers_its_outputs_after_them(model, tokenizer, monkeypatch):
+    """A step read between the next model launch and its draws (a penalised request's history) holds
+    its outputs until those draws are launched: no output reaches a consumer (the HTTP server's event
+    loop, which then takes the GIL) between a model step and its draws."""
+    from hy3c.serve.engine import core
+
+    engine = _engine(model, tokenizer, overlap=True)
+    events: list[str] = []
+    step, draws = engine.runner.step, core.sample_async
+
+    def model_step(*args, **kwargs):
+        events.append("model")
+        return step(*args, **kwargs)
+
+    def sample(*args, **kwargs):
+        events.append("draws")
+        return draws(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "step", model_step)
+    monkeypatch.setattr(core, "sample_async", sample)
+    requests = _requests(penalties=True)
+    for request in requests:
+        engine.submit(request, lambda out: events.append("output"))
+    while engine._iterate():
+        pass
+    launched = [i for i, e in enumerate(events) if e == "model"]
+    assert len(launched) > 20 and events.count("output") > 20
+    for at in launched:
+        following = events[at + 1 : events.index("draws", at)]
+        assert "output" not in following, events[at : at + 10]
+
+
 def test_overlap_survives_preemption_and_aborts(model, tokenizer):
     """A page pool too small for every request preempts some (a sequence with a token in flight
     among them) and an abort lands mid-way: overlap on and off agree, and no page is left held."""
