@@ -12,7 +12,8 @@ them all. Timed, each the median of `--rounds`:
   copied whole into a staging buffer, one scatter per round), until the compute stream has waited for
   them; again with the pages' L2 blocks shuffled (few runs: about one copy per page, as after churn);
 * peer: one pinned host → device `copy_` of all those bytes (contiguous), and device → host;
-* file store: `FileStore.put` / `get` of every page (page cache warm: the rate of the code, not the disk).
+* file store: `FileStore.put` / `get` of every page (page cache warm: the rate of the code, not the disk),
+  and the puts spread over the L3 writer's threads.
 
 Prints GB/s and the load's share of the peer's bandwidth (the issue's goal: ≥ 80%) and of the H2D
 limit of the link. On a machine without CUDA it runs on the CPU (plain copies) as a dry run.
@@ -26,13 +27,14 @@ import argparse
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from hy3c.program.artifact import open_artifact
 from hy3c.serve.engine.kv_pages import PagePool, page_keys
-from hy3c.serve.engine.kv_tiers import FileStore, KVTiers, TierConfig
+from hy3c.serve.engine.kv_tiers import WRITE_THREADS, FileStore, KVTiers, TierConfig
 
 
 def sync(device: torch.device) -> None:
@@ -131,6 +133,10 @@ def main() -> None:
         store = FileStore(Path(directory), b"bench", max_bytes=4 * total)
         payload = bytes(page_bytes)
         results["file store put"] = timed(lambda: [store.put(k, payload) for k in keys], device, args.rounds)
+        with ThreadPoolExecutor(WRITE_THREADS) as writers:  # as the L3 writer spreads a batch
+            results[f"file store put, {WRITE_THREADS} threads"] = timed(
+                lambda: list(writers.map(lambda k: store.put(k, payload), keys)), device, args.rounds
+            )
         results["file store get"] = timed(
             lambda: [store.get(k, page_bytes) for k in keys], device, args.rounds
         )

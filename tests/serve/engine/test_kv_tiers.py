@@ -7,6 +7,7 @@ host block is left held."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -153,7 +154,7 @@ class _Flaky:
 
     def put(self, key, payload):
         self._check()
-        self.pages[key] = payload
+        self.pages[key] = bytes(payload)  # a view of an L2 block: a store keeps a copy
 
     def contains(self, key):
         self._check()
@@ -184,7 +185,7 @@ def test_a_failing_store_degrades_to_host_memory_and_resumes(model, tokenizer, t
 
 
 class _Hanging(_Flaky):
-    """A store whose reads hang far past the timeout (a master that stopped answering mid-load)."""
+    """A store whose calls hang far past the timeout (a master that stopped answering mid-load)."""
 
     def __init__(self, pages: dict[bytes, bytes]) -> None:
         super().__init__()
@@ -193,6 +194,10 @@ class _Hanging(_Flaky):
     def get(self, key, length):
         time.sleep(3.0)
         return self.pages.get(key)
+
+    def put(self, key, payload):
+        time.sleep(3.0)
+        super().put(key, payload)
 
 
 def test_a_store_that_hangs_mid_load_costs_one_timeout_and_the_prefix_is_recomputed(
@@ -212,7 +217,45 @@ def test_a_store_that_hangs_mid_load_costs_one_timeout_and_the_prefix_is_recompu
         tokens, cached = _generate(engine, prompt, f"a{r}")
         assert tokens == expected[r] and cached == 0
         assert time.monotonic() - started < 2.0
-    assert engine.tiers.degraded and engine.tiers.stats.l3_failures >= 2  # (hung workers delay writes too)
+    assert engine.tiers.degraded and engine.tiers.stats.l3_failures >= 2
+    _no_leaks(engine)
+
+
+class _SlowWriter(_Flaky):
+    """A store whose writes wait for `go` (far past the timeout), then keep a copy of the page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+        self.go = threading.Event()
+
+    def put(self, key, payload):
+        self.go.wait(10)
+        super().put(key, payload)
+
+
+def test_a_write_past_its_timeout_keeps_its_host_blocks_until_it_ends(model, tokenizer, tmp_path):
+    """The writer hands the store views of the L2 blocks: when a write outlives its timeout the
+    failure is counted at once, but its blocks stay held (never reused under the running write)
+    until it ends, and the pages it then stores equal their blocks."""
+    engine = _engine(model, tokenizer, _config(tmp_path, store_timeout=0.2, failures_to_degrade=100))
+    store = _SlowWriter()
+    engine.tiers.store = store
+    _generate(engine, PROMPT, "a")
+    engine.tiers.commit_saves()
+    deadline = time.monotonic() + 5
+    while engine.tiers._writes.qsize() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.5)  # the last batch taken has met its timeout too
+    assert engine.tiers.stats.l3_failures >= 1 and not engine.tiers._writes.qsize()
+    assert engine.tiers.blocks_busy > 0  # held by the writes still running
+    store.go.set()
+    engine.tiers.flush(timeout=10)
+    assert engine.tiers.blocks_busy == 0 and store.pages
+    tiers = engine.tiers
+    for key, payload in store.pages.items():
+        block = tiers._block_of[key]
+        assert payload == tiers.host[block].view(-1).view(torch.uint8).numpy().tobytes()
     _no_leaks(engine)
 
 
