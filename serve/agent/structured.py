@@ -315,7 +315,8 @@ class MaskStaging:
         self._next = 0
 
     def take(self, rows: int, vocab_size: int) -> Tensor:
-        """A [rows, ceil(vocab_size / 32)] view of the next buffer, every token allowed."""
+        """A [rows, ceil(vocab_size / 32)] view of the next buffer, as the last use left it: every
+        row must be written (`fill_masks`, then `allow_other_rows`)."""
         words = (vocab_size + 31) // 32
         if not self._buffers or self._buffers[0].numel() < rows * words:
             size = max(rows, 64) * words
@@ -324,8 +325,7 @@ class MaskStaging:
         copied = self._copied[self._next]
         if copied is not None:
             copied.synchronize()
-        view = self._buffers[self._next][: rows * words].view(rows, words)
-        return view.fill_(-1)
+        return self._buffers[self._next][: rows * words].view(rows, words)
 
     def upload(self, masks: Tensor, device: torch.device) -> Tensor:
         """The masks of the last `take` on `device` (queued on the current stream)."""
@@ -335,6 +335,15 @@ class MaskStaging:
         self._copied[self._next] = event
         self._next ^= 1
         return on_device
+
+
+def allow_other_rows(masks: Tensor, filled: list[int]) -> None:
+    """Every token allowed in the rows of `masks` not in `filled` (those a grammar wrote whole). The
+    engine writes each row of a step's masks once: resetting the whole buffer first was a torch call
+    between the model launch and the draws, where each GIL release lets the HTTP loop in (bench/LOG.md)."""
+    others = sorted(set(range(masks.shape[0])) - set(filled))
+    if others:
+        masks[others] = -1
 
 
 def allocate_masks(rows: int, vocab_size: int) -> Tensor:

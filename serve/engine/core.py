@@ -49,7 +49,7 @@ from hy3c.serve.agent.structured import (
     STRUCTURED_ERROR,
     Constraint,
     MaskStaging,
-    allocate_masks,
+    allow_other_rows,
     fill_masks,
     new_constraint,
 )
@@ -657,13 +657,16 @@ class Engine:
         """`total` rows of packed masks, rows[i] filled by constraints[i] and the others allowing every
         token; on CUDA built in a pinned staging buffer and copied up without blocking."""
         width = max(vocab, self.tokenizer.vocab_size)
-        if device.type != "cuda":
-            masks = allocate_masks(total, width)
-            fill_masks(constraints, masks, rows)
-            return masks
-        masks = self._mask_staging.take(total, width)
+        cuda = device.type == "cuda"
+        # off CUDA a fresh buffer allowing nothing, so a row left unwritten cannot pass unseen
+        masks = (
+            self._mask_staging.take(total, width)
+            if cuda
+            else torch.zeros((total, -(-width // 32)), dtype=torch.int32)
+        )
         fill_masks(constraints, masks, rows)
-        return self._mask_staging.upload(masks, device)
+        allow_other_rows(masks, rows)
+        return self._mask_staging.upload(masks, device) if cuda else masks
 
     def _verify_masks(
         self, work: list[Work], lives: list[_Live], vocab: int, device: torch.device

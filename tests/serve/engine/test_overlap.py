@@ -137,6 +137,8 @@ def test_grammar_requests_overlap_and_equal_the_step_by_step_engine(model, token
         if overlap:
             assert all(engine.fed_ids[f"g{i}"] > 0 for i in range(3))
     assert results[True] == results[False]
+    alone = _run(_engine(model, tokenizer, False), _requests(penalties=False)[:4])
+    assert {rid: results[True][rid] for rid in alone} == alone  # rows without a grammar allow every token
     for i in range(2):
         _, text, reason, _ = results[True][f"g{i}"]
         assert re.fullmatch(pattern, text) and reason == "stop"
