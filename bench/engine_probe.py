@@ -474,9 +474,10 @@ def main() -> None:
             from hy3c.serve.agent import structured
 
             pool_after, structured.PARALLEL_AFTER_S = structured.PARALLEL_AFTER_S, float("inf")
+            in_turn, structured.IN_TURN_AT_MOST = structured.IN_TURN_AT_MOST, 1 << 30
             salt += 1
             rows.append({**run_setting(engine, clock, True, concurrency, args, salt), "in_turn": True})
-            structured.PARALLEL_AFTER_S = pool_after
+            structured.PARALLEL_AFTER_S, structured.IN_TURN_AT_MOST = pool_after, in_turn
             report_setting(rows[-1])
     if rows:
         print(f"\nengine probe: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.artifact}")

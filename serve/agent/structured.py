@@ -31,9 +31,12 @@ from hy3c.serve.agent.tool_calls import schema_types
 
 CACHED = 64  # compiled grammars kept (requests of one schema share one)
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, pattern or list of choices longer than this (as JSON) is refused
-# a step's masks cheaper than this one after another are filled on the engine's thread: llguidance's
-# pool costs more to wake (32 cheap masks on the H200's host: 0.9 ms a step through it, 0.5 ms in turn)
+# A step's masks go to llguidance's pool unless they are few and cheap: each mask filled on the
+# engine's thread releases and retakes the GIL, and in a server every retake may wait for the HTTP
+# loop (32 masks in turn beside a spinning thread: ~40 ms against ~5 ms through the pool, on the CPU
+# machine), though alone 32 cheap masks took 0.5 ms in turn against 0.9 through the pool (H200 host).
 PARALLEL_AFTER_S = 1e-3
+IN_TURN_AT_MOST = 3  # masks after the first
 
 
 def _limits():
@@ -284,9 +287,9 @@ def _executor():
 
 def fill_masks(constraints: list[Constraint], mask: Tensor, rows: list[int] | None = None) -> None:
     """Row rows[i] (default i) of `mask` for constraint i. The first is filled on this thread and
-    timed: when the others would take longer than PARALLEL_AFTER_S at its pace, they are filled in
-    parallel on llguidance's threads (a mask of a 120,832-token vocabulary inside a JSON string takes
-    ~0.2 ms: BENCHMARKS), else here too."""
+    timed: when more than IN_TURN_AT_MOST others remain, or they would take longer than
+    PARALLEL_AFTER_S at its pace, they are filled in parallel on llguidance's threads (a mask of a
+    120,832-token vocabulary inside a JSON string takes ~0.2 ms: BENCHMARKS), else here too."""
     rows = list(range(len(constraints))) if rows is None else rows
     if not constraints:
         return
@@ -294,7 +297,7 @@ def fill_masks(constraints: list[Constraint], mask: Tensor, rows: list[int] | No
     constraints[0].fill(mask, rows[0])
     first = time.perf_counter() - started
     rest = list(zip(constraints[1:], rows[1:]))
-    if first * len(rest) < PARALLEL_AFTER_S:
+    if len(rest) <= IN_TURN_AT_MOST and first * len(rest) < PARALLEL_AFTER_S:
         for constraint, row in rest:
             constraint.fill(mask, row)
         return

@@ -120,3 +120,36 @@ def test_after_the_reasoning_tag_the_grammar_holds_only_what_follows(grammars, s
         assert constraint.accept(token)
     assert allowed() == {eos}
     assert not new_constraint(grammars.compile(spec)).accept(free_text[0])  # without `after`: refused
+
+
+def test_many_masks_go_to_the_pool_and_few_cheap_ones_are_filled_in_turn(grammars, monkeypatch):
+    """Past IN_TURN_AT_MOST masks after the first, llguidance's pool fills them (one GIL release a
+    step, not one a mask); either way the rows equal one-at-a-time fills."""
+    import llguidance.torch
+
+    from hy3c.serve.agent import structured
+
+    pooled = []
+    real = llguidance.torch.fill_next_token_bitmask_par
+    monkeypatch.setattr(
+        llguidance.torch, "fill_next_token_bitmask_par", lambda *a: (pooled.append(len(a[1])), real(*a))
+    )
+    monkeypatch.setattr(structured, "PARALLEL_AFTER_S", float("inf"))  # the count alone decides here
+    vocab = grammars.vocab_size
+    grammar = grammars.compile(GrammarSpec("regex", "[ab]+c", "y"))
+    for count, through_pool in (
+        (1 + structured.IN_TURN_AT_MOST, False),
+        (2 + structured.IN_TURN_AT_MOST, True),
+    ):
+        pooled.clear()
+        constraints = [new_constraint(grammar) for _ in range(count)]
+        for i, constraint in enumerate(constraints):  # states differ per row
+            for token in grammars.tokenizer.encode("ab" * i):
+                assert constraint.accept(token)
+        masks = allocate_masks(count, vocab)
+        fill_masks(constraints, masks)
+        assert pooled == ([count - 1] if through_pool else [])
+        for row, constraint in enumerate(constraints):
+            alone = allocate_masks(1, vocab)
+            constraint.fill(alone, 0)
+            assert _allowed(masks, row, vocab) == _allowed(alone, 0, vocab)
