@@ -6,7 +6,10 @@ Every step, `schedule()` decides which tokens each sequence feeds:
    admitted other sequence is preempted (its pages freed, its tokens — prompt and output so far — put
    back at the front of the queue to be recomputed, which yields the same continuation);
 2. then waiting sequences, while the budget, `max_num_seqs` and free pages allow: the longest published
-   prefix is reused (`PagePool.match_prefix`), the rest is prefilled in chunks.
+   prefix is reused (`PagePool.match_prefix`), the rest is prefilled in chunks. A waiting sequence
+   whose prefix continues into a page that a running one is writing (planned, not yet published)
+   waits for it, so concurrent requests with one prefix compute it once — also under overlapped
+   scheduling, where the chunk that writes it is still in flight when the next step is planned.
 A step is a list of `Work` items (one per sequence) that the engine turns into a `StepBatch`.
 
 Overlapped scheduling: the engine plans and launches step N+1 before it reads step N's sampled tokens.
@@ -46,7 +49,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hy3c.serve.engine.kv_pages import OutOfPages, PagePool
+from hy3c.serve.engine.kv_pages import OutOfPages, PagePool, extend_page_keys
 
 if TYPE_CHECKING:
     from hy3c.serve.engine.kv_tiers import KVTiers
@@ -73,6 +76,8 @@ class Sequence:
     epoch: int = 0  # counts preemptions: work planned before one no longer describes its KV
     drafts: list[int] = field(default_factory=list)  # MTP draft tokens its next decode step verifies
     published: int = 0  # its pages the prefix cache has looked at (publishing resumes there)
+    writing: int = 0  # its pages below this index were entered in the scheduler's `_writing`
+    probed: int = 0  # while waiting: the page where `_waits_for_writer` last found the cache's end
 
     @property
     def pending(self) -> int:
@@ -124,6 +129,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.tiers: KVTiers | None = None  # L2 / L3 below the pool: a prefix continues there
         self.num_preemptions = 0
+        # keys of the full pages running sequences' planned steps write and have not published yet
+        self._writing: dict[bytes, Sequence] = {}
 
     @property
     def has_work(self) -> bool:
@@ -212,9 +219,44 @@ class Scheduler:
         only at the pages that filled since the last time: host work per step independent of the
         context."""
         upto = min(seq.settled, len(seq.tokens)) if upto is None else upto
+        before = seq.published
         seq.published = self.pool.publish(seq.tokens, seq.pages, upto, seq.page_keys, since=seq.published)
+        self._written(seq, seq.page_keys[before : seq.published])
+
+    def _note_writing(self, seq: Sequence, end: int) -> None:
+        """A planned step writes the sequence's KV below `end` tokens: its full pages there that are
+        not published yet are being written (`_waits_for_writer`)."""
+        full = min(end, len(seq.tokens)) // self.pool.page_size
+        if full <= seq.writing:
+            return
+        keys = extend_page_keys(seq.page_keys, seq.tokens, self.pool.page_size, self.pool.namespace, full)
+        for key in keys[max(seq.writing, seq.published) : full]:
+            self._writing.setdefault(key, seq)
+        seq.writing = full
+
+    def _written(self, seq: Sequence, keys: list[bytes]) -> None:
+        for key in keys:
+            if self._writing.get(key) is seq:
+                del self._writing[key]
+
+    def _waits_for_writer(self, seq: Sequence) -> bool:
+        """Whether the first page of the waiting sequence's prompt that the prefix cache lacks is one a
+        running sequence is writing: then it is admitted once that page is published. Each call scans
+        on from where the last one stopped (a request waiting behind a long prefix costs O(new pages)
+        a step, not O(prompt)); a page evicted behind that point is missed, which costs a recompute,
+        never a wrong token (admission matches the prefix anew)."""
+        if not self._writing:
+            return False
+        full = (len(seq.tokens) - 1) // self.pool.page_size  # match_prefix's reach
+        keys = extend_page_keys(seq.page_keys, seq.tokens, self.pool.page_size, self.pool.namespace, full)
+        while seq.probed < full and keys[seq.probed] in self.pool.page_of:
+            seq.probed += 1
+        writer = self._writing.get(keys[seq.probed]) if seq.probed < full else None
+        return writer is not None and writer is not seq
 
     def _free(self, seq: Sequence) -> None:
+        self._written(seq, seq.page_keys[: seq.writing])
+        seq.writing = seq.probed = 0
         self.pool.release(seq.pages)
         seq.pages = []
         seq.settled = 0
@@ -245,6 +287,7 @@ class Scheduler:
 
     def _work(self, seq: Sequence, count: int) -> Work:
         end = seq.computed + count
+        self._note_writing(seq, end)
         return Work(
             seq,
             seq.computed,
@@ -310,15 +353,20 @@ class Scheduler:
             work[-1].count, work[-1].drafts = count, drafts
             budget -= count
             logit_rows -= count if work[-1].all_logits else 0
-        fetching: set[int] = set()  # waiting sequences whose prefix is being read from the store (ids)
-        while len(self.waiting) > len(fetching) and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = next(s for s in self.waiting if id(s) not in fetching)
+        # waiting sequences whose prefix is on its way from the store or being written by a running
+        # one (ids): the next may go first
+        deferred: set[int] = set()
+        while len(self.waiting) > len(deferred) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = next(s for s in self.waiting if id(s) not in deferred)
             if seq.in_flight:  # preempted with a token in flight: it waits until the host has it
                 break
             if not seq.pages:
                 tiers = None if self._scoring(seq) else self.tiers
                 if tiers is not None and tiers.fetching(self.pool, seq.request_id, seq.tokens):
-                    fetching.add(id(seq))  # its prefix is on its way from the store: the next may go first
+                    deferred.add(id(seq))
+                    continue
+                if not self._scoring(seq) and self._waits_for_writer(seq):
+                    deferred.add(id(seq))
                     continue
                 seq.pages = [] if self._scoring(seq) else self.pool.match_prefix(seq.tokens)
                 if tiers is not None:

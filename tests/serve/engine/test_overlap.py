@@ -267,3 +267,34 @@ def test_on_cuda_grammar_masks_reach_the_kernels_through_the_staging_buffers(cud
         "r2",
     ]  # MTP's sampled draws differ from plain decoding's
     assert {r: results["mtp"][r] for r in greedy} == {r: results["sync"][r] for r in greedy}
+
+
+@pytest.mark.parametrize("budget", [16, 24])
+def test_concurrent_requests_with_one_prefix_compute_it_once(model, tokenizer, budget):
+    """Six requests on one 40-token prefix, submitted together: the prefix is computed once (the
+    tokens computed are the prefix plus each request's own 8), with overlap on — where the chunk that
+    writes the prefix's last pages is still in flight when the next step is planned — as off, and
+    the outputs agree."""
+    prefix = [(7 * i + 3) % 90 + 3 for i in range(40)]
+    results = {}
+    for overlap in (False, True):
+        config = EngineConfig(
+            num_pages=256, page_size=4, max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=96,
+            async_scheduling=overlap,
+        )  # fmt: skip
+        engine = Engine(model, tokenizer, config)
+        requests = [
+            GenerationRequest(
+                f"r{r}",
+                prefix + [(5 * i + 11 * r) % 80 + 5 for i in range(8)],
+                SamplingParams(temperature=0.0),
+                max_tokens=3,
+                ignore_eos=True,
+            )
+            for r in range(6)
+        ]
+        results[overlap] = _run(engine, requests)
+        metrics = engine.metrics
+        computed = metrics.prefix_queries._value.get() - metrics.prefix_hits._value.get()
+        assert computed == 40 + 6 * 8, (overlap, computed)
+    assert results[True] == results[False]

@@ -176,3 +176,38 @@ def test_decodes_are_planned_before_long_prefills_which_are_chunked_and_few():
     short.pages, short.computed = pool.allocate(1), 2  # its prompt is in: one token to go
     step = short_first.schedule()
     assert [(w.seq.request_id, w.start, w.count) for w in step] == [("c", 2, 1), ("a", 16, 16), ("b", 0, 16)]
+
+
+def test_a_request_waits_for_the_prefix_pages_a_running_one_is_writing():
+    """Two requests with one 12-token prefix (3 pages), a budget of 8: the second is not admitted
+    while the first's planned chunks write the prefix pages it would match (planned, not published);
+    it is once they are published, and then computes only its own tokens. An abort of the writer
+    ends the wait at once."""
+    prefix = list(range(1, 13))
+    pool = PagePool(32, page_size=4)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=8)
+    first, second = Sequence("a", [*prefix, 50, 51], 14), Sequence("b", [*prefix, 60, 61], 14)
+    sched.add(first)
+    sched.add(second)
+    work = sched.schedule()  # the first's 8-token chunk: pages 0-1 being written
+    assert [(w.seq.request_id, w.count) for w in work] == [("a", 8)]
+    sched.advance(work)
+    work = sched.schedule()  # planned before the last step was read: its pages are not published
+    assert [(w.seq.request_id, w.start, w.count) for w in work] == [("a", 8, 6)]
+    sched.advance(work)
+    sched.settle(work)
+    sched.publish(work)
+    work = sched.schedule()  # every prefix page published now: the second matches all three
+    assert [(w.seq.request_id, w.start, w.count) for w in work] == [("b", 12, 2)]
+    assert second.cached_tokens == 12
+
+    pool = PagePool(32, page_size=4)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=8)
+    first, second = Sequence("a", [*prefix, 50, 51], 14), Sequence("b", [*prefix, 60, 61], 14)
+    sched.add(first)
+    sched.add(second)
+    sched.advance(sched.schedule())
+    sched.remove("a")  # aborted mid-prefill: its pages freed unpublished, nothing left to wait for
+    work = sched.schedule()
+    assert [(w.seq.request_id, w.start, w.count) for w in work] == [("b", 0, 8)]
+    assert not sched._writing.keys() - set(second.page_keys[:2])  # only the second's own pages
