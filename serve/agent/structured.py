@@ -28,6 +28,7 @@ from torch import Tensor
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.serve.agent.markup import Hy3Markup
 from hy3c.serve.agent.tool_calls import schema_types
+from hy3c.serve.engine.sampler import wait_event
 
 CACHED = 64  # compiled grammars kept (requests of one schema share one)
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, pattern or list of choices longer than this (as JSON) is refused
@@ -327,7 +328,7 @@ class MaskStaging:
             self._copied = [None, None]
         copied = self._copied[self._next]
         if copied is not None:
-            copied.synchronize()
+            wait_event(copied)
         return self._buffers[self._next][: rows * words].view(rows, words)
 
     def upload(self, masks: Tensor, device: torch.device) -> Tensor:

@@ -71,6 +71,7 @@ from hy3c.serve.engine.sampler import (
     staged_draws,
     upload,
     upload_block,
+    wait_event,
 )
 from hy3c.serve.engine.scheduler import DataParallelScheduler, Scheduler, Sequence, Work
 from hy3c.serve.engine.spec_decode import SpeculativeConfig, Verified
@@ -849,7 +850,7 @@ class Engine:
             verified, drafted, lives = step.verified, step.drafted, step.lives
             width = verified.tokens.shape[1]
             if step.ready is not None:
-                step.ready.synchronize()
+                wait_event(step.ready)
             packed = step.readout.tolist()
             accepted = [row[0] for row in packed]
             emitted = [row[1 : row[0] + 2] for row in packed]

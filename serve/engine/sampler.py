@@ -346,6 +346,14 @@ class PendingSample:
         return self._result
 
 
+def wait_event(event: torch.cuda.Event) -> None:
+    """Wait for a CUDA event, keeping the GIL when it has already completed: `query` holds the GIL,
+    `synchronize` releases it even then, and a busy HTTP loop on another thread may keep it for a
+    while (bench/LOG.md: the engine's waits for the GIL inside a constrained step)."""
+    if not event.query():
+        event.synchronize()
+
+
 class HostStaging:
     """Two pinned host buffers the fused sampler's tokens and logprobs are copied into without blocking,
     used in turn: the overlapped engine has at most two steps' draws unread (the one it collects and the
@@ -434,7 +442,7 @@ def staged_draws(tokens: Tensor, pair: Tensor, staging: HostStaging) -> PendingS
     copied.record()
 
     def collect() -> SampleResult:
-        copied.synchronize()
+        wait_event(copied)
         return _drawn(host.tolist())
 
     return PendingSample(tokens, collect)

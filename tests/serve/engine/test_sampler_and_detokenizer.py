@@ -343,3 +343,23 @@ def test_logit_bias_steers_both_paths_alike():
     assert ref.logprobs[0] == pytest.approx(float(torch.log_softmax(biased, -1)[5]), abs=1e-5)
     torch.testing.assert_close(torch.tensor(fused.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
     assert apply_penalties(logits, [SamplingParams()] * 3, history) is logits  # no bias: no copy
+
+
+def test_a_completed_event_is_not_waited_on():
+    """`wait_event` asks first (`query` keeps the GIL) and synchronizes only an event still pending."""
+    from hy3c.serve.engine.sampler import wait_event
+
+    class Event:
+        def __init__(self, done: bool) -> None:
+            self.done, self.waited = done, False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+    done, pending = Event(True), Event(False)
+    wait_event(done)
+    wait_event(pending)
+    assert not done.waited and pending.waited
