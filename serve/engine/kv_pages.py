@@ -71,7 +71,7 @@ class PagePool:
         self.pages_walked = 0  # pages `publish` looked at, in all (instrumentation: O(new pages) per step)
         # the tiers below (`kv_tiers.KVTiers`): told of each page published, and of pages handed out
         # again (before anything writes them)
-        self.on_publish: Callable[[int, bytes, bytes | None], None] | None = None  # (page, key, parent key)
+        self.on_publish: Callable[[int, bytes], None] | None = None
         self.on_allocate: Callable[[list[int]], None] | None = None
 
     # ---- accounting --------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ class PagePool:
             self.key_of[page] = key
             self.page_of[key] = page
             if self.on_publish is not None:
-                self.on_publish(page, key, keys[i - 1] if i else None)
+                self.on_publish(page, key)
         return full
 
     def _unpublish(self, page: int) -> None:

@@ -79,7 +79,6 @@ _WRITE_BATCH = 32  # pages per L3 store call of the writer
 # allocation, which scales with cores (1 → 2 threads: 0.38 → 0.70 GB/s on the 2-core CPU machine)
 WRITE_THREADS = 4
 _STAGING_BYTES = 256 * 2**20  # the device staging buffer of one round of L2 → L1 loads
-_UNWRITTEN_KEYS = 1 << 16  # keys of pages this instance did not write to L3, kept to skip their successors
 
 
 @dataclass(frozen=True)
@@ -419,7 +418,7 @@ class TierStats:
     l3_queries: int = 0
     l3_hits: int = 0
     l3_stored: int = 0
-    l3_dropped: int = 0  # writes dropped: queue full, store degraded, or a predecessor not written
+    l3_dropped: int = 0  # writes dropped: queue full or store degraded
     l3_failures: int = 0
     loaded_bytes: int = 0
     stored_bytes: int = 0
@@ -458,10 +457,6 @@ class KVTiers:
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._busy: dict[int, int] = {}  # block → pending L3 writes of it (not evictable meanwhile)
         self._pending: list[tuple[int, bytes, int]] = []  # (L1 page, key, block) published, not yet copied
-        self._parent_of: dict[bytes, bytes] = {}  # a pending page's key → its predecessor's in the chain
-        # keys whose pages L3 did not get from us (dropped): an L3 prefix ends at its first missing
-        # page, so a page after one of them could never be read from there and is not written either
-        self._unwritten: OrderedDict[bytes, None] = OrderedDict()
         self._saving: dict[int, torch.cuda.Event] = {}  # L1 page → its D2H copy's event
         self._block_events: dict[int, torch.cuda.Event] = {}  # block → its last device copy's event
         self._fetches: dict[str, _Fetch] = {}  # request → its store read in flight
@@ -509,31 +504,19 @@ class KVTiers:
         return None
 
     # ---- write-through ------------------------------------------------------------------------------
-    def published(self, page: int, key: bytes, parent: bytes | None = None) -> None:
-        """The pool published L1 `page` under `key` (`parent`: the key of the page before it in its
-        chain, None for a first page): unless L2 holds the key, take it a block, to be copied by the
-        next `commit_saves` (the block is held until then, so nobody else takes it)."""
+    def published(self, page: int, key: bytes) -> None:
+        """The pool published L1 `page` under `key`: unless L2 holds the key, take it a block, to be
+        copied by the next `commit_saves` (the block is held until then, so nobody else takes it)."""
         with self._lock:
             if key in self._block_of:
                 self._block_of.move_to_end(key)
                 return
             block = self._take_block()
             if block is None:
-                self._not_written(key)
                 return
             self._block_of[key] = block
             self._busy[block] = self._busy.get(block, 0) + 1
         self._pending.append((page, key, block))
-        if parent is not None and self.store is not None:
-            self._parent_of[key] = parent
-
-    def _not_written(self, key: bytes) -> None:
-        """L3 will not get this page from us (`_unwritten`)."""
-        if self.store is None:
-            return
-        self._unwritten[key] = None
-        if len(self._unwritten) > _UNWRITTEN_KEYS:
-            self._unwritten.popitem(last=False)
 
     def commit_saves(self) -> None:
         """Copy the pages published since the last call to their L2 blocks on the side stream, after
@@ -569,19 +552,14 @@ class KVTiers:
                 self._note_copy(block, event)
                 if event is not None:
                     self._saving[page] = event
-                parent = self._parent_of.pop(key, None)
-                if not to_store or (parent is not None and parent in self._unwritten):
+                if not to_store:
                     self._release_busy(block)
-                    if to_store:
-                        self.stats.l3_dropped += 1
-                    self._not_written(key)
                     continue
                 try:  # the writer releases the block once written
                     self._writes.put_nowait((key, block, event))
                 except queue.Full:
                     self._release_busy(block)
                     self.stats.l3_dropped += 1
-                    self._not_written(key)
         self.stats.l2_stored += len(pending)
         self.stats.stored_bytes += len(pending) * self.page_bytes
 

@@ -160,9 +160,6 @@ class _Flaky:
         self._check()
         return key in self.pages
 
-    def close(self):
-        pass
-
     def probe(self):
         self._check()
 
@@ -509,31 +506,3 @@ def test_saves_gather_published_pages_into_their_blocks_once_per_commit(monkeypa
     for page, key in zip(pages, keys):
         block = tiers._block_of[key]
         assert torch.equal(tiers.host[block].view(torch.uint8), saved[:, :, page].view(torch.uint8))
-
-
-def test_pages_after_one_l3_did_not_get_are_not_written_either(tmp_path):
-    """An L3 prefix ends at its first missing page: once a page's write is dropped (the writer's queue
-    full), the later pages of its chain are dropped too, in that commit and later ones, so what L3
-    holds of a chain is always a prefix of it."""
-    from hy3c.serve.engine import kv_tiers
-    from hy3c.serve.engine.kv_pages import page_keys
-
-    cache = torch.randn(3, 2, 16, PAGE, 2, 8)
-    tiers = kv_tiers.KVTiers(cache, _config(tmp_path, write_queue=1))
-    store = _SlowWriter()
-    tiers.store = store
-    keys = page_keys(list(range(8 * PAGE + 1)), PAGE, b"", 8)
-    for i in range(5):  # one commit of five pages: the queue of one takes the first only
-        tiers.published(i, keys[i], keys[i - 1] if i else None)
-    tiers.commit_saves()
-    assert tiers.stats.l3_dropped >= 3
-    store.go.set()
-    tiers.flush(timeout=10)
-    for i in range(5, 8):  # the queue is free again, but these follow a page L3 lacks
-        tiers.published(i, keys[i], keys[i - 1])
-    tiers.commit_saves()
-    tiers.flush(timeout=10)
-    stored = len(store.pages)
-    assert stored >= 1 and set(store.pages) == set(keys[:stored])
-    assert tiers.stats.l3_dropped == 8 - stored and tiers.blocks_busy == 0
-    tiers.close()
