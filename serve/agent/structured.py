@@ -28,7 +28,6 @@ from torch import Tensor
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.serve.agent.markup import Hy3Markup
 from hy3c.serve.agent.tool_calls import schema_types
-from hy3c.serve.engine.sampler import wait_event
 
 CACHED = 64  # compiled grammars kept (requests of one schema share one)
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, pattern or list of choices longer than this (as JSON) is refused
@@ -305,40 +304,6 @@ def fill_masks(constraints: list[Constraint], mask: Tensor, rows: list[int] | No
     from llguidance.torch import fill_next_token_bitmask_par
 
     fill_next_token_bitmask_par(_executor(), [(c.matcher, row) for c, row in rest], mask)
-
-
-class MaskStaging:
-    """Pinned host buffers a step's packed masks are filled in and copied to the device from, without
-    blocking: two used in turn (the overlapped engine has at most two steps' draws in flight), each
-    reused only once its copy is done; grown to the largest step seen. Pinning a buffer per step cost
-    ~7 ms at 32 rows on the H200 (bench/LOG.md), the masks themselves a fraction of that."""
-
-    def __init__(self) -> None:
-        self._buffers: list[Tensor] = []
-        self._copied: list[torch.cuda.Event | None] = [None, None]
-        self._next = 0
-
-    def take(self, rows: int, vocab_size: int) -> Tensor:
-        """A [rows, ceil(vocab_size / 32)] view of the next buffer, as the last use left it: every
-        row must be written (`fill_masks`, then `allow_other_rows`)."""
-        words = (vocab_size + 31) // 32
-        if not self._buffers or self._buffers[0].numel() < rows * words:
-            size = max(rows, 64) * words
-            self._buffers = [torch.empty(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-            self._copied = [None, None]
-        copied = self._copied[self._next]
-        if copied is not None:
-            wait_event(copied)
-        return self._buffers[self._next][: rows * words].view(rows, words)
-
-    def upload(self, masks: Tensor, device: torch.device) -> Tensor:
-        """The masks of the last `take` on `device` (queued on the current stream)."""
-        on_device = masks.to(device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._copied[self._next] = event
-        self._next ^= 1
-        return on_device
 
 
 def allow_other_rows(masks: Tensor, filled: list[int]) -> None:

@@ -48,7 +48,6 @@ from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
 from hy3c.serve.agent.structured import (
     STRUCTURED_ERROR,
     Constraint,
-    MaskStaging,
     allow_other_rows,
     fill_masks,
     new_constraint,
@@ -60,6 +59,7 @@ from hy3c.serve.engine.metrics import EngineMetrics
 from hy3c.serve.engine.sampler import (
     History,
     HostStaging,
+    MaskStaging,
     PendingSample,
     SampleResult,
     SamplingParams,
@@ -453,7 +453,7 @@ class Engine:
         self._forget(live.seq)
         self.metrics.aborted.inc()
         self._record_end(live, "abort")
-        live.emit(self._final(live, "abort", error))
+        self._deliver([(live.emit, self._final(live, "abort", error))])
 
     def _admit(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> None:
         prompt = list(request.prompt_ids)
@@ -618,7 +618,7 @@ class Engine:
                 self._score_prompts(logits, scoring)
                 sampled = logits if pick is None else logits[pick]
                 reading = read_previous and previous is not None
-                with self._holding_outputs(reading):
+                with self._holding_outputs(previous.work if reading else None):
                     if reading:  # the device runs the model meanwhile
                         self._collect(previous)
                     pending = sample_async(
@@ -1153,13 +1153,15 @@ class Engine:
             self._deliver(emissions)
 
     @contextlib.contextmanager
-    def _holding_outputs(self, hold: bool):
-        """With `hold`, outputs emitted inside are delivered on leaving: a step read between the next
-        one's model launch and its draws hands its outputs over once those draws are launched. The
-        HTTP server's event loop then takes the GIL to stream them while the device works, not while
-        the host builds the grammar masks the draws wait for (on the H200 that contention made a
-        constrained step 3x slower served over HTTP than driven alone: bench/LOG.md)."""
-        if not hold:
+    def _holding_outputs(self, work: list[Work] | None):
+        """With the `work` of a step read inside, the outputs emitted inside are delivered on leaving,
+        in order: a step read between the next one's model launch and its draws hands its outputs
+        over once those draws are launched. The HTTP server's event loop then takes the GIL to stream
+        them while the device works, not while the host builds the grammar masks the draws wait for
+        (on the H200 that contention made a constrained step 3x slower served over HTTP than driven
+        alone: bench/LOG.md). A consumer that raises fails the read step's requests, as when it raised
+        while that step was read."""
+        if work is None:
             yield
             return
         self._held = []
@@ -1167,7 +1169,10 @@ class Engine:
             yield
         finally:
             held, self._held = self._held, None
-            self._deliver(held)
+            try:
+                self._deliver(held)
+            except Exception as exc:
+                self._step_failed([w for w in work if w.seq.request_id in self._live], exc)
 
     def _deliver(self, emissions: list[tuple[Callable[[StepOutput], None], StepOutput]]) -> None:
         """Hand a step's outputs over (kept for later inside `_holding_outputs`): emits that share a
@@ -1243,4 +1248,4 @@ class Engine:
             self._forget(live.seq)
         if live is not None:
             self._record_end(live, "error")
-            live.emit(self._final(live, "error", error))
+            self._deliver([(live.emit, self._final(live, "error", error))])  # after any held outputs

@@ -298,3 +298,28 @@ def test_concurrent_requests_with_one_prefix_compute_it_once(model, tokenizer, b
         computed = metrics.prefix_queries._value.get() - metrics.prefix_hits._value.get()
         assert computed == 40 + 6 * 8, (overlap, computed)
     assert results[True] == results[False]
+
+
+def test_a_step_that_fails_while_read_before_the_draws_ends_each_request_last(model, tokenizer, monkeypatch):
+    """A failure while reading a step whose outputs are held (a penalised request's history read
+    before the next draws): each request's error output comes after the tokens already emitted for
+    it, never before them."""
+    engine = _engine(model, tokenizer, overlap=True)
+    emit_sampled, calls = engine._emit_sampled, []
+
+    def failing(*args, **kwargs):
+        emit_sampled(*args, **kwargs)  # this step's tokens are emitted (and held) ...
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("boom")  # ... then reading it fails
+
+    monkeypatch.setattr(engine, "_emit_sampled", failing)
+    outputs: dict[str, list[StepOutput]] = {}
+    for request in _requests(penalties=True):
+        engine.submit(request, outputs.setdefault(request.request_id, []).append)
+    while engine._iterate():
+        pass
+    failed = [rid for rid, outs in outputs.items() if outs[-1].finish_reason == "error"]
+    assert failed
+    for outs in outputs.values():
+        assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
