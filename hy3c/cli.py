@@ -567,6 +567,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     _add_engine_options(p)
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine in a process of its own, so the HTTP event loop never holds its GIL"
+        " (default: on)",
+    )
     p.add_argument("--max-request-bytes", type=_positive_int, default=1 << 20)
     p.add_argument("--max-waiting", type=_positive_int, default=1024, help="waiting requests before 503")
     p.add_argument(
@@ -655,6 +662,7 @@ def _run_serve(args: argparse.Namespace) -> None:
             collective_timeout=args.collective_timeout,
             torchrun=args.torchrun,
             random_weights=args.random_weights,
+            engine_process=args.engine_process,
         )
     )
 

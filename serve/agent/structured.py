@@ -70,11 +70,14 @@ class GrammarSpec:
 
 @dataclass(frozen=True)
 class CompiledGrammar:
-    """A compiled grammar: a matcher at its start, which each request's `Constraint` copies, and the
-    request field it came from (named by the 400 of a grammar that fails while generating)."""
+    """A compiled grammar: a matcher at its start, which each request's `Constraint` copies, the
+    request field it came from (named by the 400 of a grammar that fails while generating), and its
+    `source` in llguidance's grammar format (what an engine in another process compiles it from:
+    `Grammars.compile_source`)."""
 
     matcher: Any
     param: str
+    source: str
 
 
 class Constraint:
@@ -123,7 +126,7 @@ class Grammars:
         self._tokens = None
         self._lock = threading.Lock()
         # the last CACHED grammars, by (kind, value as JSON, field, special token they follow)
-        self._compiled: OrderedDict[tuple[str, str, str], CompiledGrammar] = OrderedDict()
+        self._compiled: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self.width = max(vocab_size, tokenizer.vocab_size)  # of the masks: the logits' or the vocabulary's
 
     def warm(self) -> None:
@@ -161,14 +164,33 @@ class Grammars:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
-        grammar = CompiledGrammar(self._compile(spec), spec.param)
+        grammar = CompiledGrammar(*self._compile(spec))
+        self._keep(key, grammar)
+        return grammar
+
+    def compile_source(self, source: str, param: str) -> CompiledGrammar:
+        """The grammar of a `CompiledGrammar.source` another process compiled (and checked) already."""
+        import llguidance
+
+        key = ("source", source, param, None)
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
+        grammar = CompiledGrammar(
+            llguidance.LLMatcher(self._tokens_of(), source, limits=_limits()), param, source
+        )
+        self._keep(key, grammar)
+        return grammar
+
+    def _keep(self, key: tuple, grammar: CompiledGrammar) -> None:
         with self._lock:
             self._compiled[key] = grammar
             while len(self._compiled) > CACHED:
                 self._compiled.popitem(last=False)
-        return grammar
 
-    def _compile(self, spec: GrammarSpec):
+    def _compile(self, spec: GrammarSpec) -> tuple[Any, str, str]:
+        """(matcher, the request field, the grammar in llguidance's format) of `spec`."""
         import llguidance
 
         tokens = self._tokens_of()
@@ -196,7 +218,7 @@ class Grammars:
         error = matcher.get_error() if matcher.is_error() else probe.error
         if error:
             raise GrammarError(spec.param, _first_line(error))
-        return matcher
+        return matcher, spec.param, text
 
     def _after(self, token: str, grammar: str) -> str:
         """`grammar` (llguidance's JSON form) preceded by free text up to the special token `token`:

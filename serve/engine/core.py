@@ -36,6 +36,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -204,6 +205,29 @@ class _SpecStep:
     packed: Tensor  # the same outputs on the device: a chained step's inputs
 
 
+def hand_over(emissions: list[tuple[Callable[[StepOutput], None], StepOutput]]) -> None:
+    """Call each output's `emit`; emits that share a `batch_sink` get theirs in one call of it. A
+    consumer that raises does not keep the others from theirs; the first error is raised after every
+    delivery was tried."""
+    batches: dict[int, tuple[Callable, list]] = {}
+    calls: list[tuple[Callable, object]] = []
+    for emit, out in emissions:
+        sink = getattr(emit, "batch_sink", None)
+        if sink is None:
+            calls.append((emit, out))
+        else:
+            batches.setdefault(id(sink), (sink, []))[1].append((emit, out))
+    calls.extend(batches.values())
+    error: Exception | None = None
+    for consumer, payload in calls:
+        try:
+            consumer(payload)
+        except Exception as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+
+
 def _feed_pairs(work: list[Work], previous: _InFlight | None) -> list[tuple[int, int]]:
     """(token index, draw row of `previous`) of each item fed from the device: its last token, which
     its chunk holds as a placeholder, is `previous`'s draw for the request."""
@@ -363,6 +387,25 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.dead is None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """The logits' width (token ids the model can draw)."""
+        return self.runner.config.vocab_size
+
+    @property
+    def model_path(self) -> Path | None:
+        """The artifact the runner loaded (None: a runner built in memory)."""
+        return getattr(self.runner, "path", None)
+
+    @property
+    def forced_acceptance(self) -> bool:
+        """Speculative decoding in its benchmark mode that accepts drafts by a coin (no grammars)."""
+        return self.speculator is not None and self.speculator.forced is not None
 
     @property
     def dead(self) -> str | None:
@@ -1181,23 +1224,7 @@ class Engine:
         if self._held is not None:
             self._held.extend(emissions)
             return
-        batches: dict[int, tuple[Callable, list]] = {}
-        calls: list[tuple[Callable, object]] = []
-        for emit, out in emissions:
-            sink = getattr(emit, "batch_sink", None)
-            if sink is None:
-                calls.append((emit, out))
-            else:
-                batches.setdefault(id(sink), (sink, []))[1].append((emit, out))
-        calls.extend(batches.values())
-        error: Exception | None = None
-        for consumer, payload in calls:
-            try:
-                consumer(payload)
-            except Exception as exc:
-                error = error or exc
-        if error is not None:
-            raise error
+        hand_over(emissions)
 
     def _usage(self, live: _Live, out: StepOutput) -> StepOutput:
         out.prompt_tokens = len(live.request.prompt_ids)

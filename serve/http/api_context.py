@@ -106,11 +106,11 @@ class ApiContext:
 
     @property
     def max_len(self) -> int:
-        return self.engine.config.max_model_len
+        return self.engine.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.runner.config.vocab_size
+        return self.engine.vocab_size
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.model_name:
@@ -302,8 +302,7 @@ class ApiContext:
             raise APIError(
                 400, f"{specs[1].param}: only one grammar per request (also {specs[0].param})", specs[1].param
             )
-        speculator = self.engine.speculator
-        if speculator is not None and speculator.forced is not None:
+        if self.engine.forced_acceptance:
             raise APIError(
                 400, f"{specs[0].param}: not with forced acceptance (a benchmark mode)", specs[0].param
             )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hy3c.serve.http.api import build_app
 from hy3c.serve.http.lifecycle import HttpServer
-from hy3c.serve.http.server import ServeOptions, bind_socket, build_engine
+from hy3c.serve.http.server import ServeOptions, bind_socket, start_engine, stop_engine
 
 
 def free_port() -> int:
@@ -26,7 +26,7 @@ class BackgroundServer:
 
     def __init__(self, options: ServeOptions) -> None:
         sock = bind_socket(options.host, options.port)
-        self.engine, tokenizer, server = build_engine(options)
+        self.engine, tokenizer, server = start_engine(options)
         limits = options.limits()
         gate = build_app(self.engine, tokenizer, server, limits)
         self.engine.start()
@@ -44,13 +44,13 @@ class BackgroundServer:
         """Stop at once (no drain)."""
         self.server.should_exit = True
         self.thread.join(10)
-        self.engine.stop()
+        stop_engine(self.engine)
 
     def drain(self, timeout: float = 60.0) -> None:
         """The SIGTERM shutdown (drain, abort, close), waiting up to `timeout` seconds for it."""
         self.http.shutdown()
         self.thread.join(timeout)
-        self.engine.stop()
+        stop_engine(self.engine)
 
     def __enter__(self) -> BackgroundServer:
         return self
@@ -60,7 +60,10 @@ class BackgroundServer:
 
 
 def run_demo(artifact: Path, prompt: str) -> str:
-    with BackgroundServer(ServeOptions(artifact, port=free_port(), kv_memory_gib=0.05)) as server:
+    options = ServeOptions(
+        artifact, port=free_port(), kv_memory_gib=0.05, engine_process=True
+    )  # as `hy3c serve`
+    with BackgroundServer(options) as server:
         body = json.dumps(
             {"messages": [{"role": "user", "content": prompt}], "max_tokens": 16, "temperature": 0}
         ).encode()

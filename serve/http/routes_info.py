@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -65,7 +66,7 @@ def _json_safe(value: Any) -> Any:
 
 def add_info_routes(app: FastAPI, ctx: ApiContext) -> None:
     engine, model_name = ctx.engine, ctx.config.model_name
-    info = tokenizer_info(ctx.tokenizer, getattr(engine.runner, "path", None), ctx.max_len)
+    info = tokenizer_info(ctx.tokenizer, engine.model_path, ctx.max_len)
 
     @app.get("/v1/models")
     async def models():
@@ -100,7 +101,8 @@ def add_info_routes(app: FastAPI, ctx: ApiContext) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(engine.metrics.render(model_name), media_type="text/plain; version=0.0.4")
+        text = await asyncio.to_thread(engine.metrics.render, model_name)  # another process may render it
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info():

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from hy3c.runtime.distributed import RankPlace
     from hy3c.serve.engine.core import Engine
     from hy3c.serve.http.api import ServerConfig
+    from hy3c.serve.http.engine_process import EngineClient
     from hy3c.serve.http.http_gate import HttpLimits
 
 log = logging.getLogger("hy3c.serve")
@@ -70,6 +71,8 @@ class ServeOptions:
     collective_timeout: float = 300.0  # an artifact for several ranks: seconds any collective may take
     torchrun: RankPlace | None = None  # rank 0's place when torchrun started the ranks (else: spawned here)
     random_weights: int | None = None  # a config preset's artifact: seeded random weights (benchmarks)
+    # the engine in a child process (`engine_process`; `hy3c serve`'s default), else on a thread here
+    engine_process: bool = False
 
     def limits(self) -> HttpLimits:
         """The limits on clients that the HTTP layer enforces."""
@@ -120,10 +123,10 @@ def page_bytes(runner, page_size: int) -> int:
     )
 
 
-def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerConfig]:
-    """The engine, tokenizer and API settings of `options`. The artifact's manifest and
-    `--max-model-len` against the model's `max_position_embeddings` are checked before torch is
-    imported (a missing artifact is one error line at once, not after seconds of imports)."""
+def check_before_loading(options: ServeOptions) -> int:
+    """The artifact's manifest and `--max-model-len` against the model's `max_position_embeddings`
+    (which it returns), checked before torch is imported: a missing artifact is one error line at
+    once, not after seconds of imports."""
     from hy3c.program.artifact import open_artifact
 
     limit = open_artifact(options.artifact).config.max_position_embeddings
@@ -131,6 +134,12 @@ def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerCon
         raise ValueError(
             f"--max-model-len {options.max_model_len} exceeds the model's max_position_embeddings ({limit})"
         )
+    return limit
+
+
+def build_engine(options: ServeOptions) -> tuple[Engine, Hy3Tokenizer, ServerConfig]:
+    """The engine, tokenizer and API settings of `options` (`check_before_loading` first)."""
+    limit = check_before_loading(options)
     from datetime import timedelta
 
     from hy3c.runtime.distributed import start_ranks
@@ -164,7 +173,6 @@ def _engine_over(
     from hy3c.serve.engine.kernel_builds import watch_kernel_builds
     from hy3c.serve.engine.metrics import EngineMetrics
     from hy3c.serve.engine.spec_decode import parse_speculative_config
-    from hy3c.serve.http.api import ServerConfig
 
     serving = runner.recipe.serving
     page_size = serving.page_size if options.page_size is None else options.page_size
@@ -247,17 +255,11 @@ def _engine_over(
         engine.warm_up()
         log_event(log, "engine_warmed_up", seconds=round(time.monotonic() - started, 2))
     watch_kernel_builds(engine.metrics.kernel_builds)
-    name = options.served_model_name or Path(options.artifact).resolve().name
-    server = ServerConfig(
-        model_name=name,
-        api_key=options.api_key,
-        max_request_bytes=options.max_request_bytes,
-        max_waiting=options.max_waiting,
-    )
+    server = server_config(options)
     log_event(
         log,
         "engine_ready",
-        model=name,
+        model=server.model_name,
         device=str(runner.device),
         ranks=runner.world_size,
         pages=num_pages,
@@ -268,13 +270,47 @@ def _engine_over(
     return engine, tokenizer, server
 
 
+def server_config(options: ServeOptions) -> ServerConfig:
+    from hy3c.serve.http.api import ServerConfig
+
+    return ServerConfig(
+        model_name=options.served_model_name or Path(options.artifact).resolve().name,
+        api_key=options.api_key,
+        max_request_bytes=options.max_request_bytes,
+        max_waiting=options.max_waiting,
+    )
+
+
+def start_engine(options: ServeOptions) -> tuple[Engine | EngineClient, Hy3Tokenizer, ServerConfig]:
+    """`build_engine`, or with `options.engine_process` the engine built and run in a child process
+    (`engine_process`) and the tokenizer loaded here too. Either way the engine's loop is to be
+    started with `start`, and stopped with `stop_engine`."""
+    if not options.engine_process:
+        return build_engine(options)
+    check_before_loading(options)  # a missing or bad artifact: its error at once, from this process
+    from hy3c.runtime.random_weights import artifact_tokenizer
+    from hy3c.serve.http.engine_process import EngineClient
+
+    tokenizer = artifact_tokenizer(options.artifact, options.random_weights)
+    return EngineClient(options), tokenizer, server_config(options)
+
+
+def stop_engine(engine: Engine | EngineClient) -> None:
+    """Stop the engine's loop, and the workers of a sharded artifact's other ranks."""
+    engine.stop()
+    runner = getattr(engine, "runner", None)  # (an EngineClient's child stops its own)
+    shutdown = getattr(runner, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
 def serve(options: ServeOptions) -> None:
     """Serve until SIGTERM or Ctrl-C (`lifecycle`): the port first, then the artifact's manifest, then
     the model (and torch and the API)."""
     sock = bind_socket(options.host, options.port)
     engine = None
     try:
-        engine, tokenizer, server = build_engine(options)
+        engine, tokenizer, server = start_engine(options)
         from hy3c.serve.http.api import build_app
         from hy3c.serve.http.lifecycle import HttpServer
 
@@ -284,8 +320,5 @@ def serve(options: ServeOptions) -> None:
         HttpServer(gate, engine, sock, limits, options.shutdown_timeout, server.model_name).run()
     finally:
         if engine is not None:
-            engine.stop()
-            shutdown = getattr(engine.runner, "shutdown", None)  # a sharded artifact's workers stop
-            if shutdown is not None:
-                shutdown()
+            stop_engine(engine)
         sock.close()
