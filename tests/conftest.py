@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,6 +25,24 @@ import pytest
 
 from hy3c.checkpoint.random_checkpoint import init_checkpoint
 from hy3c.checkpoint.train_tiny import cache_key, train_tiny
+
+
+def _import_hub_kernels_first() -> None:
+    """transformers (5.25 on) imports Hugging Face's `kernels` package, a dependency of it. Under pytest
+    the repository's root is on sys.path, and its `kernels/` folder (installed as `hy3c.kernels`) would
+    be found under that name instead: import the installed package before the root can shadow it."""
+    root = Path(__file__).resolve().parents[1]
+    saved = list(sys.path)
+    sys.path[:] = [entry for entry in saved if Path(entry or ".").resolve() != root]
+    try:
+        importlib.import_module("kernels")
+    except ImportError:  # not installed (older transformers): nothing to shadow
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+_import_hub_kernels_first()
 
 
 def pytest_collection_modifyitems(config, items):
