@@ -19,6 +19,7 @@ then drives it on this thread (`run_until_done`) with greedy requests of random 
 - with `--json-schema JSON`: every request's output follows that schema (structured outputs: the
   grammar masks' host work shows among the phases);
 - with `--host-profile`: each setting's top host functions (cProfile, by own time) over one more window;
+- with `--kernel-table`: each setting's top device kernels (time and launches a step) in its trace;
 - `--overlap on|off|both` picks the settings run (each setting's row also prints as it ends);
 - with `--speculative-config` (as `hy3c serve`'s): the engine speculates, and the verify and draft
   graphs' bare replays give the speedup MTP can reach at acceptances 0.57 and 0.9 (and projected to
@@ -137,6 +138,19 @@ def gpu_busy(trace_path: Path) -> tuple[float, float, int, float]:
     return (spans[-1][1] - spans[0][0]) * 1e-6, busy * 1e-6, len(spans), long_idle * 1e-6
 
 
+def top_kernels(trace_path: Path, steps: int, top: int = 14) -> list[tuple[str, float, float]]:
+    """The `top` device activities of a chrome trace by total time: (name, ms a step, count a step)."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    total: dict[str, float] = collections.Counter()
+    count: dict[str, int] = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            total[e["name"][:90]] += e["dur"]
+            count[e["name"][:90]] += 1
+    ranked = sorted(total, key=total.__getitem__, reverse=True)[:top]
+    return [(name, total[name] / steps * 1e-3, count[name] / steps) for name in ranked]
+
+
 def until_decoding(engine, times: dict[str, list[float]], extra: int = 8) -> None:
     """Iterate until every request has its first token, then `extra` more steps."""
     while any(not stamps for stamps in times.values()):
@@ -171,6 +185,7 @@ def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args
             wall = time.perf_counter() - started
         prof.export_chrome_trace(str(trace))
         span, busy, kernels, long_idle = gpu_busy(trace)
+        kernel_table = top_kernels(trace, window) if args.kernel_table else []
     served_graphs = captured_step_times(engine, concurrency)
     host_profile = profile_host(engine, window) if args.host_profile else ""
     engine.run_until_done()
@@ -188,6 +203,7 @@ def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args
         "phases_ms": phases,
         "served_graphs": served_graphs,
         "host_profile": host_profile,
+        "kernel_table": kernel_table,
     }
 
 
@@ -399,6 +415,8 @@ def report_setting(row: dict) -> None:
     )
     if row["host_profile"]:
         print(row["host_profile"], flush=True)
+    for name, ms, count in row["kernel_table"]:
+        print(f"  {ms:8.3f} ms/step {count:6.1f}/step  {name}", flush=True)
 
 
 def main() -> None:
@@ -424,6 +442,7 @@ def main() -> None:
     parser.add_argument("--random-weights", type=int, default=None, help="as hy3c serve's")
     parser.add_argument("--overlap", choices=("both", "on", "off"), default="both")
     parser.add_argument("--host-profile", action="store_true", help="cProfile one more window per setting")
+    parser.add_argument("--kernel-table", action="store_true", help="each setting's top device kernels")
     args = parser.parse_args()
     options = ServeOptions(
         artifact=args.artifact,

@@ -3,6 +3,7 @@
 # MTP speculative decoding in the forced-acceptance benchmark mode (alpha 0.57 and 0.9, K = 1 and 2).
 #   bash bench/overlap_bench.sh          (on the GPU machine; carry .whl; MTP=0 skips the MTP runs,
 #   MTP_CONFIGS="1:0.57 2:0.9" picks K:alpha pairs; LEVELS="1 32" the concurrencies of the first two;
+#   RUNS="sync overlap thread" the runs without MTP;
 #   ART=DIR serves an artifact compiled before instead of building one)
 set -uo pipefail
 source bench/device_env.sh
@@ -24,8 +25,10 @@ run() {  # name, then hy3c serve's extra flags
   done
   kill $pid; wait $pid 2>/dev/null || true
 }
-run sync --no-async-scheduling
-run overlap
+declare -A run_flags=([sync]=--no-async-scheduling [overlap]="" [thread]=--no-engine-process)
+for name in ${RUNS:-sync overlap}; do  # thread: overlap, the engine on a thread of the HTTP process
+  run "$name" ${run_flags[$name]}
+done
 [ "${MTP:-1}" = 0 ] && exit 0
 for config in ${MTP_CONFIGS:-1:0.57 1:0.9 2:0.57 2:0.9}; do  # K:alpha
   k=${config%%:*} alpha=${config##*:}

@@ -29,6 +29,9 @@ import torch
 from torch import Tensor
 
 SAMPLING_BLOCK_ROWS = 5  # temperature, top_p, min_p (fp32 bits), top_k, seed: one [5, rows] int32 block
+# a block's top_k that says "do not draw this row": the fused sampler leaves it untouched (a decode graph
+# replayed for its logits alone skips the draws it captured: `DecodeGraphs.run`)
+SKIP_DRAW = -(2**31)
 
 
 def block_columns(block: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:

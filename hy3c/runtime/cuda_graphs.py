@@ -30,7 +30,7 @@ from torch import Tensor, fx
 from hy3c.kernels.registry import provider_by_target
 from hy3c.logs import log_event
 from hy3c.model.batch import StepBatch
-from hy3c.ops.sample import SAMPLING_BLOCK_ROWS
+from hy3c.ops.sample import SAMPLING_BLOCK_ROWS, SKIP_DRAW
 
 log = logging.getLogger("hy3c.runtime.cuda_graphs")
 
@@ -73,6 +73,7 @@ class DecodeGraphs:
         self.graphs = graphs
         # the captured sampler's [5, width] int32 parameter block, shared by every batch size's graph
         self.sampling = sampling
+        self._draws_skipped = False  # the block's rows say SKIP_DRAW (set by `run`, cleared by `run_sampled`)
         self.kv_cache = kv_cache
         self.max_pages = max_pages
         self.query_len = query_len
@@ -192,10 +193,15 @@ class DecodeGraphs:
         extras: tuple[Tensor, ...] = (),
         query_len: int | None = None,
     ) -> tuple[Tensor, Tensor] | None:
-        """Replay the graph covering the batch (its extra inputs `extras`); None when none does."""
+        """Replay the graph covering the batch (its extra inputs `extras`); None when none does. A graph
+        with a sampler replays without its draws (every row SKIP_DRAW): the caller samples the logits
+        itself, and the last `run_sampled`'s parameters (top-p, say) would cost it a full draw."""
         g = self._stage(batch, kv_cache, extras, query_len)
         if g is None:
             return None
+        if self.sampling is not None and not self._draws_skipped:
+            self.sampling[3].fill_(SKIP_DRAW)
+            self._draws_skipped = True
         g.graph.replay()
         rows = batch.seq_lens.shape[0] * self.rows_per_request
         return g.outputs[0][:rows], g.outputs[1][: batch.input_ids.shape[0]]
@@ -222,6 +228,7 @@ class DecodeGraphs:
             return None
         b = batch.seq_lens.shape[0]
         self.sampling.copy_(block if block.is_pinned() else block.pin_memory(), non_blocking=True)
+        self._draws_skipped = False
         g.graph.replay()
         return g.outputs[0][:b], g.outputs[1][:b], g.outputs[2][:b], g.outputs[3][:b]
 

@@ -5,7 +5,9 @@ launch, with the tunables and the fallback flags the tests read:
 
     tokens, logprobs = fused_sample(logits, temperature, top_k, top_p, min_p, seeds, noise=None, allowed=None)
 
-Penalties are applied before (they touch only the tokens a request has seen). A structured output's
+Penalties are applied before (they touch only the tokens a request has seen). A row whose top_k is
+`SKIP_DRAW` is not drawn: both kernels return at once and its outputs are left as they were (a decode
+graph replayed for its logits alone, whose captured draws nobody reads). A structured output's
 grammar mask comes in packed (`allowed` [B, ceil(V / 32)] int32, one bit a token, `hy3c.ops.sample`):
 every read of a row's logits reads its bits beside them and takes a disallowed token as -inf, so the
 mask costs a 32nd of the logits' bytes and no launch of its own. Filters follow
@@ -40,7 +42,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hy3c.kernels.registry import Provider, register_provider
-from hy3c.ops.sample import block_columns, check_allowed, sample_outputs
+from hy3c.ops.sample import SKIP_DRAW, block_columns, check_allowed, sample_outputs
 
 CHUNK = 4096  # tokens per program of the chunk kernel (held in registers)
 CANDIDATES = 32  # largest tokens each chunk hands to the merge
@@ -49,6 +51,7 @@ BISECT_STEPS = 28  # fallback resolution (max - min) / 2^28: far below the gap b
 NEGLIGIBLE: tl.constexpr = tl.constexpr(88.0)  # logit gap below the max whose tokens never matter
 INDEX_MASK: tl.constexpr = tl.constexpr(0x7FFFFFFF)
 EMPTY: tl.constexpr = tl.constexpr(-(2**63))  # key of a padding slot: below every real key
+SKIPPED: tl.constexpr = tl.constexpr(SKIP_DRAW)  # a row's top_k when nobody reads its draw
 
 
 @triton.jit
@@ -138,6 +141,8 @@ def _chunk_kernel(
     CANDIDATES: tl.constexpr,
 ):
     row = tl.program_id(0)
+    if tl.load(topk_ptr + row) == SKIPPED:
+        return
     chunk = tl.program_id(1)
     slot = row * tl.num_programs(1) + chunk
     sampled, inv_t = _inverse_temperature(temp_ptr, row)
@@ -217,6 +222,8 @@ def _merge_kernel(
     STEPS: tl.constexpr,
 ):
     row = tl.program_id(0)
+    if tl.load(topk_ptr + row) == SKIPPED:
+        return
     sampled, inv_t = _inverse_temperature(temp_ptr, row)
     chunks = tl.arange(0, CHUNKS_P2)
     chunk_ok = chunks < N_CHUNKS

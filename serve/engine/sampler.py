@@ -35,7 +35,7 @@ from torch import Tensor
 import hy3c.kernels  # noqa: F401  (registers hy3.sample and its providers)
 from hy3c.kernels.registry import providers_for
 from hy3c.model.batch import aligned
-from hy3c.ops.sample import block_columns, unpack_allowed
+from hy3c.ops.sample import SKIP_DRAW, block_columns, unpack_allowed
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (logits / 1e-40 overflow fp32 to inf)
 PENALISED_LOGIT_LIMIT = 1e30  # x 1 / SAMPLING_EPS = 1e35: far below fp32's 3.4e38
@@ -291,6 +291,7 @@ def block_of(params: list[SamplingParams], seeds: list[int], width: int = 0) -> 
     floats[1, :rows] = [p.top_p for p in params]
     floats[2, :rows] = [p.min_p for p in params]
     block[3, :rows] = [p.top_k for p in params]
+    block[3, rows:] = SKIP_DRAW  # padding: a decode graph's rows beyond the batch are not drawn
     block[4, :rows] = seeds
     return torch.from_numpy(block)
 

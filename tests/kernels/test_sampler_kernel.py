@@ -8,6 +8,7 @@ import torch
 
 import hy3c.kernels  # noqa: F401
 from hy3c.kernels.sampler.fused_sampler import fused_sample
+from hy3c.ops.sample import SKIP_DRAW
 from hy3c.serve.engine.sampler import History, SamplingParams
 
 hy3, tri = torch.ops.hy3, torch.ops.hy3_triton
@@ -85,6 +86,26 @@ def test_rows_split_over_chunks_merge_exactly_and_fall_back_only_when_needed(par
     assert fallback.tolist() == [int(falls_back)] * rows
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_rows_marked_skip_draw_are_left_untouched_and_the_others_drawn_as_usual():
+    """A decode graph replayed for its logits alone marks its captured draws SKIP_DRAW (`DecodeGraphs.run`)."""
+    rows, vocab = 5, 1500
+    logits = torch.randn(rows, vocab) * 2
+    noise = torch.rand(rows, vocab)
+    params = SamplingParams(temperature=3.0, top_p=0.99)  # flat: every drawn row falls back
+    columns = list(_columns(params, rows))
+    skipped = torch.tensor([False, True, False, True, True])
+    columns[1] = torch.where(skipped, SKIP_DRAW, columns[1]).to(torch.int32)
+    fallback = torch.full((rows,), -1, dtype=torch.int32)
+    tokens, logprobs = fused_sample(
+        logits, *columns, noise, chunk=256, candidates=16, merge_top=64, fallback=fallback
+    )
+    assert fallback.tolist() == [1, -1, 1, -1, -1]  # the skipped rows' outputs were never written
+    ref_tokens, ref_logprobs, *_ = _reference(logits, params, noise)
+    drawn = ~skipped
+    assert torch.equal(tokens[drawn], ref_tokens[drawn])
+    torch.testing.assert_close(logprobs[drawn], ref_logprobs[drawn], atol=1e-4, rtol=1e-4)
 
 
 def test_fused_sampler_seeded_stream_is_reproducible_and_respects_top_k():

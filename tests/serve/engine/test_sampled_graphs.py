@@ -12,7 +12,7 @@ import torch
 import hy3c.runtime.artifact as artifact
 from hy3c.compiler.driver import compile_artifact
 from hy3c.model import SeqChunk, build_step_batch
-from hy3c.ops.sample import block_columns
+from hy3c.ops.sample import SKIP_DRAW, block_columns
 from hy3c.recipe import load_recipe
 from hy3c.serve.engine.core import Engine, EngineConfig, GenerationRequest, StepOutput
 from hy3c.serve.engine.sampler import SamplingParams, block_of, has_penalties
@@ -116,6 +116,7 @@ def test_parameter_block_layout():
     assert temperature.tolist() == [0.5, 0.0] and top_k.tolist() == [7, 0] and seeds.tolist() == [11, 0]
     assert top_p[0].item() == pytest.approx(0.9) and min_p[0].item() == pytest.approx(0.1)
     assert block_of(params, [1, 2]).shape == (5, 4)  # rows padded to a multiple of 4
+    assert block[3, 2:].tolist() == [SKIP_DRAW] * 6  # a graph's padding rows are not drawn
     assert block_of(params * 3, [1] * 6, width=4).shape == (5, 8)  # never fewer columns than rows
     assert not has_penalties(params[0])
     assert has_penalties(SamplingParams(logit_bias=((3, 1.0),)))
@@ -163,6 +164,19 @@ def test_sampled_replays_equal_the_step_then_the_fused_sampler(cuda_runner):
         assert tokens.tolist() == expected.tolist()
         assert pair.is_contiguous() and pair[:, 0].long().tolist() == expected.tolist()
         torch.testing.assert_close(pair[:, 1].float(), expected_logprobs, atol=2e-2, rtol=2e-2)
+    # a replay for the logits alone (the engine samples them itself) skips the captured draws, whatever
+    # the last sampled replay's parameters were, and the next sampled replay draws as before
+    graphs = runner.step_graphs[1]
+    batch = _decode_batch(4)
+    block = block_of([kinds[1]] * 4, [7, 8, 9, 10], width)
+    eager, _ = runner(*batch.model_args(kv.clone()))  # (the graphs run on the captured cache only)
+    runner.step_sampled(batch, kv, block)
+    logits, _ = runner.step(batch, kv)
+    torch.testing.assert_close(logits, eager, atol=2e-2, rtol=2e-2)
+    assert graphs.sampling[3].tolist() == [SKIP_DRAW] * width
+    expected, _ = fused_sample(eager, *block_columns(block.cuda(), 4))
+    assert runner.step_sampled(batch, kv, block)[2].tolist() == expected.tolist()
+    assert graphs.sampling[3].tolist() == [20] * width
     with pytest.raises(ValueError, match="parameter block"):
         runner.step_sampled(_decode_batch(1), kv, block_of(kinds[:1], [0], 8))  # not the graphs' width
     prefill = build_step_batch([SeqChunk([3, 4], 0, [1], "last")], 16, "cuda")
