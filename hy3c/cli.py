@@ -85,7 +85,9 @@ def _run_init_checkpoint(args: argparse.Namespace) -> None:
         with tempfile.TemporaryDirectory(dir=args.out.parent if args.out.parent.exists() else None) as tmp:
             bf16 = Path(tmp) / "bf16"
             init_checkpoint(args.preset, bf16, args.seed, "hub", shard, False, args.device)
-            _convert(bf16, args.out, args.fp8, args.seed, args.overwrite, args.device, shard, True, [])
+            _convert(
+                bf16, args.out, args.fp8, args.seed, args.overwrite, args.device, shard, True, [], "angelslim"
+            )
     print(args.out)
 
 
@@ -99,14 +101,19 @@ def _convert(
     shard: int,
     with_mtp: bool,
     ignore_unexpected: list[str],
+    layout: str,
 ) -> None:
     from hy3c.checkpoint.fp8_convert import convert_to_fp8
     from hy3c.checkpoint.loader import load_model
     from hy3c.checkpoint.safetensors_io import check_output_dir
 
+    if layout == "modelopt" and scheme != "static":
+        raise ValueError("--layout modelopt: ModelOpt's FP8 format has static activation scales only")
     check_output_dir(out, overwrite, inputs=[src])  # before loading and calibrating the model
     model = load_model(src, device=device, with_mtp=with_mtp, ignore_unexpected=ignore_unexpected)
-    convert_to_fp8(model, src, out, scheme, seed=seed, overwrite=overwrite, max_shard_bytes=shard)
+    convert_to_fp8(
+        model, src, out, scheme, seed=seed, overwrite=overwrite, max_shard_bytes=shard, layout=layout
+    )
 
 
 def _add_convert_fp8(sub: argparse._SubParsersAction) -> None:
@@ -114,6 +121,12 @@ def _add_convert_fp8(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--activation", choices=("static", "dynamic"), default="static")
+    p.add_argument(
+        "--layout",
+        choices=("angelslim", "modelopt"),
+        default="angelslim",
+        help="AngelSlim's layout (as tencent/Hy3-FP8 ships) or NVIDIA ModelOpt's HF export",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random calibration tokens")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-shard-gib", type=float, default=4.0)
@@ -135,6 +148,7 @@ def _run_convert_fp8(args: argparse.Namespace) -> None:
         shard,
         not args.no_mtp,
         args.ignore_unexpected,
+        args.layout,
     )
     print(args.out)
 

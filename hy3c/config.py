@@ -30,14 +30,57 @@ class RopeParameters(BaseModel):
     rope_type: Literal["default"] = "default"
 
 
+MODELOPT_FP8_KV = {"type": "float", "num_bits": 8}  # ModelOpt's `kv_cache_scheme` of an FP8 KV cache
+
+
 class QuantizationConfig(BaseModel):
-    """The `quantization_config` block of an FP8 (W8A8[C8]) Hy3 checkpoint (docs/ARCHITECTURE.md §1.7)."""
+    """The `quantization_config` block of an FP8 (W8A8[C8]) Hy3 checkpoint (docs/ARCHITECTURE.md §1.7),
+    in either producer's layout:
+
+    * AngelSlim's (`quant_method: fp8`): `activation_scheme`, `ignored_layers`, `kv_cache_scheme:
+      static` with the KV scales in `kv_cache_scales.safetensors`;
+    * NVIDIA ModelOpt's HF export (`quant_method: modelopt`, `quant_algo: FP8`): static per-tensor
+      activation scales beside the weights, `ignore`, and `kv_cache_scheme` {type: float, num_bits: 8}
+      with each layer's `k_proj.k_scale` / `v_proj.v_scale` in the shards. (An export that keeps this
+      block in `hf_quant_config.json` instead is read through `Hy3Config.from_dir`.)
+    """
 
     model_config = ConfigDict(extra="allow")
-    quant_method: Literal["fp8"]
+    quant_method: Literal["fp8", "modelopt"]
     activation_scheme: Literal["static", "dynamic"] = "dynamic"
     ignored_layers: list[str] = Field(default_factory=list)
-    kv_cache_scheme: Literal["static"] | None = None
+    kv_cache_scheme: Literal["static"] | dict[str, Any] | None = None
+    quant_algo: str | None = None
+    ignore: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_producer(self) -> QuantizationConfig:
+        if self.quant_method == "fp8":
+            if isinstance(self.kv_cache_scheme, dict):
+                raise ValueError("kv_cache_scheme: with quant_method 'fp8' only 'static' is understood")
+            return self
+        if (self.quant_algo or "").upper() != "FP8":
+            raise ValueError(
+                f"quant_algo: {self.quant_algo!r} is not a ModelOpt format hy3c reads (only 'FP8': per-tensor"
+                " FP8 weights and static activation scales)"
+            )
+        kv = self.kv_cache_scheme
+        if kv is not None and (
+            not isinstance(kv, dict) or {k: kv.get(k) for k in MODELOPT_FP8_KV} != MODELOPT_FP8_KV
+        ):
+            raise ValueError(f"kv_cache_scheme: {kv!r} is not an FP8 KV cache ({MODELOPT_FP8_KV})")
+        self.activation_scheme = "static"  # ModelOpt's FP8 always calibrates its input scales
+        return self
+
+    @property
+    def kv_scales_file(self) -> bool:
+        """Whether static KV scales come in `kv_cache_scales.safetensors` (AngelSlim's layout)."""
+        return self.quant_method == "fp8" and self.kv_cache_scheme == "static"
+
+    @property
+    def kv_scales_in_shards(self) -> bool:
+        """Whether each layer's `k_proj.k_scale` / `v_proj.v_scale` is in the shards (ModelOpt's)."""
+        return self.quant_method == "modelopt" and self.kv_cache_scheme is not None
 
 
 class Hy3Config(BaseModel):
@@ -206,6 +249,9 @@ class Hy3Config(BaseModel):
             raise ConfigError(f"{file}: not valid JSON ({exc})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{file}: expected a JSON object")
+        legacy = Path(path) / "hf_quant_config.json"
+        if "quantization_config" not in data and legacy.is_file():
+            data = {**data, "quantization_config": _modelopt_legacy_block(legacy)}
         return cls.from_dict(data, source=str(file))
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -213,6 +259,31 @@ class Hy3Config(BaseModel):
         out = self.model_dump(mode="json", exclude_none=True)
         out["mlp_layer_types"] = self.layer_types
         return out
+
+
+def _modelopt_legacy_block(file: Path) -> dict[str, Any]:
+    """The `quantization_config` of an export whose config.json has none, from ModelOpt's
+    `hf_quant_config.json` (`{"producer": …, "quantization": {quant_algo, kv_cache_quant_algo,
+    exclude_modules}}`)."""
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{file}: not valid JSON ({exc})") from None
+    quant = data.get("quantization") if isinstance(data, dict) else None
+    if not isinstance(quant, dict):
+        raise ConfigError(f"{file}: quantization: expected an object")
+    kv = quant.get("kv_cache_quant_algo")
+    if kv is not None and str(kv).upper() != "FP8":
+        raise ConfigError(f"{file}: quantization.kv_cache_quant_algo: {kv!r} is not FP8")
+    exclude = quant.get("exclude_modules", [])
+    if not isinstance(exclude, list):
+        raise ConfigError(f"{file}: quantization.exclude_modules: expected a list")
+    return {
+        "quant_method": "modelopt",
+        "quant_algo": quant.get("quant_algo"),
+        "kv_cache_scheme": dict(MODELOPT_FP8_KV) if kv is not None else None,
+        "ignore": exclude,
+    }
 
 
 # config.json keys of architecture features Hy3 does not have (docs/ARCHITECTURE.md §1.1): a checkpoint

@@ -160,6 +160,8 @@ def test_user_mistakes_get_one_line_errors(tiny_ckpt, tmp_path, capsys):
     fp8 = tmp_path / "fp8"
     assert main(["init-checkpoint", "--out", str(fp8), "--fp8", "dynamic"]) == 0
     fails_with(["convert-fp8", "--model", str(fp8), "--out", str(tmp_path / "again")], "already an FP8")
+    modelopt_dynamic = ["convert-fp8", "--model", str(tiny_ckpt), "--out", str(tmp_path / "mo")]
+    fails_with([*modelopt_dynamic, "--layout", "modelopt", "--activation", "dynamic"], "static activation")
     if not torch.cuda.is_available():
         fails_with(
             ["generate", "--model", str(tiny_ckpt), "--prompt", "x", "--device", "cuda"], "CUDA is not"

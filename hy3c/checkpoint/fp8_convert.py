@@ -1,6 +1,15 @@
 """Convert a BF16 Hy3 checkpoint into the FP8 "W8A8C8" hub format (docs/ARCHITECTURE.md §1.7).
 
-    convert_to_fp8("ckpt-bf16/", "ckpt-fp8/", activation_scheme="static")
+    convert_to_fp8(model, "ckpt-bf16/", "ckpt-fp8/", activation_scheme="static", layout="angelslim")
+
+Two layouts of the same quantization (`layout`), both read back by `load_model`:
+* `angelslim` (default): what AngelSlim's vLLM-oriented FP8 tool writes, as tencent/Hy3-FP8 ships:
+  scales of shape [1], `quantization_config` `{quant_method: fp8, ...}`, KV scales in
+  `kv_cache_scales.safetensors`.
+* `modelopt`: NVIDIA ModelOpt's HF export (what vLLM and SGLang load as `quantization=modelopt`):
+  scalar scales, each layer's `self_attn.k_proj.k_scale` / `v_proj.v_scale` in the shards,
+  `quantization_config` `{quant_method: modelopt, quant_algo: FP8, kv_cache_scheme, ignore}` and the
+  same in `hf_quant_config.json`. Static activations only (ModelOpt's `FP8` is static).
 
 * Weights of every attention / dense / shared / expert projection (and the MTP eh_proj) become
   float8_e4m3fn with a per-tensor `weight_scale` = absmax / 448, one per checkpoint tensor, as
@@ -29,6 +38,7 @@ from tqdm import tqdm
 
 from hy3c.checkpoint.safetensors_io import ShardedWriter, atomic_output_dir, check_output_dir
 from hy3c.checkpoint.weight_map import expected_tensors, kv_scale_tensors
+from hy3c.config import MODELOPT_FP8_KV, Hy3Config, QuantizationConfig
 from hy3c.logs import log_event
 from hy3c.model.batch import SeqChunk, build_step_batch
 from hy3c.model.hy3 import Hy3ForCausalLM, allocate_kv_cache
@@ -114,8 +124,10 @@ def calibrate(model: Hy3ForCausalLM, token_batches: list[list[int]], page_size: 
     return dict(stats)
 
 
-def _scale(absmax: float) -> torch.Tensor:
-    return torch.tensor([max(absmax / FP8_MAX, _MIN_SCALE)], dtype=torch.float32)
+def _scale(absmax: float, scalar: bool = False) -> torch.Tensor:
+    """The per-tensor FP8 scale of `absmax`: shape [1], or a 0-d tensor with `scalar`."""
+    value = max(absmax / FP8_MAX, _MIN_SCALE)
+    return torch.tensor(value if scalar else [value], dtype=torch.float32)
 
 
 def _input_scale_key(target: str) -> str:
@@ -128,6 +140,45 @@ def _input_scale_key(target: str) -> str:
     return module
 
 
+Layout = Literal["angelslim", "modelopt"]
+# what ModelOpt's export leaves in high precision, as its `ignore` / `exclude_modules` wildcards
+_MODELOPT_IGNORED = ["lm_head", "model.embed_tokens", "*.mlp.router.gate"]
+
+
+def _quantization_block(layout: Layout, activation_scheme: str) -> dict:
+    """config.json's `quantization_config` of the layout."""
+    if layout == "angelslim":
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": activation_scheme,
+            "ignored_layers": ["lm_head", "model.embed_tokens"],
+            "kv_cache_scheme": "static",
+        }
+    static = {**MODELOPT_FP8_KV, "dynamic": False, "strategy": "tensor"}
+    return {
+        "quant_method": "modelopt",
+        "quant_algo": "FP8",
+        "producer": {"name": "hy3c"},
+        "config_groups": {
+            "group_0": {"weights": static, "input_activations": static, "targets": ["Linear"]},
+        },
+        "kv_cache_scheme": static,
+        "ignore": _MODELOPT_IGNORED,
+    }
+
+
+def _hf_quant_config() -> dict:
+    """ModelOpt's `hf_quant_config.json` (the block older readers take instead of config.json's)."""
+    return {
+        "producer": {"name": "hy3c"},
+        "quantization": {
+            "quant_algo": "FP8",
+            "kv_cache_quant_algo": "FP8",
+            "exclude_modules": _MODELOPT_IGNORED,
+        },
+    }
+
+
 def convert_to_fp8(
     model: Hy3ForCausalLM,
     source_dir: str | Path,
@@ -137,9 +188,13 @@ def convert_to_fp8(
     seed: int = 0,
     overwrite: bool = False,
     max_shard_bytes: int = 4 << 30,
+    layout: Layout = "angelslim",
 ) -> Path:
-    """Write the FP8 hub-format checkpoint of `model` (loaded in high precision from `source_dir`)."""
+    """Write the FP8 hub-format checkpoint of `model` (loaded in high precision from `source_dir`) in
+    `layout` (the module docstring)."""
     source_dir, out = Path(source_dir), Path(out)
+    if layout == "modelopt" and activation_scheme != "static":
+        raise ValueError("--layout modelopt: ModelOpt's FP8 format has static activation scales only")
     check_output_dir(out, overwrite, inputs=[source_dir])  # before calibrating
     if any(p.dtype == FP8_DTYPE for p in model.parameters()):
         raise ValueError(f"{source_dir}: already an FP8 checkpoint; convert-fp8 takes a BF16 one")
@@ -150,25 +205,28 @@ def convert_to_fp8(
     stats = calibrate(model, calibration)
     fp8_modules = fp8_module_paths(model)
     static = activation_scheme == "static"
-    expected = expected_tensors(config, "hub", fp8_modules, static)
+    block = _quantization_block(layout, activation_scheme)
+    written: Hy3Config = config.model_copy(update={"quantization_config": QuantizationConfig(**block)})
+    expected = expected_tensors(written, "hub", fp8_modules, static)
     params = dict(model.named_parameters())
+    scalar = layout == "modelopt"  # ModelOpt's scales are 0-d tensors, AngelSlim's [1]
     with atomic_output_dir(out, overwrite, inputs=[source_dir]) as tmp:
         for name in _COPIED_FILES:
             if (source_dir / name).is_file():
                 shutil.copy2(source_dir / name, tmp / name)
         data = config.to_json_dict()
-        data["quantization_config"] = {
-            "quant_method": "fp8",
-            "activation_scheme": activation_scheme,
-            "ignored_layers": ["lm_head", "model.embed_tokens"],
-            "kv_cache_scheme": "static",
-        }
+        data["quantization_config"] = block
         (tmp / "config.json").write_text(json.dumps(data, indent=2))
+        if layout == "modelopt":
+            (tmp / "hf_quant_config.json").write_text(json.dumps(_hf_quant_config(), indent=2))
         writer = ShardedWriter(tmp, max_shard_bytes)
         for name, place in tqdm(expected.items(), desc="writing fp8", unit="tensor", disable=None):
             leaf = name.rsplit(".", 1)[1]
             if leaf == "input_scale":
-                writer.add(name, _scale(stats[_input_scale_key(place.target)]))
+                writer.add(name, _scale(stats[_input_scale_key(place.target)], scalar))
+                continue
+            if leaf in ("k_scale", "v_scale"):
+                writer.add(name, _scale(stats[f"kv.{place.region[0]}.{leaf[0]}"], scalar))
                 continue
             weight_target = place.target.removesuffix("_scale") if leaf == "weight_scale" else place.target
             weight_name = name.removesuffix("_scale") if leaf == "weight_scale" else name
@@ -179,20 +237,25 @@ def convert_to_fp8(
             if module in fp8_modules and leaf in ("weight", "weight_scale"):
                 scale = _scale(_abs_max(value))
                 writer.add(
-                    name, scale if leaf == "weight_scale" else quantize_fp8(value, scale.to(value.device))
+                    name,
+                    scale.reshape(() if scalar else (1,))
+                    if leaf == "weight_scale"
+                    else quantize_fp8(value, scale.to(value.device)),
                 )
             else:
                 writer.add(name, value.clone())
         writer.close()
-        kv = {
-            name: _scale(stats[f"kv.{p.region[0]}.{'kv'[p.region[1][0]]}"])
-            for name, p in kv_scale_tensors(config).items()
-        }
-        save_file(kv, str(tmp / "kv_cache_scales.safetensors"))
+        if layout == "angelslim":
+            kv = {
+                name: _scale(stats[f"kv.{p.region[0]}.{'kv'[p.region[1][0]]}"])
+                for name, p in kv_scale_tensors(config).items()
+            }
+            save_file(kv, str(tmp / "kv_cache_scales.safetensors"))
     log_event(
         log,
         "fp8_checkpoint_written",
         path=str(out),
+        layout=layout,
         activation_scheme=activation_scheme,
         fp8_modules=len(fp8_modules),
         calibration_sequences=len(calibration),

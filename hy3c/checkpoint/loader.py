@@ -81,7 +81,7 @@ def _quant_layout(config: Hy3Config, files: CheckpointFiles, scheme: Scheme) -> 
         modules.add(module)
     qc = config.quantization_config
     if qc is not None:
-        static = qc.activation_scheme == "static"
+        static = qc.activation_scheme == "static"  # (ModelOpt's FP8: always)
     else:
         static = any(n.endswith(".input_scale") for n in files.headers)
     return QuantLayout(frozenset(modules), static)
@@ -191,15 +191,14 @@ def assemble_tensors(
     with layout.files.reader() as read:
         for target, like in shapes.items():
             out = torch.empty(like.shape, dtype=like.dtype)
-            if target == "kv_scales":
+            if target == "kv_scales":  # AngelSlim's own file, or ModelOpt's k_scale / v_scale (below)
                 out.fill_(1.0)
                 _load_kv_scales(kv_root, layout.config, out)
-            else:
-                seen: set[tuple] = set()
-                for name, place in sources.get(target, []):
-                    key = (place.region, place.mode)
-                    _place(out, place, read(name), first=key not in seen)
-                    seen.add(key)
+            seen: set[tuple] = set()
+            for name, place in sources.get(target, []):
+                key = (place.region, place.mode)
+                _place(out, place, read(name), first=key not in seen)
+                seen.add(key)
             yield target, out
             del out  # keep at most one assembled tensor alive (with the consumer's reference)
 
@@ -273,12 +272,13 @@ def load_model(
 
 def _load_kv_scales(root: Path | None, config: Hy3Config, out: torch.Tensor) -> None:
     """Fill kv_scales [layers, 2] from kv_cache_scales.safetensors: required, and complete, when the
-    config says `kv_cache_scheme: static`; rows of an MTP layer the model does not hold are skipped."""
+    config says `kv_cache_scheme: static` (AngelSlim's layout); rows of an MTP layer the model does not
+    hold are skipped."""
     if root is None:
         return
     file = root / KV_SCALES_FILE
     quant = config.quantization_config
-    static = quant is not None and quant.kv_cache_scheme == "static"
+    static = quant is not None and quant.kv_scales_file
     if not file.is_file():
         if static:
             raise CheckpointError(f"{file}: missing (quantization_config.kv_cache_scheme is 'static')")

@@ -3,7 +3,8 @@
 Two naming schemes are understood (docs/ARCHITECTURE.md §1.6):
   * `hub`          what tencent/Hy3 ships: per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`,
                    `mlp.router.gate.weight`, `mlp.expert_bias`, `mlp.shared_mlp.*`; FP8 checkpoints add
-                   `*.weight_scale` and `*.input_scale` (§1.7).
+                   `*.weight_scale` and `*.input_scale` (§1.7); ModelOpt's FP8 export also puts each
+                   layer's KV scales there, as `self_attn.k_proj.k_scale` / `self_attn.v_proj.v_scale`.
   * `transformers` what HF `HYV3ForCausalLM` holds after conversion: stacked `mlp.experts.gate_up_proj`
                    [E, 2I, H] and `mlp.experts.down_proj` [E, H, I], `mlp.gate.weight`,
                    `mlp.e_score_correction_bias`, `mlp.shared_experts.*`.
@@ -70,6 +71,7 @@ class _Ctx:
     scheme: Scheme
     fp8: frozenset[str]  # our module paths with FP8 weights
     static: bool
+    kv_in_shards: bool  # ModelOpt's k_scale / v_scale beside the k / v projections
 
 
 def _linear(
@@ -91,7 +93,9 @@ def _linear(
             out[f"{src}.input_scale"] = Placement(f"{module}.input_scale", (), (1,), "max")
 
 
-def _decoder_layer(ctx: _Ctx, out: dict[str, Placement], src: str, dst: str, sparse: bool) -> None:
+def _decoder_layer(
+    ctx: _Ctx, out: dict[str, Placement], src: str, dst: str, sparse: bool, kv_row: int
+) -> None:
     c = ctx.config
     h, q, kv = c.hidden_size, c.q_size, c.kv_size
     out[f"{src}.input_layernorm.weight"] = Placement(f"{dst}.input_layernorm.weight", (), (h,))
@@ -104,6 +108,11 @@ def _decoder_layer(ctx: _Ctx, out: dict[str, Placement], src: str, dst: str, spa
     _linear(ctx, out, f"{attn}.k_proj", qkv, (q, q + kv), total, h)
     _linear(ctx, out, f"{attn}.v_proj", qkv, (q + kv, total), total, h)
     _linear(ctx, out, f"{attn}.o_proj", f"{dst}.self_attn.o_proj", (0, h), h, q)
+    if ctx.kv_in_shards:
+        for which, kind in enumerate("kv"):
+            out[f"{attn}.{kind}_proj.{kind}_scale"] = Placement(
+                "kv_scales", (kv_row, (which, which + 1)), (1,), "max"
+            )
     for norm in ("q_norm", "k_norm"):
         out[f"{attn}.{norm}.weight"] = Placement(f"{dst}.self_attn.{norm}.weight", (), (c.head_dim,))
     mlp = f"{src}.mlp"
@@ -157,7 +166,10 @@ def expected_tensors(
     static_activations: bool = False,
     with_mtp: bool = True,
 ) -> dict[str, Placement]:
-    ctx = _Ctx(config, scheme, fp8_modules, static_activations)
+    quant = config.quantization_config
+    ctx = _Ctx(
+        config, scheme, fp8_modules, static_activations, quant is not None and quant.kv_scales_in_shards
+    )
     c = config
     out: dict[str, Placement] = {
         "model.embed_tokens.weight": Placement("embed_tokens.weight", (), (c.vocab_size, c.hidden_size)),
@@ -165,10 +177,10 @@ def expected_tensors(
         "lm_head.weight": Placement("lm_head.weight", (), (c.vocab_size, c.hidden_size)),
     }
     for layer, kind in enumerate(c.layer_types):
-        _decoder_layer(ctx, out, f"model.layers.{layer}", f"layers.{layer}", kind == "sparse")
+        _decoder_layer(ctx, out, f"model.layers.{layer}", f"layers.{layer}", kind == "sparse", layer)
     for depth in range(c.num_nextn_predict_layers if with_mtp else 0):
         src, dst = f"model.layers.{c.num_hidden_layers + depth}", f"mtp.{depth}"
-        _decoder_layer(ctx, out, src, f"{dst}.layer", True)
+        _decoder_layer(ctx, out, src, f"{dst}.layer", True, c.num_hidden_layers + depth)
         for norm in ("enorm", "hnorm", "final_layernorm"):
             out[f"{src}.{norm}.weight"] = Placement(f"{dst}.{norm}.weight", (), (c.hidden_size,))
         _linear(

@@ -131,11 +131,12 @@ def test_fp8_artifact_agrees_with_bf16_reference(tiny_ckpt, tmp_path):
     assert (logits - ref).norm() / ref.norm() < 0.2
 
 
-def test_static_fp8_checkpoint_compiles_with_fp8_kv(tiny_ckpt, tmp_path):
+@pytest.mark.parametrize("layout", ["angelslim", "modelopt"])
+def test_static_fp8_checkpoint_compiles_with_fp8_kv(tiny_ckpt, tmp_path, layout):
     from hy3c.checkpoint.fp8_convert import convert_to_fp8
 
     fp8 = convert_to_fp8(
-        load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False), tiny_ckpt, tmp_path / "ck"
+        load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False), tiny_ckpt, tmp_path / "ck", layout=layout
     )
     recipe = load_recipe(
         "cpu-reference", ["dtype=bfloat16", "quant.weights=fp8", "quant.activations=static", "quant.kv=fp8"]
