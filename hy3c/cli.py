@@ -102,7 +102,12 @@ def _convert(
     with_mtp: bool,
     ignore_unexpected: list[str],
     layout: str,
+    calibrate: Path | None = None,
+    calibration_tokens: int | None = None,
 ) -> None:
+    """`convert-fp8`: calibrated on the text of `calibrate` (None: the default text), at most
+    `calibration_tokens` tokens; without `calibration_tokens`, on random tokens drawn from `seed` (the
+    random checkpoints of `init-checkpoint --fp8`)."""
     from hy3c.checkpoint.fp8_convert import convert_to_fp8
     from hy3c.checkpoint.loader import load_model
     from hy3c.checkpoint.safetensors_io import check_output_dir
@@ -110,9 +115,23 @@ def _convert(
     if layout == "modelopt" and scheme != "static":
         raise ValueError("--layout modelopt: ModelOpt's FP8 format has static activation scales only")
     check_output_dir(out, overwrite, inputs=[src])  # before loading and calibrating the model
+    windows = None
+    if calibration_tokens is not None:
+        from hy3c.checkpoint.calibration_data import calibration_windows
+        from hy3c.checkpoint.tokenizer import Hy3Tokenizer
+
+        windows = calibration_windows(Hy3Tokenizer.from_dir(src), calibrate, calibration_tokens)
     model = load_model(src, device=device, with_mtp=with_mtp, ignore_unexpected=ignore_unexpected)
     convert_to_fp8(
-        model, src, out, scheme, seed=seed, overwrite=overwrite, max_shard_bytes=shard, layout=layout
+        model,
+        src,
+        out,
+        scheme,
+        calibration=windows,
+        seed=seed,
+        overwrite=overwrite,
+        max_shard_bytes=shard,
+        layout=layout,
     )
 
 
@@ -127,7 +146,20 @@ def _add_convert_fp8(sub: argparse._SubParsersAction) -> None:
         default="angelslim",
         help="AngelSlim's layout (as tencent/Hy3-FP8 ships) or NVIDIA ModelOpt's HF export",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random calibration tokens")
+    p.add_argument(
+        "--calibrate",
+        type=Path,
+        default=None,
+        metavar="DATA",
+        help="calibrate static scales on this text or .jsonl file ({'text': ...} per line; default:"
+        " the Python standard library's sources)",
+    )
+    p.add_argument(
+        "--calibration-tokens",
+        type=_positive_int,
+        default=8192,
+        help="tokens of calibration text at most (default: 8192)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-shard-gib", type=float, default=4.0)
     p.add_argument("--overwrite", action="store_true")
@@ -142,13 +174,15 @@ def _run_convert_fp8(args: argparse.Namespace) -> None:
         args.model,
         args.out,
         args.activation,
-        args.seed,
+        0,
         args.overwrite,
         args.device,
         shard,
         not args.no_mtp,
         args.ignore_unexpected,
         args.layout,
+        args.calibrate,
+        args.calibration_tokens,
     )
     print(args.out)
 
