@@ -86,7 +86,17 @@ def _run_init_checkpoint(args: argparse.Namespace) -> None:
             bf16 = Path(tmp) / "bf16"
             init_checkpoint(args.preset, bf16, args.seed, "hub", shard, False, args.device)
             _convert(
-                bf16, args.out, args.fp8, args.seed, args.overwrite, args.device, shard, True, [], "angelslim"
+                bf16,
+                args.out,
+                args.fp8,
+                args.seed,
+                args.overwrite,
+                args.device,
+                shard,
+                True,
+                [],
+                "angelslim",
+                calibrator="absmax",  # random weights for benchmarks: no ModelOpt needed where they run
             )
     print(args.out)
 
@@ -104,6 +114,7 @@ def _convert(
     layout: str,
     calibrate: Path | None = None,
     calibration_tokens: int | None = None,
+    calibrator: str = "modelopt",
 ) -> None:
     """`convert-fp8`: calibrated on the text of `calibrate` (None: the default text), at most
     `calibration_tokens` tokens; without `calibration_tokens`, on random tokens drawn from `seed` (the
@@ -132,6 +143,7 @@ def _convert(
         overwrite=overwrite,
         max_shard_bytes=shard,
         layout=layout,
+        calibrator=calibrator,
     )
 
 
@@ -153,6 +165,13 @@ def _add_convert_fp8(sub: argparse._SubParsersAction) -> None:
         metavar="DATA",
         help="calibrate static scales on this text or .jsonl file ({'text': ...} per line; default:"
         " the Python standard library's sources)",
+    )
+    p.add_argument(
+        "--calibrator",
+        choices=("modelopt", "absmax"),
+        default="modelopt",
+        help="NVIDIA ModelOpt's FP8 post-training quantization (pip install -e '.[quant]'), or forward"
+        " hooks taking the same absmax without it",
     )
     p.add_argument(
         "--calibration-tokens",
@@ -183,6 +202,7 @@ def _run_convert_fp8(args: argparse.Namespace) -> None:
         args.layout,
         args.calibrate,
         args.calibration_tokens,
+        args.calibrator,
     )
     print(args.out)
 

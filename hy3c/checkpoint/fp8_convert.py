@@ -65,9 +65,44 @@ def _abs_max(x: torch.Tensor) -> float:
     return float(x.detach().abs().max()) if x.numel() else 0.0
 
 
+def calibration_passes(
+    model: Hy3ForCausalLM, token_batches: list[list[int]], page_size: int = 16
+) -> dict[str, float]:
+    """Run the model (and its MTP layers, on the tokens after next) over each calibration sequence;
+    returns the absmax of every KV layer's K and V (`kv.<layer>.k|v`: post-norm, post-RoPE K as the
+    cache stores it), which no module hook sees."""
+    stats: dict[str, float] = defaultdict(float)
+    device = model.embed_tokens.weight.device
+    with torch.no_grad():
+        for ids in tqdm(token_batches, desc="calibrating", unit="seq", disable=None):
+            pages = list(range(-(-len(ids) // page_size)))
+            kv = allocate_kv_cache(model.config, len(pages), page_size, model.dtype, device)
+            batch = build_step_batch([SeqChunk(ids, 0, pages, "all")], page_size, device)
+            _, hidden = model(*batch.model_args(kv))
+            if len(model.mtp) and len(ids) > 1:
+                mtp_batch = build_step_batch([SeqChunk(ids[1:], 0, pages, "none")], page_size, device)
+                model.mtp_forward(
+                    mtp_batch.input_ids,
+                    mtp_batch.positions,
+                    hidden[:-1],
+                    kv,
+                    mtp_batch.page_table,
+                    mtp_batch.seq_lens,
+                    mtp_batch.query_start_loc,
+                    mtp_batch.slot_mapping,
+                    mtp_batch.logits_indices,
+                )
+            for layer in range(model.config.num_kv_layers):
+                for which, kind in enumerate("kv"):
+                    key = f"kv.{layer}.{kind}"
+                    stats[key] = max(stats[key], _abs_max(kv[layer, which]))
+    return dict(stats)
+
+
 def calibrate(model: Hy3ForCausalLM, token_batches: list[list[int]], page_size: int = 16) -> dict[str, float]:
     """absmax of every quantized module's input (experts: `<path>.a13` and `<path>.a2`) and of every KV
-    layer's K and V (`kv.<layer>.k|v`), over the calibration sequences."""
+    layer's K and V (`kv.<layer>.k|v`), over the calibration sequences, by forward hooks (the
+    reference `modelopt_calibrate` is tested against)."""
     stats: dict[str, float] = defaultdict(float)
     handles = []
 
@@ -93,35 +128,12 @@ def calibrate(model: Hy3ForCausalLM, token_batches: list[list[int]], page_size: 
             handles.append(mod.register_forward_pre_hook(linear_hook(name)))
         elif isinstance(mod, Experts):
             handles.append(mod.register_forward_pre_hook(experts_hook(name)))
-    device = model.embed_tokens.weight.device
     try:
-        with torch.no_grad():
-            for ids in token_batches:
-                pages = list(range(-(-len(ids) // page_size)))
-                kv = allocate_kv_cache(model.config, len(pages), page_size, model.dtype, device)
-                batch = build_step_batch([SeqChunk(ids, 0, pages, "all")], page_size, device)
-                _, hidden = model(*batch.model_args(kv))
-                if len(model.mtp) and len(ids) > 1:
-                    mtp_batch = build_step_batch([SeqChunk(ids[1:], 0, pages, "none")], page_size, device)
-                    model.mtp_forward(
-                        mtp_batch.input_ids,
-                        mtp_batch.positions,
-                        hidden[:-1],
-                        kv,
-                        mtp_batch.page_table,
-                        mtp_batch.seq_lens,
-                        mtp_batch.query_start_loc,
-                        mtp_batch.slot_mapping,
-                        mtp_batch.logits_indices,
-                    )
-                for layer in range(model.config.num_kv_layers):
-                    for which, kind in enumerate("kv"):
-                        key = f"kv.{layer}.{kind}"
-                        stats[key] = max(stats[key], _abs_max(kv[layer, which]))
+        kv = calibration_passes(model, token_batches, page_size)
     finally:
         for h in handles:
             h.remove()
-    return dict(stats)
+    return {**stats, **kv}
 
 
 def _scale(absmax: float, scalar: bool = False) -> torch.Tensor:
@@ -189,9 +201,12 @@ def convert_to_fp8(
     overwrite: bool = False,
     max_shard_bytes: int = 4 << 30,
     layout: Layout = "angelslim",
+    calibrator: Literal["modelopt", "absmax"] = "modelopt",
 ) -> Path:
     """Write the FP8 hub-format checkpoint of `model` (loaded in high precision from `source_dir`) in
-    `layout` (the module docstring)."""
+    `layout` (the module docstring), its static scales calibrated over `calibration` (token sequences;
+    None: four of 64 random tokens from `seed`) by ModelOpt (`modelopt_calibration`) or, with
+    `calibrator="absmax"`, by forward hooks (`calibrate`: no dependency, same amaxes)."""
     source_dir, out = Path(source_dir), Path(out)
     if layout == "modelopt" and activation_scheme != "static":
         raise ValueError("--layout modelopt: ModelOpt's FP8 format has static activation scales only")
@@ -202,7 +217,12 @@ def convert_to_fp8(
     if calibration is None:
         gen = torch.Generator().manual_seed(seed)
         calibration = [torch.randint(0, config.vocab_size, (64,), generator=gen).tolist() for _ in range(4)]
-    stats = calibrate(model, calibration)
+    if calibrator == "modelopt":
+        from hy3c.checkpoint.modelopt_calibration import modelopt_calibrate
+
+        stats = modelopt_calibrate(model, calibration)
+    else:
+        stats = calibrate(model, calibration)
     fp8_modules = fp8_module_paths(model)
     static = activation_scheme == "static"
     block = _quantization_block(layout, activation_scheme)
@@ -256,6 +276,7 @@ def convert_to_fp8(
         "fp8_checkpoint_written",
         path=str(out),
         layout=layout,
+        calibrator=calibrator,
         activation_scheme=activation_scheme,
         fp8_modules=len(fp8_modules),
         calibration_sequences=len(calibration),
