@@ -61,12 +61,18 @@ def test_both_layouts_load_into_the_same_model(layouts):
     assert not torch.all(b["kv_scales"] == 1.0)  # the KV scales came from the shards' k/v_scale
 
 
+def _legacy_export(src, dst):
+    """A copy of the export whose config.json has no quantization_config (older ModelOpt exports)."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    del config["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
 def test_a_legacy_export_with_only_hf_quant_config_loads_the_same(layouts, tmp_path):
     _, modelopt = layouts
-    legacy = shutil.copytree(modelopt, tmp_path / "legacy")
-    config = json.loads((legacy / "config.json").read_text())
-    del config["quantization_config"]
-    (legacy / "config.json").write_text(json.dumps(config))
+    legacy = _legacy_export(modelopt, tmp_path / "legacy")
     a = _state(load_model(modelopt, progress=False))
     b = _state(load_model(legacy, progress=False))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -128,10 +134,7 @@ def test_a_missing_or_misshaped_kv_scale_is_named(layouts, tmp_path):
 
 def test_a_bad_hf_quant_config_is_named(layouts, tmp_path):
     _, modelopt = layouts
-    path = shutil.copytree(modelopt, tmp_path / "legacy")
-    config = json.loads((path / "config.json").read_text())
-    del config["quantization_config"]
-    (path / "config.json").write_text(json.dumps(config))
+    path = _legacy_export(modelopt, tmp_path / "legacy")
     (path / "hf_quant_config.json").write_text(
         json.dumps({"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}})
     )
