@@ -49,15 +49,17 @@ class QuantizationConfig(BaseModel):
     quant_method: Literal["fp8", "modelopt"]
     activation_scheme: Literal["static", "dynamic"] = "dynamic"
     ignored_layers: list[str] = Field(default_factory=list)
-    kv_cache_scheme: Literal["static"] | dict[str, Any] | None = None
+    kv_cache_scheme: str | dict[str, Any] | None = None
     quant_algo: str | None = None
     ignore: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _check_producer(self) -> QuantizationConfig:
         if self.quant_method == "fp8":
-            if isinstance(self.kv_cache_scheme, dict):
-                raise ValueError("kv_cache_scheme: with quant_method 'fp8' only 'static' is understood")
+            if self.kv_cache_scheme not in (None, "static"):
+                raise ValueError(
+                    f"kv_cache_scheme: {self.kv_cache_scheme!r}; with quant_method 'fp8' only 'static' is understood"
+                )
             return self
         if (self.quant_algo or "").upper() != "FP8":
             raise ValueError(
@@ -65,7 +67,9 @@ class QuantizationConfig(BaseModel):
                 " FP8 weights and static activation scales)"
             )
         kv = self.kv_cache_scheme
-        if kv is not None and (
+        if isinstance(kv, str) and kv.upper() == "FP8":  # what exports of ModelOpt 0.29 wrote
+            self.kv_cache_scheme = dict(MODELOPT_FP8_KV)
+        elif kv is not None and (
             not isinstance(kv, dict) or {k: kv.get(k) for k in MODELOPT_FP8_KV} != MODELOPT_FP8_KV
         ):
             raise ValueError(f"kv_cache_scheme: {kv!r} is not an FP8 KV cache ({MODELOPT_FP8_KV})")

@@ -78,6 +78,14 @@ def test_a_legacy_export_with_only_hf_quant_config_loads_the_same(layouts, tmp_p
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_an_older_exports_kv_cache_scheme_string_reads_as_fp8(layouts, tmp_path):
+    _, modelopt = layouts
+    _edited(modelopt, tmp_path / "older", lambda q: q.update(kv_cache_scheme="FP8"))
+    a = _state(load_model(modelopt, progress=False))
+    b = _state(load_model(tmp_path / "older", progress=False))
+    assert torch.equal(a["kv_scales"], b["kv_scales"]) and not torch.all(b["kv_scales"] == 1.0)
+
+
 def test_an_export_without_kv_scales_keeps_unit_kv_scales(layouts, tmp_path):
     _, modelopt = layouts
     path = shutil.copytree(modelopt, tmp_path / "no-kv")
@@ -109,8 +117,12 @@ def _edited(src, dst, edit) -> None:
             r"quantization_config.*kv_cache_scheme: .* is not an FP8 KV cache",
         ),
         (lambda q: q.update(quant_method="awq"), r"quantization_config.*quant_method"),
+        (
+            lambda q: q.update(kv_cache_scheme="NVFP4"),
+            r"quantization_config.*kv_cache_scheme: 'NVFP4' is not",
+        ),
     ],
-    ids=["w4a8", "no-algo", "int8-kv", "method"],
+    ids=["w4a8", "no-algo", "int8-kv", "method", "nvfp4-kv"],
 )
 def test_a_quantization_config_hy3c_does_not_read_is_named(layouts, tmp_path, edit, message):
     _, modelopt = layouts
