@@ -30,6 +30,7 @@ class RopeParameters(BaseModel):
     rope_type: Literal["default"] = "default"
 
 
+MAX_CONFIG_BYTES = 16 << 20  # a config file larger than this is refused, not read
 MODELOPT_FP8_KV = {"type": "float", "num_bits": 8}  # ModelOpt's `kv_cache_scheme` of an FP8 KV cache
 
 
@@ -70,7 +71,9 @@ class QuantizationConfig(BaseModel):
         if isinstance(kv, str) and kv.upper() == "FP8":  # what exports of ModelOpt 0.29 wrote
             self.kv_cache_scheme = dict(MODELOPT_FP8_KV)
         elif kv is not None and (
-            not isinstance(kv, dict) or {k: kv.get(k) for k in MODELOPT_FP8_KV} != MODELOPT_FP8_KV
+            not isinstance(kv, dict)
+            or {k: kv.get(k) for k in MODELOPT_FP8_KV} != MODELOPT_FP8_KV
+            or kv.get("dynamic", False) is not False  # static per-tensor scales in the shards, or nothing
         ):
             raise ValueError(f"kv_cache_scheme: {kv!r} is not an FP8 KV cache ({MODELOPT_FP8_KV})")
         self.activation_scheme = "static"  # ModelOpt's FP8 always calibrates its input scales
@@ -247,16 +250,20 @@ class Hy3Config(BaseModel):
         file = Path(path) / "config.json"
         if not file.is_file():
             raise ConfigError(f"{file}: not found (a Hy3 checkpoint directory needs config.json)")
+        if file.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{file}: larger than {MAX_CONFIG_BYTES >> 20} MiB")
         try:
             data = json.loads(file.read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{file}: not valid JSON ({exc})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{file}: expected a JSON object")
         legacy = Path(path) / "hf_quant_config.json"
+        source = str(file)
         if "quantization_config" not in data and legacy.is_file():
             data = {**data, "quantization_config": _modelopt_legacy_block(legacy)}
-        return cls.from_dict(data, source=str(file))
+            source = f"{file} (its quantization_config from {legacy.name})"
+        return cls.from_dict(data, source=source)
 
     def to_json_dict(self) -> dict[str, Any]:
         """The config as written to config.json (HF-compatible, `mlp_layer_types` explicit)."""
@@ -269,9 +276,11 @@ def _modelopt_legacy_block(file: Path) -> dict[str, Any]:
     """The `quantization_config` of an export whose config.json has none, from ModelOpt's
     `hf_quant_config.json` (`{"producer": …, "quantization": {quant_algo, kv_cache_quant_algo,
     exclude_modules}}`)."""
+    if file.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{file}: larger than {MAX_CONFIG_BYTES >> 20} MiB")
     try:
         data = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{file}: not valid JSON ({exc})") from None
     quant = data.get("quantization") if isinstance(data, dict) else None
     if not isinstance(quant, dict):

@@ -121,8 +121,12 @@ def _edited(src, dst, edit) -> None:
             lambda q: q.update(kv_cache_scheme="NVFP4"),
             r"quantization_config.*kv_cache_scheme: 'NVFP4' is not",
         ),
+        (
+            lambda q: q["kv_cache_scheme"].update(dynamic=True),
+            r"quantization_config.*kv_cache_scheme: .* is not an FP8 KV cache",
+        ),
     ],
-    ids=["w4a8", "no-algo", "int8-kv", "method", "nvfp4-kv"],
+    ids=["w4a8", "no-algo", "int8-kv", "method", "nvfp4-kv", "dynamic-kv"],
 )
 def test_a_quantization_config_hy3c_does_not_read_is_named(layouts, tmp_path, edit, message):
     _, modelopt = layouts
@@ -151,6 +155,16 @@ def test_a_bad_hf_quant_config_is_named(layouts, tmp_path):
         json.dumps({"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}})
     )
     with pytest.raises(ConfigError, match=r"hf_quant_config.json: quantization.kv_cache_quant_algo: 'NVFP4'"):
+        load_model(path, progress=False)
+
+
+def test_a_legacy_block_hy3c_does_not_read_names_hf_quant_config(layouts, tmp_path):
+    _, modelopt = layouts
+    path = _legacy_export(modelopt, tmp_path / "legacy")
+    (path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "W4A8_AWQ"}}))
+    with pytest.raises(
+        ConfigError, match=r"(?s)quantization_config from hf_quant_config.json.*'W4A8_AWQ' is not"
+    ):
         load_model(path, progress=False)
 
 

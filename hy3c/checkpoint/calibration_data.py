@@ -22,6 +22,7 @@ from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 DEFAULT_MAX_TOKENS = 8192
 DEFAULT_SEQ_LEN = 512
 MAX_FILE_BYTES = 1 << 30  # a calibration file larger than this is refused, not read
+TEXT_CHUNK_CHARS = 1 << 20  # a plain-text file is read and tokenized this many characters at a time
 
 
 class CalibrationDataError(ValueError):
@@ -58,9 +59,11 @@ def _texts(source: Path | None) -> Iterator[str]:
         if source.suffix == ".jsonl":
             yield from _jsonl_texts(source)
         else:
-            yield source.read_text(encoding="utf-8", errors="strict")
+            with source.open(encoding="utf-8", errors="strict") as text:
+                while chunk := text.read(TEXT_CHUNK_CHARS):  # tokenized a piece at a time: the budget
+                    yield chunk  # stops the reading early, whatever the file's size
     except UnicodeDecodeError as exc:
-        raise CalibrationDataError(f"{source}: not UTF-8 text (byte {exc.start})") from None
+        raise CalibrationDataError(f"{source}: not UTF-8 text ({exc.reason})") from None
 
 
 def calibration_windows(

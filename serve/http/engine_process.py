@@ -20,7 +20,10 @@ from its generations' last outputs.
 
 If the engine process ends (a crash, the OOM killer), every request in flight ends with an error and
 `alive` turns false (/health answers 503); if the HTTP process ends, the child sees its pipe close and
-exits. Ctrl-C reaches both processes: the child ignores it, the HTTP process drains and then stops it.
+exits. Ctrl-C and a SIGTERM to the whole process group reach both: the child ignores them, the HTTP
+process drains and then stops it. Messages to the child leave from a sender thread, so a full pipe
+never blocks the HTTP event loop; if the engine loop ends while its process lives on, every request
+not yet finished ends with the loop's error.
 """
 
 from __future__ import annotations
@@ -150,7 +153,10 @@ def _engine_main(conn: Connection, counts, options: ServeOptions, log_level: int
     from hy3c.serve.agent.structured import GrammarError, Grammars
     from hy3c.serve.http.server import build_engine
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the HTTP process drains, then stops this one
+    # Ctrl-C or a SIGTERM to the whole group (systemd, a terminal): the HTTP process drains, then stops
+    # this one; a killed HTTP process closes the pipe, which ends it too
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging(log_level)
     wire = _Wire(conn)
     try:
@@ -184,16 +190,15 @@ def _engine_main(conn: Connection, counts, options: ServeOptions, log_level: int
             except (EOFError, OSError):
                 break
             if kind == "submit":
-                counts[RECEIVED] += 1
                 try:
                     request = request_from_wire(fields[0], grammars)
-                except (GrammarError, ValueError, RuntimeError) as exc:
-                    failed = StepOutput(
-                        fields[0]["request_id"], finished=True, finish_reason="error", error=str(exc)
-                    )
-                    emit(failed)
-                    continue
-                engine.submit(request, emit)
+                except (GrammarError, ValueError, RuntimeError, TypeError, KeyError) as exc:
+                    request_id = str(fields[0].get("request_id", ""))
+                    emit(StepOutput(request_id, finished=True, finish_reason="error", error=str(exc)))
+                else:
+                    engine.submit(request, emit)
+                    counts[QUEUED] = engine.num_submitted()  # counted there before it leaves the pipe's
+                counts[RECEIVED] += 1
             elif kind == "abort":
                 engine.abort(fields[0])
             elif kind == "abort_all":
@@ -269,6 +274,9 @@ class EngineClient:
             target=_engine_main, args=(child_end, self._counts, options, level), name="hy3c-engine"
         )
         self._wire = _Wire(self._conn)
+        # messages to the child leave from a thread of their own: a full pipe (a long prompt while the
+        # child compiles a grammar) never blocks the HTTP event loop
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._emits: dict[str, Callable[[StepOutput], None]] = {}
         self._usage: dict[str, RequestUsage] = {}
         self._lock = threading.Lock()
@@ -287,6 +295,8 @@ class EngineClient:
             raise
         self._reader = threading.Thread(target=self._read, name="hy3c-engine-outputs", daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(target=self._send_all, name="hy3c-engine-inputs", daemon=True)
+        self._sender.start()
         log_event(log, "engine_process", pid=self._process.pid)
 
     def _wait_until_ready(self) -> EngineFacts:
@@ -353,31 +363,39 @@ class EngineClient:
             if usage is not None:
                 self._usage[request.request_id] = usage
             self._sent += 1
-        try:
-            if self._dead is not None:
-                raise OSError(self._dead)
-            self.send(["submit", request_to_wire(request)])
-        except OSError:
+        if self._dead is not None:
             self._end([request.request_id])
+            return
+        self._outbox.put((["submit", request_to_wire(request)], request.request_id))
 
     def abort(self, request_id: str) -> None:
-        self.send(["abort", request_id], quiet=True)
+        self.send(["abort", request_id])
 
     def abort_all(self, error: str) -> None:
-        self.send(["abort_all", error], quiet=True)
+        self.send(["abort_all", error])
 
-    def send(self, message: list, quiet: bool = False) -> None:
-        """One message to the child; with `quiet`, nothing happens once it has gone."""
-        try:
-            self._wire.send(message)
-        except OSError:
-            if not quiet:
-                raise
+    def send(self, message: list) -> None:
+        """One message to the child, in order, from the sender thread (nothing once it has gone)."""
+        self._outbox.put((message, None))
+
+    def _send_all(self) -> None:
+        """The sender thread: the outbox's messages to the child; a submit that cannot leave ends."""
+        while True:
+            message, request_id = self._outbox.get()
+            if message is None:
+                return
+            try:
+                self._wire.send(message)
+            except OSError:
+                if request_id is not None:
+                    self._end([request_id])
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop the child's engine (requests still in it are dropped) and wait for the process."""
         self._stopping = True
-        self.send(["stop"], quiet=True)
+        self.send(["stop"])
+        self._outbox.put((None, None))
+        self._sender.join(timeout)
         self._process.join(timeout)
         if self._process.is_alive():
             log_event(log, "engine_process_killed", logging.WARNING, after_s=timeout)
@@ -397,9 +415,12 @@ class EngineClient:
                 self._deliver([output_from_wire(w) for w in fields[0]])
             elif kind == "metrics":
                 self.metrics_replies.put((fields[0], fields[1]))
-            elif kind == "dead":
+            elif kind == "dead":  # the engine loop ended: what it had not yet taken in never will be
                 self._dead = fields[0]
                 log_event(log, "engine_dead", logging.ERROR, reason=fields[0])
+                with self._lock:
+                    unfinished = list(self._emits)
+                self._end(unfinished)
         self._process.join(5)
         if not self._stopping:
             self._dead = self._dead or f"the engine process exited with code {self._process.exitcode}"

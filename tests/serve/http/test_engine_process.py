@@ -8,7 +8,9 @@ import logging
 import os
 import re
 import signal
+import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -153,6 +155,61 @@ def test_a_client_that_goes_away_aborts_its_request_in_the_child(servers):
     while child.engine.num_requests() != (0, 0) or child.engine.num_submitted():
         assert time.monotonic() < deadline, (child.engine.num_requests(), child.engine.num_submitted())
         time.sleep(0.02)
+
+
+def test_the_engine_process_ignores_a_sigterm_meant_for_the_http_process(servers):
+    _, child = servers
+    os.kill(child.engine._process.pid, signal.SIGTERM)  # as a SIGTERM to the whole group delivers it
+    time.sleep(0.3)
+    assert child.engine.alive
+    reply = _post(child, "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+
+
+class _FakeWire:
+    """The child's messages, then (the child still up, its pipe open) a look at what had ended by then."""
+
+    def __init__(self, messages: list, then: Callable[[], None]) -> None:
+        self.messages, self.then = messages, then
+
+    def receive(self) -> list:
+        if not self.messages:
+            self.then()
+            raise EOFError  # (only so that the test's reader returns)
+        return self.messages.pop(0)
+
+
+class _LiveProcess:
+    exitcode = None
+    pid = 0
+
+    def is_alive(self) -> bool:
+        return True
+
+    def join(self, timeout=None) -> None:
+        return None
+
+
+def test_when_the_engine_loop_dies_in_a_live_child_every_request_it_holds_ends():
+    client = EngineClient.__new__(EngineClient)  # the reader's logic alone, without a child
+    client._lock, client._usage, client._dead, client._stopping = threading.Lock(), {}, None, False
+    client._process = _LiveProcess()
+    seen: dict[str, list[StepOutput]] = {"a": [], "b": []}
+    client._emits = {name: outs.append for name, outs in seen.items()}
+    partial = vars(StepOutput("a", "x", [5]))
+    ended_before_eof: list[bool] = []
+    client._wire = _FakeWire(
+        [["outputs", [partial]], ["dead", "engine loop: boom"]],
+        lambda: ended_before_eof.append(client._emits == {}),
+    )
+    client._read()
+    assert ended_before_eof == [True]
+    assert [out.text for out in seen["a"]] == ["x", ""]
+    for outs in seen.values():
+        assert (
+            outs[-1].finished and outs[-1].finish_reason == "error" and outs[-1].error == "engine loop: boom"
+        )
+    assert client.dead == "engine loop: boom"
 
 
 def test_requests_round_trip_the_wire(tiny_ckpt):
