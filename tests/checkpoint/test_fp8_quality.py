@@ -93,7 +93,7 @@ def test_a_large_text_file_is_read_only_as_far_as_the_budget(tiny_ckpt, tmp_path
 
     monkeypatch.setattr(calibration_data, "TEXT_CHUNK_CHARS", 256)
     path = tmp_path / "big.txt"
-    path.write_bytes(("def f(x):\n    return x\n" * 200).encode() + b"\xff")  # bad bytes past the budget
+    path.write_bytes(("def f(x):\n    return x\n" * 4000).encode() + b"\xff")  # bad bytes past the budget
     windows = calibration_windows(Hy3Tokenizer.from_dir(tiny_ckpt), path, max_tokens=100)
     assert sum(map(len, windows)) == 100
     with pytest.raises(CalibrationDataError, match="not UTF-8"):  # (they are there)
