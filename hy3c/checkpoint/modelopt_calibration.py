@@ -47,6 +47,7 @@ def _modelopt() -> Any:
     except ImportError:
         raise RuntimeError(
             'calibration with ModelOpt needs nvidia-modelopt: pip install -e ".[quant]"'
+            " (or --calibrator absmax: the same amaxes without it)"
         ) from None
     return mtq
 
