@@ -250,14 +250,7 @@ class Hy3Config(BaseModel):
         file = Path(path) / "config.json"
         if not file.is_file():
             raise ConfigError(f"{file}: not found (a Hy3 checkpoint directory needs config.json)")
-        if file.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{file}: larger than {MAX_CONFIG_BYTES >> 20} MiB")
-        try:
-            data = json.loads(file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{file}: not valid JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{file}: expected a JSON object")
+        data = _read_json_object(file)
         legacy = Path(path) / "hf_quant_config.json"
         source = str(file)
         if "quantization_config" not in data and legacy.is_file():
@@ -272,17 +265,24 @@ class Hy3Config(BaseModel):
         return out
 
 
-def _modelopt_legacy_block(file: Path) -> dict[str, Any]:
-    """The `quantization_config` of an export whose config.json has none, from ModelOpt's
-    `hf_quant_config.json` (`{"producer": …, "quantization": {quant_algo, kv_cache_quant_algo,
-    exclude_modules}}`)."""
+def _read_json_object(file: Path) -> dict[str, Any]:
+    """A config file's JSON object (at most MAX_CONFIG_BYTES), or a ConfigError naming the file."""
     if file.stat().st_size > MAX_CONFIG_BYTES:
         raise ConfigError(f"{file}: larger than {MAX_CONFIG_BYTES >> 20} MiB")
     try:
         data = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{file}: not valid JSON ({exc})") from None
-    quant = data.get("quantization") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: expected a JSON object")
+    return data
+
+
+def _modelopt_legacy_block(file: Path) -> dict[str, Any]:
+    """The `quantization_config` of an export whose config.json has none, from ModelOpt's
+    `hf_quant_config.json` (`{"producer": …, "quantization": {quant_algo, kv_cache_quant_algo,
+    exclude_modules}}`)."""
+    quant = _read_json_object(file).get("quantization")
     if not isinstance(quant, dict):
         raise ConfigError(f"{file}: quantization: expected an object")
     kv = quant.get("kv_cache_quant_algo")
