@@ -151,7 +151,7 @@ def _engine_main(conn: Connection, counts, options: ServeOptions, log_level: int
     """The child: build the engine, say it is ready, then serve the pipe's commands until told to stop
     or the pipe closes."""
     from hy3c.serve.agent.structured import GrammarError, Grammars
-    from hy3c.serve.http.server import build_engine
+    from hy3c.serve.http.server import build_engine, stop_engine
 
     # Ctrl-C or a SIGTERM to the whole group (systemd, a terminal): the HTTP process drains, then stops
     # this one; a killed HTTP process closes the pipe, which ends it too
@@ -209,10 +209,7 @@ def _engine_main(conn: Connection, counts, options: ServeOptions, log_level: int
                 break
     finally:
         stopping.set()
-        engine.stop()
-        shutdown = getattr(engine.runner, "shutdown", None)  # a sharded artifact's workers stop with it
-        if shutdown is not None:
-            shutdown()
+        stop_engine(engine)  # (and a sharded artifact's workers)
         conn.close()
 
 
