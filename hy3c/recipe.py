@@ -30,12 +30,21 @@ class _Strict(BaseModel):
 
 
 class QuantSpec(_Strict):
-    weights: Literal["none", "fp8"] = "none"
+    # fp8: W8A8 everywhere but the router, embeddings, lm_head and norms; w4a8: the same with the routed
+    # experts' weights in int4 (a scale per `group_size` input columns) and FP8 activations
+    weights: Literal["none", "fp8", "w4a8"] = "none"
     # static: per-tensor activation scales from an FP8 checkpoint; dynamic: per-token scales at run time
     activations: Literal["static", "dynamic"] = "dynamic"
     # scales of weights the compiler quantizes (an FP8 checkpoint keeps its own)
     weight_scales: Literal["tensor", "channel"] = "channel"
     kv: Literal["auto", "bf16", "fp8"] = "auto"  # auto = the model dtype
+    group_size: int = Field(128, ge=16)  # W4A8: input columns per int4 weight scale
+
+    @model_validator(mode="after")
+    def _check_group(self) -> QuantSpec:
+        if self.group_size & (self.group_size - 1):
+            raise ValueError(f"group_size {self.group_size} must be a power of two")
+        return self
 
     def kv_dtype(self, model_dtype: str) -> str:
         """The KV cache's dtype: fp8 → float8_e4m3fn, bf16 → bfloat16, auto → the model's."""

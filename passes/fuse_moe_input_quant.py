@@ -1,6 +1,6 @@
 """fuse_moe_input_quant: FusedMoE reads the FP8 rows the norm already wrote for the shared expert.
 
-With FP8 experts and per-token activation scales, `fused_moe` quantizes its input rows itself (a
+With FP8 (or W4A8) experts and per-token activation scales, `fused_moe` quantizes its input rows itself (a
 launch over [T, H] before the gate-up GEMM). In Hy3 that input is the post-attention RMSNorm's
 output, which `fuse_norm_quant` already quantizes per token — the same rows, the same scheme — for the
 shared expert's gate-up GEMM. The experts take those rows (x_q, x_q_scale) instead: one launch and one
@@ -58,9 +58,10 @@ def _per_token_rows_of(value: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 
 def _fp8_experts_with_token_scales(moe: fx.Node) -> bool:
-    """e4m3 expert weights, and no static activation scale (per-token activations)."""
+    """e4m3 or W4A8 (packed int4) expert weights, and no static activation scale (per-token FP8
+    activations)."""
     w13, a13_scale = moe.args[3], moe.args[7]
-    return getattr(w13.meta.get("val"), "dtype", None) == FP8_DTYPE and a13_scale is None
+    return getattr(w13.meta.get("val"), "dtype", None) in (FP8_DTYPE, torch.uint8) and a13_scale is None
 
 
 @register_pass

@@ -3,7 +3,7 @@ write each rank's files.
 
 Each graph parameter is assembled whole from the checkpoint one at a time
 (`hy3c.checkpoint.loader.assemble_tensors`); weights listed in the quantize pass's plan are converted to
-FP8 with their scales (computed over the whole tensor, so every rank's slice carries the scales a
+FP8 (or int4 experts) with their scales (computed over the whole tensor, so every rank's slice carries the scales a
 single-rank program would use); everything else is cast to the dtype the graph expects. Then every
 rank gets its slice as the shard plan says (`hy3c.passes.shard_plan`), or the whole tensor where the
 parameter is replicated, into `weights/rank{r}*.safetensors`. Peak memory is one parameter plus one
@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from hy3c.checkpoint.loader import CheckpointLayout, assemble_tensors
 from hy3c.checkpoint.safetensors_io import ShardedWriter
-from hy3c.ops.quant import quantize_weight, split_router_weight
+from hy3c.ops.quant import quantize_int4_groups, quantize_weight, split_router_weight
 from hy3c.passes.shard_plan import cut, derived_spec, shard_plan
 from hy3c.passes.weight_plan import weight_plan
 from hy3c.program.manifest import files_sha256
@@ -48,22 +48,27 @@ def derive_weights(
     shards = shard_plan(gm)
     plan = weight_plan(gm)
     fp8 = {fqn: e for fqn, e in plan.items() if e["kind"] == "fp8"}
+    int4 = {fqn: e for fqn, e in plan.items() if e["kind"] == "w4a8"}
     splits = {e["source"]: (fqn, e["lo"]) for fqn, e in plan.items() if e["kind"] == "router_split"}
-    derived = {e["scale"] for e in fp8.values()} | {name for pair in splits.values() for name in pair}
-    shapes = {
-        fqn: torch.empty(
-            shards[fqn]["global_shape"] if fqn in shards else p.shape,
-            dtype=source_dtype if fqn in fp8 else p.dtype,
-            device="meta",
-        )
-        for fqn, p in params.items()
-        if fqn not in derived
-    }
+    derived = {e["scale"] for e in (*fp8.values(), *int4.values())}
+    derived |= {name for pair in splits.values() for name in pair}
+
+    def source_shape(fqn: str, param: torch.Tensor) -> torch.Tensor:
+        if fqn in int4:  # packed int4: the checkpoint holds the whole unpacked weight
+            return torch.empty(int4[fqn]["shape"], dtype=source_dtype, device="meta")
+        shape = shards[fqn]["global_shape"] if fqn in shards else param.shape
+        return torch.empty(shape, dtype=source_dtype if fqn in fp8 else param.dtype, device="meta")
+
+    shapes = {fqn: source_shape(fqn, p) for fqn, p in params.items() if fqn not in derived}
     for fqn, tensor in sources(shapes):
         if fqn in fp8:
             quantized, scale = quantize_weight(tensor, fp8[fqn]["granularity"])
             yield fqn, quantized
             yield fp8[fqn]["scale"], scale.to(params[fp8[fqn]["scale"]].dtype)
+        elif fqn in int4:
+            packed, scale = quantize_int4_groups(tensor, int4[fqn]["group"])
+            yield fqn, packed
+            yield int4[fqn]["scale"], scale
         else:
             yield fqn, tensor.to(params[fqn].dtype)
         if fqn in splits:

@@ -249,14 +249,16 @@ def fused_moe(
 def check_moe_input_quant(
     x: Tensor, w13: Tensor, a13_scale: Tensor | None, x_q: Tensor | None, x_q_scale: Tensor | None
 ) -> None:
-    """fused_moe's pre-quantized input: both parts or neither, FP8 experts with per-token scales only,
+    """fused_moe's pre-quantized input: both parts or neither, FP8 or W4A8 experts with per-token scales only,
     shapes [T, H] and [T, 1]."""
     if x_q is None and x_q_scale is None:
         return
     if x_q is None or x_q_scale is None:
         raise ValueError("fused_moe: x_q and x_q_scale come together")
-    if w13.dtype != FP8_DTYPE or a13_scale is not None:
-        raise ValueError("fused_moe: a pre-quantized x_q needs FP8 experts with per-token activation scales")
+    if w13.dtype not in (FP8_DTYPE, torch.uint8) or a13_scale is not None:
+        raise ValueError(
+            "fused_moe: a pre-quantized x_q needs FP8 or W4A8 experts with per-token activation scales"
+        )
     if (
         x_q.dtype != FP8_DTYPE
         or x_q.shape != x.shape

@@ -2,7 +2,11 @@
 
 Expert weights are stacked: w13 [E, 2I, H] (gate rows first, then up rows), w2 [E, H, I]. FP8 experts
 carry per-channel dequant scales w13_scale [E, 2I], w2_scale [E, H] and either static activation scales
-a13_scale / a2_scale [1] or none (dynamic per-token activation quantization).
+a13_scale / a2_scale [1] or none (dynamic per-token activation quantization). W4A8 experts hold int4
+weights packed two per byte along the input dimension (uint8 w13 [E, 2I, H/2], w2 [E, H, I/2];
+`hy3c.ops.quant.pack_int4`) with a scale per group of input columns (w13_scale [E, 2I, H/g], w2_scale
+[E, H, I/g] fp32) and FP8 activations (per token, or static): each product is an FP8 activation times
+an exact int4 weight, and every group's sum is scaled by its weight scale.
 """
 
 from __future__ import annotations
@@ -11,7 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hy3c.ops.quant import FP8_DTYPE, per_token_scale, quantize_fp8, scaled_mm_reference
+from hy3c.ops.quant import (
+    FP8_DTYPE,
+    dequantize_int4_groups,
+    per_token_scale,
+    quantize_fp8,
+    scaled_mm_reference,
+)
 
 ROUTER_RENORM_EPS = 1e-20
 
@@ -90,15 +100,18 @@ def _expert_linear(
     a_scale: Tensor | None,
     x_q: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """x · wᵀ; FP8 weights: x quantized with the static a_scale or per token — or given already
+    """x · wᵀ; FP8 or W4A8 weights: x quantized with the static a_scale or per token — or given already
     quantized per token as x_q = (e4m3 rows, their scales)."""
-    if w.dtype != FP8_DTYPE:
+    if w.dtype not in (FP8_DTYPE, torch.uint8):
         return F.linear(x, w)
-    if x_q is not None:
+    if x_q is None:
+        if a_scale is None:
+            a_scale = per_token_scale(x)
+        x_q = (quantize_fp8(x, a_scale), a_scale)
+    if w.dtype == FP8_DTYPE:
         return scaled_mm_reference(x_q[0], w, x_q[1], w_scale, x.dtype)
-    if a_scale is None:
-        a_scale = per_token_scale(x)
-    return scaled_mm_reference(quantize_fp8(x, a_scale), w, a_scale, w_scale, x.dtype)
+    acc = x_q[0].float() @ dequantize_int4_groups(w, w_scale).t()
+    return (acc * x_q[1].float().reshape(-1, 1)).to(x.dtype)
 
 
 def moe_experts_reference(

@@ -107,3 +107,49 @@ def split_router_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
     hi = weight.to(torch.bfloat16)
     lo = ((weight.float() - hi.float()) * 256.0).to(torch.bfloat16)
     return hi, lo
+
+
+INT4_MIN, INT4_MAX = -8, 7
+INT4_GROUP = 128  # input columns per W4A8 weight scale (the Hy3 stack's, ModelOpt's and AngelSlim's)
+
+
+def check_int4_groups(name: str, columns: int, group: int) -> None:
+    """W4A8 weights pack two values per byte and share a scale per `group` input columns."""
+    if group < 2 or group % 2 or columns % group:
+        raise ValueError(
+            f"{name}: W4A8 group size {group} must be even and divide the {columns} input columns"
+        )
+
+
+def quantize_int4_groups(weight: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """Symmetric round-to-nearest int4 over groups of `group` input (last-dim) columns.
+
+    weight [..., N, K] → (packed uint8 [..., N, K/2]: column 2j in the low nibble and 2j + 1 in the high
+    one, two's complement in [-8, 7]; scale fp32 [..., N, K/group] = absmax(group) / 7), so that
+    weight ≈ value · scale of its group."""
+    check_int4_groups("weight", weight.shape[-1], group)
+    w = weight.float().unflatten(-1, (-1, group))
+    scale = (w.abs().amax(dim=-1) / INT4_MAX).clamp_min(_MIN_SCALE)
+    values = torch.round(w / scale.unsqueeze(-1)).clamp(INT4_MIN, INT4_MAX).to(torch.int8).flatten(-2)
+    return pack_int4(values), scale
+
+
+def pack_int4(values: Tensor) -> Tensor:
+    """int8 values in [-8, 7], [..., K] → uint8 [..., K/2] (column 2j low nibble, 2j + 1 high)."""
+    nibbles = values.to(torch.uint8) & 0xF
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """uint8 [..., K/2] → int8 values [..., K] in [-8, 7] (the inverse of `pack_int4`)."""
+    low = (packed & 0xF).to(torch.int8)
+    high = (packed >> 4).to(torch.int8)
+    values = torch.stack((low, high), dim=-1).flatten(-2)
+    return values - ((values & 8) << 1)
+
+
+def dequantize_int4_groups(packed: Tensor, scale: Tensor) -> Tensor:
+    """The fp32 weight [..., N, K] of int4 values packed [..., N, K/2] with group scales [..., N, K/g]."""
+    values = unpack_int4(packed).float()
+    group = values.shape[-1] // scale.shape[-1]
+    return (values.unflatten(-1, (-1, group)) * scale.float().unsqueeze(-1)).flatten(-2)

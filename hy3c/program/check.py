@@ -371,22 +371,43 @@ class _Contract:
         self.shape("x", "T H")
         self.shape("topk_weights", "T K", torch.float32)
         self.shape("topk_ids", "T K", torch.int32)
-        fp8 = self.values["w13"].dtype == torch.float8_e4m3fn
-        self.shape("w13", "E I2 H")
-        self.shape("w2", "E H I")
-        if self["I2"] != 2 * self["I"]:
-            raise _Broken(f"w13 has {self['I2']} rows per expert, expected 2 × {self['I']}")
+        if self.values["w13"].dtype == torch.uint8:
+            self._int4_experts()
+        else:
+            self._experts()
         experts = self.env.expert_ids.get(self.nodes["topk_ids"])
         if experts is None or experts > self["E"]:
             raise _Broken(f"topk_ids must be the ids of a router over at most {self['E']} experts")
         if self.nodes["topk_ids"] in self.env.no_expert and self.op not in _TAKE_NO_EXPERT:
             raise _Broken(f"topk_ids may be -1 (local_experts), which {self.op} does not take")
+        self.optional("a13_scale", "1", dtype=torch.float32)
+        self.optional("a2_scale", "1", dtype=torch.float32)
+
+    def _experts(self) -> None:
+        """bf16 or FP8 experts (FP8 with per-tensor or per-channel scales)."""
+        fp8 = self.values["w13"].dtype == torch.float8_e4m3fn
+        self.shape("w13", "E I2 H")
+        self.shape("w2", "E H I")
+        if self["I2"] != 2 * self["I"]:
+            raise _Broken(f"w13 has {self['I2']} rows per expert, expected 2 × {self['I']}")
         if fp8 != (self.values["w13_scale"] is not None) or fp8 != (self.values["w2_scale"] is not None):
             raise _Broken("FP8 expert weights need their scales (and bf16 ones none)")
         self.optional("w13_scale", "E I2", "E 1", dtype=torch.float32)
         self.optional("w2_scale", "E H", "E 1", dtype=torch.float32)
-        self.optional("a13_scale", "1", dtype=torch.float32)
-        self.optional("a2_scale", "1", dtype=torch.float32)
+
+    def _int4_experts(self) -> None:
+        """W4A8 experts: int4 packed two per byte along the input columns, a scale per group of them."""
+        self.shape("w13", "E I2 Hp", torch.uint8)
+        self.shape("w2", "E H Ip", torch.uint8)
+        if self["H"] != 2 * self["Hp"] or self["I2"] != 4 * self["Ip"]:
+            raise _Broken(
+                f"packed int4 experts of {self['H']} columns and {self['I2']} gate-up rows do not fit"
+            )
+        self.shape("w13_scale", "E I2 Gh", torch.float32)
+        self.shape("w2_scale", "E H Gi", torch.float32)
+        group = self["H"] // self["Gh"]
+        if self["Gh"] * group != self["H"] or self["Gi"] * group != self["I2"] // 2 or group % 2:
+            raise _Broken(f"group scales of {self['Gh']} and {self['Gi']} columns do not fit one group size")
 
 
 def _norm(c: _Contract) -> None:

@@ -51,6 +51,15 @@ _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike 
 }
 
 
+_W4A8_DEFAULTS = {  # W4A8 experts: K blocks of one scale group; the weights as the MMA's rows for few tokens
+    1: MoeConfig(16, 64, 128, 1, 4, 4, swap_ab=True, pair_blocks=True),
+    16: MoeConfig(16, 64, 128, 1, 4, 4, swap_ab=True),
+    128: MoeConfig(16, 128, 128, 1, 4, 4, swap_ab=True),
+    1024: MoeConfig(64, 128, 128, 8, 4, 3),
+    1 << 40: MoeConfig(128, 128, 128, 8, 8, 3),
+}
+
+
 def device_key(gpu_name: str) -> str:
     """A GPU's table key: its name without the vendor, lower case, other characters as underscores
     ("NVIDIA H200" → h200, "NVIDIA H100 80GB HBM3" → h100_80gb_hbm3)."""
@@ -85,8 +94,11 @@ def _tuned(key: str | None) -> dict[str, dict[int, MoeConfig]]:
     return {kind: {int(t): MoeConfig(**c) for t, c in table.items()} for kind, table in data.items()}
 
 
-def config_kind(fp8: bool, static_activations: bool) -> str:
-    """A table's variant: bf16, fp8 (dynamic per-token activations), fp8_static."""
+def config_kind(fp8: bool, static_activations: bool, w4a8: bool = False) -> str:
+    """A table's variant: bf16, fp8 (dynamic per-token activations), fp8_static, w4a8 (int4 experts,
+    either activation scheme)."""
+    if w4a8:
+        return "w4a8"
     if not fp8:
         return "bf16"
     return "fp8_static" if static_activations else "fp8"
@@ -97,6 +109,7 @@ def select_config(num_tokens: int, kind: str, gpu_name: str | None) -> MoeConfig
     `gpu_name` (buckets that fp8_static lacks come from fp8's), or the built-in defaults where that GPU
     has no table (None: not a GPU, the CPU interpreter)."""
     tuned = _tuned(device_key(gpu_name) if gpu_name is not None else None)
-    table = {**tuned.get(kind.removesuffix("_static"), {}), **tuned.get(kind, {})} or _DEFAULTS
+    defaults = _W4A8_DEFAULTS if kind == "w4a8" else _DEFAULTS
+    table = {**tuned.get(kind.removesuffix("_static"), {}), **tuned.get(kind, {})} or defaults
     bound = min((t for t in table if t >= num_tokens), default=max(table))
     return table[bound]

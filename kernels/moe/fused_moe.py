@@ -60,10 +60,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from hy3c.kernels import devices, overrides
 from hy3c.kernels.moe import fused_moe_gluon
 from hy3c.kernels.moe.align import moe_align
+from hy3c.kernels.moe.blocks import (
+    block_rows,
+    program_block,
+    quantize_activations,
+    quantize_intermediate,
+    quantize_tile,
+)
 from hy3c.kernels.moe.config import MoeConfig, config_kind, select_config, table_for
+from hy3c.kernels.moe.fused_moe_w4a8 import routed_pairs_w4a8
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import HOPPER, PDL, Provider, Target, Variant, register_provider
-from hy3c.kernels.rowwise.quant import quant_fp8, quant_fp8_per_token
 from hy3c.ops.fused import check_moe_input_quant
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -89,24 +96,6 @@ def _row_scales(ptr, rows, row_ok, stride, width, BLOCK_M: tl.constexpr, CHUNK: 
 
 
 @triton.jit
-def _quantize_tile(a, scale, dtype: tl.constexpr):
-    """An activation tile to FP8 as the quantization kernels do: a / scale, clamped to ±448, cast."""
-    return tl.clamp(a.to(tl.float32) / scale, -448.0, 448.0).to(dtype)
-
-
-@triton.jit
-def _block_rows(pid_m, sorted_ptr, expert_ptr, pairs, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
-    """The (token, slot) pair of each row of M block pid_m (pad rows hold `pairs`) and the block's expert:
-    from the alignment (sorted ids, expert of each block) or — PAIR_BLOCKS — pair pid_m alone in row 0,
-    its expert read from the flat top-k ids (expert_ptr)."""
-    if PAIR_BLOCKS:
-        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, pairs)
-    else:
-        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    return pair, tl.load(expert_ptr + pid_m).to(tl.int64)
-
-
-@triton.jit
 def _weight_tile(
     w_desc, w_base, first_row, cols, col_ok, rk, k_ok, k, stride_wn, TMA: tl.constexpr, SWAP_AB: tl.constexpr
 ):
@@ -127,18 +116,6 @@ def _weight_tile(
             w_base + cols[None, :] * stride_wn + rk[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0
         )
     return tile
-
-
-@triton.jit
-def _program_block(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
-    """Grouped ordering: GROUP_M M-blocks share each weight column block while it is in L2."""
-    per_group = GROUP_M * num_n_blocks
-    group = pid // per_group
-    first_m = group * GROUP_M
-    group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-    return pid_m, pid_n
 
 
 @triton.jit(do_not_specialize=["pairs", "num_m_blocks"])
@@ -180,11 +157,11 @@ def _gate_up_kernel(
 ):
     wait_for_inputs(PDL)
     num_n_blocks = tl.cdiv(inter, BLOCK_N)
-    pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
+    pid_m, pid_n = program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
     if not PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: pair blocks never load the padded total)
         if pid_m * BLOCK_M >= tl.load(padded_ptr):
             return
-    pair, expert = _block_rows(pid_m, sorted_ptr, expert_ptr, pairs, BLOCK_M, PAIR_BLOCKS)
+    pair, expert = block_rows(pid_m, sorted_ptr, expert_ptr, pairs, BLOCK_M, PAIR_BLOCKS)
     if PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: aligned blocks never hold a pair of id -1)
         if expert < 0:  # no expert on this rank (expert parallelism): nothing to compute or write
             return
@@ -213,7 +190,7 @@ def _gate_up_kernel(
             other=0.0,
         )
         if QUANT_ON_LOAD:
-            a = _quantize_tile(a, a_scale, w_ptr.dtype.element_ty)
+            a = quantize_tile(a, a_scale, w_ptr.dtype.element_ty)
         first_row = (expert * 2 * inter + pid_n * BLOCK_N).to(tl.int32)
         wg = _weight_tile(w_desc, w_base, first_row, cols, col_ok, rk, k_ok, k, stride_wn, TMA, SWAP_AB)
         wu = _weight_tile(
@@ -257,7 +234,7 @@ def _gate_up_kernel(
     act = (gate * tl.sigmoid(gate)).to(ACT_DTYPE).to(tl.float32)
     h = (act * up).to(ACT_DTYPE)
     if QUANT_H:  # a static FP8 scale for the down GEMM's input: the intermediate is written as e4m3
-        h = _quantize_tile(h, tl.load(hs_ptr), out_ptr.dtype.element_ty)
+        h = quantize_tile(h, tl.load(hs_ptr), out_ptr.dtype.element_ty)
     tl.store(
         out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :],
         h,
@@ -301,11 +278,11 @@ def _down_kernel(
 ):
     wait_for_inputs(PDL)
     num_n_blocks = tl.cdiv(hidden, BLOCK_N)
-    pid_m, pid_n = _program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
+    pid_m, pid_n = program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
     if not PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: pair blocks never load the padded total)
         if pid_m * BLOCK_M >= tl.load(padded_ptr):
             return
-    pair, expert = _block_rows(pid_m, sorted_ptr, expert_ptr, pairs, BLOCK_M, PAIR_BLOCKS)
+    pair, expert = block_rows(pid_m, sorted_ptr, expert_ptr, pairs, BLOCK_M, PAIR_BLOCKS)
     if PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: aligned blocks never hold a pair of id -1)
         if expert < 0:  # no expert on this rank (expert parallelism): nothing to compute or write
             return
@@ -331,7 +308,7 @@ def _down_kernel(
             other=0.0,
         )
         if QUANT_ON_LOAD:
-            a = _quantize_tile(a, h_scale, w_ptr.dtype.element_ty)
+            a = quantize_tile(a, h_scale, w_ptr.dtype.element_ty)
         first_row = (expert * hidden + pid_n * BLOCK_N).to(tl.int32)
         w = _weight_tile(w_desc, w_base, first_row, cols, col_ok, rk, k_ok, k, stride_wn, TMA, SWAP_AB)
         if SWAP_AB:
@@ -397,64 +374,6 @@ def _combine_kernel(
     tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, result, mask=ok)
 
 
-@triton.jit
-def _quant_pair_rows_kernel(
-    h_ptr, ids_ptr, q_ptr, scale_ptr, width, stride_h, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr
-):
-    """The intermediate's row of one (token, slot) pair to e4m3 with its dynamic scale, as
-    `quant_fp8_per_token` does it (max(absmax / 448, 1e-12), x / scale clamped to ±448); a pair of id −1
-    (flat top-k ids at ids_ptr) has no row — the gate-up never wrote it — and is skipped."""
-    wait_for_inputs(PDL)
-    pair = tl.program_id(0)
-    if tl.load(ids_ptr + pair) < 0:
-        return
-    cols = tl.arange(0, BLOCK)
-    ok = cols < width
-    h = tl.load(h_ptr + pair.to(tl.int64) * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(h), axis=0) / 448.0, 1e-12)
-    tl.store(scale_ptr + pair, scale)
-    q = tl.clamp(h / scale, -448.0, 448.0)
-    tl.store(q_ptr + pair.to(tl.int64) * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
-
-
-def _quantize_intermediate(h: Tensor, ids: Tensor, on_load: bool, pdl: bool) -> tuple[Tensor, Tensor]:
-    """(down GEMM input, its per-row scales) for dynamic FP8: h itself for the down GEMM to quantize on
-    load, or one `_quant_pair_rows_kernel` pass over the pairs' rows (those of id −1 left alone)."""
-    if on_load:
-        return h, h.new_empty(1, dtype=torch.float32)
-    pairs, width = h.shape
-    q = torch.empty((pairs, width), dtype=FP8_DTYPE, device=h.device)
-    scale = torch.empty(pairs, dtype=torch.float32, device=h.device)
-    block = triton.next_power_of_2(width)
-    _quant_pair_rows_kernel[(pairs,)](
-        h,
-        ids,
-        q,
-        scale,
-        width,
-        h.stride(0),
-        q.stride(0),
-        BLOCK=block,
-        num_warps=max(min(block // 512, 16), 1),
-        **pdl_launch(h.device, pdl),
-    )
-    return q, scale
-
-
-def _quantize_activations(
-    x: Tensor, static_scale: Tensor | None, on_load: bool, pdl: bool
-) -> tuple[Tensor, Tensor, bool]:
-    """(GEMM input, its scale, per-row scale?): one Triton pass per row (`rowwise.quant`) with a static
-    per-tensor or dynamic per-token scale — or, `on_load`, x itself for the GEMM to quantize."""
-    if on_load:
-        per_row = static_scale is None
-        return x, (x.new_empty(1, dtype=torch.float32) if per_row else static_scale.float()), per_row
-    if static_scale is not None:
-        return quant_fp8(x, static_scale, pdl=pdl), static_scale.float(), False
-    q, scale = quant_fp8_per_token(x, pdl=pdl)
-    return q, scale.reshape(-1), True
-
-
 def _weight_descriptors(w13: Tensor, w2: Tensor, cfg: MoeConfig) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA descriptors of the stacked expert weights, [E · 2I, H] and [E · H, I], with [block_n, block_k]
     boxes. block_n must divide each expert's rows (a box never reaches the next expert's); a K block past
@@ -515,17 +434,16 @@ def fused_moe_triton(
     out = x.new_empty((num_tokens, hidden))
     if num_tokens == 0:
         return out
-    fp8 = w13.dtype == FP8_DTYPE
-    kind = config_kind(fp8, a13_scale is not None)
+    fp8, w4a8 = w13.dtype == FP8_DTYPE, w13.dtype == torch.uint8
+    kind = config_kind(fp8, a13_scale is not None, w4a8)
     cfg = config or fit_to_widths(select_config(num_tokens, kind, devices.gpu_name(x.device)), w13)
     if cfg.quant_on_load and cfg.block_m > 32:  # the row-absmax pass holds BLOCK_M × 1024 values
         raise ValueError(f"quant_on_load needs block_m <= 32 (got {cfg.block_m})")
     weights = (w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)
-    _check_scale_widths(w13, w2, w13_scale, w2_scale)
-    if cfg.pair_blocks and _gluon_runs(x, w13, w2, overrides.variant(overrides.GLUON, gluon)):
-        per_pair = _routed_pairs_gluon(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, pdl)
+    if w4a8:
+        per_pair = routed_pairs_w4a8(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, cfg, pdl)
     else:
-        per_pair = _routed_pairs_triton(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, cfg, pdl)
+        per_pair = _routed_pairs(x, x_q, x_q_scale, topk_weights, topk_ids, weights, cfg, gluon, pdl)
     top_k = topk_ids.shape[1]
     _combine_kernel[(num_tokens, triton.cdiv(hidden, cfg.combine_block))](
         per_pair,
@@ -543,6 +461,26 @@ def fused_moe_triton(
         **pdl_launch(x.device, pdl),
     )
     return out
+
+
+def _routed_pairs(
+    x: Tensor,
+    x_q: Tensor | None,
+    x_q_scale: Tensor | None,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    weights: tuple[Tensor | None, ...],
+    cfg: MoeConfig,
+    gluon: bool,
+    pdl: bool,
+) -> Tensor:
+    """Each pair's weighted expert output for bf16 or FP8 experts: the one-token Gluon GEMMs where the
+    config pairs blocks and they run, else the Triton kernels."""
+    w13, w2, w13_scale, w2_scale = weights[:4]
+    _check_scale_widths(w13, w2, w13_scale, w2_scale)
+    if cfg.pair_blocks and _gluon_runs(x, w13, w2, overrides.variant(overrides.GLUON, gluon)):
+        return _routed_pairs_gluon(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, pdl)
+    return _routed_pairs_triton(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, cfg, pdl)
 
 
 def _gluon_runs(x: Tensor, w13: Tensor, w2: Tensor, gluon: bool) -> bool:
@@ -646,7 +584,7 @@ def _routed_pairs_triton(
     if x_q is not None:  # already quantized per token (the norm's FP8 rows)
         a, a_scale, a_per_row = x_q, x_q_scale.reshape(-1).contiguous(), True
     elif fp8:
-        a, a_scale, a_per_row = _quantize_activations(x, a13_scale, cfg.quant_on_load, pdl)
+        a, a_scale, a_per_row = quantize_activations(x, a13_scale, cfg.quant_on_load, pdl)
     quant_h = fp8 and a2_scale is not None  # static: the gate-up epilogue quantizes the intermediate
     hidden_act = x.new_empty((pairs, inter), dtype=FP8_DTYPE if quant_h else x.dtype)
     h_scale_static = a2_scale.float().reshape(1) if quant_h else dummy
@@ -695,7 +633,7 @@ def _routed_pairs_triton(
     )
     h, h_scale, h_per_row = (hidden_act, h_scale_static, False)
     if fp8 and not quant_h:  # dynamic scales: per pair row, the rows of id −1 skipped
-        (h, h_scale), h_per_row = _quantize_intermediate(hidden_act, flat_ids, cfg.quant_on_load, pdl), True
+        (h, h_scale), h_per_row = quantize_intermediate(hidden_act, flat_ids, cfg.quant_on_load, pdl), True
     per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
     w2_s = w2_scale if w2_scale is not None else dummy
     _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](

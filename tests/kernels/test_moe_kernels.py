@@ -403,7 +403,7 @@ def test_fused_moe_writes_no_row_of_a_pair_without_an_expert(monkeypatch):
 def test_fused_moe_quantizes_no_intermediate_row_of_a_pair_without_an_expert(monkeypatch):
     """FP8 with dynamic scales: the intermediate's per-pair quantization gives the row-wise kernel's
     bytes and scales for the held pairs and leaves the rows and scales of id −1 as allocated."""
-    from hy3c.kernels.moe.fused_moe import _quantize_intermediate
+    from hy3c.kernels.moe.blocks import quantize_intermediate
     from hy3c.kernels.rowwise.quant import quant_fp8_per_token
 
     marker, empty = 1000.0, torch.empty
@@ -418,7 +418,7 @@ def test_fused_moe_quantizes_no_intermediate_row_of_a_pair_without_an_expert(mon
     h[~held] = float("nan")  # never written by the gate-up: whatever the allocation held
     want_q, want_scale = quant_fp8_per_token(h[held], pdl=False)
     monkeypatch.setattr(torch, "empty", marked)
-    q, scale = _quantize_intermediate(h, ids, on_load=False, pdl=False)
+    q, scale = quantize_intermediate(h, ids, on_load=False, pdl=False)
     assert torch.equal(q[held].view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(scale[held], want_scale.reshape(-1))
     assert (scale[~held] == marker).all() and (q[~held].view(torch.uint8) == 0x7E).all()

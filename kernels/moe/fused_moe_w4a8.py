@@ -1,0 +1,387 @@
+"""Triton FusedMoE GEMMs for W4A8 experts: int4 weights in groups, FP8 activations, FP8 tensor cores.
+
+The weights are int4 values packed two per byte along the input dimension (w13 uint8 [E, 2I, H/2],
+w2 [E, H, I/2]; column 2j in the low nibble) with one fp32 scale per `group` input columns (w13_scale
+[E, 2I, H/g], w2_scale [E, H, I/g]); `hy3c.ops.moe` holds the reference. Each K block (BLOCK_K divides
+the group) is loaded as packed bytes — half the bytes of an FP8 tile — and widened in registers: the
+nibbles are split, sign-extended and converted to e4m3, where every int4 value is exact. The block's
+product with the FP8 activation rows runs on the FP8 tensor cores into a fresh accumulator, which is
+added to the running sum times the block's group scales: the only roundings are the int4 weights and
+the FP8 activations, as in the reference. The activations' scale (per token, or static) is applied in
+the epilogue.
+
+The layer around the two GEMMs is `fused_moe`'s: the same alignment (or pair blocks), the same
+gate-up epilogue (silu(gate) · up, written once for the pair's row, as e4m3 with a static scale for the
+down GEMM's input), the same quantization of the intermediate's rows with dynamic scales, the down GEMM
+scaled by the routing weight, and the same combine with the shared expert. Ids of −1 (expert
+parallelism) are skipped as there. With `swap_ab` (few tokens) the unpacked weights are the MMA's rows
+(a register operand of the wgmma) and the tokens its columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from hy3c.kernels.moe.align import moe_align
+from hy3c.kernels.moe.blocks import (
+    block_rows,
+    program_block,
+    quantize_activations,
+    quantize_intermediate,
+    quantize_tile,
+)
+from hy3c.kernels.moe.config import MoeConfig
+from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
+from hy3c.ops.quant import FP8_DTYPE, check_int4_groups
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _int4_tile(w_base, cols, col_ok, k, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight rows `cols` × input columns [k, k + BLOCK_K) of one expert as e4m3 [BLOCK_N, BLOCK_K]:
+    BLOCK_K / 2 packed bytes per row, each split into its two signed nibbles (low: the even column)."""
+    packed_cols = k // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_base + cols[:, None] * stride_wn + packed_cols[None, :], mask=col_ok[:, None], other=0)
+    low = (packed & 0xF).to(tl.int8)
+    high = (packed >> 4).to(tl.int8)
+    low = low - ((low & 8) << 1)  # two's complement nibble → int8
+    high = high - ((high & 8) << 1)
+    values = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
+    return values.to(tl.float16).to(tl.float8e4nv)
+
+
+@triton.jit
+def _group_product(a, w, SWAP_AB: tl.constexpr):
+    """One K block's product of FP8 rows a [BLOCK_M, BLOCK_K] and weights w [BLOCK_N, BLOCK_K], in a fresh
+    fp32 accumulator: [BLOCK_N, BLOCK_M] with SWAP_AB (weights as the MMA's rows), else [BLOCK_M, BLOCK_N]."""
+    if SWAP_AB:
+        return tl.dot(w, tl.trans(a))
+    return tl.dot(a, tl.trans(w))
+
+
+@triton.jit
+def _scaled(product, scale, SWAP_AB: tl.constexpr):
+    """A product times its weight rows' group scales [BLOCK_N]."""
+    if SWAP_AB:
+        return product * scale[:, None]
+    return product * scale[None, :]
+
+
+@triton.jit(do_not_specialize=["pairs", "num_m_blocks"])
+def _gate_up_w4a8_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ptr,
+    expert_ptr,
+    padded_ptr,
+    as_ptr,
+    ws_ptr,
+    hs_ptr,
+    pairs,
+    top_k,
+    inter,
+    hidden,
+    num_m_blocks,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    stride_wse,
+    stride_wsn,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    A_PER_ROW: tl.constexpr,
+    QUANT_H: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_inputs(PDL)
+    num_n_blocks = tl.cdiv(inter, BLOCK_N)
+    pid_m, pid_n = program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
+    if not PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: pair blocks never load the padded total)
+        if pid_m * BLOCK_M >= tl.load(padded_ptr):
+            return
+    pair, expert = block_rows(pid_m, sorted_ptr, expert_ptr, pairs, BLOCK_M, PAIR_BLOCKS)
+    if PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: aligned blocks never hold a pair of id -1)
+        if expert < 0:  # no expert on this rank (expert parallelism): nothing to compute or write
+            return
+    row_ok = pair < pairs
+    token = pair // top_k
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    gate_base = w_ptr + expert * stride_we
+    up_base = gate_base + inter * stride_wn
+    gate_scales = ws_ptr + expert * stride_wse + cols * stride_wsn
+    up_scales = gate_scales + inter * stride_wsn
+    if SWAP_AB:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, hidden, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        a = tl.load(
+            a_ptr + token[:, None].to(tl.int64) * stride_am + rk[None, :], mask=row_ok[:, None], other=0.0
+        )
+        wg = _int4_tile(gate_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K)
+        wu = _int4_tile(up_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K)
+        sg = tl.load(gate_scales + k // GROUP, mask=col_ok, other=0.0)
+        su = tl.load(up_scales + k // GROUP, mask=col_ok, other=0.0)
+        acc_g += _scaled(_group_product(a, wg, SWAP_AB), sg, SWAP_AB)
+        acc_u += _scaled(_group_product(a, wu, SWAP_AB), su, SWAP_AB)
+    if SWAP_AB:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
+    if A_PER_ROW:
+        a_scale = tl.load(as_ptr + token, mask=row_ok, other=0.0)[:, None]
+    else:
+        a_scale = tl.load(as_ptr)
+    gate = (acc_g * a_scale).to(ACT_DTYPE).to(tl.float32)  # rounded like the reference's GEMM output
+    up = (acc_u * a_scale).to(ACT_DTYPE).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(ACT_DTYPE).to(tl.float32)
+    h = (act * up).to(ACT_DTYPE)
+    if QUANT_H:  # a static FP8 scale for the down GEMM's input: the intermediate is written as e4m3
+        h = quantize_tile(h, tl.load(hs_ptr), out_ptr.dtype.element_ty)
+    tl.store(
+        out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :],
+        h,
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+@triton.jit(do_not_specialize=["pairs", "num_m_blocks"])
+def _down_w4a8_kernel(
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ptr,
+    expert_ptr,
+    padded_ptr,
+    hs_ptr,
+    ws_ptr,
+    topk_w_ptr,
+    pairs,
+    hidden,
+    inter,
+    num_m_blocks,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    stride_wse,
+    stride_wsn,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    A_PER_ROW: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_inputs(PDL)
+    num_n_blocks = tl.cdiv(hidden, BLOCK_N)
+    pid_m, pid_n = program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
+    if not PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: pair blocks never load the padded total)
+        if pid_m * BLOCK_M >= tl.load(padded_ptr):
+            return
+    pair, expert = block_rows(pid_m, sorted_ptr, expert_ptr, pairs, BLOCK_M, PAIR_BLOCKS)
+    if PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: aligned blocks never hold a pair of id -1)
+        if expert < 0:  # no expert on this rank (expert parallelism): nothing to compute or write
+            return
+    row_ok = pair < pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    w_base = w_ptr + expert * stride_we
+    scales = ws_ptr + expert * stride_wse + cols * stride_wsn
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, inter, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        a = tl.load(
+            h_ptr + pair[:, None].to(tl.int64) * stride_hm + rk[None, :], mask=row_ok[:, None], other=0.0
+        )
+        w = _int4_tile(w_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K)
+        s = tl.load(scales + k // GROUP, mask=col_ok, other=0.0)
+        acc += _scaled(_group_product(a, w, SWAP_AB), s, SWAP_AB)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    if A_PER_ROW:
+        acc = acc * tl.load(hs_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    else:
+        acc = acc * tl.load(hs_ptr)
+    out_dtype = out_ptr.dtype.element_ty
+    y = acc.to(out_dtype).to(tl.float32)  # the reference rounds each expert's output to the model dtype
+    y = y * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    tl.store(
+        out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :],
+        y,
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+def check_w4a8_experts(w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_scale: Tensor | None) -> int:
+    """The group size of W4A8 experts (uint8 packed w13 [E, 2I, H/2], w2 [E, H, I/2] with group scales
+    [E, 2I, H/g] and [E, H, I/g]); a shape that does not fit is an error naming the tensor."""
+    experts, two_inter, hidden = w13.shape[0], w13.shape[1], 2 * w13.shape[2]
+    inter = two_inter // 2
+    if w2.dtype != torch.uint8 or tuple(w2.shape) != (experts, hidden, inter // 2):
+        raise ValueError(
+            f"fused_moe: W4A8 w2 must be uint8 [{experts}, {hidden}, {inter // 2}], got {w2.dtype} {tuple(w2.shape)}"
+        )
+    groups = []
+    for name, scale, rows, columns in (
+        ("w13_scale", w13_scale, two_inter, hidden),
+        ("w2_scale", w2_scale, hidden, inter),
+    ):
+        if (
+            scale is None
+            or scale.dim() != 3
+            or tuple(scale.shape[:2]) != (experts, rows)
+            or columns % scale.shape[2]
+        ):
+            got = None if scale is None else tuple(scale.shape)
+            raise ValueError(
+                f"fused_moe: W4A8 {name} must be [{experts}, {rows}, {columns} / group], got {got}"
+            )
+        group = columns // scale.shape[2]
+        check_int4_groups(name, columns, group)
+        groups.append(group)
+    if groups[0] != groups[1]:
+        raise ValueError(f"fused_moe: W4A8 w13 and w2 have different group sizes ({groups[0]}, {groups[1]})")
+    return groups[0]
+
+
+def w4a8_block_k(cfg: MoeConfig, group: int) -> int:
+    """The K block of a W4A8 GEMM: the config's, cut to divide the group (one scale per block)."""
+    block_k = min(cfg.block_k, group)
+    while group % block_k:
+        block_k //= 2
+    if block_k < 16:
+        raise ValueError(
+            f"fused_moe: W4A8 group size {group} has no K block of at least 16 columns dividing it"
+        )
+    return block_k
+
+
+def routed_pairs_w4a8(
+    x: Tensor,
+    x_q: Tensor | None,
+    x_q_scale: Tensor | None,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    w13_scale: Tensor,
+    w2_scale: Tensor,
+    a13_scale: Tensor | None,
+    a2_scale: Tensor | None,
+    cfg: MoeConfig,
+    pdl: bool,
+) -> Tensor:
+    """Each pair's weighted expert output, [pairs, hidden] fp32, for W4A8 experts: alignment (unless pair
+    blocks), the activations' FP8 quantization (unless x_q), gate-up, the intermediate's quantization
+    (dynamic scales), down. The rows of pairs with id −1 are left unwritten."""
+    group = check_w4a8_experts(w13, w2, w13_scale, w2_scale)
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    pairs = num_tokens * top_k
+    block_k = w4a8_block_k(cfg, group)
+    flat_ids = topk_ids.to(torch.int32).contiguous().view(-1)
+    if cfg.pair_blocks:  # block i: pair i alone, its expert from the top-k ids (no alignment launch)
+        expert_ids = flat_ids
+        sorted_ids = padded = expert_ids  # unread
+    else:
+        sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, cfg.block_m, pdl)
+    num_m_blocks = expert_ids.shape[0]
+    if x_q is not None:
+        a, a_scale, a_per_row = x_q, x_q_scale.reshape(-1).contiguous(), True
+    else:
+        a, a_scale, a_per_row = quantize_activations(x, a13_scale, False, pdl)
+    quant_h = a2_scale is not None
+    dummy = x.new_empty(1, dtype=torch.float32)
+    hidden_act = x.new_empty((pairs, inter), dtype=FP8_DTYPE if quant_h else x.dtype)
+    h_scale_static = a2_scale.float().reshape(1) if quant_h else dummy
+    common = dict(
+        GROUP=group,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k,
+        GROUP_M=cfg.group_m,
+        SWAP_AB=cfg.swap_ab,
+        PAIR_BLOCKS=cfg.pair_blocks,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    _gate_up_w4a8_kernel[(num_m_blocks * triton.cdiv(inter, cfg.block_n),)](
+        a,
+        w13,
+        hidden_act,
+        sorted_ids,
+        expert_ids,
+        padded,
+        a_scale,
+        w13_scale,
+        h_scale_static,
+        pairs,
+        top_k,
+        inter,
+        hidden,
+        num_m_blocks,
+        a.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        hidden_act.stride(0),
+        w13_scale.stride(0),
+        w13_scale.stride(1),
+        A_PER_ROW=a_per_row,
+        QUANT_H=quant_h,
+        ACT_DTYPE=_TL_DTYPES[x.dtype],
+        **common,
+        **pdl_launch(x.device, pdl),
+    )
+    h, h_scale, h_per_row = hidden_act, h_scale_static, False
+    if not quant_h:  # dynamic scales: per pair row, the rows of id −1 skipped
+        (h, h_scale), h_per_row = quantize_intermediate(hidden_act, flat_ids, False, pdl), True
+    per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
+    _down_w4a8_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
+        h,
+        w2,
+        per_pair,
+        sorted_ids,
+        expert_ids,
+        padded,
+        h_scale,
+        w2_scale,
+        topk_weights.float().contiguous().view(-1),
+        pairs,
+        hidden,
+        inter,
+        num_m_blocks,
+        h.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        per_pair.stride(0),
+        w2_scale.stride(0),
+        w2_scale.stride(1),
+        A_PER_ROW=h_per_row,
+        **common,
+        **pdl_launch(x.device, pdl),
+    )
+    return per_pair

@@ -1,0 +1,151 @@
+"""W4A8 experts (int4 weights in groups, FP8 activations): the packing helpers, the reference, and the
+Triton FusedMoE GEMMs against it under TRITON_INTERPRET=1 at small shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hy3c.kernels.moe.config import MoeConfig, select_config
+from hy3c.kernels.moe.fused_moe import fused_moe_triton
+from hy3c.ops.quant import (
+    dequantize_int4_groups,
+    pack_int4,
+    per_token_scale,
+    quantize_fp8,
+    quantize_int4_groups,
+    unpack_int4,
+)
+
+hy3 = torch.ops.hy3
+CFG = MoeConfig(16, 32, 32, 1, 4, 1)
+GROUP = 32
+
+
+def _experts(experts: int, hidden: int, inter: int, group: int = GROUP):
+    w13 = 0.1 * torch.randn(experts, 2 * inter, hidden)
+    w2 = 0.1 * torch.randn(experts, hidden, inter)
+    return (*quantize_int4_groups(w13, group), *quantize_int4_groups(w2, group))
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def test_int4_packing_round_trips_and_puts_the_even_column_low():
+    values = torch.tensor([[-8, 7, 0, -1, 3, -5]], dtype=torch.int8)
+    packed = pack_int4(values)
+    assert packed.tolist() == [[0x78, 0xF0, 0xB3]]  # (7 << 4) | 8, (-1 << 4) | 0, (-5 << 4) | 3
+    assert torch.equal(unpack_int4(packed), values)
+    every = torch.arange(-8, 8, dtype=torch.int8).repeat(4)
+    assert torch.equal(unpack_int4(pack_int4(every)), every)
+
+
+def test_group_quantization_error_is_bounded_by_half_a_step():
+    w = torch.randn(3, 16, 128)
+    packed, scale = quantize_int4_groups(w, 32)
+    assert packed.shape == (3, 16, 64) and packed.dtype == torch.uint8 and scale.shape == (3, 16, 4)
+    error = (dequantize_int4_groups(packed, scale) - w).abs().unflatten(-1, (4, 32))
+    assert (error <= scale.unsqueeze(-1) / 2 + 1e-6).all()
+    with pytest.raises(ValueError, match="group size 48 must be even and divide the 128 input columns"):
+        quantize_int4_groups(w, 48)
+
+
+def test_reference_is_fp8_rows_times_the_dequantized_int4_weights():
+    """The op's definition, written out for one expert: per-token FP8 rows, exact int4 · group scale."""
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    q13, s13, q2, s2 = _experts(1, 64, 32)
+    ids, weights = torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1)
+    out = hy3.fused_moe(x, weights, ids, q13, q2, s13, s2, None, None, None)
+    scale = per_token_scale(x)
+    gate_up = ((quantize_fp8(x, scale).float() @ dequantize_int4_groups(q13[0], s13[0]).t()) * scale).bfloat16()
+    h = torch.nn.functional.silu(gate_up[:, :32]) * gate_up[:, 32:]
+    h_scale = per_token_scale(h)
+    hq = quantize_fp8(h, h_scale).float()
+    expected = ((hq @ dequantize_int4_groups(q2[0], s2[0]).t()) * h_scale).bfloat16()
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"swap_ab": True}, {"pair_blocks": True}, {"pair_blocks": True, "swap_ab": True}, {"block_k": 16}],
+)
+@pytest.mark.parametrize("activations", ["dynamic", "static", "pre-quantized"])
+def test_w4a8_fused_moe_equals_its_reference(options, activations):
+    tokens, experts, top_k = 9 if not options.get("pair_blocks") else 1, 8, 2
+    x = torch.randn(tokens, 64).to(torch.bfloat16)
+    q13, s13, q2, s2 = _experts(experts, 64, 32)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
+    weights, shared = torch.rand(tokens, top_k), torch.randn(tokens, 64).to(torch.bfloat16)
+    a13 = torch.tensor([x.float().abs().max() / 448]) if activations == "static" else None
+    a2 = torch.tensor([0.02]) if activations == "static" else None
+    args = (x, weights, ids, q13, q2, s13, s2, a13, a2, shared)
+    if activations == "pre-quantized":
+        scale = per_token_scale(x)
+        args = (*args, quantize_fp8(x, scale), scale)
+    ref = hy3.fused_moe(*args)
+    out = fused_moe_triton(*args, config=dataclasses.replace(CFG, **options), pdl=False)
+    assert _relative_error(out, ref) < 1e-2
+
+
+def test_w4a8_fused_moe_at_a_group_of_128_with_default_configs():
+    """Hy3's group size: K blocks of 128 from the built-in W4A8 configs, for one token and for many."""
+    q13, s13, q2, s2 = _experts(4, 256, 128, group=128)
+    for tokens in (1, 20):
+        x = torch.randn(tokens, 256).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(4)[:2] for _ in range(tokens)]).int()
+        args = (x, torch.rand(tokens, 2), ids, q13, q2, s13, s2, None, None, None)
+        assert select_config(tokens, "w4a8", None).block_k == 128
+        assert _relative_error(fused_moe_triton(*args, pdl=False), hy3.fused_moe(*args)) < 1e-2
+
+
+def test_w4a8_pairs_without_an_expert_add_nothing():
+    """Expert parallelism: ids of −1 are skipped, and the two halves of the experts sum to the layer."""
+    tokens, experts = 6, 8
+    x = torch.randn(tokens, 64).to(torch.bfloat16)
+    q13, s13, q2, s2 = _experts(experts, 64, 32)
+    ids = torch.stack([torch.randperm(experts)[:2] for _ in range(tokens)]).int()
+    weights = torch.rand(tokens, 2)
+    whole = fused_moe_triton(x, weights, ids, q13, q2, s13, s2, None, None, None, config=CFG, pdl=False)
+    parts = []
+    for first in (0, 4):
+        local = torch.where((ids >= first) & (ids < first + 4), ids - first, -1).int()
+        held = slice(first, first + 4)
+        parts.append(
+            fused_moe_triton(
+                x, weights, local, q13[held], q2[held], s13[held], s2[held], None, None, None, config=CFG, pdl=False
+            ).float()
+        )
+    assert _relative_error(parts[0] + parts[1], whole) < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("w2 unpacked", r"W4A8 w2 must be uint8 \[4, 64, 16\]"),
+        ("scale of another group", r"W4A8 w13 and w2 have different group sizes"),
+        ("scale missing", r"W4A8 w13_scale must be \[4, 64, 64 / group\], got None"),
+    ],
+)
+def test_w4a8_fused_moe_refuses_misshaped_weights(case, message):
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    q13, s13, q2, s2 = _experts(4, 64, 32)
+    if case == "w2 unpacked":
+        q2 = torch.zeros(4, 64, 32, dtype=torch.uint8)
+    elif case == "scale of another group":
+        s2 = torch.ones(4, 64, 2)
+    else:
+        s13 = None
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        fused_moe_triton(x, torch.rand(2, 2), ids, q13, q2, s13, s2, None, None, None, config=CFG, pdl=False)
+
+
+def test_opcheck_fused_moe_with_w4a8_experts():
+    x = torch.randn(6, 64)
+    q13, s13, q2, s2 = _experts(4, 64, 32)
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0], [0, 2], [1, 3], [2, 3]], dtype=torch.int32)
+    torch.library.opcheck(hy3.fused_moe.default, (x, torch.rand(6, 2), ids, q13, q2, s13, s2, None, None, None))
+    torch.library.opcheck(hy3.moe_experts.default, (x, torch.rand(6, 2), ids, q13, q2, s13, s2, None, None))
