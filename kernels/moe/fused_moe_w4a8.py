@@ -55,20 +55,15 @@ def _int4_tile(w_base, cols, col_ok, k, stride_wn, BLOCK_N: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _group_product(a, w, SWAP_AB: tl.constexpr):
-    """One K block's product of FP8 rows a [BLOCK_M, BLOCK_K] and weights w [BLOCK_N, BLOCK_K], in a fresh
-    fp32 accumulator: [BLOCK_N, BLOCK_M] with SWAP_AB (weights as the MMA's rows), else [BLOCK_M, BLOCK_N]."""
+def _group_product(a, w, scale, SWAP_AB: tl.constexpr):
+    """One K block's product of FP8 rows a [BLOCK_M, BLOCK_K] and weights w [BLOCK_N, BLOCK_K] in a fresh
+    fp32 accumulator, times the weight rows' group scales [BLOCK_N]: [BLOCK_N, BLOCK_M] with SWAP_AB
+    (weights as the MMA's rows), else [BLOCK_M, BLOCK_N]."""
     if SWAP_AB:
-        return tl.dot(w, tl.trans(a))
-    return tl.dot(a, tl.trans(w))
-
-
-@triton.jit
-def _scaled(product, scale, SWAP_AB: tl.constexpr):
-    """A product times its weight rows' group scales [BLOCK_N]."""
-    if SWAP_AB:
-        return product * scale[:, None]
-    return product * scale[None, :]
+        product = tl.dot(w, tl.trans(a)) * scale[:, None]
+    else:
+        product = tl.dot(a, tl.trans(w)) * scale[None, :]
+    return product
 
 
 @triton.jit(do_not_specialize=["pairs", "num_m_blocks"])
@@ -138,8 +133,8 @@ def _gate_up_w4a8_kernel(
         wu = _int4_tile(up_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K)
         sg = tl.load(gate_scales + k // GROUP, mask=col_ok, other=0.0)
         su = tl.load(up_scales + k // GROUP, mask=col_ok, other=0.0)
-        acc_g += _scaled(_group_product(a, wg, SWAP_AB), sg, SWAP_AB)
-        acc_u += _scaled(_group_product(a, wu, SWAP_AB), su, SWAP_AB)
+        acc_g += _group_product(a, wg, sg, SWAP_AB)
+        acc_u += _group_product(a, wu, su, SWAP_AB)
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -217,7 +212,7 @@ def _down_w4a8_kernel(
         )
         w = _int4_tile(w_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K)
         s = tl.load(scales + k // GROUP, mask=col_ok, other=0.0)
-        acc += _scaled(_group_product(a, w, SWAP_AB), s, SWAP_AB)
+        acc += _group_product(a, w, s, SWAP_AB)
     if SWAP_AB:
         acc = tl.trans(acc)
     if A_PER_ROW:

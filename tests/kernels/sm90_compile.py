@@ -28,7 +28,8 @@ from hy3c.kernels.attention import decode, prefill, prefill_gluon, qknorm_rope_k
 from hy3c.kernels.attention.config import GLUON_PREFILL_CONFIG, decode_config, triton_prefill_config
 from hy3c.kernels.collectives import all_reduce
 from hy3c.kernels.collectives.symmetric import MAX_PROGRAMS, RESERVED_CHANNELS
-from hy3c.kernels.moe import fused_moe, fused_moe_gluon, router
+from hy3c.kernels.moe import config as moe_config
+from hy3c.kernels.moe import fused_moe, fused_moe_gluon, fused_moe_w4a8, router
 from hy3c.ops.quant import FP8_DTYPE
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -260,6 +261,41 @@ def static_one_token_variants() -> list[Variant]:
     ]
 
 
+def w4a8_moe_variants() -> list[Variant]:
+    """The W4A8 GEMMs (int4 weights widened to e4m3 in registers, K blocks of one 128-column group) in
+    every built-in config's shape: weights as the MMA's rows or not, pair blocks, dynamic or static
+    intermediate scales."""
+    fp8 = f"*{KV_DTYPES['fp8']}"
+    scales = {"as_ptr": "*fp32", "ws_ptr": "*fp32", "hs_ptr": "*fp32"}
+    variants = []
+    for cfg in moe_config._W4A8_DEFAULTS.values():
+        common = dict(GROUP=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+        common |= dict(GROUP_M=cfg.group_m, A_PER_ROW=True, SWAP_AB=cfg.swap_ab, PAIR_BLOCKS=cfg.pair_blocks)
+        common |= dict(PDL=True)
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        for quant_h in (False, True):
+            variants.append(
+                Variant(
+                    f"fused_moe w4a8 gate-up {cfg} quant_h={quant_h}",
+                    fused_moe_w4a8._gate_up_w4a8_kernel,
+                    {"a_ptr": fp8, "w_ptr": "*u8", "out_ptr": fp8 if quant_h else "*bf16", **scales},
+                    dict(common, QUANT_H=quant_h, ACT_DTYPE=tl.bfloat16),
+                    options=options,
+                )
+            )
+        variants.append(
+            Variant(
+                f"fused_moe w4a8 down {cfg}",
+                fused_moe_w4a8._down_w4a8_kernel,
+                {"h_ptr": fp8, "w_ptr": "*u8", "out_ptr": "*fp32", "topk_w_ptr": "*fp32", "hs_ptr": "*fp32"}
+                | {"ws_ptr": "*fp32"},
+                common,
+                options=options,
+            )
+        )
+    return variants
+
+
 def gluon_moe_variants() -> list[Variant]:
     """The one-token Gluon FusedMoE kernels at Hy3's widths, as `fused_moe_gluon.routed_pairs` launches
     them: the gate-up for each way its row arrives (e4m3 from the norm, bf16 quantized with a dynamic or a
@@ -370,7 +406,8 @@ def collective_variants() -> list[Variant]:
 
 def main() -> int:
     failures = 0
-    variants = attention_variants() + qknorm_variants() + moe_variants() + gluon_moe_variants()
+    variants = attention_variants() + qknorm_variants() + moe_variants() + w4a8_moe_variants()
+    variants += gluon_moe_variants()
     for variant in variants + router_variants() + collective_variants():
         source_type = GluonASTSource if variant.gluon else ASTSource
         source = source_type(

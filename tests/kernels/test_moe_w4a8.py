@@ -60,7 +60,9 @@ def test_reference_is_fp8_rows_times_the_dequantized_int4_weights():
     ids, weights = torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1)
     out = hy3.fused_moe(x, weights, ids, q13, q2, s13, s2, None, None, None)
     scale = per_token_scale(x)
-    gate_up = ((quantize_fp8(x, scale).float() @ dequantize_int4_groups(q13[0], s13[0]).t()) * scale).bfloat16()
+    gate_up = (
+        (quantize_fp8(x, scale).float() @ dequantize_int4_groups(q13[0], s13[0]).t()) * scale
+    ).bfloat16()
     h = torch.nn.functional.silu(gate_up[:, :32]) * gate_up[:, 32:]
     h_scale = per_token_scale(h)
     hq = quantize_fp8(h, h_scale).float()
@@ -115,7 +117,18 @@ def test_w4a8_pairs_without_an_expert_add_nothing():
         held = slice(first, first + 4)
         parts.append(
             fused_moe_triton(
-                x, weights, local, q13[held], q2[held], s13[held], s2[held], None, None, None, config=CFG, pdl=False
+                x,
+                weights,
+                local,
+                q13[held],
+                q2[held],
+                s13[held],
+                s2[held],
+                None,
+                None,
+                None,
+                config=CFG,
+                pdl=False,
             ).float()
         )
     assert _relative_error(parts[0] + parts[1], whole) < 1e-2
@@ -147,5 +160,25 @@ def test_opcheck_fused_moe_with_w4a8_experts():
     x = torch.randn(6, 64)
     q13, s13, q2, s2 = _experts(4, 64, 32)
     ids = torch.tensor([[0, 1], [1, 2], [3, 0], [0, 2], [1, 3], [2, 3]], dtype=torch.int32)
-    torch.library.opcheck(hy3.fused_moe.default, (x, torch.rand(6, 2), ids, q13, q2, s13, s2, None, None, None))
+    torch.library.opcheck(
+        hy3.fused_moe.default, (x, torch.rand(6, 2), ids, q13, q2, s13, s2, None, None, None)
+    )
     torch.library.opcheck(hy3.moe_experts.default, (x, torch.rand(6, 2), ids, q13, q2, s13, s2, None, None))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 128, 2048])
+def test_w4a8_fused_moe_real_shapes(tokens):
+    """Hy3's experts (192 × [3072, 4096] and [4096, 1536], top-8, groups of 128) on the GPU, with the
+    shipped configs: against the reference, with x as given or as the norm's FP8 rows."""
+    experts, hidden, inter = 192, 4096, 1536
+    q13, s13 = quantize_int4_groups(0.02 * torch.randn(experts, 2 * inter, hidden, device="cuda"), 128)
+    q2, s2 = quantize_int4_groups(0.02 * torch.randn(experts, hidden, inter, device="cuda"), 128)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:8] for _ in range(tokens)]).int()
+    weights, shared = torch.rand(tokens, 8, device="cuda"), torch.randn_like(x)
+    args = (x, weights, ids, q13, q2, s13, s2, None, None, shared)
+    ref = hy3.fused_moe(*args)
+    assert _relative_error(fused_moe_triton(*args), ref) < 1e-2
+    scale = per_token_scale(x)
+    assert _relative_error(fused_moe_triton(*args, quantize_fp8(x, scale), scale), ref) < 1e-2
