@@ -2,6 +2,7 @@
 
     hy3c init-checkpoint --preset tiny --seed 0 --out ckpt/        random Hy3 checkpoint (HF layout)
     hy3c convert-fp8 --model ckpt/ --out ckpt-fp8/                 BF16 → FP8 W8A8C8 hub format
+    hy3c convert-w4a8 --model ckpt/ --out ckpt-w4a8/               BF16 → int4 experts (GPTQ), W4A8
     hy3c generate --model ckpt/ --prompt "Hello" --max-tokens 32   offline, through the serving engine
     hy3c compile --model ckpt/ --recipe h20-w8a8c8 --out art/       trace + passes + package
     hy3c inspect art/ passes|ops|graph|diff|why-not|cache-key      what every pass did
@@ -203,6 +204,72 @@ def _run_convert_fp8(args: argparse.Namespace) -> None:
         args.calibrate,
         args.calibration_tokens,
         args.calibrator,
+    )
+    print(args.out)
+
+
+def _add_convert_w4a8(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert-w4a8",
+        help="quantize a BF16 Hy3 checkpoint's routed experts to int4 (W4A8, compressed-tensors layout)",
+    )
+    p.add_argument("--model", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--group-size", type=_positive_int, default=128, help="input columns per int4 scale")
+    p.add_argument(
+        "--calibrate",
+        type=Path,
+        default=None,
+        metavar="DATA",
+        help="GPTQ calibration text or .jsonl file ({'text': ...} per line; default: the Python standard"
+        " library's sources)",
+    )
+    p.add_argument(
+        "--calibrator",
+        choices=("modelopt", "rtn"),
+        default="modelopt",
+        help="NVIDIA ModelOpt's GPTQ over the calibration text (pip install -e '.[quant]'), or"
+        " round-to-nearest without data",
+    )
+    p.add_argument(
+        "--calibration-tokens",
+        type=_positive_int,
+        default=8192,
+        help="tokens of calibration text at most (default: 8192)",
+    )
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-shard-gib", type=float, default=4.0)
+    p.add_argument("--overwrite", action="store_true")
+    _add_checkpoint_options(p)
+    p.set_defaults(func=_run_convert_w4a8)
+
+
+def _run_convert_w4a8(args: argparse.Namespace) -> None:
+    from hy3c.checkpoint.loader import load_model
+    from hy3c.checkpoint.safetensors_io import check_output_dir
+    from hy3c.checkpoint.w4a8_convert import convert_to_w4a8
+
+    _existing_dir(args.model, "--model")
+    check_output_dir(args.out, args.overwrite, inputs=[args.model])  # before loading and calibrating
+    windows = None
+    if args.calibrator == "modelopt":
+        from hy3c.checkpoint.calibration_data import calibration_windows
+        from hy3c.checkpoint.tokenizer import Hy3Tokenizer
+
+        tokenizer = Hy3Tokenizer.from_dir(args.model)
+        windows = calibration_windows(tokenizer, args.calibrate, args.calibration_tokens)
+    model = load_model(
+        args.model, device=args.device, with_mtp=not args.no_mtp, ignore_unexpected=args.ignore_unexpected
+    )
+    convert_to_w4a8(
+        model,
+        args.model,
+        args.out,
+        args.group_size,
+        windows,
+        args.calibrator,
+        args.overwrite,
+        int(args.max_shard_gib * 2**30),
     )
     print(args.out)
 
@@ -953,6 +1020,7 @@ def _run_demo(args: argparse.Namespace) -> None:
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_init_checkpoint,
     _add_convert_fp8,
+    _add_convert_w4a8,
     _add_generate,
     _add_compile,
     _add_inspect,

@@ -32,6 +32,10 @@ class RopeParameters(BaseModel):
 
 MAX_CONFIG_BYTES = 16 << 20  # a config file larger than this is refused, not read
 MODELOPT_FP8_KV = {"type": "float", "num_bits": 8}  # ModelOpt's `kv_cache_scheme` of an FP8 KV cache
+# compressed-tensors' W4AFP8 scheme (what AngelSlim's Hy3 `w4afp8` preset names, and vLLM reads as its
+# W4A8-FP8 MoE): int4 weights in symmetric groups, FP8 activations per token with dynamic scales
+W4AFP8_WEIGHTS = {"num_bits": 4, "type": "int", "strategy": "group", "symmetric": True, "dynamic": False}
+W4AFP8_ACTIVATIONS = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
 
 
 class QuantizationConfig(BaseModel):
@@ -44,18 +48,28 @@ class QuantizationConfig(BaseModel):
       activation scales beside the weights, `ignore`, and `kv_cache_scheme` {type: float, num_bits: 8}
       with each layer's `k_proj.k_scale` / `v_proj.v_scale` in the shards. (An export that keeps this
       block in `hf_quant_config.json` instead is read through `Hy3Config.from_dir`.)
+
+    and, for W4A8 experts, compressed-tensors' `pack-quantized` format with the W4AFP8 scheme
+    (`quant_method: compressed-tensors`; one config group: int4 weights in symmetric groups of
+    `group_size`, dynamic per-token FP8 activations) on the routed experts; every other layer is left
+    in high precision (`ignore`) for the compiler to quantize.
     """
 
     model_config = ConfigDict(extra="allow")
-    quant_method: Literal["fp8", "modelopt"]
+    quant_method: Literal["fp8", "modelopt", "compressed-tensors"]
     activation_scheme: Literal["static", "dynamic"] = "dynamic"
     ignored_layers: list[str] = Field(default_factory=list)
     kv_cache_scheme: str | dict[str, Any] | None = None
     quant_algo: str | None = None
     ignore: list[str] = Field(default_factory=list)
 
+    format: str | None = None
+    config_groups: dict[str, Any] | None = None
+
     @model_validator(mode="after")
     def _check_producer(self) -> QuantizationConfig:
+        if self.quant_method == "compressed-tensors":
+            return self._check_w4afp8()
         if self.quant_method == "fp8":
             if self.kv_cache_scheme not in (None, "static"):
                 raise ValueError(
@@ -78,6 +92,39 @@ class QuantizationConfig(BaseModel):
             raise ValueError(f"kv_cache_scheme: {kv!r} is not an FP8 KV cache ({MODELOPT_FP8_KV})")
         self.activation_scheme = "static"  # ModelOpt's FP8 always calibrates its input scales
         return self
+
+    def _check_w4afp8(self) -> QuantizationConfig:
+        if self.format != "pack-quantized":
+            raise ValueError(
+                f"format: {self.format!r}; hy3c reads compressed-tensors' 'pack-quantized' (W4A8)"
+            )
+        groups = self.config_groups or {}
+        if len(groups) != 1:
+            raise ValueError(
+                f"config_groups: {len(groups)} groups; hy3c reads one (the routed experts' W4AFP8)"
+            )
+        ((name, group),) = groups.items()
+        if not isinstance(group, dict):
+            raise ValueError(f"config_groups.{name}: expected an object")
+        for key, scheme in (("weights", W4AFP8_WEIGHTS), ("input_activations", W4AFP8_ACTIVATIONS)):
+            given = group.get(key)
+            if not isinstance(given, dict) or {k: given.get(k) for k in scheme} != scheme:
+                raise ValueError(f"config_groups.{name}.{key}: {given!r} is not W4AFP8's ({scheme})")
+        size = group["weights"].get("group_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 2 or size % 2:
+            raise ValueError(f"config_groups.{name}.weights.group_size: {size!r} is not an even group size")
+        if self.kv_cache_scheme is not None:
+            raise ValueError(
+                "kv_cache_scheme: a W4A8 checkpoint's KV cache scheme is not read (the recipe picks it)"
+            )
+        return self
+
+    @property
+    def w4a8_group_size(self) -> int | None:
+        """Input columns per int4 scale of a compressed-tensors W4A8 checkpoint (None otherwise)."""
+        if self.quant_method != "compressed-tensors":
+            return None
+        return next(iter(self.config_groups.values()))["weights"]["group_size"]
 
     @property
     def kv_scales_file(self) -> bool:

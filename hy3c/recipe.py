@@ -201,7 +201,7 @@ class Recipe(_Strict):
         return next((p for p in self.passes if p.name == name), None)
 
 
-SHIPPED = ("h20-w8a8c8", "h200-bf16", "cpu-reference", "h20-w8a8c8-tp8sp", "h20-w8a8c8-dp8ep8")
+SHIPPED = ("h20-w8a8c8", "h20-w4a8c8", "h200-bf16", "cpu-reference", "h20-w8a8c8-tp8sp", "h20-w8a8c8-dp8ep8")
 
 
 def recipe_text(name_or_file: str | Path) -> tuple[str, str]:

@@ -147,11 +147,14 @@ class ShardTensorParallel(Pass):
             if node.target is hy3.attention.default:
                 self._local_width(node, q_local * c.head_dim)
             if node.target is hy3.moe_experts.default and ctx.parallel.ep == 1:
-                w13, w2, w13_scale = node.args[3], node.args[4], node.args[5]
+                w13, w2, w13_scale, w2_scale = node.args[3:7]
                 shard_param(gm, w13, {**split, "dim": 1, "chunks": 2}, fake)
                 shard_param(gm, w2, {**split, "dim": 2}, fake)
                 if isinstance(w13_scale, fx.Node) and attr_tensor(gm, w13_scale).shape[1] > 1:
                     shard_param(gm, w13_scale, {**split, "dim": 1, "chunks": 2}, fake)
+                if attr_tensor(gm, w2).dtype == torch.uint8:  # W4A8: w2's group scales follow its columns
+                    self._check_whole_groups(gm, w2, w2_scale, ctx.parallel.tp)
+                    shard_param(gm, w2_scale, {**split, "dim": 2}, fake)
                 done.setdefault(layer_of(node), []).append("experts by width")
         kv_cache = next(n for n in graph.nodes if n.op == "placeholder" and n.name == "kv_cache")
         value = kv_cache.meta["val"]
@@ -190,6 +193,17 @@ class ShardTensorParallel(Pass):
                 if view.target is aten.reshape.default:
                     tokens, _, dim = view.args[1]
                     view.update_arg(1, [tokens, count, dim])
+
+    @staticmethod
+    def _check_whole_groups(gm: fx.GraphModule, w2: fx.Node, w2_scale: fx.Node, tp: int) -> None:
+        """Each rank's columns of a W4A8 w2 (its share of the expert width) must be whole scale groups."""
+        columns = 2 * attr_tensor(gm, w2).shape[2]
+        groups = attr_tensor(gm, w2_scale).shape[2]
+        if groups % tp:
+            raise ValueError(
+                f"{w2.target}: W4A8 experts of width {columns} in {groups} scale groups cannot be split "
+                f"{tp} ways by width (whole groups per rank); use parallel.ep for the experts"
+            )
 
     @staticmethod
     def _local_width(attention: fx.Node, width: int) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from hy3c.checkpoint.int4_format import words_to_packed
 from hy3c.checkpoint.safetensors_io import CheckpointError, CheckpointFiles, read_headers
 from hy3c.checkpoint.weight_map import (
     Placement,
@@ -65,10 +66,47 @@ def _torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype '{name}'") from None
 
 
+def _int4_experts(config: Hy3Config, files: CheckpointFiles, scheme: Scheme) -> tuple[frozenset[str], int]:
+    """The expert stacks a compressed-tensors W4A8 checkpoint packs as int4, and its group size."""
+    packed = [n for n in files.headers if n.endswith(".weight_packed")]
+    qc = config.quantization_config
+    group = qc.w4a8_group_size if qc is not None else None
+    if not packed:
+        if group is not None:
+            raise CheckpointError(
+                f"{files.root}: quantization_config is compressed-tensors W4A8 but no tensor is *.weight_packed"
+            )
+        return frozenset(), 0
+    if group is None:
+        raise CheckpointError(
+            f"{files.root}: int4 tensors (*.weight_packed) need a compressed-tensors W4A8 quantization_config"
+        )
+    if scheme != "hub":
+        raise CheckpointError(f"{files.root}: W4A8 weights are supported in the hub naming scheme only")
+    modules = set()
+    for name in packed:
+        module = fp8_module_of(name, config)
+        if module is None or not module.endswith(".mlp.experts"):
+            raise CheckpointError(
+                f"{files.root}: int4 tensor '{name}' is not a routed expert's weight (hy3c runs int4 experts only)"
+            )
+        modules.add(module)
+    for dim, what in (
+        (config.hidden_size, "hidden_size"),
+        (config.moe_intermediate_size, "moe_intermediate_size"),
+    ):
+        if dim % group or dim % 8:
+            raise CheckpointError(
+                f"{files.root}: group_size {group} (or 8 columns per int32 word) does not divide {what} {dim}"
+            )
+    return frozenset(modules), group
+
+
 def _quant_layout(config: Hy3Config, files: CheckpointFiles, scheme: Scheme) -> QuantLayout:
+    int4, group = _int4_experts(config, files, scheme)
     fp8_names = [n for n, h in files.headers.items() if h.dtype == "F8_E4M3"]
     if not fp8_names:
-        return QuantLayout()
+        return QuantLayout(int4_experts=int4, group_size=group)
     if scheme != "hub":
         raise CheckpointError(f"{files.root}: FP8 weights are supported in the hub naming scheme only")
     modules = set()
@@ -84,7 +122,7 @@ def _quant_layout(config: Hy3Config, files: CheckpointFiles, scheme: Scheme) -> 
         static = qc.activation_scheme == "static"  # (ModelOpt's FP8: always)
     else:
         static = any(n.endswith(".input_scale") for n in files.headers)
-    return QuantLayout(frozenset(modules), static)
+    return QuantLayout(frozenset(modules), static, int4, group)
 
 
 def inspect_checkpoint(
@@ -95,7 +133,15 @@ def inspect_checkpoint(
     files = CheckpointFiles.open(path)
     scheme = detect_scheme(set(files.headers))
     quant = _quant_layout(config, files, scheme)
-    expected = expected_tensors(config, scheme, quant.fp8_modules, quant.static_activations, with_mtp)
+    expected = expected_tensors(
+        config,
+        scheme,
+        quant.fp8_modules,
+        quant.static_activations,
+        with_mtp,
+        quant.int4_experts,
+        quant.group_size,
+    )
     fp8_targets = {p.target for p in expected.values() if p.target.rsplit(".", 1)[0] in quant.fp8_modules}
     fp8_targets |= {f"{m}.{w}" for m in quant.fp8_modules for w in ("w13", "w2")}
 
@@ -139,6 +185,11 @@ def _check_tensor(shape: tuple[int, ...], dtype: str, place: Placement, fp8_targ
     numel = 1
     for s in shape:
         numel *= s
+    if place.mode in ("int4", "shape"):
+        dtypes = {"int4": {"I32"}, "shape": {"I32", "I64"}}[place.mode]
+        if shape != place.shape or dtype not in dtypes:
+            return f"{dtype} {list(shape)}, expected {'/'.join(sorted(dtypes))} {list(place.shape)}"
+        return None
     if place.mode == "copy":
         if shape != place.shape:
             return f"shape {list(shape)}, expected {list(place.shape)}"
@@ -159,9 +210,14 @@ def _natural(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in name.replace("_", ".").split(".")]
 
 
-def _place(target: torch.Tensor, place: Placement, src: torch.Tensor, first: bool) -> None:
+def _place(target: torch.Tensor, place: Placement, src: torch.Tensor, first: bool, name: str) -> None:
     view = target[place.index()] if place.region else target
-    if place.mode == "copy":
+    if place.mode == "shape":
+        if tuple(src.tolist()) != place.values:
+            raise CheckpointError(f"{name}: {src.tolist()}, expected {list(place.values)}")
+    elif place.mode == "int4":
+        view.copy_(words_to_packed(src))
+    elif place.mode == "copy":
         view.copy_(src)
     elif place.mode == "scale":
         view.copy_(
@@ -197,7 +253,7 @@ def assemble_tensors(
             seen: set[tuple] = set()
             for name, place in sources.get(target, []):
                 key = (place.region, place.mode)
-                _place(out, place, read(name), first=key not in seen)
+                _place(out, place, read(name), key not in seen, name)
                 seen.add(key)
             yield target, out
             del out  # keep at most one assembled tensor alive (with the consumer's reference)
@@ -209,6 +265,8 @@ def _check_coverage(model: Hy3ForCausalLM, expected: dict[str, Placement]) -> No
     written: dict[str, int] = {}
     shared_regions: set[tuple[str, tuple]] = set()
     for place in expected.values():
+        if place.mode == "shape":
+            continue
         if place.mode == "max":
             if (place.target, place.region) in shared_regions:
                 continue
@@ -263,6 +321,7 @@ def load_model(
         tensors=len(layout.expected),
         gib=loaded_bytes / 2**30,
         fp8_modules=len(layout.quant.fp8_modules),
+        int4_expert_stacks=len(layout.quant.int4_experts),
         static_activations=layout.quant.static_activations,
         ignored=len(layout.ignored),
         seconds=time.perf_counter() - start,
@@ -301,4 +360,4 @@ def _load_kv_scales(root: Path | None, config: Hy3Config, out: torch.Tensor) -> 
         for name in headers:
             place = expected[name]
             if place.region[0] < out.shape[0]:
-                _place(out, place, read(name), first=True)
+                _place(out, place, read(name), True, name)

@@ -39,7 +39,7 @@ log = logging.getLogger("hy3c.checkpoint.modelopt")
 _REGISTERED = False  # ModelOpt's registry is process-wide: hy3c's modules are added to it once
 
 
-def _modelopt() -> Any:
+def import_modelopt() -> Any:
     try:
         with warnings.catch_warnings():  # its transformers version check: hy3c does not use its HF export
             warnings.filterwarnings("ignore", message="transformers .* is not tested", category=UserWarning)
@@ -47,7 +47,7 @@ def _modelopt() -> Any:
     except ImportError:
         raise RuntimeError(
             'calibration with ModelOpt needs nvidia-modelopt: pip install -e ".[quant]"'
-            " (or --calibrator absmax: the same amaxes without it)"
+            " (or --calibrator absmax for convert-fp8, rtn for convert-w4a8: no ModelOpt needed)"
         ) from None
     return mtq
 
@@ -105,7 +105,7 @@ def modelopt_calibrate(
     """The amax of every FP8 module's input (experts: `<path>.a13`, `<path>.a2`) as ModelOpt's FP8
     post-training quantization calibrates it over the sequences, and of every KV layer's K and V
     (`kv.<layer>.k|v`); `model` itself is left as it was."""
-    mtq = _modelopt()
+    mtq = import_modelopt()
     _register(mtq)
     for p in model.parameters():
         if p.dtype == torch.float8_e4m3fn:

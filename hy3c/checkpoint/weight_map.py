@@ -4,7 +4,9 @@ Two naming schemes are understood (docs/ARCHITECTURE.md §1.6):
   * `hub`          what tencent/Hy3 ships: per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`,
                    `mlp.router.gate.weight`, `mlp.expert_bias`, `mlp.shared_mlp.*`; FP8 checkpoints add
                    `*.weight_scale` and `*.input_scale` (§1.7); ModelOpt's FP8 export also puts each
-                   layer's KV scales there, as `self_attn.k_proj.k_scale` / `self_attn.v_proj.v_scale`.
+                   layer's KV scales there, as `self_attn.k_proj.k_scale` / `self_attn.v_proj.v_scale`;
+                   W4A8 experts (compressed-tensors) are `*.weight_packed` / `*.weight_scale` /
+                   `*.weight_shape` (`hy3c.checkpoint.int4_format`).
   * `transformers` what HF `HYV3ForCausalLM` holds after conversion: stacked `mlp.experts.gate_up_proj`
                    [E, 2I, H] and `mlp.experts.down_proj` [E, H, I], `mlp.gate.weight`,
                    `mlp.e_score_correction_bias`, `mlp.shared_experts.*`.
@@ -34,12 +36,16 @@ class Placement:
                   per-channel source (as many elements as the region) is copied.
     mode `max`:   a per-tensor scale shared by several sources (q/k/v input scales, the experts'
                   activation scales); the target keeps the maximum.
+    mode `int4`:  compressed-tensors' int32 words of int4 values, repacked two per byte into target[region].
+    mode `shape`: compressed-tensors' `weight_shape` of a packed weight; its values must be `values`, it
+                  writes nothing.
     """
 
     target: str
     region: Region
     shape: tuple[int, ...]
-    mode: Literal["copy", "scale", "max"] = "copy"
+    mode: Literal["copy", "scale", "max", "int4", "shape"] = "copy"
+    values: tuple[int, ...] = ()
 
     def index(self) -> tuple[int | slice, ...]:
         return tuple(slice(*r) if isinstance(r, tuple) else r for r in self.region)
@@ -72,6 +78,8 @@ class _Ctx:
     fp8: frozenset[str]  # our module paths with FP8 weights
     static: bool
     kv_in_shards: bool  # ModelOpt's k_scale / v_scale beside the k / v projections
+    int4: frozenset[str] = frozenset()  # expert stacks with W4A8 weights (compressed-tensors)
+    group_size: int = 0
 
 
 def _linear(
@@ -133,6 +141,9 @@ def _decoder_layer(
             ):
                 name = f"{mlp}.experts.{x}.{proj}"
                 region: Region = (x, rows) if target == "w13" else (x,)
+                if experts in ctx.int4:
+                    _int4_weight(ctx, out, name, f"{experts}.{target}", region, shape)
+                    continue
                 out[f"{name}.weight"] = Placement(f"{experts}.{target}", region, shape)
                 if fp8:
                     out[f"{name}.weight_scale"] = Placement(
@@ -152,6 +163,17 @@ def _decoder_layer(
         _mlp(ctx, out, shared_src, f"{dst}.mlp.shared_mlp", c.shared_intermediate_size)
 
 
+def _int4_weight(
+    ctx: _Ctx, out: dict[str, Placement], src: str, target: str, region: Region, shape: tuple[int, int]
+) -> None:
+    """One expert projection in compressed-tensors' pack-quantized layout: its int32 words, its group
+    scales and its recorded shape."""
+    rows, columns = shape
+    out[f"{src}.weight_packed"] = Placement(target, region, (rows, columns // 8), "int4")
+    out[f"{src}.weight_scale"] = Placement(f"{target}_scale", region, (rows, columns // ctx.group_size))
+    out[f"{src}.weight_shape"] = Placement(target, region, (2,), "shape", shape)
+
+
 def _mlp(ctx: _Ctx, out: dict[str, Placement], src: str, dst: str, inter: int) -> None:
     h = ctx.config.hidden_size
     _linear(ctx, out, f"{src}.gate_proj", f"{dst}.gate_up_proj", (0, inter), 2 * inter, h)
@@ -165,11 +187,12 @@ def expected_tensors(
     fp8_modules: frozenset[str] = frozenset(),
     static_activations: bool = False,
     with_mtp: bool = True,
+    int4_experts: frozenset[str] = frozenset(),
+    group_size: int = 0,
 ) -> dict[str, Placement]:
     quant = config.quantization_config
-    ctx = _Ctx(
-        config, scheme, fp8_modules, static_activations, quant is not None and quant.kv_scales_in_shards
-    )
+    in_shards = quant is not None and quant.kv_scales_in_shards
+    ctx = _Ctx(config, scheme, fp8_modules, static_activations, in_shards, int4_experts, group_size)
     c = config
     out: dict[str, Placement] = {
         "model.embed_tokens.weight": Placement("embed_tokens.weight", (), (c.vocab_size, c.hidden_size)),
@@ -204,9 +227,10 @@ def kv_scale_tensors(config: Hy3Config) -> dict[str, Placement]:
 
 
 def fp8_module_of(name: str, config: Hy3Config) -> str | None:
-    """The hy3c module path a hub-named FP8 `.weight` belongs to (None for non-linear tensors)."""
-    parts = name.split(".")
-    if not name.endswith(".weight") or len(parts) < 5 or parts[:2] != ["model", "layers"]:
+    """The hy3c module path a hub-named FP8 `.weight` (or int4 `.weight_packed`) belongs to (None for
+    non-linear tensors)."""
+    parts = name.removesuffix("_packed").split(".")
+    if parts[-1] != "weight" or len(parts) < 5 or parts[:2] != ["model", "layers"]:
         return None
     if not parts[2].isdigit() or int(parts[2]) >= config.num_hidden_layers + config.num_nextn_predict_layers:
         return None

@@ -394,6 +394,8 @@ def compile_artifact(
                     "quant_layout": {
                         "fp8_modules": sorted(quant.fp8_modules),
                         "static_activations": quant.static_activations,
+                        "int4_experts": sorted(quant.int4_experts),
+                        "group_size": quant.group_size,
                     },
                 },
                 "program": {

@@ -26,7 +26,12 @@ def why_not(art: Artifact, pass_name: str | None, node_name: str | None) -> str:
     if spec is None:
         raise ArtifactError(f"no pass '{pass_name}' in this artifact's recipe")
     recorded = art.manifest["source"]["quant_layout"]
-    quant = QuantLayout(frozenset(recorded["fp8_modules"]), recorded["static_activations"])
+    quant = QuantLayout(
+        frozenset(recorded["fp8_modules"]),
+        recorded["static_activations"],
+        frozenset(recorded.get("int4_experts", [])),
+        recorded.get("group_size", 0),
+    )
     gm = trace_step(art.config, getattr(torch, recipe.dtype), quant, recipe.parallel.token_multiple)
     ctx = CompileCtx(
         model=art.config,

@@ -31,6 +31,10 @@ class QuantLayout:
 
     fp8_modules: frozenset[str] = field(default_factory=frozenset)
     static_activations: bool = False
+    # expert stacks (`layers.3.mlp.experts`) holding W4A8 weights: int4 packed two per byte along the
+    # input columns, a scale per `group_size` of them (`hy3c.ops.moe`)
+    int4_experts: frozenset[str] = field(default_factory=frozenset)
+    group_size: int = 0
 
     def is_fp8(self, module: str) -> bool:
         return module in self.fp8_modules
@@ -163,11 +167,22 @@ class DenseMLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts of one MoE layer, stacked: w13 [E, 2I, H], w2 [E, H, I] (+ FP8 scales)."""
+    """The routed experts of one MoE layer, stacked: w13 [E, 2I, H], w2 [E, H, I] (+ FP8 scales); W4A8
+    (`group_size` > 0): packed int4 w13 [E, 2I, H/2], w2 [E, H, I/2] with group scales [E, 2I, H/g],
+    [E, H, I/g]."""
 
-    def __init__(self, config: Hy3Config, dtype, device, fp8: bool, static_input: bool) -> None:
+    def __init__(
+        self, config: Hy3Config, dtype, device, fp8: bool, static_input: bool, group_size: int = 0
+    ) -> None:
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        if group_size:
+            self.w13 = frozen_param((e, 2 * i, h // 2), torch.uint8, device)
+            self.w2 = frozen_param((e, h, i // 2), torch.uint8, device)
+            self.w13_scale = frozen_param((e, 2 * i, h // group_size), torch.float32, device)
+            self.w2_scale = frozen_param((e, h, i // group_size), torch.float32, device)
+            self.a13_scale = self.a2_scale = None
+            return
         wdtype = FP8_DTYPE if fp8 else dtype
         self.w13 = frozen_param((e, 2 * i, h), wdtype, device)
         self.w2 = frozen_param((e, h, i), wdtype, device)
@@ -210,7 +225,12 @@ class MoE(nn.Module):
         self.router = Router(config, device)
         self.expert_bias = frozen_param((config.num_experts,), torch.float32, device)
         self.experts = Experts(
-            config, dtype, device, quant.is_fp8(f"{prefix}.experts"), quant.static_activations
+            config,
+            dtype,
+            device,
+            quant.is_fp8(f"{prefix}.experts"),
+            quant.static_activations,
+            quant.group_size if f"{prefix}.experts" in quant.int4_experts else 0,
         )
         self.shared_mlp = (
             DenseMLP(

@@ -136,6 +136,8 @@ class CacheKey(_Strict):
 class QuantLayoutEntry(_Strict):
     fp8_modules: list[str]
     static_activations: bool
+    int4_experts: list[str] = Field(default_factory=list)  # W4A8 expert stacks of the checkpoint
+    group_size: int = Field(0, ge=0)
 
 
 class Source(_Strict):

@@ -1,0 +1,247 @@
+"""Convert a BF16 Hy3 checkpoint into a W4A8 one: the routed experts' weights int4 in groups, in
+compressed-tensors' `pack-quantized` layout (W4AFP8: what vLLM's W4A8-FP8 MoE reads and AngelSlim's
+Hy3 `w4afp8` preset names), everything else kept in BF16 for the compiler (`quant.weights: w4a8`
+quantizes the other linear layers to FP8 and runs the experts' activations in FP8 per token).
+
+    convert_to_w4a8(model, "ckpt-bf16/", "ckpt-w4a8/", group_size=128, calibration=windows)
+
+* Per expert projection (`model.layers.L.mlp.experts.E.{gate,up,down}_proj`): `weight_packed` int32
+  [out, in/8], `weight_scale` fp32 [out, in/group] and `weight_shape` [out, in]
+  (`hy3c.checkpoint.int4_format`); symmetric int4 values in [-8, 7], weight ≈ value · scale.
+* Scales and values come from NVIDIA ModelOpt's GPTQ (`calibrator="modelopt"`, the default when
+  calibration text is given): its int4 block quantizer (groups of `group_size` input columns) over each
+  expert's gate-up and down projections, the Hessians from the calibration sequences, the weights
+  updated column by column to absorb the rounding error — or round-to-nearest of absmax / 7 per group
+  (`calibrator="rtn"`, no data).
+* `config.json` gains the `quantization_config` block; the output directory is written atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from hy3c.checkpoint.fp8_convert import calibration_passes
+from hy3c.checkpoint.int4_format import packed_to_words
+from hy3c.checkpoint.modelopt_calibration import import_modelopt
+from hy3c.checkpoint.safetensors_io import ShardedWriter, atomic_output_dir, check_output_dir
+from hy3c.checkpoint.weight_map import expected_tensors
+from hy3c.config import W4AFP8_ACTIVATIONS, W4AFP8_WEIGHTS, Hy3Config, QuantizationConfig
+from hy3c.logs import log_event
+from hy3c.model.hy3 import Hy3ForCausalLM
+from hy3c.model.layers import MoE
+from hy3c.ops.moe import silu_and_mul_reference
+from hy3c.ops.quant import FP8_DTYPE, INT4_MAX, INT4_MIN, check_int4_groups, pack_int4
+
+log = logging.getLogger("hy3c.checkpoint.w4a8_convert")
+
+_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+_MIN_SCALE = 1e-12
+# what stays in high precision, as compressed-tensors' `ignore` (regular expressions over module names)
+_IGNORED = ["lm_head", r"re:.*self_attn\..*", r"re:.*shared_mlp\..*", r"re:.*mlp\.(gate|up|down)_proj$"]
+_IGNORED += [r"re:.*mlp\.router\..*", r"re:.*eh_proj$"]
+EXPERT_TARGETS = [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"]
+
+Calibrator = Literal["modelopt", "rtn"]
+
+
+def quantization_block(group_size: int) -> dict:
+    """config.json's `quantization_config` of a W4A8 checkpoint (compressed-tensors, W4AFP8)."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "producer": {"name": "hy3c"},
+        "config_groups": {
+            "group_0": {
+                "targets": EXPERT_TARGETS,
+                "weights": {**W4AFP8_WEIGHTS, "group_size": group_size},
+                "input_activations": dict(W4AFP8_ACTIVATIONS),
+            }
+        },
+        "ignore": _IGNORED,
+    }
+
+
+def quantize_to_int4(weight: Tensor, scale: Tensor) -> Tensor:
+    """int8 values in [-8, 7] of weight [out, in] against its group scales [out, in / group]."""
+    group = weight.shape[-1] // scale.shape[-1]
+    grouped = weight.float().unflatten(-1, (-1, group)) / scale.float().unsqueeze(-1)
+    return torch.round(grouped).clamp(INT4_MIN, INT4_MAX).to(torch.int8).flatten(-2)
+
+
+def rtn_scales(weight: Tensor, group: int) -> Tensor:
+    """Round-to-nearest group scales: absmax / 7 of each group of `group` input columns."""
+    return (weight.float().unflatten(-1, (-1, group)).abs().amax(-1) / INT4_MAX).clamp_min(_MIN_SCALE)
+
+
+class _LinearExperts(nn.Module):
+    """One MoE layer's experts as per-expert `nn.Linear`s (gate-up and down): what ModelOpt's GPTQ
+    quantizes as it quantizes any linear layer. The same routed computation as `Experts`."""
+
+    def __init__(self, w13: Tensor, w2: Tensor) -> None:
+        super().__init__()
+        self.gate_up = nn.ModuleList(_linear(w) for w in w13)
+        self.down = nn.ModuleList(_linear(w) for w in w2)
+
+    def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in topk_ids.unique().tolist():
+            rows, slots = (topk_ids == e).nonzero(as_tuple=True)
+            hidden = silu_and_mul_reference(self.gate_up[e](x[rows]))
+            out.index_add_(0, rows, self.down[e](hidden).float() * topk_weights[rows, slots, None])
+        return out.to(x.dtype)
+
+
+def _linear(weight: Tensor) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    layer.weight.data.copy_(weight)
+    layer.weight.requires_grad_(False)
+    return layer
+
+
+def _gptq_recipe(group: int) -> dict:
+    """ModelOpt's int4 block quantizer on the experts' weights alone (activations stay unquantized while
+    the Hessians are collected; hy3c runs them in FP8 per token), calibrated by GPTQ."""
+    weights = {"num_bits": 4, "block_sizes": {-1: group, "type": "static"}}
+    return {
+        "quant_cfg": [
+            {"quantizer_name": "*", "enable": False},
+            {"quantizer_name": "*experts.*weight_quantizer", "cfg": weights, "enable": True},
+        ],
+        "algorithm": {"method": "gptq"},
+    }
+
+
+def modelopt_gptq(
+    model: Hy3ForCausalLM, token_batches: list[list[int]], group: int
+) -> dict[str, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]]:
+    """Per expert stack (`layers.3.mlp.experts`): the GPTQ-updated gate-up and down weights of every
+    expert and their group scales, from ModelOpt's GPTQ over the calibration sequences; `model` itself
+    is left as it was."""
+    mtq = import_modelopt()
+    working = copy.deepcopy(model)
+    stacks: dict[str, _LinearExperts] = {}
+    for name, module in working.named_modules():
+        if isinstance(module, MoE):
+            module.experts = stacks.setdefault(
+                f"{name}.experts", _LinearExperts(module.experts.w13, module.experts.w2)
+            )
+    started = time.monotonic()
+    with contextlib.redirect_stdout(io.StringIO()):  # ModelOpt prints its progress; the log line says it
+        mtq.quantize(working, _gptq_recipe(group), lambda m: calibration_passes(m, token_batches))
+    out = {}
+    for name, stack in stacks.items():
+        parts = []
+        for layers in (stack.gate_up, stack.down):
+            weights = [layer.weight.detach().float() for layer in layers]
+            scales = [
+                (layer.weight_quantizer.amax.float().reshape(w.shape[0], -1) / INT4_MAX).clamp_min(_MIN_SCALE)
+                for layer, w in zip(layers, weights)
+            ]
+            parts += [weights, scales]
+        out[name] = (parts[0], parts[1], parts[2], parts[3])
+    log_event(log, "modelopt_gptq", expert_stacks=len(out), seconds=round(time.monotonic() - started, 2))
+    return out
+
+
+def convert_to_w4a8(
+    model: Hy3ForCausalLM,
+    source_dir: str | Path,
+    out: str | Path,
+    group_size: int = 128,
+    calibration: list[list[int]] | None = None,
+    calibrator: Calibrator = "modelopt",
+    overwrite: bool = False,
+    max_shard_bytes: int = 4 << 30,
+) -> Path:
+    """Write the W4A8 checkpoint of `model` (loaded in BF16 from `source_dir`): the module docstring.
+    `calibration` (token sequences) is needed for `calibrator="modelopt"`."""
+    source_dir, out = Path(source_dir), Path(out)
+    check_output_dir(out, overwrite, inputs=[source_dir])
+    if any(p.dtype in (FP8_DTYPE, torch.uint8) for p in model.parameters()):
+        raise ValueError(f"{source_dir}: already a quantized checkpoint; convert-w4a8 takes a BF16 one")
+    config = model.config
+    for dim, what in (
+        (config.hidden_size, "hidden_size"),
+        (config.moe_intermediate_size, "moe_intermediate_size"),
+    ):
+        check_int4_groups(what, dim, group_size)
+        if dim % 8:
+            raise ValueError(f"{what} {dim}: compressed-tensors packs 8 int4 columns per int32 word")
+    stacks = {name for name, module in model.named_modules() if isinstance(module, MoE)}
+    int4 = frozenset(f"{name}.experts" for name in stacks)
+    if calibrator == "modelopt":
+        if not calibration:
+            raise ValueError("calibrator modelopt (GPTQ) needs calibration sequences")
+        calibrated = modelopt_gptq(model, calibration, group_size)
+    else:
+        calibrated = {}
+    block = quantization_block(group_size)
+    written: Hy3Config = config.model_copy(update={"quantization_config": QuantizationConfig(**block)})
+    expected = expected_tensors(written, "hub", int4_experts=int4, group_size=group_size)
+    params = dict(model.named_parameters())
+    with atomic_output_dir(out, overwrite, inputs=[source_dir]) as tmp:
+        for name in _COPIED_FILES:
+            if (source_dir / name).is_file():
+                shutil.copy2(source_dir / name, tmp / name)
+        data = config.to_json_dict()
+        data["quantization_config"] = block
+        (tmp / "config.json").write_text(json.dumps(data, indent=2))
+        writer = ShardedWriter(tmp, max_shard_bytes)
+        for name, place in tqdm(expected.items(), desc="writing w4a8", unit="tensor", disable=None):
+            if place.mode == "shape":
+                writer.add(name, torch.tensor(place.values, dtype=torch.int64))
+                continue
+            module, leaf = place.target.rsplit(".", 1)
+            if module not in int4:
+                source = params[place.target]
+                writer.add(name, (source[place.index()] if place.region else source).clone())
+                continue
+            which = leaf.removesuffix("_scale")
+            weight, scale = _expert_projection(params, calibrated, module, which, place.region, group_size)
+            if place.mode == "int4":
+                writer.add(name, packed_to_words(pack_int4(quantize_to_int4(weight, scale))))
+            else:
+                writer.add(name, scale.contiguous())
+        writer.close()
+    log_event(
+        log,
+        "w4a8_checkpoint_written",
+        path=str(out),
+        calibrator=calibrator,
+        group_size=group_size,
+        expert_stacks=len(int4),
+        calibration_sequences=len(calibration or []),
+    )
+    return out
+
+
+def _expert_projection(
+    params: dict[str, Tensor],
+    calibrated: dict[str, tuple[list[Tensor], ...]],
+    module: str,
+    which: str,
+    region: tuple,
+    group: int,
+) -> tuple[Tensor, Tensor]:
+    """The weight [rows, in] of one expert projection (a gate, up or down block of w13 / w2, at `region`)
+    and its group scales: GPTQ's where calibrated, else the model's weight and round-to-nearest scales."""
+    expert = region[0]
+    rows = slice(*region[1]) if len(region) > 1 else slice(None)
+    if module in calibrated:
+        weights, scales = calibrated[module][0:2] if which == "w13" else calibrated[module][2:4]
+        return weights[expert][rows], scales[expert][rows]
+    weight = params[f"{module}.{which}"][expert][rows].float()
+    return weight, rtn_scales(weight, group)
