@@ -148,12 +148,14 @@ class ShardTensorParallel(Pass):
                 self._local_width(node, q_local * c.head_dim)
             if node.target is hy3.moe_experts.default and ctx.parallel.ep == 1:
                 w13, w2, w13_scale, w2_scale = node.args[3:7]
+                int4 = attr_tensor(gm, w2).dtype == torch.uint8
+                if int4:
+                    self._check_whole_groups(gm, w2, w2_scale, ctx.parallel.tp)
                 shard_param(gm, w13, {**split, "dim": 1, "chunks": 2}, fake)
                 shard_param(gm, w2, {**split, "dim": 2}, fake)
                 if isinstance(w13_scale, fx.Node) and attr_tensor(gm, w13_scale).shape[1] > 1:
                     shard_param(gm, w13_scale, {**split, "dim": 1, "chunks": 2}, fake)
-                if attr_tensor(gm, w2).dtype == torch.uint8:  # W4A8: w2's group scales follow its columns
-                    self._check_whole_groups(gm, w2, w2_scale, ctx.parallel.tp)
+                if int4:  # W4A8: w2's group scales follow its columns
                     shard_param(gm, w2_scale, {**split, "dim": 2}, fake)
                 done.setdefault(layer_of(node), []).append("experts by width")
         kv_cache = next(n for n in graph.nodes if n.op == "placeholder" and n.name == "kv_cache")

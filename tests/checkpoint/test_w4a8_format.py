@@ -192,3 +192,19 @@ def test_compile_time_w4a8_refuses_widths_the_group_does_not_divide(tiny_ckpt, t
     recipe = load_recipe("h20-w4a8c8", ["target=cpu", "passes.lower.priority=[torch]"])  # groups of 128
     with pytest.raises(CompileError, match=r"layers.1.mlp.experts.w13: W4A8 group size 128 must .* 64 input"):
         compile_artifact(recipe, tmp_path / "a", tiny_ckpt, progress=False)
+
+
+def test_compile_time_w4a8_equals_the_round_to_nearest_checkpoint(tiny_ckpt, w4a8_ckpt, tmp_path):
+    """The two ways to int4 experts — the compiler's quantization of the BF16 checkpoint, and the
+    converter's checkpoint read back by the loader — give the same program, logits for logits."""
+    sets = ["target=cpu", "passes.lower.priority=[torch]", f"quant.group_size={GROUP}"]
+    recipe = load_recipe("h20-w4a8c8", sets)
+    arts = [
+        compile_artifact(recipe, tmp_path / name, ckpt, progress=False).out
+        for name, ckpt in (("a", tiny_ckpt), ("b", w4a8_ckpt))
+    ]
+    runners = [load(art, "cpu", compile=False) for art in arts]
+    weights = [dict(r.gm.named_parameters()) for r in runners]
+    for name in ("layers.2.mlp.experts.w13", "layers.2.mlp.experts.w13_scale"):
+        assert torch.equal(weights[0][name], weights[1][name]), name
+    assert torch.equal(run_step(runners[0]), run_step(runners[1]))

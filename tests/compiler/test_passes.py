@@ -12,6 +12,7 @@ from hy3c.checkpoint.loader import load_model
 from hy3c.compiler.trace import trace_step
 from hy3c.config import preset_config
 from hy3c.model import SeqChunk, build_step_batch
+from hy3c.ops.quant import quantize_int4_groups
 from hy3c.passes.graph_utils import set_attr
 from hy3c.passes.manager import PassError, PassManager
 from hy3c.recipe import PassSpec
@@ -121,6 +122,49 @@ def test_quantize_per_tensor_scales(traced):
     params = dict(gm.named_parameters())
     assert params["layers.0.mlp.down_proj.weight_scale"].shape == (1,)
     assert params["layers.2.mlp.experts.w2_scale"].shape == (8, 1)
+
+
+def test_quantize_w4a8_int4_experts_and_fp8_linears(traced):
+    """quant.weights=w4a8: the same FP8 linears as fp8 (the same op delta), and each expert stack retyped
+    to packed int4 with group scales (no op added: moe_experts reads them), planned for the packager."""
+    gm, ckpt = traced
+    cfg = preset_config("tiny")
+    ctx = make_ctx(cfg, overrides=["quant.weights=w4a8", "quant.activations=dynamic", "quant.group_size=16"])
+    unquantized = bind_weights(copy.deepcopy(gm), ckpt, torch.float32)
+    (result,) = _run(gm, ctx, "quantize")
+    linears, moe = 4 * cfg.num_hidden_layers, cfg.layer_types.count("sparse")
+    assert result.matches == linears + moe
+    assert result.ops_delta == {
+        "aten.linear": -linears,
+        "hy3.quant_fp8_per_token": linears,
+        "hy3.scaled_mm": linears,
+        "getitem": 2 * linears,
+    }
+    assert sum("int4 expert weights (groups of 16)" in site.detail for site in result.sites) == moe
+    params = dict(gm.named_parameters())
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert params["layers.1.mlp.experts.w13"].dtype == torch.uint8
+    assert params["layers.1.mlp.experts.w13"].shape == (e, 2 * i, h // 2)
+    assert params["layers.1.mlp.experts.w2_scale"].shape == (e, h, i // 16)
+    plan = gm.meta["hy3c.weight_plan"]["layers.2.mlp.experts.w2"]
+    assert plan == {"kind": "w4a8", "scale": "layers.2.mlp.experts.w2_scale", "group": 16, "shape": [e, h, i]}
+    from hy3c.checkpoint.loader import assemble_tensors, inspect_checkpoint
+    from hy3c.compiler.package import derive_weights
+
+    layout = inspect_checkpoint(ckpt)
+    for name, tensor in derive_weights(
+        gm, lambda shapes: assemble_tensors(layout, shapes, ckpt), torch.float32
+    ):
+        set_attr(gm, name, tensor)
+    gm.recompile()
+    gm.graph.lint()
+    experts = load_model(ckpt, dtype=torch.float32, progress=False).layers[1].mlp.experts
+    packed, scale = quantize_int4_groups(experts.w2, 16)
+    assert torch.equal(gm.get_parameter("layers.1.mlp.experts.w2"), packed)
+    assert torch.equal(gm.get_parameter("layers.1.mlp.experts.w2_scale"), scale)
+    out = _step(gm, cfg, torch.float32)[1]
+    ref = _step(unquantized, cfg, torch.float32)[1]
+    assert (out - ref).norm() / ref.norm() < 0.25  # a random model's int4 experts: measured 12%
 
 
 def test_static_activations_need_checkpoint_scales(traced):
