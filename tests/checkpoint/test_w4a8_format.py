@@ -208,3 +208,33 @@ def test_compile_time_w4a8_equals_the_round_to_nearest_checkpoint(tiny_ckpt, w4a
     for name in ("layers.2.mlp.experts.w13", "layers.2.mlp.experts.w13_scale"):
         assert torch.equal(weights[0][name], weights[1][name]), name
     assert torch.equal(run_step(runners[0]), run_step(runners[1]))
+
+
+def test_a_w4a8_artifact_serves_a_completion_equal_to_offline_greedy_decoding(w4a8_ckpt, tmp_path):
+    """`hy3c serve` end to end with the W4A8 recipe: the greedy completion over HTTP is the offline
+    engine's tokens (the same program, scheduler and sampler)."""
+    import httpx
+
+    from hy3c.checkpoint.tokenizer import Hy3Tokenizer
+    from hy3c.serve.engine.core import GenerationRequest
+    from hy3c.serve.engine.offline import generate
+    from hy3c.serve.engine.sampler import SamplingParams
+    from hy3c.serve.http.demo import BackgroundServer
+    from hy3c.serve.http.server import ServeOptions
+
+    recipe = load_recipe("h20-w4a8c8", ["target=cpu", "passes.lower.priority=[torch]"])
+    art = compile_artifact(recipe, tmp_path / "art", w4a8_ckpt, progress=False).out
+    tokenizer = Hy3Tokenizer.from_dir(art)
+    runner = load(art, "cpu", compile=False)
+    request = GenerationRequest(
+        "0", tokenizer.encode("The quick brown fox"), SamplingParams(temperature=0.0), 12
+    )
+    (offline,) = generate(runner, tokenizer, [request], runner.recipe.serving)
+    with BackgroundServer(ServeOptions(art, port=0, kv_memory_gib=0.02)) as server:
+        reply = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        ).json()
+    assert reply["usage"]["completion_tokens"] == 12
+    assert reply["choices"][0]["text"] == offline.text
