@@ -509,8 +509,8 @@ def test_fused_moe_takes_its_input_already_quantized_per_token():
     ("case", "message"),
     [
         ("half", "come together"),
-        ("bf16 experts", "needs FP8 experts with per-token"),
-        ("static scales", "needs FP8 experts with per-token"),
+        ("bf16 experts", "needs FP8 or W4A8 experts with per-token"),
+        ("static scales", "needs FP8 or W4A8 experts with per-token"),
         ("shape", "must be e4m3"),
     ],
 )
