@@ -3,6 +3,7 @@
     python bench/e2e.py --layers 4 --part main       # hy3c h200-bf16 (+ compiled), transformers, torch.compile
     python bench/e2e.py --layers 4 --part fp8        # hy3c h20-w8a8c8 (dynamic activations) + pass ablation
     python bench/e2e.py --layers 4 --part gluon-ab --decode 1,32   # decode with / without the Gluon kernels
+    python bench/e2e.py --layers 4 --part w4a8 --decode 1,32 --prefill 8192   # W4A8 experts vs FP8
     python bench/e2e.py --device cpu --layers 2 --preset tiny --part main --quick   # logic check on CPU
 
 Weights are random at the true Hy3 widths (`real-shapes:N`: first N layers), built on the GPU. Every
@@ -19,6 +20,8 @@ derivation as `hy3c compile`), decode steps replaying the runner's CUDA graphs.
   decode steps captured with and without programmatic dependent launch, alternating in one process.
 * `--part gluon-ab`: decode steps of the bf16 and the FP8 slice captured with and without the Gluon
   kernels (`HY3C_GLUON`), alternating in one process.
+* `--part w4a8`: the FP8 slice (h20-w8a8c8, dynamic) and the W4A8 one (h20-w4a8c8: the experts
+  quantized to int4 at compile time), decode and prefill, the bytes floor with the experts' half byte.
 """
 
 from __future__ import annotations
@@ -94,17 +97,27 @@ def fill_kv(kv: torch.Tensor) -> None:
         kv[layer].copy_(torch.randn(kv[layer].shape, device=kv.device).clamp_(-8, 8).to(kv.dtype))
 
 
-def floor_ms(config, batch: int, context: int, kv_elem_bytes: int, weight_bytes: float) -> float:
+def floor_ms(
+    config,
+    batch: int,
+    context: int,
+    kv_elem_bytes: int,
+    weight_bytes: float,
+    expert_bytes: float | None = None,
+) -> float:
+    """Bytes floor of a decode step: every weight read once (the routed experts' at `expert_bytes` per
+    weight, e.g. W4A8's half byte plus its group scales), plus the KV cache, at copy bandwidth."""
     h, inter, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
     moe_layers = config.layer_types.count("sparse")
-    expert = 3 * h * inter * weight_bytes
+    expert = 3 * h * inter * (weight_bytes if expert_bytes is None else expert_bytes)
+    shared = 3 * h * inter * weight_bytes
     active = e * (1 - (1 - config.num_experts_per_tok / e) ** batch)  # expected distinct experts
     attn = (config.q_size * 2 + config.kv_size * 2) * h * weight_bytes
     dense = 3 * h * config.intermediate_size * weight_bytes
     weights = (
         config.num_hidden_layers * attn
         + dense
-        + moe_layers * (active * expert + expert + e * h * 4)
+        + moe_layers * (active * expert + shared + e * h * 4)
         + config.vocab_size * h * 2
     )
     kv = batch * context * config.num_hidden_layers * config.kv_size * 2 * kv_elem_bytes
@@ -112,7 +125,14 @@ def floor_ms(config, batch: int, context: int, kv_elem_bytes: int, weight_bytes:
 
 
 def measure(
-    runner, label: str, config, decode_sizes, prefill_sizes, context: int, weight_bytes: float
+    runner,
+    label: str,
+    config,
+    decode_sizes,
+    prefill_sizes,
+    context: int,
+    weight_bytes: float,
+    expert_bytes: float | None = None,
 ) -> dict:
     device = runner.device
     out: dict[str, float] = {}
@@ -131,7 +151,7 @@ def measure(
     for b in decode_sizes:
         batch = decode_batch(b, context, device)
         ms = timed(lambda bt=batch: runner.step(bt, kv), device, reps=20)
-        floor = floor_ms(config, b, context, kv_bytes, weight_bytes)
+        floor = floor_ms(config, b, context, kv_bytes, weight_bytes, expert_bytes)
         out[f"decode_B{b}_ms"] = ms
         out[f"decode_B{b}_floor_ms"] = floor
         ROWS.append(
@@ -336,7 +356,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--preset", default="real-shapes", help="real-shapes (uses --layers) or tiny")
-    parser.add_argument("--part", choices=("main", "fp8", "peers", "gluon-ab"), default="main")
+    parser.add_argument("--part", choices=("main", "fp8", "peers", "gluon-ab", "w4a8"), default="main")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small sizes (logic check)")
     parser.add_argument("--skip-peers", action="store_true", help="main: skip the peers (see --part peers)")
@@ -372,6 +392,24 @@ def main() -> None:
             ROWS.append((recipe_name, "", "", ""))
             RESULTS[f"gluon_ab_{recipe_name}"] = switch_ab(runner, decode_sizes, context, overrides.GLUON)
             del runner
+    elif args.part == "w4a8":  # the same slice with FP8 experts and with W4A8 experts, one after the other
+        cpu_sets = (
+            ["target=cpu", "quant.kv=bf16", "dtype=float32", "passes.lower.priority=[torch]"] if cpu else []
+        )
+        group = ["quant.group_size=32"] if config.moe_intermediate_size % 128 else []
+        for name, recipe_name, sets, experts in (
+            ("hy3c fp8", "h20-w8a8c8", ["quant.activations=dynamic"], 1.0),
+            ("hy3c w4a8", "h20-w4a8c8", group, 0.5 + 4 / 128),
+        ):
+            runner, _ = compile_model(model, load_recipe(recipe_name, [*sets, *cpu_sets]), compile=False)
+            key = name.replace(" ", "_")
+            RESULTS[key] = measure(runner, name, config, decode_sizes, prefill_sizes, context, 1, experts)
+            del runner
+            if not cpu:
+                torch.cuda.empty_cache()
+        for b in decode_sizes:
+            fp8, w4a8 = RESULTS["hy3c_fp8"][f"decode_B{b}_ms"], RESULTS["hy3c_w4a8"][f"decode_B{b}_ms"]
+            ROWS.append((f"w4a8 vs fp8 decode B={b}", f"{w4a8:.2f}", f"{fp8 / w4a8:.2f}x faster", ""))
     elif args.part == "main":
         recipe = load_recipe("cpu-reference" if cpu else "h200-bf16")
         runner, _ = compile_model(model, recipe, compile=False)
