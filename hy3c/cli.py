@@ -121,7 +121,6 @@ def _convert(
     `calibration_tokens` tokens; without `calibration_tokens`, on random tokens drawn from `seed` (the
     random checkpoints of `init-checkpoint --fp8`)."""
     from hy3c.checkpoint.fp8_convert import convert_to_fp8
-    from hy3c.checkpoint.loader import load_model
     from hy3c.checkpoint.safetensors_io import check_output_dir
 
     if layout == "modelopt" and scheme != "static":
@@ -133,9 +132,7 @@ def _convert(
         from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 
         windows = calibration_windows(Hy3Tokenizer.from_dir(src), calibrate, calibration_tokens)
-    model = load_model(src, device=device, with_mtp=with_mtp, ignore_unexpected=ignore_unexpected)
     convert_to_fp8(
-        model,
         src,
         out,
         scheme,
@@ -145,6 +142,9 @@ def _convert(
         max_shard_bytes=shard,
         layout=layout,
         calibrator=calibrator,
+        device=device,
+        with_mtp=with_mtp,
+        ignore_unexpected=ignore_unexpected,
     )
 
 

@@ -56,7 +56,7 @@ def test_fp8_checkpoint_keeps_fp8_weights_and_scales(tiny_ckpt, tmp_path):
     from hy3c.checkpoint.fp8_convert import convert_to_fp8
 
     bf16 = load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False)
-    out = convert_to_fp8(bf16, tiny_ckpt, tmp_path / "fp8")
+    out = convert_to_fp8(tiny_ckpt, tmp_path / "fp8")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["activation_scheme"] == "static"
     raw = load_file(out / "model.safetensors")
@@ -191,8 +191,7 @@ def test_bad_kv_scales_file_is_named(tiny_ckpt, tmp_path):
 def test_static_kv_scales_must_be_complete_and_skip_an_unloaded_mtp_layer(tiny_ckpt, tmp_path):
     from hy3c.checkpoint.fp8_convert import convert_to_fp8
 
-    bf16 = load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False)
-    c8 = convert_to_fp8(bf16, tiny_ckpt, tmp_path / "c8")
+    c8 = convert_to_fp8(tiny_ckpt, tmp_path / "c8")
     without_mtp = load_model(c8, with_mtp=False, progress=False)
     assert without_mtp.kv_scales.shape[0] == without_mtp.config.num_hidden_layers
     kv_file = c8 / "kv_cache_scales.safetensors"

@@ -23,9 +23,8 @@ from hy3c.ops.quant import FP8_DTYPE
 def layouts(tiny_ckpt, tmp_path_factory):
     """The tiny checkpoint converted twice from one calibration: (angelslim dir, modelopt dir)."""
     root = tmp_path_factory.mktemp("layouts")
-    bf16 = load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False)
-    angelslim = convert_to_fp8(bf16, tiny_ckpt, root / "angelslim", seed=5)
-    modelopt = convert_to_fp8(bf16, tiny_ckpt, root / "modelopt", seed=5, layout="modelopt")
+    angelslim = convert_to_fp8(tiny_ckpt, root / "angelslim", seed=5)
+    modelopt = convert_to_fp8(tiny_ckpt, root / "modelopt", seed=5, layout="modelopt")
     return angelslim, modelopt
 
 
@@ -169,7 +168,6 @@ def test_a_legacy_block_hy3c_does_not_read_names_hf_quant_config(layouts, tmp_pa
 
 
 def test_modelopt_layout_refuses_dynamic_activations(tiny_ckpt, tmp_path):
-    bf16 = load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False)
     with pytest.raises(ValueError, match="static activation scales only"):
-        convert_to_fp8(bf16, tiny_ckpt, tmp_path / "x", activation_scheme="dynamic", layout="modelopt")
+        convert_to_fp8(tiny_ckpt, tmp_path / "x", activation_scheme="dynamic", layout="modelopt")
     assert not (tmp_path / "x").exists()

@@ -1,6 +1,6 @@
 """Convert a BF16 Hy3 checkpoint into the FP8 "W8A8C8" hub format (docs/ARCHITECTURE.md §1.7).
 
-    convert_to_fp8(model, "ckpt-bf16/", "ckpt-fp8/", activation_scheme="static", layout="angelslim")
+    convert_to_fp8("ckpt-bf16/", "ckpt-fp8/", activation_scheme="static", layout="angelslim")
 
 Two layouts of the same quantization (`layout`), both read back by `load_model`:
 * `angelslim` (default): what AngelSlim's vLLM-oriented FP8 tool writes, as tencent/Hy3-FP8 ships:
@@ -24,6 +24,7 @@ Two layouts of the same quantization (`layout`), both read back by `load_model`:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -32,19 +33,19 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from hy3c.checkpoint.layerwise import absmax_hooks, calibrate_layerwise
+from hy3c.checkpoint.loader import assemble_tensors, inspect_checkpoint
 from hy3c.checkpoint.safetensors_io import ShardedWriter, atomic_output_dir, check_output_dir
-from hy3c.checkpoint.weight_map import expected_tensors, kv_scale_tensors
+from hy3c.checkpoint.weight_map import Placement, expected_tensors, kv_scale_tensors
 from hy3c.config import MODELOPT_FP8_KV, Hy3Config, QuantizationConfig
 from hy3c.logs import log_event
 from hy3c.model.batch import SeqChunk, build_step_batch
 from hy3c.model.hy3 import Hy3ForCausalLM, allocate_kv_cache
 from hy3c.model.layers import Experts, Linear
-from hy3c.ops.moe import silu_and_mul_reference
-from hy3c.ops.quant import FP8_DTYPE, FP8_MAX, quantize_fp8
+from hy3c.ops.quant import FP8_MAX, quantize_fp8
 
 log = logging.getLogger("hy3c.checkpoint.fp8_convert")
 
@@ -101,38 +102,11 @@ def calibration_passes(
 
 def calibrate(model: Hy3ForCausalLM, token_batches: list[list[int]], page_size: int = 16) -> dict[str, float]:
     """absmax of every quantized module's input (experts: `<path>.a13` and `<path>.a2`) and of every KV
-    layer's K and V (`kv.<layer>.k|v`), over the calibration sequences, by forward hooks (the
-    reference `modelopt_calibrate` is tested against)."""
-    stats: dict[str, float] = defaultdict(float)
-    handles = []
-
-    def linear_hook(name: str):
-        def hook(_mod, args):
-            stats[name] = max(stats[name], _abs_max(args[0]))
-
-        return hook
-
-    def experts_hook(name: str):
-        def hook(mod: Experts, args):
-            x, _, ids = args
-            stats[f"{name}.a13"] = max(stats[f"{name}.a13"], _abs_max(x))
-            for e in ids.unique().tolist():
-                tokens = (ids == e).any(dim=-1)
-                inter = silu_and_mul_reference(F.linear(x[tokens], mod.w13[e]))
-                stats[f"{name}.a2"] = max(stats[f"{name}.a2"], _abs_max(inter))
-
-        return hook
-
-    for name, mod in model.named_modules():
-        if isinstance(mod, Linear) and name != "lm_head":
-            handles.append(mod.register_forward_pre_hook(linear_hook(name)))
-        elif isinstance(mod, Experts):
-            handles.append(mod.register_forward_pre_hook(experts_hook(name)))
-    try:
+    layer's K and V (`kv.<layer>.k|v`), over the calibration sequences, by forward hooks on the whole
+    model in memory: the reference the layer-by-layer calibration (`layerwise`) is tested against."""
+    stats: defaultdict[str, float] = defaultdict(float)
+    with absmax_hooks(model, "", stats):
         kv = calibration_passes(model, token_batches, page_size)
-    finally:
-        for h in handles:
-            h.remove()
     return {**stats, **kv}
 
 
@@ -192,7 +166,6 @@ def _hf_quant_config() -> dict:
 
 
 def convert_to_fp8(
-    model: Hy3ForCausalLM,
     source_dir: str | Path,
     out: str | Path,
     activation_scheme: Literal["static", "dynamic"] = "static",
@@ -202,34 +175,39 @@ def convert_to_fp8(
     max_shard_bytes: int = 4 << 30,
     layout: Layout = "angelslim",
     calibrator: Literal["modelopt", "absmax"] = "modelopt",
+    device: torch.device | str = "cpu",
+    with_mtp: bool = True,
+    ignore_unexpected: tuple[str, ...] | list[str] = (),
 ) -> Path:
-    """Write the FP8 hub-format checkpoint of `model` (loaded in high precision from `source_dir`) in
-    `layout` (the module docstring), its static scales calibrated over `calibration` (token sequences;
-    None: four of 64 random tokens from `seed`) by ModelOpt (`modelopt_calibration`) or, with
-    `calibrator="absmax"`, by forward hooks (`calibrate`: no dependency, same amaxes)."""
+    """Write the FP8 hub-format checkpoint of the BF16 checkpoint `source_dir` in `layout` (the module
+    docstring), its static scales calibrated over `calibration` (token sequences; None: four of 64
+    random tokens from `seed`) one block at a time (`layerwise`: ModelOpt's FP8 post-training
+    quantization, or with `calibrator="absmax"` forward hooks taking the same amaxes), then the weights
+    quantized one checkpoint tensor at a time: memory stays bounded by a block, not the model."""
     source_dir, out = Path(source_dir), Path(out)
     if layout == "modelopt" and activation_scheme != "static":
         raise ValueError("--layout modelopt: ModelOpt's FP8 format has static activation scales only")
     check_output_dir(out, overwrite, inputs=[source_dir])  # before calibrating
-    if any(p.dtype == FP8_DTYPE for p in model.parameters()):
-        raise ValueError(f"{source_dir}: already an FP8 checkpoint; convert-fp8 takes a BF16 one")
-    config = model.config
+    source = inspect_checkpoint(source_dir, with_mtp, ignore_unexpected)
+    if source.quant.fp8_modules or source.quant.int4_experts:
+        kind = "an FP8" if source.quant.fp8_modules else "a W4A8"
+        raise ValueError(f"{source_dir}: already {kind} checkpoint; convert-fp8 takes a BF16 one")
+    config = source.config
+    if not with_mtp:
+        config = config.model_copy(update={"num_nextn_predict_layers": 0})
+        source = dataclasses.replace(source, config=config)
     if calibration is None:
         gen = torch.Generator().manual_seed(seed)
         calibration = [torch.randint(0, config.vocab_size, (64,), generator=gen).tolist() for _ in range(4)]
-    if calibrator == "modelopt":
-        from hy3c.checkpoint.modelopt_calibration import modelopt_calibrate
-
-        stats = modelopt_calibrate(model, calibration)
-    else:
-        stats = calibrate(model, calibration)
-    fp8_modules = fp8_module_paths(model)
+    stats = calibrate_layerwise(source, source_dir, calibration, calibrator, device)
+    skeleton = Hy3ForCausalLM(config, dtype=getattr(torch, config.dtype), device="meta")
+    fp8_modules = fp8_module_paths(skeleton)
     static = activation_scheme == "static"
     block = _quantization_block(layout, activation_scheme)
     written: Hy3Config = config.model_copy(update={"quantization_config": QuantizationConfig(**block)})
     expected = expected_tensors(written, "hub", fp8_modules, static)
-    params = dict(model.named_parameters())
     scalar = layout == "modelopt"  # ModelOpt's scales are 0-d tensors, AngelSlim's [1]
+    derived: dict[str, list[str]] = defaultdict(list)  # model tensor → the checkpoint names made from it
     with atomic_output_dir(out, overwrite, inputs=[source_dir]) as tmp:
         for name in _COPIED_FILES:
             if (source_dir / name).is_file():
@@ -240,30 +218,28 @@ def convert_to_fp8(
         if layout == "modelopt":
             (tmp / "hf_quant_config.json").write_text(json.dumps(_hf_quant_config(), indent=2))
         writer = ShardedWriter(tmp, max_shard_bytes)
-        for name, place in tqdm(expected.items(), desc="writing fp8", unit="tensor", disable=None):
+        for name, place in expected.items():
             leaf = name.rsplit(".", 1)[1]
             if leaf == "input_scale":
                 writer.add(name, _scale(stats[_input_scale_key(place.target)], scalar))
-                continue
-            if leaf in ("k_scale", "v_scale"):
+            elif leaf in ("k_scale", "v_scale"):
                 writer.add(name, _scale(stats[f"kv.{place.region[0]}.{leaf[0]}"], scalar))
-                continue
-            weight_target = place.target.removesuffix("_scale") if leaf == "weight_scale" else place.target
-            weight_name = name.removesuffix("_scale") if leaf == "weight_scale" else name
-            source = params[weight_target]
-            region = expected[weight_name].index() if expected[weight_name].region else ()
-            value = source[region] if region else source
-            module = weight_target.rsplit(".", 1)[0]
-            if module in fp8_modules and leaf in ("weight", "weight_scale"):
-                scale = _scale(_abs_max(value))
-                writer.add(
-                    name,
-                    scale.reshape(() if scalar else (1,))
-                    if leaf == "weight_scale"
-                    else quantize_fp8(value, scale.to(value.device)),
-                )
             else:
-                writer.add(name, value.clone())
+                derived[
+                    place.target.removesuffix("_scale") if leaf == "weight_scale" else place.target
+                ].append(name)
+        params = dict(skeleton.named_parameters())
+        shapes = {target: params[target] for target in derived}
+        tensors = tqdm(
+            assemble_tensors(source, shapes, source_dir),
+            total=len(shapes),
+            desc="writing fp8",
+            unit="tensor",
+            disable=None,
+        )
+        for target, tensor in tensors:
+            for name in derived[target]:
+                _write_fp8(writer, expected, name, tensor, fp8_modules, scalar)
         writer.close()
         if layout == "angelslim":
             kv = {
@@ -282,3 +258,28 @@ def convert_to_fp8(
         calibration_sequences=len(calibration),
     )
     return out
+
+
+def _write_fp8(
+    writer: ShardedWriter,
+    expected: dict[str, Placement],
+    name: str,
+    tensor: torch.Tensor,
+    fp8_modules: frozenset[str],
+    scalar: bool,
+) -> None:
+    """One checkpoint tensor made from the whole model tensor it belongs to (its rows of a fused one, its
+    expert of a stack): the FP8 weight or its per-tensor scale, or the tensor as it is."""
+    leaf = name.rsplit(".", 1)[1]
+    weight_name = name.removesuffix("_scale") if leaf == "weight_scale" else name
+    weight = expected[weight_name]
+    value = tensor[weight.index()] if weight.region else tensor
+    module = weight.target.rsplit(".", 1)[0]
+    if module in fp8_modules and leaf in ("weight", "weight_scale"):
+        scale = _scale(_abs_max(value))
+        if leaf == "weight_scale":
+            writer.add(name, scale.reshape(() if scalar else (1,)))
+        else:
+            writer.add(name, quantize_fp8(value, scale.to(value.device)))
+    else:
+        writer.add(name, value.clone())

@@ -1,17 +1,18 @@
 """Static FP8 scales calibrated by NVIDIA ModelOpt (`pip install -e ".[quant]"`).
 
-    stats = modelopt_calibrate(model, windows)   # the keys and meaning of fp8_convert.calibrate's
+    stats = quantize_block(layer, "layers.3", run)   # the keys and meaning of fp8_convert.calibrate's
 
 ModelOpt's post-training quantization (`mtq.quantize` with its FP8 recipe: E4M3, per-tensor, the `max`
-calibrator) runs over a copy of the model. hy3c's own modules are taught to ModelOpt the way it is
+calibrator) runs over a copy of one block of the model at a time (`hy3c.checkpoint.layerwise` hands
+each block every calibration window's inputs). hy3c's own modules are taught to ModelOpt the way it is
 taught any custom layer (`QuantModuleRegistry`): a `Linear` gets an input and a weight quantizer, a
 layer's stacked `Experts` an input quantizer (the routed tokens' hidden states) and a `down_input`
 one (each expert's SiLU(gate) * up, before its down projection; named so the recipe's
 `*input_quantizer` pattern enables it). ModelOpt's recipe leaves `lm_head` and
 routers unquantized; its `mtp.*` exclusion is dropped, since Hy3's FP8 checkpoints quantize the MTP
 layer too (HY3_SPEC §9). The KV cache is no module ModelOpt sees: its K and V ranges are read from the
-cache the same passes fill (`calibration_passes`). The result is the amax of each quantizer, which
-`convert_to_fp8` turns into scales (amax / 448).
+cache the layer fills (`layerwise`). The result is the amax of each quantizer, which `convert_to_fp8`
+turns into scales (amax / 448).
 """
 
 from __future__ import annotations
@@ -19,22 +20,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import logging
-import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-from hy3c.checkpoint.fp8_convert import calibration_passes
-from hy3c.logs import log_event
-from hy3c.model.hy3 import Hy3ForCausalLM
 from hy3c.model.layers import Experts, Linear
 from hy3c.ops.moe import silu_and_mul_reference
-
-log = logging.getLogger("hy3c.checkpoint.modelopt")
 
 _REGISTERED = False  # ModelOpt's registry is process-wide: hy3c's modules are added to it once
 
@@ -99,32 +94,24 @@ def _amax(quantizer) -> float:
     return 0.0 if amax is None else float(amax.float().max())
 
 
-def modelopt_calibrate(
-    model: Hy3ForCausalLM, token_batches: list[list[int]], page_size: int = 16
-) -> dict[str, float]:
-    """The amax of every FP8 module's input (experts: `<path>.a13`, `<path>.a2`) as ModelOpt's FP8
-    post-training quantization calibrates it over the sequences, and of every KV layer's K and V
-    (`kv.<layer>.k|v`); `model` itself is left as it was."""
+def quantize_block(block: nn.Module, prefix: str, run: Callable[[nn.Module], None]) -> dict[str, float]:
+    """The amax of every FP8 module's input in `block` (experts: `<path>.a13`, `<path>.a2`; paths are
+    `prefix` + the name in the block) as ModelOpt's FP8 post-training quantization calibrates it over
+    `run` (every calibration window through the block); `block` itself is left as it was."""
     mtq = import_modelopt()
     _register(mtq)
-    for p in model.parameters():
+    for p in block.parameters():
         if p.dtype == torch.float8_e4m3fn:
-            raise ValueError("modelopt_calibrate: the model is FP8 already; calibrate its BF16 checkpoint")
-    working = copy.deepcopy(model)  # ModelOpt converts the modules it quantizes in place
-    kv: dict[str, float] = {}
-
-    def forward_loop(quantized: Hy3ForCausalLM) -> None:
-        kv.update(calibration_passes(quantized, token_batches, page_size))
-
-    started = time.monotonic()
-    with contextlib.redirect_stdout(io.StringIO()):  # ModelOpt prints its summary; the log line says it
-        quantized = mtq.quantize(working, _recipe(mtq), forward_loop)
+            raise ValueError("ModelOpt calibration: the model is FP8 already; calibrate its BF16 checkpoint")
+    working = copy.deepcopy(block)  # ModelOpt converts the modules it quantizes in place
+    with contextlib.redirect_stdout(io.StringIO()):  # ModelOpt prints its summary
+        quantized = mtq.quantize(working, _recipe(mtq), run)
     stats: dict[str, float] = {}
     for name, module in quantized.named_modules():
+        path = ".".join(part for part in (prefix, name) if part)
         if isinstance(module, Experts) and hasattr(module, "down_input_quantizer"):
-            stats[f"{name}.a13"] = _amax(module.input_quantizer)
-            stats[f"{name}.a2"] = _amax(module.down_input_quantizer)
-        elif isinstance(module, Linear) and name != "lm_head" and hasattr(module, "input_quantizer"):
-            stats[name] = _amax(module.input_quantizer)
-    log_event(log, "modelopt_calibrated", modules=len(stats), seconds=round(time.monotonic() - started, 2))
-    return {**stats, **kv}
+            stats[f"{path}.a13"] = _amax(module.input_quantizer)
+            stats[f"{path}.a2"] = _amax(module.down_input_quantizer)
+        elif isinstance(module, Linear) and path != "lm_head" and hasattr(module, "input_quantizer"):
+            stats[path] = _amax(module.input_quantizer)
+    return stats

@@ -34,6 +34,14 @@ class MTPLayer(nn.Module):
         )
         self.final_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
 
+    def forward(
+        self, embedded: Tensor, hidden_prev: Tensor, meta: AttnMetadata, kv_cache: Tensor, kv_scales: Tensor
+    ) -> Tensor:
+        """The layer's output before its final norm: the next tokens' embeddings (zero at position 0)
+        and the previous hidden states, normed, joined and projected, through the decoder layer."""
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden_prev)], dim=-1))
+        return self.layer(x, meta, kv_cache, kv_scales)
+
 
 class Hy3ForCausalLM(nn.Module):
     def __init__(
@@ -142,9 +150,7 @@ class Hy3ForCausalLM(nn.Module):
         meta = AttnMetadata(positions, slot_mapping, page_table, seq_lens, query_start_loc)
         embedded = F.embedding(input_ids, self.embed_tokens.weight)
         embedded = embedded.masked_fill((positions == 0)[:, None], 0)  # position 0 has no previous token
-        x = mtp.eh_proj(torch.cat([mtp.enorm(embedded), mtp.hnorm(hidden_prev)], dim=-1))
-        x = mtp.layer(x, meta, kv_cache, self.kv_scales)
-        hidden = mtp.final_layernorm(x)
+        hidden = mtp.final_layernorm(mtp(embedded, hidden_prev, meta, kv_cache, self.kv_scales))
         return self.logits(hidden.index_select(0, logits_indices)), hidden
 
 

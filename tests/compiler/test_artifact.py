@@ -135,9 +135,7 @@ def test_fp8_artifact_agrees_with_bf16_reference(tiny_ckpt, tmp_path):
 def test_static_fp8_checkpoint_compiles_with_fp8_kv(tiny_ckpt, tmp_path, layout):
     from hy3c.checkpoint.fp8_convert import convert_to_fp8
 
-    fp8 = convert_to_fp8(
-        load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False), tiny_ckpt, tmp_path / "ck", layout=layout
-    )
+    fp8 = convert_to_fp8(tiny_ckpt, tmp_path / "ck", layout=layout)
     recipe = load_recipe(
         "cpu-reference", ["dtype=bfloat16", "quant.weights=fp8", "quant.activations=static", "quant.kv=fp8"]
     )
@@ -162,9 +160,7 @@ def test_dynamic_recipe_keeps_an_fp8_checkpoints_bf16_layers(tiny_ckpt, tmp_path
 
     from hy3c.checkpoint.fp8_convert import convert_to_fp8
 
-    fp8 = convert_to_fp8(
-        load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False), tiny_ckpt, tmp_path / "ck"
-    )
+    fp8 = convert_to_fp8(tiny_ckpt, tmp_path / "ck")
     tensors = load_file(fp8 / "model.safetensors")
     for proj in ("gate_proj", "up_proj", "down_proj"):
         key = f"model.layers.0.mlp.{proj}"

@@ -23,7 +23,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hy3c.runtime.artifact as artifact
-from hy3c.checkpoint.loader import load_model
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.compiler.driver import compile_artifact
 from hy3c.model import SeqChunk, build_step_batch
@@ -872,7 +871,7 @@ def emitted(tiny_ckpt, tmp_path_factory):
     from hy3c.checkpoint.fp8_convert import convert_to_fp8
 
     root = tmp_path_factory.mktemp("emit")
-    fp8 = convert_to_fp8(load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False), tiny_ckpt, root / "fp8")
+    fp8 = convert_to_fp8(tiny_ckpt, root / "fp8")
     out = {}
     for i, (recipe, overrides, source) in enumerate(_EMITTERS):
         where = {"checkpoint": fp8} if source == "fp8" else {"preset": source}

@@ -62,9 +62,8 @@ def test_fp8_conversion_calibrates_on_the_gpu_and_compiles_with_the_static_recip
     bench/serve_bench.sh takes at real shapes)."""
     from hy3c.checkpoint.fp8_convert import convert_to_fp8
 
-    model = load_model(tiny_ckpt, device="cuda", progress=False)
-    # calibrated as init-checkpoint --fp8 does it (the GPU image has no ModelOpt)
-    fp8 = convert_to_fp8(model, tiny_ckpt, tmp_path / "fp8", "static", calibrator="absmax")
+    # calibrated as init-checkpoint --fp8 does it (the GPU image has no ModelOpt), layer by layer on the GPU
+    fp8 = convert_to_fp8(tiny_ckpt, tmp_path / "fp8", "static", calibrator="absmax", device="cuda")
     summary = compile_artifact(load_recipe("h20-w8a8c8"), tmp_path / "art", checkpoint=fp8)
     quantize = next(r for r in summary.results if r.name == "quantize")
     assert quantize.status == "skipped"  # the checkpoint is already FP8 with static scales
