@@ -245,12 +245,11 @@ def _add_convert_w4a8(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_convert_w4a8(args: argparse.Namespace) -> None:
-    from hy3c.checkpoint.loader import load_model
     from hy3c.checkpoint.safetensors_io import check_output_dir
     from hy3c.checkpoint.w4a8_convert import convert_to_w4a8
 
     _existing_dir(args.model, "--model")
-    check_output_dir(args.out, args.overwrite, inputs=[args.model])  # before loading and calibrating
+    check_output_dir(args.out, args.overwrite, inputs=[args.model])  # before calibrating
     windows = None
     if args.calibrator == "modelopt":
         from hy3c.checkpoint.calibration_data import calibration_windows
@@ -258,11 +257,7 @@ def _run_convert_w4a8(args: argparse.Namespace) -> None:
 
         tokenizer = Hy3Tokenizer.from_dir(args.model)
         windows = calibration_windows(tokenizer, args.calibrate, args.calibration_tokens)
-    model = load_model(
-        args.model, device=args.device, with_mtp=not args.no_mtp, ignore_unexpected=args.ignore_unexpected
-    )
     convert_to_w4a8(
-        model,
         args.model,
         args.out,
         args.group_size,
@@ -270,6 +265,9 @@ def _run_convert_w4a8(args: argparse.Namespace) -> None:
         args.calibrator,
         args.overwrite,
         int(args.max_shard_gib * 2**30),
+        args.device,
+        not args.no_mtp,
+        args.ignore_unexpected,
     )
     print(args.out)
 

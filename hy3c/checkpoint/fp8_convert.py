@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from hy3c.checkpoint.layerwise import absmax_hooks, calibrate_layerwise
+from hy3c.checkpoint.layerwise import absmax_hooks, calibrate_layerwise, fp8_ranges
 from hy3c.checkpoint.loader import assemble_tensors, inspect_checkpoint
 from hy3c.checkpoint.safetensors_io import ShardedWriter, atomic_output_dir, check_output_dir
 from hy3c.checkpoint.weight_map import Placement, expected_tensors, kv_scale_tensors
@@ -199,7 +199,7 @@ def convert_to_fp8(
     if calibration is None:
         gen = torch.Generator().manual_seed(seed)
         calibration = [torch.randint(0, config.vocab_size, (64,), generator=gen).tolist() for _ in range(4)]
-    stats = calibrate_layerwise(source, source_dir, calibration, calibrator, device)
+    stats = calibrate_layerwise(source, source_dir, calibration, fp8_ranges(calibrator), device)
     skeleton = Hy3ForCausalLM(config, dtype=getattr(torch, config.dtype), device="meta")
     fp8_modules = fp8_module_paths(skeleton)
     static = activation_scheme == "static"

@@ -1,7 +1,7 @@
 """Calibrate a checkpoint one block at a time, in bounded memory: what `convert-fp8` runs, so a model
 larger than the machine calibrates.
 
-    stats = calibrate_layerwise(layout, "ckpt/", windows, "modelopt")   # fp8_convert.calibrate's keys
+    stats = calibrate_layerwise(layout, "ckpt/", windows, fp8_ranges("modelopt"))   # calibrate's keys
 
 The model is a skeleton on the meta device. Each block — the embedding, each decoder layer, the final
 norm, each MTP layer — is read from the checkpoint when its turn comes and dropped after it: peak
@@ -10,9 +10,9 @@ and one window's KV cache of one layer. A decoder layer sees every window's hidd
 whole model would hand them to it (full precision: each layer's output is computed by the layer as
 loaded, not by its quantized copy), so the statistics equal a whole-model pass's.
 
-Per block, `calibrator` decides how the activation ranges are taken: `modelopt` runs ModelOpt's FP8
-post-training quantization (`modelopt_calibration.quantize_block`) over a copy of the block, `absmax`
-takes the same maxima with forward hooks (`absmax_hooks`). The KV cache's K and V ranges are read from
+Per block, `calibrate_block` does the work: for FP8 (`fp8_ranges`) ModelOpt's FP8 post-training
+quantization over a copy of the block (`modelopt_calibration.quantize_block`), or forward hooks taking
+the same maxima (`absmax_hooks`); for W4A8, ModelOpt's GPTQ of the block's experts (`w4a8_convert`). The KV cache's K and V ranges are read from
 the cache each layer fills.
 """
 
@@ -42,6 +42,9 @@ log = logging.getLogger("hy3c.checkpoint.layerwise")
 
 Calibrator = Literal["modelopt", "absmax"]
 Stats = dict[str, float]
+Run = Callable[[nn.Module], None]  # every calibration window through a module shaped like the block
+# (block, its path in the model, run) → the block's statistics; it may also act on the block (W4A8's GPTQ)
+BlockCalibration = Callable[[nn.Module, str, Run], Stats]
 
 
 def _abs_max(x: Tensor) -> float:
@@ -85,18 +88,21 @@ def absmax_hooks(module: nn.Module, prefix: str, stats: defaultdict[str, float])
             handle.remove()
 
 
-def _block_stats(
-    block: nn.Module, prefix: str, calibrator: Calibrator, run: Callable[[nn.Module], None]
-) -> Stats:
-    """The input ranges of `block`'s FP8 modules over one `run` (every calibration window through it)."""
+def fp8_ranges(calibrator: Calibrator) -> BlockCalibration:
+    """The input ranges of a block's FP8 modules over one `run`: ModelOpt's FP8 post-training
+    quantization of a copy of the block, or forward hooks on the block itself (`absmax`)."""
     if calibrator == "modelopt":
         from hy3c.checkpoint.modelopt_calibration import quantize_block
 
-        return quantize_block(block, prefix, run)
-    stats: defaultdict[str, float] = defaultdict(float)
-    with absmax_hooks(block, prefix, stats), torch.no_grad():
-        run(block)
-    return dict(stats)
+        return quantize_block
+
+    def absmax(block: nn.Module, prefix: str, run: Run) -> Stats:
+        stats: defaultdict[str, float] = defaultdict(float)
+        with absmax_hooks(block, prefix, stats), torch.no_grad():
+            run(block)
+        return dict(stats)
+
+    return absmax
 
 
 class _Blocks:
@@ -141,14 +147,15 @@ def calibrate_layerwise(
     layout: CheckpointLayout,
     root: str | Path,
     windows: list[list[int]],
-    calibrator: Calibrator = "modelopt",
+    calibrate_block: BlockCalibration,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     page_size: int = 16,
 ) -> Stats:
-    """The absmax of every FP8 module's input (experts: `<path>.a13`, `<path>.a2`) and of every KV
-    layer's K and V (`kv.<layer>.k|v`) over the calibration windows, one block in memory at a time (the
-    module docstring); the MTP layers run on the tokens after next, as the model's MTP step does."""
+    """What `calibrate_block` finds in each decoder and MTP layer (`fp8_ranges`: the absmax of every FP8
+    module's input, experts `<path>.a13`, `<path>.a2`), and the absmax of every KV layer's K and V
+    (`kv.<layer>.k|v`), over the calibration windows, one block in memory at a time (the module
+    docstring); the MTP layers run on the tokens after next, as the model's MTP step does."""
     config = layout.config
     dtype = dtype or getattr(torch, config.dtype)
     skeleton = Hy3ForCausalLM(config, dtype=dtype, device="meta", quant=layout.quant)
@@ -160,7 +167,7 @@ def calibrate_layerwise(
     with blocks.loaded("embed_tokens"), torch.no_grad():
         states = [F.embedding(b.input_ids, skeleton.embed_tokens.weight) for b in batches]
     layers = list(enumerate(skeleton.layers))
-    common = (page_size, calibrator, stats, kv_scales)
+    common = (page_size, calibrate_block, stats, kv_scales)
     for index, layer in tqdm(layers, desc="calibrating layers", unit="layer", disable=None):
         with blocks.loaded(f"layers.{index}"):
             inputs = [(x,) for x in states]
@@ -185,7 +192,6 @@ def calibrate_layerwise(
     log_event(
         log,
         "layerwise_calibrated",
-        calibrator=calibrator,
         layers=len(layers) + len(skeleton.mtp),
         windows=len(windows),
         modules=len(stats),
@@ -209,7 +215,7 @@ def _calibrate_block(
     inputs: list[tuple[Tensor, ...]],
     batches: list[StepBatch],
     page_size: int,
-    calibrator: Calibrator,
+    calibrate_block: BlockCalibration,
     stats: Stats,
     kv_scales: Tensor,
 ) -> list[Tensor]:
@@ -222,7 +228,7 @@ def _calibrate_block(
         for args, batch in zip(inputs, batches):
             copy(*args, _meta(batch), _one_layer_cache(layer, batch, page_size, args[0]), kv_scales)
 
-    stats.update(_block_stats(block, prefix, calibrator, run))
+    stats.update(calibrate_block(block, prefix, run))
     outputs = []
     with torch.no_grad():
         for args, batch in zip(inputs, batches):

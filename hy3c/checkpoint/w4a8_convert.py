@@ -3,16 +3,16 @@ compressed-tensors' `pack-quantized` layout (W4AFP8: what vLLM's W4A8-FP8 MoE re
 Hy3 `w4afp8` preset names), everything else kept in BF16 for the compiler (`quant.weights: w4a8`
 quantizes the other linear layers to FP8 and runs the experts' activations in FP8 per token).
 
-    convert_to_w4a8(model, "ckpt-bf16/", "ckpt-w4a8/", group_size=128, calibration=windows)
+    convert_to_w4a8("ckpt-bf16/", "ckpt-w4a8/", group_size=128, calibration=windows)
 
 * Per expert projection (`model.layers.L.mlp.experts.E.{gate,up,down}_proj`): `weight_packed` int32
   [out, in/8], `weight_scale` fp32 [out, in/group] and `weight_shape` [out, in]
   (`hy3c.checkpoint.int4_format`); symmetric int4 values in [-8, 7], weight ≈ value · scale.
-* Scales and values come from NVIDIA ModelOpt's GPTQ (`calibrator="modelopt"`, the default when
-  calibration text is given): its int4 block quantizer (groups of `group_size` input columns) over each
-  expert's gate-up and down projections, the Hessians from the calibration sequences, the weights
-  updated column by column to absorb the rounding error — or round-to-nearest of absmax / 7 per group
-  (`calibrator="rtn"`, no data).
+* Scales and values come from NVIDIA ModelOpt's GPTQ (`calibrator="modelopt"`, the default): its int4
+  block quantizer (groups of `group_size` input columns) over each expert's gate-up and down
+  projections, the Hessians from the calibration sequences, the weights updated column by column to
+  absorb the rounding error — one layer in memory at a time (`layerwise`) — or round-to-nearest of
+  absmax / 7 per group (`calibrator="rtn"`, no data).
 * `config.json` gains the `quantization_config` block; the output directory is written atomically.
 """
 
@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import json
 import logging
 import shutil
-import time
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -32,8 +34,9 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from hy3c.checkpoint.fp8_convert import calibration_passes
 from hy3c.checkpoint.int4_format import packed_to_words
+from hy3c.checkpoint.layerwise import calibrate_layerwise
+from hy3c.checkpoint.loader import assemble_tensors, inspect_checkpoint
 from hy3c.checkpoint.modelopt_calibration import import_modelopt
 from hy3c.checkpoint.safetensors_io import ShardedWriter, atomic_output_dir, check_output_dir
 from hy3c.checkpoint.weight_map import expected_tensors
@@ -42,7 +45,7 @@ from hy3c.logs import log_event
 from hy3c.model.hy3 import Hy3ForCausalLM
 from hy3c.model.layers import MoE
 from hy3c.ops.moe import silu_and_mul_reference
-from hy3c.ops.quant import FP8_DTYPE, INT4_MAX, INT4_MIN, check_int4_groups, pack_int4
+from hy3c.ops.quant import INT4_MAX, INT4_MIN, check_int4_groups, pack_int4
 
 log = logging.getLogger("hy3c.checkpoint.w4a8_convert")
 
@@ -124,40 +127,42 @@ def _gptq_recipe(group: int) -> dict:
     }
 
 
-def modelopt_gptq(
-    model: Hy3ForCausalLM, token_batches: list[list[int]], group: int
-) -> dict[str, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]]:
-    """Per expert stack (`layers.3.mlp.experts`): the GPTQ-updated gate-up and down weights of every
-    expert and their group scales, from ModelOpt's GPTQ over the calibration sequences; `model` itself
-    is left as it was."""
-    mtq = import_modelopt()
-    working = copy.deepcopy(model)
+Projections = tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]  # w13s, their scales, w2s, theirs
+
+
+def gptq_block(
+    block: nn.Module, prefix: str, run: Callable[[nn.Module], None], group: int
+) -> dict[str, Projections]:
+    """Per expert stack of `block` (a decoder or MTP layer; `<prefix>.mlp.experts`): every expert's
+    GPTQ-updated gate-up and down weights and their group scales, from ModelOpt's GPTQ over `run` (every
+    calibration window through a copy of the block); `block` itself is left as it was."""
+    working = copy.deepcopy(block)
     stacks: dict[str, _LinearExperts] = {}
     for name, module in working.named_modules():
         if isinstance(module, MoE):
-            module.experts = stacks.setdefault(
-                f"{name}.experts", _LinearExperts(module.experts.w13, module.experts.w2)
-            )
-    started = time.monotonic()
-    with contextlib.redirect_stdout(io.StringIO()):  # ModelOpt prints its progress; the log line says it
-        mtq.quantize(working, _gptq_recipe(group), lambda m: calibration_passes(m, token_batches))
+            path = ".".join(part for part in (prefix, name, "experts") if part)
+            module.experts = stacks.setdefault(path, _LinearExperts(module.experts.w13, module.experts.w2))
+    if not stacks:
+        return {}
+    mtq = import_modelopt()
+    with contextlib.redirect_stdout(io.StringIO()):  # ModelOpt prints its progress
+        mtq.quantize(working, _gptq_recipe(group), run)
     out = {}
-    for name, stack in stacks.items():
+    for path, stack in stacks.items():
         parts = []
         for layers in (stack.gate_up, stack.down):
             weights = [layer.weight.detach().float() for layer in layers]
-            scales = [
-                (layer.weight_quantizer.amax.float().reshape(w.shape[0], -1) / INT4_MAX).clamp_min(_MIN_SCALE)
-                for layer, w in zip(layers, weights)
-            ]
-            parts += [weights, scales]
-        out[name] = (parts[0], parts[1], parts[2], parts[3])
-    log_event(log, "modelopt_gptq", expert_stacks=len(out), seconds=round(time.monotonic() - started, 2))
+            parts += [weights, [_block_scales(layer, w) for layer, w in zip(layers, weights)]]
+        out[path] = (parts[0], parts[1], parts[2], parts[3])
     return out
 
 
+def _block_scales(layer: nn.Module, weight: Tensor) -> Tensor:
+    """A GPTQ-quantized linear's group scales [out, in / group]: its block quantizer's amax / 7."""
+    return (layer.weight_quantizer.amax.float().reshape(weight.shape[0], -1) / INT4_MAX).clamp_min(_MIN_SCALE)
+
+
 def convert_to_w4a8(
-    model: Hy3ForCausalLM,
     source_dir: str | Path,
     out: str | Path,
     group_size: int = 128,
@@ -165,14 +170,23 @@ def convert_to_w4a8(
     calibrator: Calibrator = "modelopt",
     overwrite: bool = False,
     max_shard_bytes: int = 4 << 30,
+    device: torch.device | str = "cpu",
+    with_mtp: bool = True,
+    ignore_unexpected: tuple[str, ...] | list[str] = (),
 ) -> Path:
-    """Write the W4A8 checkpoint of `model` (loaded in BF16 from `source_dir`): the module docstring.
-    `calibration` (token sequences) is needed for `calibrator="modelopt"`."""
+    """Write the W4A8 checkpoint of the BF16 checkpoint `source_dir` (the module docstring), one block in
+    memory at a time: with `calibrator="modelopt"` each layer's experts are GPTQ-calibrated over
+    `calibration` (token sequences) as `layerwise` hands the layer its inputs, and written at once; then
+    every other tensor (and, round-to-nearest, every expert) is streamed from the checkpoint."""
     source_dir, out = Path(source_dir), Path(out)
     check_output_dir(out, overwrite, inputs=[source_dir])
-    if any(p.dtype in (FP8_DTYPE, torch.uint8) for p in model.parameters()):
+    source = inspect_checkpoint(source_dir, with_mtp, ignore_unexpected)
+    if source.quant.fp8_modules or source.quant.int4_experts:
         raise ValueError(f"{source_dir}: already a quantized checkpoint; convert-w4a8 takes a BF16 one")
-    config = model.config
+    config = source.config
+    if not with_mtp:
+        config = config.model_copy(update={"num_nextn_predict_layers": 0})
+        source = dataclasses.replace(source, config=config)
     for dim, what in (
         (config.hidden_size, "hidden_size"),
         (config.moe_intermediate_size, "moe_intermediate_size"),
@@ -180,18 +194,16 @@ def convert_to_w4a8(
         check_int4_groups(what, dim, group_size)
         if dim % 8:
             raise ValueError(f"{what} {dim}: compressed-tensors packs 8 int4 columns per int32 word")
-    stacks = {name for name, module in model.named_modules() if isinstance(module, MoE)}
-    int4 = frozenset(f"{name}.experts" for name in stacks)
-    if calibrator == "modelopt":
-        if not calibration:
-            raise ValueError("calibrator modelopt (GPTQ) needs calibration sequences")
-        calibrated = modelopt_gptq(model, calibration, group_size)
-    else:
-        calibrated = {}
+    if calibrator == "modelopt" and not calibration:
+        raise ValueError("calibrator modelopt (GPTQ) needs calibration sequences")
+    skeleton = Hy3ForCausalLM(config, dtype=getattr(torch, config.dtype), device="meta")
+    int4 = frozenset(
+        f"{name}.experts" for name, module in skeleton.named_modules() if isinstance(module, MoE)
+    )
     block = quantization_block(group_size)
     written: Hy3Config = config.model_copy(update={"quantization_config": QuantizationConfig(**block)})
     expected = expected_tensors(written, "hub", int4_experts=int4, group_size=group_size)
-    params = dict(model.named_parameters())
+    derived: dict[str, list[str]] = defaultdict(list)  # model tensor → the checkpoint names made from it
     with atomic_output_dir(out, overwrite, inputs=[source_dir]) as tmp:
         for name in _COPIED_FILES:
             if (source_dir / name).is_file():
@@ -200,21 +212,36 @@ def convert_to_w4a8(
         data["quantization_config"] = block
         (tmp / "config.json").write_text(json.dumps(data, indent=2))
         writer = ShardedWriter(tmp, max_shard_bytes)
-        for name, place in tqdm(expected.items(), desc="writing w4a8", unit="tensor", disable=None):
+        for name, place in expected.items():
             if place.mode == "shape":
                 writer.add(name, torch.tensor(place.values, dtype=torch.int64))
-                continue
-            module, leaf = place.target.rsplit(".", 1)
-            if module not in int4:
-                source = params[place.target]
-                writer.add(name, (source[place.index()] if place.region else source).clone())
-                continue
-            which = leaf.removesuffix("_scale")
-            weight, scale = _expert_projection(params, calibrated, module, which, place.region, group_size)
-            if place.mode == "int4":
-                writer.add(name, packed_to_words(pack_int4(quantize_to_int4(weight, scale))))
             else:
-                writer.add(name, scale.contiguous())
+                derived[place.target.removesuffix("_scale")].append(name)
+        calibrated: set[str] = set()
+        if calibrator == "modelopt":
+
+            def calibrate_experts(layer: nn.Module, prefix: str, run: Callable[[nn.Module], None]) -> dict:
+                for stack, projections in gptq_block(layer, prefix, run, group_size).items():
+                    for which, weights, scales in (("w13", *projections[:2]), ("w2", *projections[2:])):
+                        for name in derived[f"{stack}.{which}"]:
+                            _write_int4(writer, name, expected[name], weights, scales)
+                    calibrated.add(stack)
+                return {}
+
+            calibrate_layerwise(source, source_dir, calibration, calibrate_experts, device)
+        params = dict(skeleton.named_parameters())
+        shapes = {t: params[t] for t in derived if t.rsplit(".", 1)[0] not in calibrated}
+        stream = assemble_tensors(source, shapes, source_dir)
+        for target, tensor in tqdm(
+            stream, total=len(shapes), desc="writing w4a8", unit="tensor", disable=None
+        ):
+            for name in derived[target]:
+                place = expected[name]
+                if target.rsplit(".", 1)[0] in int4:  # round-to-nearest
+                    weights = [w.float() for w in tensor]
+                    _write_int4(writer, name, place, weights, [rtn_scales(w, group_size) for w in weights])
+                else:
+                    writer.add(name, (tensor[place.index()] if place.region else tensor).clone())
         writer.close()
     log_event(
         log,
@@ -228,20 +255,13 @@ def convert_to_w4a8(
     return out
 
 
-def _expert_projection(
-    params: dict[str, Tensor],
-    calibrated: dict[str, tuple[list[Tensor], ...]],
-    module: str,
-    which: str,
-    region: tuple,
-    group: int,
-) -> tuple[Tensor, Tensor]:
-    """The weight [rows, in] of one expert projection (a gate, up or down block of w13 / w2, at `region`)
-    and its group scales: GPTQ's where calibrated, else the model's weight and round-to-nearest scales."""
-    expert = region[0]
-    rows = slice(*region[1]) if len(region) > 1 else slice(None)
-    if module in calibrated:
-        weights, scales = calibrated[module][0:2] if which == "w13" else calibrated[module][2:4]
-        return weights[expert][rows], scales[expert][rows]
-    weight = params[f"{module}.{which}"][expert][rows].float()
-    return weight, rtn_scales(weight, group)
+def _write_int4(writer: ShardedWriter, name: str, place, weights: list[Tensor], scales: list[Tensor]) -> None:
+    """One expert projection's packed words or group scales (a gate, up or down block of an expert of
+    w13 / w2, at the placement's region), from every expert's weight and scales."""
+    expert = place.region[0]
+    rows = slice(*place.region[1]) if len(place.region) > 1 else slice(None)
+    weight, scale = weights[expert][rows], scales[expert][rows]
+    if place.mode == "int4":
+        writer.add(name, packed_to_words(pack_int4(quantize_to_int4(weight, scale))))
+    else:
+        writer.add(name, scale.contiguous())

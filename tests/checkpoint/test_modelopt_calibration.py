@@ -37,7 +37,9 @@ def reference(trained_ckpt, windows) -> dict[str, float]:
 def test_layer_by_layer_calibration_equals_the_whole_model_reference(
     trained_ckpt, windows, reference, calibrator
 ):
-    stats = layerwise.calibrate_layerwise(inspect_checkpoint(trained_ckpt), trained_ckpt, windows, calibrator)
+    stats = layerwise.calibrate_layerwise(
+        inspect_checkpoint(trained_ckpt), trained_ckpt, windows, layerwise.fp8_ranges(calibrator)
+    )
     assert stats.keys() == reference.keys()
     assert {k for k in stats if k.endswith(".a2")} == {
         "layers.1.mlp.experts.a2",
@@ -77,7 +79,9 @@ def test_calibration_holds_one_block_of_the_checkpoint_at_a_time(trained_ckpt, w
         return Counted()
 
     monkeypatch.setattr(layerwise._Blocks, "loaded", counting)
-    layerwise.calibrate_layerwise(inspect_checkpoint(trained_ckpt), trained_ckpt, windows, "absmax")
+    layerwise.calibrate_layerwise(
+        inspect_checkpoint(trained_ckpt), trained_ckpt, windows, layerwise.fp8_ranges("absmax")
+    )
     model = load_model(trained_ckpt, progress=False)
     whole = sum(p.numel() for p in model.parameters())
     largest = max(
