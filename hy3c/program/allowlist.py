@@ -118,10 +118,11 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float8_e4m3fn": torch.float8_e4m3fn,
-    "uint8": torch.uint8,  # W4A8 experts: int4 weights packed two per byte
     "int32": torch.int32,
     "int64": torch.int64,
 }
+# the dtypes a program parameter may have: those, and uint8 (W4A8 experts' int4 weights, two per byte)
+PARAMETER_DTYPES: dict[str, torch.dtype] = {**DTYPES, "uint8": torch.uint8}
 
 _ALLOWED = frozenset(ALLOWED_OPS)
 

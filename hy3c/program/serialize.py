@@ -33,7 +33,14 @@ from torch import fx
 
 import hy3c.kernels  # noqa: F401  (registers the hy3 ops and the kernel providers' ops a program may call)
 from hy3c.config import Hy3Config
-from hy3c.program.allowlist import DTYPES, OpNotRegisteredError, is_allowed, op_name, resolve_op
+from hy3c.program.allowlist import (
+    DTYPES,
+    PARAMETER_DTYPES,
+    OpNotRegisteredError,
+    is_allowed,
+    op_name,
+    resolve_op,
+)
 from hy3c.program.check import (
     MTP_INPUTS,
     STEP_INPUTS,
@@ -160,9 +167,11 @@ def _param_table(data: dict[str, Any]) -> dict[str, tuple[list[int], torch.dtype
             )
         if math.prod(shape) > MAX_NUMEL:
             raise ProgramError(f"parameter {fqn}: shape {shape} has more than {MAX_NUMEL} elements")
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise ProgramError(f"parameter {fqn}: dtype {shown(dtype)} is not one of {sorted(DTYPES)}")
-        params[fqn] = (shape, DTYPES[dtype])
+        if not isinstance(dtype, str) or dtype not in PARAMETER_DTYPES:
+            raise ProgramError(
+                f"parameter {fqn}: dtype {shown(dtype)} is not one of {sorted(PARAMETER_DTYPES)}"
+            )
+        params[fqn] = (shape, PARAMETER_DTYPES[dtype])
     return params
 
 

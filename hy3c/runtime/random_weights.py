@@ -18,6 +18,9 @@ no CPU copy of the model is made. What each parameter gets, by its name and dtyp
   `experts.w13_scale`, `experts.w2_scale`, per channel or per tensor) all `WEIGHT_STD *
   FP8_CLIP_SIGMAS / FP8_MAX`, so the dequantized weights have std `WEIGHT_STD` too. A constant scale needs
   no absmax over the tensor, so a large tensor is generated in chunks (`CHUNK_ELEMENTS`);
+* W4A8 experts' int4 weights (uint8, two values per byte): uniform bytes — every value in [-8, 7]
+  equally likely — and their group scales (`experts.w13_scale`, `experts.w2_scale` of a uint8 weight)
+  all `WEIGHT_STD / INT4_UNIFORM_STD`, so the dequantized weights have std `WEIGHT_STD` too;
 * static activation scales (`input_scale`, `a13_scale`, `a2_scale`): `STATIC_INPUT_SCALE` (inputs up
   to ±8 before saturating: normalized hidden states and the expert activations of std-0.02 weights).
 
@@ -64,6 +67,7 @@ class RandomWeightsError(ValueError):
 
 WEIGHT_STD = 0.02  # every random matrix (dequantized, for FP8)
 FP8_CLIP_SIGMAS = 6.0  # an FP8 weight's standard normal value saturates at ±448 beyond this
+INT4_UNIFORM_STD = math.sqrt((16**2 - 1) / 12)  # of the 16 int4 values drawn uniformly
 STATIC_INPUT_SCALE = 8.0 / FP8_MAX  # static activation scales: inputs up to ±8
 CHUNK_ELEMENTS = 1 << 26  # an FP8 weight is drawn this many fp32 values at a time (256 MiB)
 _STATIC_INPUT_SCALES = ("input_scale", "a13_scale", "a2_scale")
@@ -88,34 +92,37 @@ def _fp8_scale_name(fqn: str) -> str:
     return f"{module}.weight_scale" if leaf == "weight" else f"{fqn}_scale"
 
 
-def _fp8_scales(params: Mapping[str, tuple[list[int], torch.dtype]]) -> dict[str, str]:
-    """scale fqn → its FP8 weight's fqn; RandomWeightsError when an FP8 weight has no scale in the
-    program."""
-    scales = {}
+def _scale_rules(params: Mapping[str, tuple[list[int], torch.dtype]]) -> dict[str, str]:
+    """scale fqn → its rule: "fp8_scale" for an FP8 weight's, "int4_scale" for a packed int4 weight's;
+    RandomWeightsError when such a weight has no scale in the program."""
+    rules = {}
     for fqn, (_, dtype) in params.items():
-        if dtype == FP8_DTYPE:
+        if dtype in (FP8_DTYPE, torch.uint8):
             scale = _fp8_scale_name(fqn)
             if scale not in params:
                 raise RandomWeightsError(
-                    f"parameter {fqn}: FP8, but the program has no scale parameter {scale}"
+                    f"parameter {fqn}: {'FP8' if dtype == FP8_DTYPE else 'int4'}, but the program has no "
+                    f"scale parameter {scale}"
                 )
-            scales[scale] = fqn
-    return scales
+            rules[scale] = "fp8_scale" if dtype == FP8_DTYPE else "int4_scale"
+    return rules
 
 
-def parameter_rule(fqn: str, dtype: torch.dtype, fp8_scales: Mapping[str, str]) -> str:
+def parameter_rule(fqn: str, dtype: torch.dtype, scale_rules: Mapping[str, str]) -> str:
     """How parameter `fqn` of `dtype` is filled (see the module docstring): one of "ones", "zeros",
-    "normal", "router", "router_hi", "router_lo", "fp8", "fp8_scale", "input_scale". `fp8_scales` maps the
-    program's FP8 scale parameters to their weights. RandomWeightsError naming the parameter when no rule
-    fits."""
+    "normal", "router", "router_hi", "router_lo", "fp8", "fp8_scale", "int4", "int4_scale",
+    "input_scale". `scale_rules` holds the rules of the program's weight scales (`_scale_rules`).
+    RandomWeightsError naming the parameter when no rule fits."""
     module, _, leaf = fqn.rpartition(".")
     owner = module.rpartition(".")[2]
     if dtype == FP8_DTYPE:
         return "fp8"
+    if dtype == torch.uint8 and owner == "experts" and leaf in ("w13", "w2"):
+        return "int4"
     if not dtype.is_floating_point:
         raise RandomWeightsError(f"parameter {fqn}: no random-weights rule for dtype {dtype}")
-    if fqn in fp8_scales:
-        return "fp8_scale"
+    if fqn in scale_rules:
+        return scale_rules[fqn]
     if leaf in _STATIC_INPUT_SCALES:
         return "input_scale"
     if leaf == "kv_scales":
@@ -192,7 +199,7 @@ def random_parameters(
     holds every shape. The progress bar shows on a terminal, on rank 0 only unless `progress` says."""
     device = torch.device(device)
     params = program.params
-    scales = _fp8_scales(params)
+    scales = _scale_rules(params)
     rules = {fqn: parameter_rule(fqn, dtype, scales) for fqn, (_, dtype) in params.items()}  # all, first
     plan = shard_plan or {}
     layout = parallel or ParallelSpec()
@@ -226,6 +233,10 @@ def random_parameters(
                 tensor = _fp8_normal(shape, gen, device)
             elif rule == "fp8_scale":
                 tensor = torch.full(shape, std * FP8_CLIP_SIGMAS / FP8_MAX, dtype=dtype, device=device)
+            elif rule == "int4":
+                tensor = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen, device=device)
+            elif rule == "int4_scale":
+                tensor = torch.full(shape, std / INT4_UNIFORM_STD, dtype=dtype, device=device)
             elif rule == "input_scale":
                 tensor = torch.full(shape, STATIC_INPUT_SCALE, dtype=dtype, device=device)
             elif rule in ("router_hi", "router_lo"):

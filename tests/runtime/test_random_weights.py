@@ -35,6 +35,7 @@ PRESETS = {  # name → (recipe, overrides)
         "h20-w8a8c8",
         ["quant.activations=dynamic", "quant.weight_scales=channel", "parallel.tp=2"],
     ),
+    "w4a8": ("h20-w4a8c8", ["target=cpu", "passes.lower.priority=[torch]", "quant.group_size=16"]),
 }
 
 
@@ -94,6 +95,24 @@ def test_each_kind_of_parameter_gets_its_values(presets, name):
     assert p[f"{router}.weight"].dtype == torch.float32
     hi, lo = p[f"{router}.weight_hi"].float(), p[f"{router}.weight_lo"].float()
     torch.testing.assert_close(hi + lo / 256, p[f"{router}.weight"], atol=1e-6, rtol=0)
+
+
+def test_w4a8_experts_get_uniform_int4_values_and_scales_of_the_same_std(presets):
+    """Packed int4 experts: every value in [-8, 7] about equally often, group scales that make the
+    dequantized weights' std WEIGHT_STD; a step runs on them."""
+    from hy3c.ops.quant import dequantize_int4_groups, unpack_int4
+    from hy3c.runtime.artifact import load
+
+    _, p = _params(presets["w4a8"])
+    for stack in ("layers.1.mlp.experts", "layers.2.mlp.experts"):
+        for which in ("w13", "w2"):
+            packed, scale = p[f"{stack}.{which}"], p[f"{stack}.{which}_scale"]
+            assert packed.dtype == torch.uint8 and scale.shape[-1] * 16 == 2 * packed.shape[-1]
+            counts = torch.bincount((unpack_int4(packed).long() + 8).flatten(), minlength=16)
+            assert counts.min() > 0.8 * counts.float().mean()
+            weights = dequantize_int4_groups(packed, scale)
+            assert abs(weights.std().item() - WEIGHT_STD) < 0.1 * WEIGHT_STD
+    assert run_step(load(presets["w4a8"], "cpu", compile=False, random_weights=0)).isfinite().all()
 
 
 def test_the_same_seed_gives_the_same_tensors_and_another_seed_others(presets):
@@ -226,7 +245,7 @@ def test_every_parameter_of_the_full_model_at_tp8_has_a_rule(tmp_path):
     sets = ["quant.activations=dynamic", "parallel.tp=8"]
     compile_artifact(load_recipe("h20-w8a8c8", sets), out, preset="full", progress=False)
     program = read_program_file(open_artifact(out))
-    scales = rw._fp8_scales(program.params)
+    scales = rw._scale_rules(program.params)
     rules = {fqn: rw.parameter_rule(fqn, dtype, scales) for fqn, (_, dtype) in program.params.items()}
     assert {"fp8", "fp8_scale", "router", "router_hi", "router_lo", "ones", "zeros", "normal"} == set(
         rules.values()
