@@ -292,6 +292,8 @@ def routed_pairs_w4a8(
     blocks), the activations' FP8 quantization (unless x_q), gate-up, the intermediate's quantization
     (dynamic scales), down. The rows of pairs with id −1 are left unwritten."""
     group = check_w4a8_experts(w13, w2, w13_scale, w2_scale)
+    # the kernels step the packed bytes and the scales' groups by unit strides (parameters already are)
+    w13, w2, w13_scale, w2_scale = (t.contiguous() for t in (w13, w2, w13_scale, w2_scale))
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape
