@@ -111,8 +111,15 @@ class QuantizationConfig(BaseModel):
             if not isinstance(given, dict) or {k: given.get(k) for k in scheme} != scheme:
                 raise ValueError(f"config_groups.{name}.{key}: {given!r} is not W4AFP8's ({scheme})")
         size = group["weights"].get("group_size")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 2 or size % 2:
-            raise ValueError(f"config_groups.{name}.weights.group_size: {size!r} is not an even group size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 16 or size & (size - 1):
+            raise ValueError(
+                f"config_groups.{name}.weights.group_size: {size!r} is not a power of two of at least 16"
+            )
+        if group["weights"].get("actorder") not in (None, False):
+            raise ValueError(
+                f"config_groups.{name}.weights.actorder: {group['weights']['actorder']!r}; hy3c reads groups"
+                " in column order only"
+            )
         if self.kv_cache_scheme is not None:
             raise ValueError(
                 "kv_cache_scheme: a W4A8 checkpoint's KV cache scheme is not read (the recipe picks it)"

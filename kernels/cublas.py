@@ -66,8 +66,8 @@ def _(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, a13_scale, a2_sca
 
 def _moe_supports(node) -> str | None:
     w13 = node.args[3].meta.get("val")
-    if w13 is not None and w13.dtype == FP8_DTYPE:
-        return "FP8 experts (grouped_mm takes bf16/fp16)"
+    if w13 is not None and w13.dtype in (FP8_DTYPE, torch.uint8):
+        return f"{'FP8' if w13.dtype == FP8_DTYPE else 'W4A8'} experts (grouped_mm takes bf16/fp16)"
     return None
 
 

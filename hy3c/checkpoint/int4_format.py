@@ -14,14 +14,17 @@ from torch import Tensor
 
 from hy3c.ops.quant import pack_int4, unpack_int4
 
-_SHIFTS = torch.arange(0, 32, 4)
+
+def _shifts(like: Tensor) -> Tensor:
+    """The bit offset of each of a word's 8 values, on `like`'s device."""
+    return torch.arange(0, 32, 4, device=like.device)
 
 
 def words_to_packed(words: Tensor) -> Tensor:
     """int32 [..., columns / 8] of offset nibbles → hy3c's uint8 [..., columns / 2]."""
     if words.dtype != torch.int32:
         raise ValueError(f"expected int32 packed words, got {words.dtype}")
-    nibbles = (words.unsqueeze(-1).to(torch.int64) >> _SHIFTS) & 0xF
+    nibbles = (words.unsqueeze(-1).to(torch.int64) >> _shifts(words)) & 0xF
     return pack_int4((nibbles - 8).to(torch.int8).flatten(-2))
 
 
@@ -32,5 +35,5 @@ def packed_to_words(packed: Tensor) -> Tensor:
         raise ValueError(
             f"compressed-tensors packs 8 columns per word; {values.shape[-1]} columns do not fit"
         )
-    words = (values.unflatten(-1, (-1, 8)) << _SHIFTS).sum(-1)
+    words = (values.unflatten(-1, (-1, 8)) << _shifts(packed)).sum(-1)
     return (words - ((words >> 31) & 1) * (1 << 32)).to(torch.int32)  # the low 32 bits, as signed

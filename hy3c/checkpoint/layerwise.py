@@ -5,10 +5,13 @@ larger than the machine calibrates.
 
 The model is a skeleton on the meta device. Each block — the embedding, each decoder layer, the final
 norm, each MTP layer — is read from the checkpoint when its turn comes and dropped after it: peak
-memory is one block's weights, the hidden states of every calibration window ([tokens, hidden] each)
-and one window's KV cache of one layer. A decoder layer sees every window's hidden states as the
-whole model would hand them to it (full precision: each layer's output is computed by the layer as
-loaded, not by its quantized copy), so the statistics equal a whole-model pass's.
+memory is one block's weights and what its calibration holds (ModelOpt's copy of the block; for
+W4A8's GPTQ, also its Hessians and the updated weights of the block's experts), the hidden states of
+every calibration window ([tokens, hidden] each) and one window's KV cache of one layer. A decoder
+layer sees every window's hidden states as the whole model would hand them to it (full precision:
+each layer's output is computed by the layer as loaded, not by its quantized copy), so the
+statistics equal a whole-model pass's — and GPTQ compensates each layer's own rounding, not that of
+the layers before it.
 
 Per block, `calibrate_block` does the work: for FP8 (`fp8_ranges`) ModelOpt's FP8 post-training
 quantization over a copy of the block (`modelopt_calibration.quantize_block`), or forward hooks taking

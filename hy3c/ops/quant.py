@@ -113,11 +113,16 @@ INT4_MIN, INT4_MAX = -8, 7
 INT4_GROUP = 128  # input columns per W4A8 weight scale (the Hy3 stack's, ModelOpt's and AngelSlim's)
 
 
+MIN_INT4_GROUP = 16  # the smallest group the formats take (the Triton GEMMs need 32: an FP8 MMA's K)
+
+
 def check_int4_groups(name: str, columns: int, group: int) -> None:
-    """W4A8 weights pack two values per byte and share a scale per `group` input columns."""
-    if group < 2 or group % 2 or columns % group:
+    """W4A8 weights pack two values per byte and share a scale per `group` input columns: a power of two
+    of at least MIN_INT4_GROUP that divides the columns."""
+    if group < MIN_INT4_GROUP or group & (group - 1) or columns % group:
         raise ValueError(
-            f"{name}: W4A8 group size {group} must be even and divide the {columns} input columns"
+            f"{name}: W4A8 group size {group} must be a power of two of at least {MIN_INT4_GROUP} and divide "
+            f"the {columns} input columns"
         )
 
 

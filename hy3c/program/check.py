@@ -386,6 +386,8 @@ class _Contract:
     def _experts(self) -> None:
         """bf16 or FP8 experts (FP8 with per-tensor or per-channel scales)."""
         fp8 = self.values["w13"].dtype == torch.float8_e4m3fn
+        if self.values["w2"].dtype != self.values["w13"].dtype:
+            raise _Broken(f"w13 is {self.values['w13'].dtype} but w2 {self.values['w2'].dtype}")
         self.shape("w13", "E I2 H")
         self.shape("w2", "E H I")
         if self["I2"] != 2 * self["I"]:
@@ -406,7 +408,7 @@ class _Contract:
         self.shape("w13_scale", "E I2 Gh", torch.float32)
         self.shape("w2_scale", "E H Gi", torch.float32)
         group = self["H"] // self["Gh"]
-        if self["Gh"] * group != self["H"] or self["Gi"] * group != self["I2"] // 2 or group % 2:
+        if self["Gh"] * group != self["H"] or self["Gi"] * group != self["I2"] // 2 or group & (group - 1):
             raise _Broken(f"group scales of {self['Gh']} and {self['Gi']} columns do not fit one group size")
 
 

@@ -18,9 +18,9 @@ no CPU copy of the model is made. What each parameter gets, by its name and dtyp
   `experts.w13_scale`, `experts.w2_scale`, per channel or per tensor) all `WEIGHT_STD *
   FP8_CLIP_SIGMAS / FP8_MAX`, so the dequantized weights have std `WEIGHT_STD` too. A constant scale needs
   no absmax over the tensor, so a large tensor is generated in chunks (`CHUNK_ELEMENTS`);
-* W4A8 experts' int4 weights (uint8, two values per byte): uniform bytes — every value in [-8, 7]
-  equally likely — and their group scales (`experts.w13_scale`, `experts.w2_scale` of a uint8 weight)
-  all `WEIGHT_STD / INT4_UNIFORM_STD`, so the dequantized weights have std `WEIGHT_STD` too;
+* W4A8 experts' int4 weights (uint8, two values per byte): every value in [-7, 7] equally likely (zero
+  mean) and their group scales (`experts.w13_scale`, `experts.w2_scale` of a uint8 weight) all
+  `WEIGHT_STD / INT4_UNIFORM_STD`, so the dequantized weights have std `WEIGHT_STD` too;
 * static activation scales (`input_scale`, `a13_scale`, `a2_scale`): `STATIC_INPUT_SCALE` (inputs up
   to ±8 before saturating: normalized hidden states and the expert activations of std-0.02 weights).
 
@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from hy3c.config import Hy3Config
 from hy3c.logs import log_event
-from hy3c.ops.quant import FP8_DTYPE, FP8_MAX, split_router_weight
+from hy3c.ops.quant import FP8_DTYPE, FP8_MAX, pack_int4, split_router_weight
 from hy3c.recipe import ParallelSpec
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class RandomWeightsError(ValueError):
 
 WEIGHT_STD = 0.02  # every random matrix (dequantized, for FP8)
 FP8_CLIP_SIGMAS = 6.0  # an FP8 weight's standard normal value saturates at ±448 beyond this
-INT4_UNIFORM_STD = math.sqrt((16**2 - 1) / 12)  # of the 16 int4 values drawn uniformly
+INT4_UNIFORM_STD = math.sqrt((15**2 - 1) / 12)  # of the 15 values in [-7, 7] drawn uniformly
 STATIC_INPUT_SCALE = 8.0 / FP8_MAX  # static activation scales: inputs up to ±8
 CHUNK_ELEMENTS = 1 << 26  # an FP8 weight is drawn this many fp32 values at a time (256 MiB)
 _STATIC_INPUT_SCALES = ("input_scale", "a13_scale", "a2_scale")
@@ -233,8 +233,9 @@ def random_parameters(
                 tensor = _fp8_normal(shape, gen, device)
             elif rule == "fp8_scale":
                 tensor = torch.full(shape, std * FP8_CLIP_SIGMAS / FP8_MAX, dtype=dtype, device=device)
-            elif rule == "int4":
-                tensor = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen, device=device)
+            elif rule == "int4":  # zero-mean: [-7, 7] (uniform bytes would average -0.5)
+                values = torch.randint(-7, 8, (*shape[:-1], 2 * shape[-1]), generator=gen, device=device)
+                tensor = pack_int4(values.to(torch.int8))
             elif rule == "int4_scale":
                 tensor = torch.full(shape, std / INT4_UNIFORM_STD, dtype=dtype, device=device)
             elif rule == "input_scale":

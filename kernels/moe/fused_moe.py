@@ -68,7 +68,7 @@ from hy3c.kernels.moe.blocks import (
     quantize_tile,
 )
 from hy3c.kernels.moe.config import MoeConfig, config_kind, select_config, table_for
-from hy3c.kernels.moe.fused_moe_w4a8 import routed_pairs_w4a8
+from hy3c.kernels.moe.fused_moe_w4a8 import MIN_GEMM_GROUP, routed_pairs_w4a8
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import HOPPER, PDL, Provider, Target, Variant, register_provider
 from hy3c.ops.fused import check_moe_input_quant
@@ -714,12 +714,24 @@ def _gluon_supports(node, target: Target) -> str | None:
     return fused_moe_gluon.unsupported_inputs(w13, w2, x.dtype)
 
 
+def _triton_supports(node) -> str | None:
+    """W4A8 experts need groups of at least an FP8 MMA's K (`fused_moe_w4a8.MIN_GEMM_GROUP`)."""
+    w13, w13_scale = (getattr(node.args[i], "meta", {}).get("val") for i in (3, 5))
+    if w13 is None or w13.dtype != torch.uint8 or w13_scale is None or w13_scale.dim() != 3:
+        return None
+    group = 2 * w13.shape[2] // max(w13_scale.shape[2], 1)
+    if group < MIN_GEMM_GROUP:
+        return f"W4A8 groups of {group} columns (the Triton GEMMs need at least {MIN_GEMM_GROUP})"
+    return None
+
+
 register_provider(
     Provider(
         "triton",
         "fused_moe",
         torch.ops.hy3_triton.fused_moe.default,
         frozenset({"cuda"}),
+        supports=_triton_supports,
         variants=(PDL, Variant("gluon", HOPPER, _gluon_supports)),
         config_table=table_for,
     )

@@ -37,6 +37,8 @@ from hy3c.kernels.moe.config import MoeConfig
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.ops.quant import FP8_DTYPE, check_int4_groups
 
+MIN_GEMM_GROUP = 32  # K of an FP8 MMA: a K block, within one group's scale, is at least this
+
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -220,7 +222,7 @@ def _down_w4a8_kernel(
     else:
         acc = acc * tl.load(hs_ptr)
     out_dtype = out_ptr.dtype.element_ty
-    y = acc.to(out_dtype).to(tl.float32)  # the reference rounds each expert's output to the model dtype
+    y = acc.to(out_dtype).to(tl.float32)  # each expert's output in the model dtype, as the reference's
     y = y * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
     tl.store(
         out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :],
@@ -229,11 +231,16 @@ def _down_w4a8_kernel(
     )
 
 
-def check_w4a8_experts(w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_scale: Tensor | None) -> int:
-    """The group size of W4A8 experts (uint8 packed w13 [E, 2I, H/2], w2 [E, H, I/2] with group scales
-    [E, 2I, H/g] and [E, H, I/g]); a shape that does not fit is an error naming the tensor."""
+def check_w4a8_experts(
+    x: Tensor, w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_scale: Tensor | None
+) -> int:
+    """The group size of W4A8 experts for input rows x [T, H]: uint8 packed w13 [E, 2I, H/2] and w2
+    [E, H, I/2], fp32 group scales [E, 2I, H/g] and [E, H, I/g] of one power-of-two group size of at
+    least MIN_GEMM_GROUP (an FP8 MMA's K); anything else is an error naming the tensor."""
     experts, two_inter, hidden = w13.shape[0], w13.shape[1], 2 * w13.shape[2]
     inter = two_inter // 2
+    if x.shape[-1] != hidden:
+        raise ValueError(f"fused_moe: x has {x.shape[-1]} columns, the W4A8 experts {hidden}")
     if w2.dtype != torch.uint8 or tuple(w2.shape) != (experts, hidden, inter // 2):
         raise ValueError(
             f"fused_moe: W4A8 w2 must be uint8 [{experts}, {hidden}, {inter // 2}], got {w2.dtype} {tuple(w2.shape)}"
@@ -245,32 +252,33 @@ def check_w4a8_experts(w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_sca
     ):
         if (
             scale is None
+            or scale.dtype != torch.float32
             or scale.dim() != 3
             or tuple(scale.shape[:2]) != (experts, rows)
+            or scale.shape[2] == 0
             or columns % scale.shape[2]
         ):
-            got = None if scale is None else tuple(scale.shape)
+            got = None if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
             raise ValueError(
-                f"fused_moe: W4A8 {name} must be [{experts}, {rows}, {columns} / group], got {got}"
+                f"fused_moe: W4A8 {name} must be fp32 [{experts}, {rows}, {columns} / group], got {got}"
             )
         group = columns // scale.shape[2]
         check_int4_groups(name, columns, group)
         groups.append(group)
     if groups[0] != groups[1]:
         raise ValueError(f"fused_moe: W4A8 w13 and w2 have different group sizes ({groups[0]}, {groups[1]})")
+    if groups[0] < MIN_GEMM_GROUP:
+        raise ValueError(
+            f"fused_moe: the W4A8 GEMMs need groups of at least {MIN_GEMM_GROUP} columns (an FP8 MMA's K), "
+            f"got {groups[0]}"
+        )
     return groups[0]
 
 
 def w4a8_block_k(cfg: MoeConfig, group: int) -> int:
-    """The K block of a W4A8 GEMM: the config's, cut to divide the group (one scale per block)."""
-    block_k = min(cfg.block_k, group)
-    while group % block_k:
-        block_k //= 2
-    if block_k < 16:
-        raise ValueError(
-            f"fused_moe: W4A8 group size {group} has no K block of at least 16 columns dividing it"
-        )
-    return block_k
+    """The K block of a W4A8 GEMM: the config's, cut to the group (both powers of two: one scale per
+    block), at least an FP8 MMA's K."""
+    return max(min(cfg.block_k, group), MIN_GEMM_GROUP)
 
 
 def routed_pairs_w4a8(
@@ -291,7 +299,7 @@ def routed_pairs_w4a8(
     """Each pair's weighted expert output, [pairs, hidden] fp32, for W4A8 experts: alignment (unless pair
     blocks), the activations' FP8 quantization (unless x_q), gate-up, the intermediate's quantization
     (dynamic scales), down. The rows of pairs with id −1 are left unwritten."""
-    group = check_w4a8_experts(w13, w2, w13_scale, w2_scale)
+    group = check_w4a8_experts(x, w13, w2, w13_scale, w2_scale)
     # the kernels step the packed bytes and the scales' groups by unit strides (parameters already are)
     w13, w2, w13_scale, w2_scale = (t.contiguous() for t in (w13, w2, w13_scale, w2_scale))
     num_tokens, hidden = x.shape

@@ -137,7 +137,13 @@ def _edit(src, dst, tensors=None, config=None):
         ),
         ("8-bit weights", ConfigError, r"config_groups.group_0.weights: .* is not W4AFP8's"),
         ("channel strategy", ConfigError, r"config_groups.group_0.weights: .* is not W4AFP8's"),
-        ("group that does not divide", CheckpointError, r"group_size 48 .* does not divide hidden_size 64"),
+        ("group that does not divide", CheckpointError, r"group_size 128 .* does not divide hidden_size 64"),
+        (
+            "group not a power of two",
+            ConfigError,
+            r"weights.group_size: 48 is not a power of two of at least 16",
+        ),
+        ("act order", ConfigError, r"weights.actorder: 'group'; hy3c reads groups in column order only"),
         (
             "another format",
             ConfigError,
@@ -170,7 +176,11 @@ def test_a_bad_w4a8_checkpoint_is_one_error_naming_the_tensor_or_field(
             elif case == "channel strategy":
                 weights["strategy"] = "channel"
             elif case == "group that does not divide":
+                weights["group_size"] = 128
+            elif case == "group not a power of two":
                 weights["group_size"] = 48
+            elif case == "act order":
+                weights["actorder"] = "group"
             else:
                 block["format"] = "float-quantized"
 
@@ -182,7 +192,10 @@ def test_a_bad_w4a8_checkpoint_is_one_error_naming_the_tensor_or_field(
 def test_convert_w4a8_refuses_a_group_that_does_not_divide_the_widths(tiny_ckpt, tmp_path, capsys):
     args = ["convert-w4a8", "--model", str(tiny_ckpt), "--out", str(tmp_path / "o"), "--calibrator", "rtn"]
     assert main([*args, "--group-size", "48"]) == 2
-    assert "group size 48 must be even and divide the 64 input columns" in capsys.readouterr().err
+    assert (
+        "group size 48 must be a power of two of at least 16 and divide the 64 input columns"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -238,3 +251,20 @@ def test_a_w4a8_artifact_serves_a_completion_equal_to_offline_greedy_decoding(w4
         ).json()
     assert reply["usage"]["completion_tokens"] == 12
     assert reply["choices"][0]["text"] == offline.text
+
+
+def test_groups_below_an_fp8_mma_lower_to_the_reference_on_the_gpu(tiny_ckpt, tmp_path):
+    """For a CUDA target the Triton W4A8 GEMMs take groups of 32 columns or more (an FP8 MMA's K); the
+    experts of groups of 16 are lowered to the torch reference instead, the reason recorded."""
+    targets = {}
+    for group in (16, 32):
+        recipe = load_recipe("h20-w4a8c8", [f"quant.group_size={group}"])
+        out = compile_artifact(recipe, tmp_path / f"g{group}", tiny_ckpt, progress=False).out
+        program = (out / "program" / "step.json").read_text()
+        targets[group] = {
+            t for t in ("hy3.fused_moe.default", "hy3_triton.fused_moe.default") if f'"{t}"' in program
+        }
+        report = json.loads((out / "compile_report.json").read_text())
+        notes = json.dumps(report["passes"])
+        assert ("W4A8 groups of 16 columns (the Triton GEMMs need at least 32)" in notes) == (group == 16)
+    assert targets == {16: {"hy3.fused_moe.default"}, 32: {"hy3_triton.fused_moe.default"}}

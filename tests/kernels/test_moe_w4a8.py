@@ -49,7 +49,10 @@ def test_group_quantization_error_is_bounded_by_half_a_step():
     assert packed.shape == (3, 16, 64) and packed.dtype == torch.uint8 and scale.shape == (3, 16, 4)
     error = (dequantize_int4_groups(packed, scale) - w).abs().unflatten(-1, (4, 32))
     assert (error <= scale.unsqueeze(-1) / 2 + 1e-6).all()
-    with pytest.raises(ValueError, match="group size 48 must be even and divide the 128 input columns"):
+    with pytest.raises(
+        ValueError,
+        match="group size 48 must be a power of two of at least 16 and divide the 128 input columns",
+    ):
         quantize_int4_groups(w, 48)
 
 
@@ -72,7 +75,7 @@ def test_reference_is_fp8_rows_times_the_dequantized_int4_weights():
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"swap_ab": True}, {"pair_blocks": True}, {"pair_blocks": True, "swap_ab": True}, {"block_k": 16}],
+    [{}, {"swap_ab": True}, {"pair_blocks": True}, {"pair_blocks": True, "swap_ab": True}, {"block_m": 32}],
 )
 @pytest.mark.parametrize("activations", ["dynamic", "static", "pre-quantized"])
 def test_w4a8_fused_moe_equals_its_reference(options, activations):
@@ -139,7 +142,10 @@ def test_w4a8_pairs_without_an_expert_add_nothing():
     [
         ("w2 unpacked", r"W4A8 w2 must be uint8 \[4, 64, 16\]"),
         ("scale of another group", r"W4A8 w13 and w2 have different group sizes"),
-        ("scale missing", r"W4A8 w13_scale must be \[4, 64, 64 / group\], got None"),
+        ("scale missing", r"W4A8 w13_scale must be fp32 \[4, 64, 64 / group\], got None"),
+        ("x of another width", r"x has 128 columns, the W4A8 experts 64"),
+        ("groups of 16", r"the W4A8 GEMMs need groups of at least 32 columns"),
+        ("groups of 24", r"group size 24 must be a power of two"),
     ],
 )
 def test_w4a8_fused_moe_refuses_misshaped_weights(case, message):
@@ -149,6 +155,14 @@ def test_w4a8_fused_moe_refuses_misshaped_weights(case, message):
         q2 = torch.zeros(4, 64, 32, dtype=torch.uint8)
     elif case == "scale of another group":
         s2 = torch.ones(4, 64, 2)
+    elif case == "x of another width":
+        x = torch.randn(2, 128).to(torch.bfloat16)
+    elif case == "groups of 16":
+        q13, s13, q2, s2 = _experts(4, 64, 32, group=16)
+    elif case == "groups of 24":  # hidden 96 in 4 groups: of 24 columns each
+        x = torch.randn(2, 96).to(torch.bfloat16)
+        q13, q2 = torch.zeros(4, 64, 48, dtype=torch.uint8), torch.zeros(4, 96, 16, dtype=torch.uint8)
+        s13, s2 = torch.ones(4, 64, 4), torch.ones(4, 96, 1)
     else:
         s13 = None
     ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
