@@ -159,21 +159,27 @@ def _add_convert_fp8(sub: argparse._SubParsersAction) -> None:
         default="angelslim",
         help="AngelSlim's layout (as tencent/Hy3-FP8 ships) or NVIDIA ModelOpt's HF export",
     )
+    _add_calibration_options(
+        p,
+        "calibrate static scales on",
+        ("absmax", "NVIDIA ModelOpt's FP8 post-training quantization (pip install -e '.[quant]'), or forward"
+         " hooks taking the same absmax without it"),
+    )  # fmt: skip
+    p.set_defaults(func=_run_convert_fp8)
+
+
+def _add_calibration_options(p: argparse.ArgumentParser, what: str, other: tuple[str, str]) -> None:
+    """The options convert-fp8 and convert-w4a8 share: the calibration text and calibrator (modelopt, or
+    `other` = (name, help of both)), the device, shards, overwrite and the checkpoint options."""
     p.add_argument(
         "--calibrate",
         type=Path,
         default=None,
         metavar="DATA",
-        help="calibrate static scales on this text or .jsonl file ({'text': ...} per line; default:"
-        " the Python standard library's sources)",
+        help=f"{what} this text or .jsonl file ({{'text': ...}} per line; default: the Python standard"
+        " library's sources)",
     )
-    p.add_argument(
-        "--calibrator",
-        choices=("modelopt", "absmax"),
-        default="modelopt",
-        help="NVIDIA ModelOpt's FP8 post-training quantization (pip install -e '.[quant]'), or forward"
-        " hooks taking the same absmax without it",
-    )
+    p.add_argument("--calibrator", choices=("modelopt", other[0]), default="modelopt", help=other[1])
     p.add_argument(
         "--calibration-tokens",
         type=_positive_int,
@@ -184,7 +190,6 @@ def _add_convert_fp8(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-shard-gib", type=float, default=4.0)
     p.add_argument("--overwrite", action="store_true")
     _add_checkpoint_options(p)
-    p.set_defaults(func=_run_convert_fp8)
 
 
 def _run_convert_fp8(args: argparse.Namespace) -> None:
@@ -216,31 +221,12 @@ def _add_convert_w4a8(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--group-size", type=_positive_int, default=128, help="input columns per int4 scale")
-    p.add_argument(
-        "--calibrate",
-        type=Path,
-        default=None,
-        metavar="DATA",
-        help="GPTQ calibration text or .jsonl file ({'text': ...} per line; default: the Python standard"
-        " library's sources)",
-    )
-    p.add_argument(
-        "--calibrator",
-        choices=("modelopt", "rtn"),
-        default="modelopt",
-        help="NVIDIA ModelOpt's GPTQ over the calibration text (pip install -e '.[quant]'), or"
-        " round-to-nearest without data",
-    )
-    p.add_argument(
-        "--calibration-tokens",
-        type=_positive_int,
-        default=8192,
-        help="tokens of calibration text at most (default: 8192)",
-    )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-shard-gib", type=float, default=4.0)
-    p.add_argument("--overwrite", action="store_true")
-    _add_checkpoint_options(p)
+    _add_calibration_options(
+        p,
+        "calibrate GPTQ on",
+        ("rtn", "NVIDIA ModelOpt's GPTQ over the calibration text (pip install -e '.[quant]'), or"
+         " round-to-nearest without data"),
+    )  # fmt: skip
     p.set_defaults(func=_run_convert_w4a8)
 
 

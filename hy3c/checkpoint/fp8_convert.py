@@ -165,6 +165,17 @@ def _hf_quant_config() -> dict:
     }
 
 
+def write_quantized_metadata(out: Path, source_dir: Path, config: Hy3Config, block: dict) -> None:
+    """A quantized checkpoint's files besides its tensors: the source's tokenizer and generation files,
+    and its config.json with the `quantization_config` block."""
+    for name in _COPIED_FILES:
+        if (source_dir / name).is_file():
+            shutil.copy2(source_dir / name, out / name)
+    data = config.to_json_dict()
+    data["quantization_config"] = block
+    (out / "config.json").write_text(json.dumps(data, indent=2))
+
+
 def convert_to_fp8(
     source_dir: str | Path,
     out: str | Path,
@@ -209,12 +220,7 @@ def convert_to_fp8(
     scalar = layout == "modelopt"  # ModelOpt's scales are 0-d tensors, AngelSlim's [1]
     derived: dict[str, list[str]] = defaultdict(list)  # model tensor → the checkpoint names made from it
     with atomic_output_dir(out, overwrite, inputs=[source_dir]) as tmp:
-        for name in _COPIED_FILES:
-            if (source_dir / name).is_file():
-                shutil.copy2(source_dir / name, tmp / name)
-        data = config.to_json_dict()
-        data["quantization_config"] = block
-        (tmp / "config.json").write_text(json.dumps(data, indent=2))
+        write_quantized_metadata(tmp, source_dir, config, block)
         if layout == "modelopt":
             (tmp / "hf_quant_config.json").write_text(json.dumps(_hf_quant_config(), indent=2))
         writer = ShardedWriter(tmp, max_shard_bytes)

@@ -22,9 +22,7 @@ import contextlib
 import copy
 import dataclasses
 import io
-import json
 import logging
-import shutil
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from hy3c.checkpoint.fp8_convert import write_quantized_metadata
 from hy3c.checkpoint.int4_format import packed_to_words
 from hy3c.checkpoint.layerwise import calibrate_layerwise
 from hy3c.checkpoint.loader import assemble_tensors, inspect_checkpoint
@@ -49,7 +48,6 @@ from hy3c.ops.quant import INT4_MAX, INT4_MIN, check_int4_groups, pack_int4
 
 log = logging.getLogger("hy3c.checkpoint.w4a8_convert")
 
-_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 _MIN_SCALE = 1e-12
 # what stays in high precision, as compressed-tensors' `ignore` (regular expressions over module names)
 _IGNORED = ["lm_head", r"re:.*self_attn\..*", r"re:.*shared_mlp\..*", r"re:.*mlp\.(gate|up|down)_proj$"]
@@ -205,12 +203,7 @@ def convert_to_w4a8(
     expected = expected_tensors(written, "hub", int4_experts=int4, group_size=group_size)
     derived: dict[str, list[str]] = defaultdict(list)  # model tensor → the checkpoint names made from it
     with atomic_output_dir(out, overwrite, inputs=[source_dir]) as tmp:
-        for name in _COPIED_FILES:
-            if (source_dir / name).is_file():
-                shutil.copy2(source_dir / name, tmp / name)
-        data = config.to_json_dict()
-        data["quantization_config"] = block
-        (tmp / "config.json").write_text(json.dumps(data, indent=2))
+        write_quantized_metadata(tmp, source_dir, config, block)
         writer = ShardedWriter(tmp, max_shard_bytes)
         for name, place in expected.items():
             if place.mode == "shape":
