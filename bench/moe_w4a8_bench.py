@@ -2,6 +2,7 @@
 
     python bench/moe_w4a8_bench.py [--tokens 1,16,128,1024,8192] [--sweep]
         # markdown table; $OUT/moe_w4a8.json (+ $OUT/fused_moe_<gpu>.json with --sweep)
+    TRITON_INTERPRET=1 python -m bench.moe_w4a8_bench --device cpu --tokens 1,20 --sweep   # logic check
 
 Hy3's routed experts: E=192, top-8, H=4096, INTER=1536, groups of 128 input columns per int4 scale.
 x arrives as the norm's per-token FP8 rows (pass fuse_moe_input_quant), as in the model. Times are
@@ -18,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import time
 
 import torch
 import triton
@@ -37,6 +39,10 @@ RESULTS: dict[str, dict] = {}
 
 def timed(fn, tokens: int) -> float | None:
     try:
+        if not torch.cuda.is_available():  # the logic check on a CPU (--device cpu): one call, wall clock
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
         if tokens <= 128:
             return do_bench_cudagraph(fn, rep=50, return_mode="median")
         return do_bench(fn, warmup=10, rep=50, return_mode="median")
@@ -72,9 +78,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="1,16,128,1024,8192")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--device", default="cuda", help="cpu: a logic check at small widths (TRITON_INTERPRET=1)"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
-    d = "cuda"
+    d = args.device
+    if d == "cpu":
+        from tests.kernels.interp_shim import install  # the interpreter's rounding fixes the tests use
+
+        install()
+        global E, K_TOP, H, INTER, GROUP
+        E, K_TOP, H, INTER, GROUP = 8, 2, 128, 64, 32
     w13 = torch.randn(E, 2 * INTER, H, device=d, dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(E, H, INTER, device=d, dtype=torch.bfloat16) * 0.02
     s13, s2 = w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448
@@ -126,6 +141,8 @@ def main() -> None:
                 f"{times['fp8'] / times['w4a8']:.2f}× vs FP8, {times['bf16'] / times['w4a8']:.2f}× vs bf16"
             )
             row(str(t), "w4a8 (best)", f"{times['w4a8']:.4f}", "", "", ratio)
+    if d == "cpu":
+        return
     RESULTS["env"] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
