@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hy3c.checkpoint.layerwise import absmax_hooks, calibrate_layerwise, fp8_ranges
-from hy3c.checkpoint.loader import assemble_tensors, inspect_checkpoint
+from hy3c.checkpoint.loader import CheckpointLayout, assemble_tensors, inspect_checkpoint
 from hy3c.checkpoint.safetensors_io import ShardedWriter, atomic_output_dir, check_output_dir
 from hy3c.checkpoint.weight_map import Placement, expected_tensors, kv_scale_tensors
 from hy3c.config import MODELOPT_FP8_KV, Hy3Config, QuantizationConfig
@@ -165,6 +165,21 @@ def _hf_quant_config() -> dict:
     }
 
 
+def bf16_source(
+    source_dir: Path, command: str, with_mtp: bool, ignore_unexpected: tuple[str, ...] | list[str]
+) -> CheckpointLayout:
+    """The layout of a conversion's BF16 checkpoint (without its MTP layers unless `with_mtp`); a
+    quantized one is an error naming `command`."""
+    source = inspect_checkpoint(source_dir, with_mtp, ignore_unexpected)
+    if source.quant.fp8_modules or source.quant.int4_experts:
+        kind = "an FP8" if source.quant.fp8_modules else "a W4A8"
+        raise ValueError(f"{source_dir}: already {kind} checkpoint; {command} takes a BF16 one")
+    if with_mtp:
+        return source
+    config = source.config.model_copy(update={"num_nextn_predict_layers": 0})
+    return dataclasses.replace(source, config=config)
+
+
 def write_quantized_metadata(out: Path, source_dir: Path, config: Hy3Config, block: dict) -> None:
     """A quantized checkpoint's files besides its tensors: the source's tokenizer and generation files,
     and its config.json with the `quantization_config` block."""
@@ -199,14 +214,8 @@ def convert_to_fp8(
     if layout == "modelopt" and activation_scheme != "static":
         raise ValueError("--layout modelopt: ModelOpt's FP8 format has static activation scales only")
     check_output_dir(out, overwrite, inputs=[source_dir])  # before calibrating
-    source = inspect_checkpoint(source_dir, with_mtp, ignore_unexpected)
-    if source.quant.fp8_modules or source.quant.int4_experts:
-        kind = "an FP8" if source.quant.fp8_modules else "a W4A8"
-        raise ValueError(f"{source_dir}: already {kind} checkpoint; convert-fp8 takes a BF16 one")
+    source = bf16_source(source_dir, "convert-fp8", with_mtp, ignore_unexpected)
     config = source.config
-    if not with_mtp:
-        config = config.model_copy(update={"num_nextn_predict_layers": 0})
-        source = dataclasses.replace(source, config=config)
     if calibration is None:
         gen = torch.Generator().manual_seed(seed)
         calibration = [torch.randint(0, config.vocab_size, (64,), generator=gen).tolist() for _ in range(4)]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import io
 import logging
 from collections import defaultdict
@@ -32,10 +31,10 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from hy3c.checkpoint.fp8_convert import write_quantized_metadata
+from hy3c.checkpoint.fp8_convert import bf16_source, write_quantized_metadata
 from hy3c.checkpoint.int4_format import packed_to_words
 from hy3c.checkpoint.layerwise import calibrate_layerwise
-from hy3c.checkpoint.loader import assemble_tensors, inspect_checkpoint
+from hy3c.checkpoint.loader import assemble_tensors
 from hy3c.checkpoint.modelopt_calibration import import_modelopt
 from hy3c.checkpoint.safetensors_io import ShardedWriter, atomic_output_dir, check_output_dir
 from hy3c.checkpoint.weight_map import expected_tensors
@@ -178,13 +177,8 @@ def convert_to_w4a8(
     every other tensor (and, round-to-nearest, every expert) is streamed from the checkpoint."""
     source_dir, out = Path(source_dir), Path(out)
     check_output_dir(out, overwrite, inputs=[source_dir])
-    source = inspect_checkpoint(source_dir, with_mtp, ignore_unexpected)
-    if source.quant.fp8_modules or source.quant.int4_experts:
-        raise ValueError(f"{source_dir}: already a quantized checkpoint; convert-w4a8 takes a BF16 one")
+    source = bf16_source(source_dir, "convert-w4a8", with_mtp, ignore_unexpected)
     config = source.config
-    if not with_mtp:
-        config = config.model_copy(update={"num_nextn_predict_layers": 0})
-        source = dataclasses.replace(source, config=config)
     for dim, what in (
         (config.hidden_size, "hidden_size"),
         (config.moe_intermediate_size, "moe_intermediate_size"),

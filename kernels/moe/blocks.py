@@ -14,6 +14,9 @@ from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.rowwise.quant import quant_fp8, quant_fp8_per_token
 from hy3c.ops.quant import FP8_DTYPE
 
+# the Triton dtype of each model dtype, as the kernels' epilogues round to it
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
 
 @triton.jit
 def quantize_tile(a, scale, dtype: tl.constexpr):

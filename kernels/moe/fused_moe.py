@@ -61,6 +61,7 @@ from hy3c.kernels import devices, overrides
 from hy3c.kernels.moe import fused_moe_gluon
 from hy3c.kernels.moe.align import moe_align
 from hy3c.kernels.moe.blocks import (
+    TL_DTYPES,
     block_rows,
     program_block,
     quantize_activations,
@@ -73,9 +74,6 @@ from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import HOPPER, PDL, Provider, Target, Variant, register_provider
 from hy3c.ops.fused import check_moe_input_quant
 from hy3c.ops.quant import FP8_DTYPE
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
 
 ROW_SCALE_CHUNK = tl.constexpr(1024)  # columns per trip of the row-absmax pass of `quant_on_load`
 
@@ -627,7 +625,7 @@ def _routed_pairs_triton(
         W_PER_ROW=w13_scale is not None and w13_scale.shape[-1] > 1,
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and x_q is None,
         QUANT_H=quant_h,
-        ACT_DTYPE=_TL_DTYPES[x.dtype],
+        ACT_DTYPE=TL_DTYPES[x.dtype],
         **common,
         **pdl_launch(x.device, pdl),
     )

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from hy3c.kernels.moe.align import moe_align
 from hy3c.kernels.moe.blocks import (
+    TL_DTYPES,
     block_rows,
     program_block,
     quantize_activations,
@@ -38,8 +39,6 @@ from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.ops.quant import FP8_DTYPE, check_int4_groups
 
 MIN_GEMM_GROUP = 32  # K of an FP8 MMA: a K block, within one group's scale, is at least this
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -357,7 +356,7 @@ def routed_pairs_w4a8(
         w13_scale.stride(1),
         A_PER_ROW=a_per_row,
         QUANT_H=quant_h,
-        ACT_DTYPE=_TL_DTYPES[x.dtype],
+        ACT_DTYPE=TL_DTYPES[x.dtype],
         **common,
         **pdl_launch(x.device, pdl),
     )
