@@ -20,6 +20,8 @@ then drives it on this thread (`run_until_done`) with greedy requests of random 
   grammar masks' host work shows among the phases);
 - with `--host-profile`: each setting's top host functions (cProfile, by own time) over one more window;
 - with `--kernel-table`: each setting's top device kernels (time and launches a step) in its trace;
+- with `--gap-table`: each setting's device idle time charged to the activity that ends each gap
+  (the copies and staging kernels launched between two graphs show there);
 - `--overlap on|off|both` picks the settings run (each setting's row also prints as it ends);
 - with `--speculative-config` (as `hy3c serve`'s): the engine speculates, and the verify and draft
   graphs' bare replays give the speedup MTP can reach at acceptances 0.57 and 0.9 (and projected to
@@ -151,6 +153,30 @@ def top_kernels(trace_path: Path, steps: int, top: int = 14) -> list[tuple[str, 
     return [(name, total[name] / steps * 1e-3, count[name] / steps) for name in ranked]
 
 
+def gap_table(trace_path: Path, steps: int, top: int = 14) -> list[tuple[str, float, float, float]]:
+    """Where the device waits: every idle gap between device activities (kernels, copies, sets) of a
+    chrome trace charged to the activity that ends it. The `top` by gap time: (name, gap µs a step,
+    busy µs a step, count a step). Launch gaps inside a graph land on its kernels; the ops a step
+    launches between two graphs (input copies, staging kernels) show with their own gaps."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    spans = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"][:90])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    gap: dict[str, float] = collections.Counter()
+    busy: dict[str, float] = collections.Counter()
+    count: dict[str, int] = collections.Counter()
+    end = spans[0][0] if spans else 0.0
+    for start, stop, name in spans:
+        gap[name] += max(0.0, start - end)
+        busy[name] += stop - start
+        count[name] += 1
+        end = max(end, stop)
+    ranked = sorted(gap, key=gap.__getitem__, reverse=True)[:top]
+    return [(name, gap[name] / steps, busy[name] / steps, count[name] / steps) for name in ranked]
+
+
 def until_decoding(engine, times: dict[str, list[float]], extra: int = 8) -> None:
     """Iterate until every request has its first token, then `extra` more steps."""
     while any(not stamps for stamps in times.values()):
@@ -186,6 +212,7 @@ def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args
         prof.export_chrome_trace(str(trace))
         span, busy, kernels, long_idle = gpu_busy(trace)
         kernel_table = top_kernels(trace, window) if args.kernel_table else []
+        gaps = gap_table(trace, window) if args.gap_table else []
     served_graphs = captured_step_times(engine, concurrency)
     host_profile = profile_host(engine, window) if args.host_profile else ""
     engine.run_until_done()
@@ -204,6 +231,7 @@ def run_setting(engine, clock: PhaseClock, overlap: bool, concurrency: int, args
         "served_graphs": served_graphs,
         "host_profile": host_profile,
         "kernel_table": kernel_table,
+        "gap_table": gaps,
     }
 
 
@@ -417,6 +445,10 @@ def report_setting(row: dict) -> None:
         print(row["host_profile"], flush=True)
     for name, ms, count in row["kernel_table"]:
         print(f"  {ms:8.3f} ms/step {count:6.1f}/step  {name}", flush=True)
+    if row["gap_table"]:
+        print("  device idle charged to the activity after it (µs a step: gap, busy; count a step):")
+    for name, gap_us, busy_us, count in row["gap_table"]:
+        print(f"  gap {gap_us:7.1f} busy {busy_us:7.1f} {count:6.1f}/step  {name}", flush=True)
 
 
 def main() -> None:
@@ -443,6 +475,9 @@ def main() -> None:
     parser.add_argument("--overlap", choices=("both", "on", "off"), default="both")
     parser.add_argument("--host-profile", action="store_true", help="cProfile one more window per setting")
     parser.add_argument("--kernel-table", action="store_true", help="each setting's top device kernels")
+    parser.add_argument(
+        "--gap-table", action="store_true", help="each setting's device idle, by the activity that ends it"
+    )
     args = parser.parse_args()
     options = ServeOptions(
         artifact=args.artifact,
