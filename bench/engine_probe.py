@@ -23,6 +23,8 @@ then drives it on this thread (`run_until_done`) with greedy requests of random 
 - with `--gap-table`: each setting's device idle time charged to the activity that ends each gap
   (the copies and staging kernels launched between two graphs show there);
 - `--overlap on|off|both` picks the settings run (each setting's row also prints as it ends);
+  `--written on|off|both` whether decode steps are written into the sampled graphs' inputs with one
+  copy (`DecodeInputs`; on) or built as batches and staged into the graph (off: the path before);
 - with `--speculative-config` (as `hy3c serve`'s): the engine speculates, and the verify and draft
   graphs' bare replays give the speedup MTP can reach at acceptances 0.57 and 0.9 (and projected to
   80 layers).
@@ -433,7 +435,7 @@ def find_syncs(engine, args) -> list[tuple[int, str]]:
 
 def report_setting(row: dict) -> None:
     """A setting's step, TPOT and host phases as soon as it is measured (and its host profile)."""
-    turn = ", masks in turn" if row.get("in_turn") else ""
+    turn = (", masks in turn" if row.get("in_turn") else "") + (", staged" if row.get("staged") else "")
     phases = ", ".join(f"{k} {v:.3f}" for k, v in sorted(row["phases_ms"].items(), key=lambda kv: -kv[1]))
     print(
         f"[setting] overlap {'on' if row['overlap'] else 'off'}{turn} C={row['concurrency']}: "
@@ -476,6 +478,12 @@ def main() -> None:
     parser.add_argument("--host-profile", action="store_true", help="cProfile one more window per setting")
     parser.add_argument("--kernel-table", action="store_true", help="each setting's top device kernels")
     parser.add_argument(
+        "--written",
+        choices=("both", "on", "off"),
+        default="on",
+        help="decode steps written into the graphs' inputs (on), staged from batches (off), or both",
+    )
+    parser.add_argument(
         "--gap-table", action="store_true", help="each setting's device idle, by the activity that ends it"
     )
     args = parser.parse_args()
@@ -503,6 +511,8 @@ def main() -> None:
     clock.wrap(core, "staged_draws", "staged_draws")
     clock.wrap(core, "sampling_block", "sampling_block")
     clock.wrap(engine.runner, "step_sampled", "runner.step_sampled")
+    clock.wrap(engine.runner, "step_written", "runner.step_written")
+    clock.wrap(engine._inputs, "write_decode", "inputs.write_decode")
     clock.wrap(engine, "_collect", "collect (incl. wait)")
     clock.wrap(engine, "_emit", "emit")
     clock.wrap(engine.scheduler, "publish", "publish")
@@ -521,9 +531,18 @@ def main() -> None:
     overlaps = {"both": (False, True), "on": (True,), "off": (False,)}[args.overlap]
     for concurrency in [] if args.skip_settings else args.concurrency:
         for overlap in overlaps:
-            salt += 1
-            rows.append(run_setting(engine, clock, overlap, concurrency, args, salt))
-            report_setting(rows[-1])
+            for staged in {"on": (False,), "off": (True,), "both": (False, True)}[args.written]:
+                salt += 1
+                # staged: decode steps built as batches and staged into the graph (the path before
+                # DecodeInputs), for a before/after in one run
+                launch_written = engine._launch_written
+                if staged:
+                    engine._launch_written = lambda *_: None
+                rows.append(
+                    {**run_setting(engine, clock, overlap, concurrency, args, salt), "staged": staged}
+                )
+                engine._launch_written = launch_written
+                report_setting(rows[-1])
         if args.json_schema is not None and True in overlaps:  # again with every mask filled in turn
             from hy3c.serve.agent import structured
 
@@ -544,7 +563,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(
-                f"| {'on' if r['overlap'] else 'off'}{' (masks in turn)' if r.get('in_turn') else ''} | "
+                f"| {'on' if r['overlap'] else 'off'}{' (masks in turn)' if r.get('in_turn') else ''}"
+                f"{' (staged)' if r.get('staged') else ''} | "
                 f"{r['concurrency']} | {r['step_ms']:.3f} | "
                 f"{r['tokens_per_s']:.0f} | "
                 f"{r['tpot_ms']:.3f} | {r['window_step_ms']:.3f} | {r['gpu_busy_ms']:.3f} | {r['gpu_idle_pct']:.1f} | "
@@ -560,7 +580,7 @@ def main() -> None:
             listed = ", ".join(
                 f"{k} {v:.3f}" for k, v in sorted(r["phases_ms"].items(), key=lambda kv: -kv[1])
             )
-            turn = ", masks in turn" if r.get("in_turn") else ""
+            turn = (", masks in turn" if r.get("in_turn") else "") + (", staged" if r.get("staged") else "")
             print(f"  overlap {'on' if r['overlap'] else 'off'}{turn} C={r['concurrency']}: {listed}")
     if args.contexts:
         print(f"\noverlapped decode step by context ({args.context_requests} requests):")

@@ -164,6 +164,15 @@ class Runner:
         graphs = self.step_graphs.get(1)
         return None if graphs is None else graphs.run_sampled(batch, kv_cache, block)
 
+    def step_written(
+        self, b: int, table: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode step of b requests written into the sampled decode graphs' inputs
+        (`decode_graphs.inputs`, a `hy3c.runtime.cuda_graphs.DecodeInputs`), replayed with its draws, its
+        page-table rows gathered from `table` (`DecodeGraphs.replay_written`): (logits rows, hidden,
+        tokens int64, [b, 2] float64 draws), valid until the next decode replay."""
+        return self.step_graphs[1].replay_written(b, table)
+
     def capture_draft_graphs(
         self,
         kv_cache: torch.Tensor,

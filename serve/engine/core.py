@@ -608,6 +608,9 @@ class Engine:
                 )
                 for w in work
             ]
+            written = self._launch_written(work, chunks, previous, started, preempted)
+            if written is not None:
+                return written
             device = self.runner.device
             if self.data_parallel > 1:  # each DP rank's own batch; the logits rows come back in rank order
                 ranks = [
@@ -679,6 +682,54 @@ class Engine:
             return None
         rows_of = {lv.seq: row for row, lv in enumerate(lives)}
         return _InFlight(work, lives, pending, rows_of, scored_only, preempted, started, prepared - started)
+
+    def _launch_written(
+        self,
+        work: list[Work],
+        chunks: list[SeqChunk],
+        previous: _InFlight | None,
+        started: float,
+        preempted: int,
+    ) -> _InFlight | None:
+        """Launch a plain decode step whose every request only draws its next token (no penalties,
+        bias, logprobs, grammar or prompt rows) with the fewest device operations: written into the
+        sampled decode graphs' inputs with one copy, its page-table rows gathered by one kernel, and
+        the graph replayed, which feeds the tokens still in flight and draws the next ones itself
+        (`hy3c.runtime.cuda_graphs.DecodeInputs`). None when the step is not such a step or no
+        graph takes it (the caller builds it as a batch)."""
+        graphs = getattr(self.runner, "decode_graphs", None)
+        if graphs is None or graphs.inputs is None or graphs.kv_cache is not self.kv_cache:
+            return None
+        if self.speculator is not None or self.data_parallel > 1:
+            return None
+        if len(work) > graphs.sizes[-1] or self._inputs.table.shape[1] < graphs.max_pages:
+            return None
+        if any(w.count != 1 or not w.wants_logits or w.all_logits or w.drafts for w in work):
+            return None
+        _, lives, scoring, scored_only = self._logit_rows(work)
+        if scoring or scored_only or len(lives) != len(work):
+            return None
+        for live in lives:
+            if has_penalties(live.request.params) or live.request.num_logprobs or live.constraint is not None:
+                return None
+        inputs = graphs.inputs
+        pairs = _feed_pairs(work, previous)
+        if pairs:  # the tokens in flight are fed from `inputs.drawn`: those drawn elsewhere are moved in
+            assert previous is not None
+            tokens = previous.pending.tokens
+            if tokens.data_ptr() != inputs.drawn.data_ptr():
+                if tokens.shape[0] > inputs.drawn.shape[0]:
+                    return None
+                inputs.drawn[: tokens.shape[0]].copy_(tokens)
+        params = [lv.request.params for lv in lives]
+        block = sampling_block(params, [lv.generator for lv in lives], graphs.sampling_width)
+        prepared = time.monotonic()
+        self._inputs.write_decode(chunks, [w.seq for w in work], pairs, inputs, block)
+        _, _, tokens, pair = self.runner.step_written(len(work), self._inputs.table)
+        self.scheduler.advance(work, [lv.seq for lv in lives])
+        pending = staged_draws(tokens, pair, self._staging)
+        rows_of = {lv.seq: row for row, lv in enumerate(lives)}
+        return _InFlight(work, lives, pending, rows_of, [], preempted, started, prepared - started)
 
     def _grammar_masks(self, lives: list[_Live], vocab: int, device: torch.device) -> Tensor | None:
         """The packed masks of a step's sampled rows (`hy3c.ops.sample`; every token allowed in a row

@@ -12,6 +12,7 @@ runner (`DecodeGraphs`) and the rank broadcast (`pack_batch`) take it unchanged.
 
     inputs = StepInputs(page_size, device, rows=max_num_seqs, pages=ceil(max_model_len / page_size))
     batch = inputs.build(chunks, [w.seq for w in work])   # each step, instead of build_step_batch
+    inputs.write_decode(chunks, seqs, feed, graph_inputs, block)  # a decode step a sampled graph replays
     inputs.drop(seq)                                       # a request left: its row is free again
 
 A request's pages are read from its chunk: the list may grow by appending (the scheduler's `_grow`);
@@ -38,6 +39,7 @@ import torch
 from torch import Tensor
 
 from hy3c.model.batch import SeqChunk, StepBatch, aligned, token_inputs
+from hy3c.runtime.cuda_graphs import DecodeInputs
 
 
 @dataclass
@@ -102,22 +104,7 @@ class StepInputs:
             raise ValueError("StepInputs.build: a request appears twice in one step's owners")
         inputs = token_inputs(chunks, self.page_size)
         width = max((len(c.pages) for c in chunks), default=1) or 1
-        if width > self.table.shape[1]:
-            self._grow(self.table.shape[0], width)
-        columns = self.table.shape[1]
-        rows: list[int] = []
-        cells: list[int] = []  # flat indices into the table
-        values: list[int] = []
-        for owner, chunk in zip(owners, chunks):
-            pages = chunk.pages
-            row = self._sync(owner, pages)
-            rows.append(row.index)
-            if row.written < len(pages):
-                base = row.index * columns
-                cells.extend(range(base + row.written, base + len(pages)))
-                values.extend(pages[row.written :])
-                row.written, row.last = len(pages), pages[-1]
-        self.cells_written += len(cells)
+        rows, cells, values = self._rows_and_cells(chunks, owners)
         t, b, s, u, f = len(inputs.ids), len(rows), len(inputs.logits_rows), len(cells), len(feed)
         # int64: ids | positions | slots | logits rows | cells | feed; int32: lengths | starts | rows | values;
         # every segment 16-byte aligned (Triton compiles a kernel variant per pointer alignment class)
@@ -152,6 +139,58 @@ class StepInputs:
             token_rows=token_rows,
             feed_index=feed_d.view(2, f) if f else None,
         )
+
+    def write_decode(
+        self,
+        chunks: list[SeqChunk],
+        owners: Sequence[Hashable],
+        feed: Sequence[tuple[int, int]],
+        graph_inputs: DecodeInputs,
+        block: Tensor,
+    ) -> None:
+        """`build` for a decode step that a sampled decode graph replays (one token per request, each
+        its logits row): the same values written into the graphs' `graph_inputs` — one copy — rather
+        than a batch (`hy3c.runtime.cuda_graphs.DecodeInputs`; the graph gathers its page-table rows
+        from `table`). `feed`: (token index, draw row) as for `build`, the draw rows being rows of
+        `graph_inputs.drawn`; `block`: the sampler's parameter block."""
+        if len(owners) != len(chunks) or any(len(c.tokens) != 1 or c.logits != "last" for c in chunks):
+            raise ValueError("StepInputs.write_decode: one token and its logits row per request")
+        if len(set(owners)) != len(owners):
+            raise ValueError("StepInputs.write_decode: a request appears twice in one step's owners")
+        inputs = token_inputs(chunks, self.page_size)
+        rows, cells, values = self._rows_and_cells(chunks, owners)
+        if cells:  # a request's pages grew (every page_size steps of a decode)
+            cells_d = self._upload(np.array(cells, np.int64))
+            self.table.view(-1).index_copy_(0, cells_d, self._upload(np.array(values, np.int32)))
+        fed = [-1] * len(chunks)
+        for target, source in feed:
+            fed[target] = source
+        graph_inputs.write(inputs.ids, inputs.positions, inputs.slots, fed, inputs.seq_lens, rows, block)
+
+    def _rows_and_cells(
+        self, chunks: list[SeqChunk], owners: Sequence[Hashable]
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Each request's table row (a new request gets one), and the cells of the pages added since
+        its last step (flat indices into the table) with their values; the host's record of what each
+        row holds moves on."""
+        width = max((len(c.pages) for c in chunks), default=1) or 1
+        if width > self.table.shape[1]:
+            self._grow(self.table.shape[0], width)
+        columns = self.table.shape[1]
+        rows: list[int] = []
+        cells: list[int] = []
+        values: list[int] = []
+        for owner, chunk in zip(owners, chunks):
+            pages = chunk.pages
+            row = self._sync(owner, pages)
+            rows.append(row.index)
+            if row.written < len(pages):
+                base = row.index * columns
+                cells.extend(range(base + row.written, base + len(pages)))
+                values.extend(pages[row.written :])
+                row.written, row.last = len(pages), pages[-1]
+        self.cells_written += len(cells)
+        return rows, cells, values
 
     def _sync(self, owner: Hashable, pages: Sequence[int]) -> _Row:
         """The request's row, made ready to take its pages from `row.written` on: a new request gets a
