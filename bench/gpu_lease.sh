@@ -1,0 +1,42 @@
+# The GPU runs that wait for a lease, each a named step; one call runs the steps it names in order,
+# each under its own timeout, its output written to $OUT/<step>.txt (never only through a pipe that a
+# timeout would cut), a table's tail printed after it.
+#   STEPS="probe decode-tests json" bash bench/gpu_lease.sh     (on the GPU machine, carrying .whl)
+# Steps:
+#   decode-tests  GPU tests of the decode graphs: written inputs, sampled graphs, draft graphs
+#   probe         engine_probe on the 4-layer FP8 slice (random weights), C=1 and 32, decode steps
+#                 written into the graphs' inputs and staged from batches, gap table (issue 27)
+#   json          json_schema vs free-text TPOT at C=32 over HTTP, engine process (issue 29)
+#   w4a8-test     GPU tests of the W4A8 GEMMs at Hy3's shapes (issue 30)
+#   w4a8-moe      W4A8 FusedMoE vs FP8 and bf16 with a config sweep (issue 30)
+#   w4a8-e2e      4-layer slice decode and prefill with W4A8 experts vs FP8 (issue 30)
+set -uo pipefail
+source bench/device_env.sh
+out=${OUT:-/tmp/lease}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+slice=/tmp/lease-slice
+compiled() {  # the random-weight 4-layer FP8 slice, compiled once per call
+  [ -d $slice ] || python3 -m hy3c compile --preset real-shapes:4 --recipe h20-w8a8c8 \
+    --set quant.activations=dynamic --out $slice >"$out/compile.txt" 2>&1
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$out/gpu.txt"
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >>"$out/gpu.txt"
+for step in ${STEPS:-probe}; do
+  echo "== $step $(date +%T)"
+  case $step in
+    decode-tests) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/serve/engine/test_written_decode.py tests/serve/engine/test_sampled_graphs.py \
+        tests/runtime/test_draft_graphs.py >"$out/$step.txt" 2>&1 ;;
+    probe) compiled; timeout 300 python3 bench/engine_probe.py $slice --random-weights 0 --concurrency 1 32 \
+        --overlap on --written both --output-len 300 --gap-table >"$out/$step.txt" 2>&1 ;;
+    json) compiled; ART=$slice RANDOM_WEIGHTS=1 SAMPLER=0 SERVERS=--engine-process KINDS="free json" \
+        timeout 200 bash bench/structured_serve.sh >"$out/$step.txt" 2>&1 ;;
+    w4a8-test) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_w4a8.py \
+        >"$out/$step.txt" 2>&1 ;;
+    w4a8-moe) timeout 300 python3 bench/moe_w4a8_bench.py --sweep >"$out/$step.txt" 2>&1 ;;
+    w4a8-e2e) timeout 420 python3 bench/e2e.py --layers 4 --part w4a8 --decode 1,32 --prefill 8192,32768 \
+        >"$out/$step.txt" 2>&1 ;;
+    *) echo "unknown step $step" ;;
+  esac
+  echo "rc=$? $(date +%T)"; tail -n 25 "$out/$step.txt"
+done
