@@ -35,7 +35,7 @@ from hy3c.model.batch import StepBatch
 from hy3c.model.hy3 import allocate_kv_cache
 from hy3c.recipe import Recipe
 from hy3c.runtime.cuda_graphs import DecodeGraphs, capture_blockers
-from hy3c.runtime.spec_graphs import Accept, SpecDecodeSteps
+from hy3c.runtime.spec_graphs import SpecDecodeSteps, StepRule
 
 log = logging.getLogger("hy3c.runtime.runner")
 
@@ -83,6 +83,7 @@ class Runner:
         self.step_graphs: dict[int, DecodeGraphs] = {}  # tokens per request → the step's graphs
         self.draft_graphs: dict[int, DecodeGraphs] = {}  # tokens per request → the draft program's
         self.spec_steps: SpecDecodeSteps | None = None  # whole greedy speculative decode steps
+        self.sampled_spec_steps: SpecDecodeSteps | None = None  # the same for batches that sample
         self.compile_cache: Path | None = self._use_compile_cache() if compile else None
         self._fn = torch.compile(gm, dynamic=False, fullgraph=True) if compile else gm
         self._draft_fn = None
@@ -197,12 +198,15 @@ class Runner:
         batch_sizes: list[int] | None,
         k: int,
         page_size: int,
-        accept: Accept,
+        rule: StepRule,
         graphs: bool = True,
+        sampled: bool = False,
     ) -> str | None:
         """Capture whole speculative decode steps with K drafts (`hy3c.runtime.spec_graphs`: the chained
-        correction, verify, `accept`, the MTP passes) per batch size; `graphs=False` builds them
-        uncaptured (off CUDA: tests). Returns None on success, else why nothing was captured."""
+        correction, verify and acceptance by `rule`, the MTP passes) per batch size, as `spec_steps`,
+        or with `sampled` (a rule that reads sampling parameters) as `sampled_spec_steps`;
+        `graphs=False` builds them uncaptured (off CUDA: tests). Returns None on success, else why
+        nothing was captured."""
         if self.mtp_gm is None:
             return "the artifact has no draft program (compiled without MTP layers)"
         sizes = batch_sizes if batch_sizes is not None else self.recipe.cuda_graphs.decode_batch_sizes
@@ -210,23 +214,31 @@ class Runner:
         if blockers:
             return f"ops without a CUDA-graph-safe provider: {', '.join(blockers)}"
         result = SpecDecodeSteps.capture(
-            self._run, self._run_draft, kv_cache, sizes, max_pages, k, page_size, accept, graphs
+            self._run, self._run_draft, kv_cache, sizes, max_pages, k, page_size, rule, graphs
         )
         if isinstance(result, str):
             log_event(log, "cuda_graphs_skipped", reason=result, program="speculative step")
             return result
-        self.spec_steps = result
+        if sampled:
+            self.sampled_spec_steps = result
+        else:
+            self.spec_steps = result
         return None
 
     def spec_step(
-        self, batch: StepBatch, kv_cache: torch.Tensor, chained_from: torch.Tensor | None = None
+        self,
+        batch: StepBatch,
+        kv_cache: torch.Tensor,
+        chained_from: torch.Tensor | None = None,
+        params: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """A whole greedy speculative decode step (`SpecDecodeSteps.run`): the packed [b, 1 + (K+1) + K]
-        accepted counts, emitted tokens and next drafts; None when no captured step covers the batch."""
-        steps = self.spec_steps
+        """A whole speculative decode step (`SpecDecodeSteps.run`): `sampled_spec_steps` with the rule's
+        parameter block `params`, else `spec_steps`. Returns the packed [b, 1 + (K+1) + K] accepted
+        counts, emitted tokens and next drafts; None when no captured step covers the batch."""
+        steps = self.spec_steps if params is None else self.sampled_spec_steps
         if steps is None or not steps.fits(batch, kv_cache):
             return None
-        return steps.run(batch, chained_from)
+        return steps.run(batch, chained_from, params)
 
     def _capture(
         self,

@@ -1,8 +1,8 @@
 """Whole speculative decode steps in one CUDA graph per batch size: verify, accept, draft, pack.
 
-    steps = SpecDecodeSteps.capture(runner, kv_cache, batch_sizes=[1, 2, 4], max_pages=2048, k=2,
-                                    page_size=64, accept=greedy_accept)
-    packed = steps.run(batch, chained_from=None)   # [b, 1 + (K+1) + K] int64, on the device
+    steps = SpecDecodeSteps.capture(step_fn, draft_fn, kv_cache, batch_sizes=[1, 2, 4], max_pages=2048,
+                                    k=2, page_size=64, rule=rule)
+    packed = steps.run(batch, chained_from=None, params=None)   # [b, 1 + (K+1) + K] int64, on the device
 
 A steady speculative decode step feeds every request its last token and its K drafts (K + 1 tokens
 at positions start..start+K) and, uncaptured, costs some two hundred small launches around the
@@ -13,19 +13,22 @@ verify and draft graphs: the host, not the GPU, then sets the pace. This module 
    sequence length and slots move back by the drafts the previous step rejected (the host planned
    them at full acceptance, before reading it);
 2. the step program at q = K + 1, every token a logits row;
-3. the acceptance: row j's argmax checks draft j + 1 (`accept`: greedy equality, or the forced
-   benchmark mode's coin); a request emits its accepted drafts then the correction or bonus — all of
-   them its rows' argmax, as `hy3c.serve.engine.spec_decode.verify` emits them for greedy rows;
+3. the acceptance by the engine's `rule` (`StepRule.verify`: greedy equality, the forced benchmark
+   mode's coin, or the rejection rule of sampled requests, whose parameters and seeds the step reads
+   from its static block `params`, one copy per step): each request's accepted count and emitted
+   tokens — its accepted drafts then the correction or bonus, as
+   `hy3c.serve.engine.spec_decode.verify` emits them;
 4. the MTP program over the K + 1 positions (each position's successor: the emitted token there, 0
    past them, as the uncaptured draft pass feeds it), its row at each request's last accepted
-   position drafting d'_1, then K − 1 recursive passes of one token per request at positions
-   start + accepted + depth (KV slots from the page table, which the caller filled for them);
+   position drafting d'_1 (`StepRule.draft`), then K − 1 recursive passes of one token per request
+   at positions start + accepted + depth (KV slots from the page table, which the caller filled
+   for them);
 5. `packed` ← [accepted count, emitted tokens (−1 after), next drafts] per request.
 
-Only greedy requests without logprobs, penalties or logit bias qualify (the engine checks; anything
-else runs uncaptured). Padding requests (a smaller batch than captured) feed token 0 at position 0
-with slot −1 (no KV written, `DecodeGraphs`' convention) and are never corrected. Off CUDA (tests),
-`capture(..., graphs=False)` keeps the same static buffers and runs the same body uncaptured.
+Only requests without logprobs, penalties, logit bias or grammars qualify (the engine checks;
+anything else runs uncaptured). Padding requests (a smaller batch than captured) feed token 0 at
+position 0 with slot −1 (no KV written, `DecodeGraphs`' convention) and are never corrected. Off CUDA
+(tests), `capture(..., graphs=False)` keeps the same static buffers and runs the same body uncaptured.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -42,8 +46,23 @@ from hy3c.model.batch import StepBatch
 
 log = logging.getLogger("hy3c.runtime.spec_graphs")
 
-# accept(drafts [b, K], argmax of the rows checking them [b, K], real rows [b]) → bool [b, K]
-Accept = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+class StepRule(Protocol):
+    """How a captured step accepts drafts and drafts the next ones: device work only (it is captured).
+    `params`: the step's static int64 block of `param_rows` rows, one column per request (what the
+    rule needs per request beyond the tokens; `block` fills it on the host)."""
+
+    param_rows: int
+
+    def verify(self, logits: Tensor, fed: Tensor, real: Tensor, params: Tensor) -> tuple[Tensor, Tensor]:
+        """The fp32 logits [b·(K+1), V] of each request's fed tokens `fed` [b, K+1] (its last token,
+        then K drafts; `real` [b]: False in padding) → (accepted drafts [b] int64, emitted [b, K+1]
+        int64: the accepted drafts, then the correction or bonus, −1 after)."""
+        ...
+
+    def draft(self, logits: Tensor, depth: int, params: Tensor) -> Tensor:
+        """Draft `depth` (0 .. K − 1) of each request from the MTP pass's logits [b, V] → int64 [b]."""
+        ...
 
 
 # a program run uncaptured: the step program's eight inputs or the draft program's nine → (logits, hidden)
@@ -60,17 +79,21 @@ class _Step:
     seq_lens: Tensor  # int32 [size]
     chained: Tensor  # int64 [1]: 1 = correct the inputs from `packed` first
     packed: Tensor  # int64 [size, 1 + q + K]: the outputs, and a chained step's inputs
+    params: Tensor  # int64 [rule.param_rows, size]: the rule's per-request block
     padded_from: int = 0
 
 
 class SpecDecodeSteps:
     """The captured speculative decode steps of one K (see the module docstring), per batch size."""
 
-    def __init__(self, steps: dict[int, _Step], kv_cache: Tensor, max_pages: int, k: int) -> None:
+    def __init__(
+        self, steps: dict[int, _Step], kv_cache: Tensor, max_pages: int, k: int, rule: StepRule
+    ) -> None:
         self.steps = steps
         self.kv_cache = kv_cache
         self.max_pages = max_pages
         self.k = k
+        self.rule = rule
         self.sizes = sorted(steps)
         self.captured = all(s.graph is not None for s in steps.values())
 
@@ -84,7 +107,7 @@ class SpecDecodeSteps:
         max_pages: int,
         k: int,
         page_size: int,
-        accept: Accept,
+        rule: StepRule,
         graphs: bool = True,
     ) -> SpecDecodeSteps | str:
         """One step per batch size (captured in a CUDA graph unless `graphs` is False); returns the
@@ -97,7 +120,7 @@ class SpecDecodeSteps:
         pool = torch.cuda.graph_pool_handle() if graphs else None
         steps = {}
         for size in sorted(batch_sizes, reverse=True):  # largest first: smaller graphs reuse its pool
-            step = _build(step_fn, draft_fn, kv_cache, size, max_pages, k, page_size, accept, device)
+            step = _build(step_fn, draft_fn, kv_cache, size, max_pages, k, page_size, rule, device)
             if graphs:
                 stream = torch.cuda.Stream(device)
                 stream.wait_stream(torch.cuda.current_stream(device))
@@ -113,7 +136,7 @@ class SpecDecodeSteps:
             log, "spec_decode_graphs_captured" if graphs else "spec_decode_steps_built",
             sizes=",".join(map(str, sorted(steps))), k=k, max_pages=max_pages,
         )  # fmt: skip
-        return cls(steps, kv_cache, max_pages, k)
+        return cls(steps, kv_cache, max_pages, k, rule)
 
     def fits(self, batch: StepBatch, kv_cache: Tensor) -> bool:
         """Whether a step covers the batch (the caller vouches that it is a uniform decode of K drafts)."""
@@ -125,15 +148,26 @@ class SpecDecodeSteps:
             and batch.page_table.shape[1] <= self.max_pages
         )
 
-    def run(self, batch: StepBatch, chained_from: Tensor | None = None) -> Tensor | None:
+    def size_for(self, requests: int) -> int:
+        """The batch size of the step that runs `requests` requests (the width of its `params`)."""
+        return next(size for size in self.sizes if size >= requests)
+
+    def run(
+        self, batch: StepBatch, chained_from: Tensor | None = None, params: Tensor | None = None
+    ) -> Tensor | None:
         """Run the step covering the batch; `chained_from`: the previous step's packed outputs (its
-        requests in the same rows) when the batch was planned at that step's full acceptance. Returns
-        the packed outputs [b, 1 + (K+1) + K] (valid until the next run at this batch size), or None
-        when no step covers the batch."""
+        requests in the same rows) when the batch was planned at that step's full acceptance;
+        `params`: the rule's block for `size_for(b)` columns, padding included (a host tensor: one
+        copy; None when the rule takes none). Returns the packed outputs [b, 1 + (K+1) + K] (valid
+        until the next run at this batch size), or None when no step covers the batch."""
         if not self.fits(batch, self.kv_cache):
             return None
         b, q = batch.seq_lens.shape[0], self.k + 1
-        s = self.steps[next(size for size in self.sizes if size >= b)]
+        s = self.steps[self.size_for(b)]
+        if self.rule.param_rows:
+            if params is None or params.shape != s.params.shape:
+                raise ValueError(f"SpecDecodeSteps.run: a parameter block of {list(s.params.shape)} is due")
+            s.params.copy_(params, non_blocking=True)
         if batch.token_rows is not None:
             s.token_rows[:, : b * q].copy_(batch.token_rows)
         else:
@@ -167,7 +201,7 @@ def _build(
     max_pages: int,
     k: int,
     page_size: int,
-    accept: Accept,
+    rule: StepRule,
     device: torch.device,
 ) -> _Step:
     """The static buffers of one batch size and the step body over them (module docstring, 1–5)."""
@@ -182,9 +216,9 @@ def _build(
     one_starts = torch.arange(size + 1, dtype=torch.int32, device=device)
     every_row = torch.arange(tokens, dtype=torch.int64, device=device)
     request = torch.arange(size, dtype=torch.int64, device=device)
-    column = torch.arange(q, dtype=torch.int64, device=device)
     chained = torch.zeros(1, dtype=torch.int64, device=device)
     packed = torch.zeros(size, 1 + q + k, dtype=torch.int64, device=device)
+    params = torch.zeros(rule.param_rows, size, dtype=torch.int64, device=device)
     ids, positions, slots = token_rows[0], token_rows[1], token_rows[2]
 
     def slot_of(at: Tensor, real: Tensor) -> Tensor:
@@ -211,17 +245,15 @@ def _build(
         logits, hidden = step_fn(
             ids, positions, kv_cache, page_table, seq_lens, query_starts, slots, every_row
         )
-        argmax = logits.argmax(-1).view(size, q)
-        # 3. acceptance: emitted tokens are the rows' argmax up to the first refusal
-        counts = accept(ids.view(size, q)[:, 1:], argmax[:, :-1], real).long().cumprod(1).sum(1)
-        emitted = torch.where(column[None, :] <= counts[:, None], argmax, -1)
+        # 3. the acceptance: each request's accepted drafts, then its correction or bonus
+        counts, emitted = rule.verify(logits.float(), ids.view(size, q), real, params)
         # 4. the MTP pass over the fed positions, then its recursion
         rows = request * q + counts
         draft_logits, draft_hidden = draft_fn(
             emitted.clamp(min=0).view(-1), positions, hidden, kv_cache, page_table, seq_lens,
             query_starts, slots, rows,
         )  # fmt: skip
-        drafts = [draft_logits.argmax(-1)]
+        drafts = [rule.draft(draft_logits.float(), 0, params)]
         hidden_prev = draft_hidden.index_select(0, rows)
         start = positions.view(size, q)[:, 0]
         for depth in range(1, k):
@@ -230,8 +262,8 @@ def _build(
                 drafts[-1], at, hidden_prev, kv_cache, page_table, (at + 1).to(seq_lens.dtype),
                 one_starts, slot_of(at, real), request,
             )  # fmt: skip
-            drafts.append(draft_logits.argmax(-1))
+            drafts.append(rule.draft(draft_logits.float(), depth, params))
         # 5. the outputs, where the next chained step reads them
         packed.copy_(torch.cat([counts[:, None], emitted, torch.stack(drafts, 1)], 1))
 
-    return _Step(size, None, body, token_rows, page_table, seq_lens, chained, packed)
+    return _Step(size, None, body, token_rows, page_table, seq_lens, chained, packed, params)

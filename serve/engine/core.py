@@ -75,8 +75,8 @@ from hy3c.serve.engine.sampler import (
     wait_event,
 )
 from hy3c.serve.engine.scheduler import DataParallelScheduler, Scheduler, Sequence, Work
-from hy3c.serve.engine.spec_decode import SpeculativeConfig, Verified
-from hy3c.serve.engine.speculation import Drafted, Drafting, Speculator
+from hy3c.serve.engine.spec_decode import SpeculativeConfig, Verified, draw_seeds
+from hy3c.serve.engine.speculation import Drafted, Drafting, DraftProbs, Speculator
 from hy3c.serve.engine.step_inputs import StepInputs
 
 log = logging.getLogger("hy3c.engine")
@@ -292,6 +292,8 @@ class Engine:
             if self.data_parallel > 1:
                 raise ValueError("--speculative-config: not supported with attention data parallelism yet")
             self.speculator = Speculator(config.speculative, config.page_size)
+            # a preempted request's drafts are spent: their distributions' slot goes
+            self.scheduler.on_preempt = self.speculator.forget
         self.metrics.watch(lambda: len(self.scheduler.running), lambda: len(self.scheduler.waiting), usage)
         self.kv_cache = runner.allocate_kv_cache(config.num_pages, config.page_size)
         self.tiers: KVTiers | None = None
@@ -813,21 +815,27 @@ class Engine:
         preempted: int,
         chained: tuple[Tensor, Tensor] | None = None,
         packed_before: Tensor | None = None,
+        captured_kind: str | None = None,
     ) -> _SpecStep:
         """Launch a step with MTP speculative decoding (`hy3c.serve.engine.speculation`): the target
         verifies the drafts fed and the MTP program drafts the next ones, all on the device. `chained`:
         (the drafts on the device, request-major; how far each request's positions were planned past
         the true ones) for a step planned from one still in flight (`_spec_chain`), run uncaptured.
-        A uniform greedy decode (`_capturable`) replays one captured step instead
+        A uniform decode (`_captured_kind`) replays one captured step instead
         (`hy3c.runtime.spec_graphs`); `packed_before`: the outputs of the step in flight it was
-        planned from, which the captured step corrects its inputs by."""
+        planned from, which the captured step corrects its inputs by, with `captured_kind` the kind of
+        captured step that runs it."""
         assert self.speculator is not None
         prepared = time.monotonic()
         captured = None
-        if packed_before is not None or (
-            chained is None and not scoring and not scored_only and self._capturable(work, lives, batch)
-        ):
-            captured = self.runner.spec_step(batch, self.kv_cache, packed_before)
+        kind = captured_kind
+        if kind is None and chained is None and packed_before is None and not scoring and not scored_only:
+            kind = self._captured_kind(work, lives, batch)
+        if packed_before is not None and kind is None:
+            raise RuntimeError("a step planned from a captured one in flight needs a captured step")
+        if kind is not None:
+            params = self._captured_params(work, lives) if kind == "sampled" else None
+            captured = self.runner.spec_step(batch, self.kv_cache, packed_before, params)
             if captured is None:
                 raise RuntimeError("no captured speculative step covers a batch checked to fit one")
         if captured is not None:
@@ -913,28 +921,55 @@ class Engine:
             if w.drafts == k and w.count == k + 1:
                 self.scheduler.reserve(w.seq, w.start + w.count + k - 1)
 
-    def _capturable(self, work: list[Work], lives: list[_Live], batch: StepBatch) -> bool:
-        """Whether a captured speculative step runs this one: a step of one rank whose every request is
-        a greedy decode feeding K drafts (no logprobs, penalties or logit bias), holding the pages its
-        recursion writes, in a batch a captured step covers."""
+    def _captured_kind(self, work: list[Work], lives: list[_Live], batch: StepBatch) -> str | None:
+        """Which captured speculative step runs this one, if any: "greedy" (`Runner.spec_steps`) or
+        "sampled" (`Runner.sampled_spec_steps`, for a batch with sampled requests) for a step of one
+        rank whose every request is a decode feeding K drafts (no logprobs, penalties, logit bias or
+        grammar), holding the pages its recursion writes, in a batch a captured step covers."""
         assert self.speculator is not None
-        steps = getattr(self.runner, "spec_steps", None)
-        if steps is None or self.data_parallel > 1 or len(lives) != len(work):
-            return False
-        if not steps.fits(batch, self.kv_cache):
-            return False
+        if self.data_parallel > 1 or len(lives) != len(work):
+            return None
         k, page_size = self.speculator.k, self.config.page_size
         for w, live in zip(work, lives):
             p = live.request.params
             if live.seq is not w.seq or w.drafts != k or w.count != k + 1:
-                return False
-            if not p.greedy or has_penalties(p) or live.request.num_logprobs is not None:
-                return False
+                return None
+            if has_penalties(p) or live.request.num_logprobs is not None:
+                return None
             if live.constraint is not None:  # its rows are masked between the model and the verify
-                return False
+                return None
             if len(w.seq.pages) * page_size < w.start + w.count + k - 1:
-                return False
-        return True
+                return None
+        kind = "greedy" if all(live.request.params.greedy for live in lives) else "sampled"
+        steps = getattr(self.runner, "spec_steps" if kind == "greedy" else "sampled_spec_steps", None)
+        if steps is None or not steps.fits(batch, self.kv_cache):
+            return None
+        if kind == "sampled":  # each sampled request's draft distributions get their slot first
+            probs, captured = self.speculator.probs, steps.rule.tensor
+            for live in lives:
+                if not live.request.params.greedy:
+                    probs.slot(live.seq, captured.shape[-1], captured.device)
+        return kind if steps.rule.current else None  # (a store grown since capture: uncaptured)
+
+    def _captured_params(self, work: list[Work], lives: list[_Live]) -> Tensor:
+        """A sampled captured step's parameter block (`CapturedRule.block`): each request's sampling,
+        its draft-distribution slot and this step's seeds, drawn from its generator in the order the
+        uncaptured path draws them (the verification's, then one per draft depth)."""
+        assert self.speculator is not None
+        k, probs = self.speculator.k, self.speculator.probs
+        steps = self.runner.sampled_spec_steps
+        params = [live.request.params for live in lives]
+        slots, seeds = [], []
+        for live, p in zip(lives, params):
+            if p.greedy:
+                slots.append(DraftProbs.SCRATCH)
+                seeds.append([0] * (k + 1))
+            else:
+                slot = probs.find(live.seq)
+                assert slot is not None, "a sampled request's slot is given by _captured_kind"
+                slots.append(slot)
+                seeds.append([draw_seeds([p], [live.generator])[0] for _ in range(k + 1)])
+        return steps.rule.block(params, slots, seeds, steps.size_for(len(work)))
 
     def _spec_collect(self, step: _SpecStep, successor: _SpecStep | None = None) -> None:
         """Read a speculative step (its one host read: accepted counts, emitted tokens, next drafts),
@@ -1046,9 +1081,10 @@ class Engine:
         chunks = [SeqChunk([0] * (k + 1), w.start, w.seq.pages, "all") for w in work]
         batch = self._inputs.build(chunks, [w.seq for w in work])
         rows = [(r + 1) * (k + 1) - 1 for r in range(len(work))]
-        if self._capturable(work, previous.lives, batch):  # corrected inside the captured step
+        kind = self._captured_kind(work, previous.lives, batch)
+        if kind is not None:  # corrected inside the captured step
             return self._spec_launch(
-                work, batch, rows, previous.lives, [], [], started, 0, packed_before=previous.packed
+                work, batch, rows, previous.lives, [], [], started, 0, None, previous.packed, kind
             )
         verified, drafted = previous.verified, previous.drafted
         lag = k - verified.counts  # the drafts each request's previous step rejected

@@ -46,6 +46,7 @@ Hy3's 120832 entries). A longer prompt is scored over several steps, like any ch
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -129,6 +130,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.tiers: KVTiers | None = None  # L2 / L3 below the pool: a prefix continues there
         self.num_preemptions = 0
+        # called with each sequence preempted (the engine lets go of what it kept for its next step)
+        self.on_preempt: Callable[[Sequence], None] | None = None
         # keys of the full pages running sequences' planned steps write and have not published yet
         self._writing: dict[bytes, Sequence] = {}
 
@@ -280,6 +283,8 @@ class Scheduler:
         seq.computed = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
 
     def _scoring(self, seq: Sequence) -> bool:
         """Whether the sequence's next chunk is a prompt chunk whose every row's logits are wanted."""

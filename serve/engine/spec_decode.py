@@ -157,15 +157,51 @@ class ForcedAcceptance:
         return (_uniform_hash(index, self.seed) < self.alpha) & real[:, None]
 
 
-def _uniform_hash(index: Tensor, seed: int) -> Tensor:
-    """A uniform in [0, 1) per int64 index, from a 32-bit integer hash of (seed, index) in int64 lanes
-    (every product below 2^63: no overflow on any device)."""
-    mask = 0xFFFFFFFF
-    x = (index * 0x9E37 + seed * 0x85EB + 0x2545F491) & mask
+_MASK = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash finalizer in int64 lanes (every product below 2^63: no overflow on any
+    device)."""
     for multiplier in (0x7FEB352D, 0x5BD1E995):
-        x = ((x ^ (x >> 16)) * multiplier) & mask
-    x = x ^ (x >> 15)
+        x = ((x ^ (x >> 16)) * multiplier) & _MASK
+    return x ^ (x >> 15)
+
+
+def _to_unit(x: Tensor) -> Tensor:
+    """32-bit hashes as uniforms in [0, 1) (their top 24 bits: exact in fp32)."""
     return (x >> 8).float() / float(1 << 24)
+
+
+def _uniform_hash(index: Tensor, seed: int) -> Tensor:
+    """A uniform in [0, 1) per int64 index, from a 32-bit integer hash of (seed, index)."""
+    return _to_unit(_mix32((index * 0x9E37 + seed * 0x85EB + 0x2545F491) & _MASK))
+
+
+# the uniform column of a verification's final token (its draft tests use columns 0..k − 1)
+FINAL_DRAW = MAX_SPECULATIVE_TOKENS
+
+
+def draw_seeds(params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """One draw call's seed per row: 31 bits drawn from a sampled row's generator (the default one when
+    None), 0 for a greedy row. Every uniform the call uses in that row is hashed from it
+    (`seeded_uniforms`), so a seeded request reproduces whichever path draws its tokens — the captured
+    speculative step or the launches of an uncaptured one — as long as both draw its seeds in the same
+    order: per step, the verification's, then one per drafting pass."""
+    return [
+        0 if p.greedy else int(torch.randint(0, 2**31 - 1, (1,), generator=g, device=_host(g)))
+        for p, g in zip(params, generators)
+    ]
+
+
+def _host(generator: torch.Generator | None) -> torch.device | str:
+    return "cpu" if generator is None else generator.device
+
+
+def seeded_uniforms(seeds: Tensor, columns: Tensor | int) -> Tensor:
+    """Uniforms in [0, 1) hashed from (seed, column), `seeds` and `columns` broadcast against each other
+    (int64 on the device: no host work, capturable in a CUDA graph)."""
+    return _to_unit(_mix32(_mix32(seeds & _MASK) ^ ((columns * 0x9E3779B1) & _MASK)))
 
 
 # ---- shared pieces ------------------------------------------------------------------------------------
@@ -179,7 +215,7 @@ def _upload(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 @dataclass(frozen=True)
-class _Columns:
+class RowColumns:
     """Per-row sampling parameters on the device; temperature 1 in greedy rows (their logprobs are
     those of the untempered logits, as the sampler's)."""
 
@@ -191,13 +227,13 @@ class _Columns:
     filtered: bool  # some sampled row filters (else the sort is skipped)
 
 
-def _columns(params: list[SamplingParams], device: torch.device) -> _Columns:
+def row_columns(params: list[SamplingParams], device: torch.device) -> RowColumns:
     floats = _upload(
         [(p.temperature or 1.0, p.min_p, p.top_p, float(p.greedy)) for p in params], torch.float32, device
     ).reshape(len(params), 4)
     top_k = _upload([p.top_k for p in params], torch.long, device)
     filtered = any(not p.greedy and (p.min_p > 0 or p.top_k > 0 or p.top_p < 1) for p in params)
-    return _Columns(floats[:, 3] > 0, floats[:, 0], floats[:, 1], top_k, floats[:, 2], filtered)
+    return RowColumns(floats[:, 3] > 0, floats[:, 0], floats[:, 1], top_k, floats[:, 2], filtered)
 
 
 def filter_rows(probs: Tensor, min_p: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -217,7 +253,7 @@ def filter_rows(probs: Tensor, min_p: Tensor, top_k: Tensor, top_p: Tensor) -> T
     return torch.zeros_like(keep).scatter_(1, order, keep)
 
 
-def _distribution(logprobs: Tensor, columns: _Columns) -> Tensor:
+def row_distribution(logprobs: Tensor, columns: RowColumns) -> Tensor:
     """The sampling distribution of each row: its tempered probabilities over the tokens the filters
     keep, renormalised (what the sampler's Gumbel-max over the kept logits draws from)."""
     probs = logprobs.exp()
@@ -237,35 +273,6 @@ def _inverse_cdf(weights: Tensor, uniforms: Tensor) -> Tensor:
     return torch.minimum(tokens, last)
 
 
-def _uniforms(
-    counts: list[int],
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    width: int,
-    device: torch.device,
-) -> Tensor:
-    """[R, width] uniforms: a sampled row's `counts[i]` draws from its generator, the first counts[i] − 1
-    in columns 0.., the last in column width − 1; greedy rows draw nothing (zeros). Host generators (the
-    engine's) give one upload; a device generator's draws stay on its device."""
-    host = torch.zeros(len(counts), width)
-    on_device = []
-    for row, (n, p, g) in enumerate(zip(counts, params, generators)):
-        if p.greedy or n == 0:
-            continue
-        drawn = torch.rand(n, generator=g, device=g.device if g is not None else "cpu")
-        if drawn.device.type != "cpu":
-            on_device.append((row, n, drawn))
-            continue
-        host[row, : n - 1] = drawn[:-1]
-        host[row, -1] = drawn[-1]
-    out = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-    for row, n, drawn in on_device:
-        drawn = drawn.to(device)
-        out[row, : n - 1] = drawn[:-1]
-        out[row, -1] = drawn[-1]
-    return out
-
-
 # ---- drafting -------------------------------------------------------------------------------------------
 @dataclass
 class Draft:
@@ -283,16 +290,23 @@ def draft(logits: Tensor, params: list[SamplingParams], generators: list[torch.G
     min-p, top-k, top-p as the target uses them, no penalties (the draft distribution may differ from the
     target's: the acceptance rule corrects for it). No host sync."""
     logits = logits.float()
-    argmax = logits.argmax(-1)
     if all(p.greedy for p in params):
-        return Draft(argmax, None)
-    columns = _columns(params, logits.device)
-    q = _distribution(torch.log_softmax(logits / columns.temperature[:, None], -1), columns)
+        return Draft(logits.argmax(-1), None)
+    device = logits.device
+    columns = row_columns(params, device)
+    seeds = _upload(draw_seeds(params, generators), torch.long, device)
+    tokens, q = draw_drafts(logits, columns, seeded_uniforms(seeds, 0))
+    return Draft(tokens, q)
+
+
+def draw_drafts(logits: Tensor, columns: RowColumns, uniforms: Tensor) -> tuple[Tensor, Tensor]:
+    """`draft`'s rule on fp32 logits [R, V] with the rows' parameter columns and one uniform per row:
+    (tokens [R], q [R, V]: one-hot at the argmax in greedy rows). Device work only."""
+    argmax = logits.argmax(-1)
+    q = row_distribution(torch.log_softmax(logits / columns.temperature[:, None], -1), columns)
     one_hot = torch.zeros_like(q).scatter_(1, argmax[:, None], 1.0)
     q = torch.where(columns.greedy[:, None], one_hot, q)
-    uniforms = _uniforms([1] * len(params), params, generators, 1, logits.device)[:, 0]
-    tokens = torch.where(columns.greedy, argmax, _inverse_cdf(q, uniforms))
-    return Draft(tokens, q)
+    return torch.where(columns.greedy, argmax, _inverse_cdf(q, uniforms)), q
 
 
 def gather_drafts(positions: list[Draft], num_drafts: list[int]) -> Draft:
@@ -425,22 +439,24 @@ def verify(
         return Verified(empty, empty[:, 0])
     requests, width = len(num_drafts), max(num_drafts, default=0) + 1
     tables, row_params, start, draft_start = [], [], 0, 0
-    for k, p in zip(num_drafts, params):
+    sampled = forced is None and not all(p.greedy for p in params)
+    seeds = draw_seeds(params, generators) if sampled else [0] * requests
+    for k, p, seed in zip(num_drafts, params, seeds):
         row_of = [start + min(m, k) for m in range(width)]
         draft_of = [draft_start + min(j, k - 1) if k else 0 for j in range(width - 1)]
-        tables.append(row_of + draft_of + [int(j < k) for j in range(width - 1)] + [k])
+        tables.append(row_of + draft_of + [int(j < k) for j in range(width - 1)] + [k, seed])
         row_params += [p] * (k + 1)
         start, draft_start = start + k + 1, draft_start + k
-    table = _upload(tables, torch.long, device).reshape(requests, 3 * width - 1)
+    table = _upload(tables, torch.long, device).reshape(requests, 3 * width)
     rows, drafts_at = table[:, :width], table[:, width : 2 * width - 1]
-    valid, limit = table[:, 2 * width - 1 : -1] > 0, table[:, -1]
+    valid, limit, seed_column = table[:, 2 * width - 1 : -2] > 0, table[:, -2], table[:, -1]
 
     logits = _penalised(target_logits.float(), num_drafts, draft_tokens, params, history)
     if allowed is not None:
         logits = logits.masked_fill(~unpack_allowed(allowed, logits.shape[-1]), float("-inf"))
-    row_columns = _columns(row_params, device)
-    greedy = row_columns.greedy[rows[:, 0]]  # per request
-    logprobs = torch.log_softmax(logits / row_columns.temperature[:, None], -1)
+    columns = row_columns(row_params, device)
+    greedy = columns.greedy[rows[:, 0]]  # per request
+    logprobs = torch.log_softmax(logits / columns.temperature[:, None], -1)
     argmax = logits.argmax(-1)
     d = draft_tokens[drafts_at] if drafted else torch.zeros(requests, 0, dtype=torch.long, device=device)
     checking = rows[:, :-1]  # row j checks d_{j+1}
@@ -452,10 +468,10 @@ def verify(
     else:
         accept = d == argmax[checking]
         accepted_part = torch.cat([d, d.new_zeros(requests, 1)], 1)
-    sampled = forced is None and not all(p.greedy for p in params)
     if sampled:
-        target_probs = _distribution(logprobs, row_columns)
-        uniforms = _uniforms([k + 1 for k in num_drafts], params, generators, width, device)
+        target_probs = row_distribution(logprobs, columns)
+        draws = torch.arange(width, device=device)
+        uniforms = seeded_uniforms(seed_column[:, None], torch.where(draws < width - 1, draws, FINAL_DRAW))
         p_d = target_probs[checking, d]
         q_d = draft_probs[drafts_at, d] if draft_probs is not None and drafted else torch.ones_like(p_d)
         accept = torch.where(greedy[:, None], accept, uniforms[:, :-1] * q_d < p_d)
@@ -464,17 +480,16 @@ def verify(
     final = argmax[final_row]
     if sampled:
         target = target_probs[final_row]
-        rejected = counts < limit
         if drafted:
             at = counts.clamp(max=width - 2)[:, None]
-            rejected_token = d.gather(1, at)[:, 0]
             if draft_probs is not None:
                 q = draft_probs[drafts_at.gather(1, at)[:, 0]]
             else:
-                q = torch.zeros_like(target).scatter_(1, rejected_token[:, None], 1.0)
-            residual = torch.where(rejected[:, None], (target - q).clamp(min=0.0), target)
-            target = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target)
-        final = torch.where(greedy, final, _inverse_cdf(target, uniforms[:, -1]))
+                q = torch.zeros_like(target).scatter_(1, d.gather(1, at), 1.0)
+            drawn = residual_draw(target, q, counts < limit, uniforms[:, -1])
+        else:
+            drawn = _inverse_cdf(target, uniforms[:, -1])
+        final = torch.where(greedy, final, drawn)
     position = torch.arange(width, device=device)[None, :]
     tokens = torch.where(
         position < counts[:, None],
@@ -490,6 +505,16 @@ def verify(
             values, ids = logprobs.topk(num_logprobs, dim=-1)
             out.top_ids, out.top_logprobs = ids[rows], values[rows]
     return out
+
+
+def residual_draw(target: Tensor, q: Tensor, rejected: Tensor, uniform: Tensor) -> Tensor:
+    """Each request's token after its accepted drafts (`target` [R, V] its row's distribution p, `q`
+    [R, V] the distribution of the draft it rejected): from normalize(max(0, p − q)) where it
+    rejected one (p itself if that is empty), from p where it accepted all (the bonus); by inverse
+    CDF from one uniform a row. Device work only."""
+    residual = torch.where(rejected[:, None], (target - q).clamp(min=0.0), target)
+    target = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target)
+    return _inverse_cdf(target, uniform)
 
 
 def mean_accepted_length(alpha: float, k: int) -> float:

@@ -27,13 +27,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from hy3c.model.batch import SeqChunk, StepBatch
 from hy3c.serve.engine.sampler import History, SamplingParams, upload
 from hy3c.serve.engine.scheduler import Sequence, Work
-from hy3c.serve.engine.spec_decode import Draft, ForcedAcceptance, SpeculativeConfig, Verified, draft, verify
+from hy3c.serve.engine.spec_decode import (
+    FINAL_DRAW,
+    Draft,
+    ForcedAcceptance,
+    RowColumns,
+    SpeculativeConfig,
+    Verified,
+    draft,
+    draw_drafts,
+    residual_draw,
+    row_distribution,
+    seeded_uniforms,
+    verify,
+)
 
 
 class DraftModel(Protocol):
@@ -67,6 +81,184 @@ class Drafted:
     depth: dict[Sequence, tuple[int, int]]  # sequence → (row, drafts)
 
 
+class DraftProbs:
+    """The distributions q that sampled requests' drafts were drawn from, kept on the device until the
+    verification that checks those drafts: one [K, V] fp32 row per request (its slot, held until the
+    request leaves or is preempted), written by the drafting passes — uncaptured, or inside a captured
+    speculative step, which holds this tensor. Row ZERO stays zero (the q a request without one
+    reads: its drafts were greedy, and the rule never reads it); row SCRATCH takes writes that nothing
+    reads (a captured step's padding and greedy rows). Allocated at the first write or `reserve`,
+    grown by doubling (a captured step is refused once its tensor was replaced)."""
+
+    ZERO, SCRATCH = 0, 1
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.probs: Tensor | None = None  # [rows, K, V] fp32
+        self._slots: dict[object, int] = {}
+        self._free: list[int] = []
+
+    def reserve(self, requests: int, vocab: int, device: torch.device | str) -> Tensor:
+        """Room for `requests` requests' rows besides ZERO and SCRATCH (a captured step's tensor)."""
+        self._grow(requests + 2, vocab, torch.device(device))
+        assert self.probs is not None
+        return self.probs
+
+    def find(self, owner: object) -> int | None:
+        return self._slots.get(owner)
+
+    def slot(self, owner: object, vocab: int, device: torch.device) -> int:
+        """The request's row, given on first sight."""
+        slot = self._slots.get(owner)
+        if slot is None:
+            if not self._free:
+                rows = 0 if self.probs is None else self.probs.shape[0]
+                self._grow(max(8, 2 * rows), vocab, device)
+            slot = self._slots[owner] = self._free.pop()
+        return slot
+
+    def drop(self, owner: object) -> None:
+        slot = self._slots.pop(owner, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def write(self, depth: int, slots: list[int], q: Tensor, rows: list[int]) -> None:
+        """q's `rows` ([n, V] of them) as the distributions of draft `depth` of the requests in `slots`:
+        one copy on the device."""
+        assert self.probs is not None
+        index = upload(torch.tensor([*slots, *rows], dtype=torch.long), q.device)
+        self.probs[:, depth].index_copy_(0, index[: len(slots)], q.index_select(0, index[len(slots) :]))
+
+    def rows_of(self, drafted: list[tuple[object, int]], device: torch.device) -> Tensor | None:
+        """The q of each (request, drafts) pair's drafts, request-major ([sum drafts, V], as `verify`
+        reads them; a request without a slot reads zeros), or None when none has a slot."""
+        slots = [self._slots.get(owner) for owner, _ in drafted]
+        if self.probs is None or all(slot is None for slot in slots):
+            return None
+        index = [
+            (self.ZERO if slot is None else slot) * self.k + j
+            for slot, (_, count) in zip(slots, drafted)
+            for j in range(count)
+        ]
+        flat = self.probs.view(-1, self.probs.shape[-1])
+        return flat.index_select(0, upload(torch.tensor(index, dtype=torch.long), device))
+
+    def _grow(self, rows: int, vocab: int, device: torch.device) -> None:
+        have = 0 if self.probs is None else self.probs.shape[0]
+        if rows <= have:
+            return
+        probs = torch.zeros(rows, self.k, vocab, dtype=torch.float32, device=device)
+        if self.probs is not None:
+            probs[:have].copy_(self.probs)
+        self.probs = probs
+        reserved = {self.ZERO, self.SCRATCH}
+        self._free = [r for r in range(rows - 1, have - 1, -1) if r not in reserved] + self._free
+
+
+class CapturedRule:
+    """How a captured speculative step (`hy3c.runtime.spec_graphs`) accepts drafts and drafts the next
+    ones — the rules `verify` and `draft` apply to the same requests, so the two paths emit the same
+    tokens. Without `probs`: greedy (a draft is accepted while it equals the argmax of the row
+    checking it; the drafts are the MTP rows' argmax), or in the forced benchmark mode its coin,
+    drawn for the real rows only (padding rows draw none). With `probs` (`DraftProbs`, the tensor
+    the step was captured with): a batch with sampled requests — each request's sampling parameters,
+    seeds and draft-distribution slot ride in the step's int64 block (`block`: rows `PARAMS`), and
+    sampled rows follow the rejection rule (`spec_decode.verify`), their drafts drawn from q
+    (`spec_decode.draw_drafts`), whose rows it writes to their slots; greedy rows as above."""
+
+    # the parameter block's rows (fp32 values as their bits); the draft seeds follow, one per depth
+    PARAMS = ("top_k", "slot", "greedy", "temperature", "min_p", "top_p", "verify_seed")
+
+    def __init__(self, k: int, forced: ForcedAcceptance | None, probs: DraftProbs | None) -> None:
+        self.k = k
+        self.forced = forced
+        self.probs = probs
+        self.tensor = None if probs is None else probs.probs  # the one captured
+        self.param_rows = 0 if probs is None else len(self.PARAMS) + k
+
+    @property
+    def current(self) -> bool:
+        """Whether the draft distributions still live in the tensor the step was captured with."""
+        return self.probs is None or self.probs.probs is self.tensor
+
+    def block(
+        self,
+        params: list[SamplingParams],
+        slots: list[int],
+        seeds: list[list[int]],
+        size: int,
+    ) -> Tensor:
+        """The host block of `size` columns for requests with `params`, draft-distribution `slots` and
+        per-step `seeds` ([the verification's, then one per draft depth], drawn in that order as the
+        uncaptured path draws them); padding columns are greedy, slot SCRATCH. Pinned on CUDA hosts."""
+        block = np.zeros((self.param_rows, size), dtype=np.int64)
+        floats = np.ones((3, size), dtype=np.float32)  # temperature, min_p, top_p of padding: 1, -, 1
+        floats[1] = 0.0
+        block[1] = DraftProbs.SCRATCH
+        block[2] = 1
+        n = len(params)
+        block[0, :n] = [p.top_k for p in params]
+        block[1, :n] = slots
+        block[2, :n] = [int(p.greedy) for p in params]
+        floats[:, :n] = [
+            [p.temperature or 1.0 for p in params],
+            [p.min_p for p in params],
+            [p.top_p for p in params],
+        ]
+        block[3:6] = floats.view(np.int32)
+        block[6:, :n] = np.array(seeds, dtype=np.int64).T
+        host = torch.from_numpy(block)
+        return host.pin_memory() if torch.cuda.is_available() else host
+
+    def row_columns(self, params: Tensor, repeat: int = 1) -> RowColumns:
+        """The block's parameter columns, each request's repeated `repeat` times."""
+        rows = params if repeat == 1 else params.repeat_interleave(repeat, dim=1)
+        floats = rows[3:6].to(torch.int32).view(torch.float32)
+        return RowColumns(rows[2] > 0, floats[0], floats[1], rows[0], floats[2], filtered=True)
+
+    def verify(self, logits: Tensor, fed: Tensor, real: Tensor, params: Tensor) -> tuple[Tensor, Tensor]:
+        size, q = fed.shape
+        k = q - 1
+        argmax = logits.argmax(-1).view(size, q)
+        drafts = fed[:, 1:]
+        column = torch.arange(q, device=fed.device)
+        if self.probs is None:  # greedy, or the forced mode's coin: every emitted token a row's argmax
+            accepted = drafts == argmax[:, :k] if self.forced is None else self.forced.accepts_rows(real, k)
+            counts = accepted.long().cumprod(1).sum(1)
+            return counts, torch.where(column[None, :] <= counts[:, None], argmax, -1)
+        columns = self.row_columns(params, q)
+        logprobs = torch.log_softmax(logits / columns.temperature[:, None], -1)
+        vocab = logits.shape[-1]
+        target = row_distribution(logprobs, columns).view(size, q, vocab)
+        uniforms = seeded_uniforms(params[6][:, None], torch.where(column < k, column, FINAL_DRAW)[None, :])
+        drawn_from = self.probs.probs.index_select(0, params[1])  # [size, K, V]: the drafts' q
+        p_d = target[:, :k].gather(2, drafts[..., None])[..., 0]
+        q_d = drawn_from.gather(2, drafts[..., None])[..., 0]
+        greedy = params[2] > 0
+        accepted = torch.where(greedy[:, None], drafts == argmax[:, :k], uniforms[:, :k] * q_d < p_d)
+        counts = (accepted & real[:, None]).long().cumprod(1).sum(1)
+        at = counts[:, None, None].expand(size, 1, vocab)
+        rejected_q = drawn_from.gather(1, at.clamp(max=k - 1))[:, 0]
+        drawn = residual_draw(target.gather(1, at)[:, 0], rejected_q, counts < k, uniforms[:, k])
+        final = torch.where(greedy, argmax.gather(1, counts[:, None])[:, 0], drawn)
+        accepted_part = torch.cat([drafts, drafts.new_zeros(size, 1)], 1)
+        emitted = torch.where(
+            column[None, :] < counts[:, None],
+            accepted_part,
+            torch.where(column[None, :] == counts[:, None], final[:, None], -1),
+        )
+        return counts, emitted
+
+    def draft(self, logits: Tensor, depth: int, params: Tensor) -> Tensor:
+        if self.probs is None:
+            return logits.argmax(-1)
+        assert self.probs.probs is not None
+        seeds = params[len(self.PARAMS) + depth]
+        tokens, q = draw_drafts(logits, self.row_columns(params), seeded_uniforms(seeds, 0))
+        self.probs.probs[:, depth].index_copy_(0, params[1], q)  # greedy and padding rows: SCRATCH
+        return tokens
+
+
 class Speculator:
     """The engine's speculative decoding (see the module docstring): K drafts per request and step."""
 
@@ -76,20 +268,16 @@ class Speculator:
         self.forced = None
         if config.forced_acceptance is not None:
             self.forced = ForcedAcceptance(config.forced_acceptance)
-        self._probs: dict[Sequence, Tensor] = {}  # a sampled request's draft distributions [k, V]
+        self.probs = DraftProbs(self.k)  # sampled requests' draft distributions, by slot
 
-    def accept_captured(self, drafts: Tensor, argmax: Tensor, real: Tensor) -> Tensor:
-        """A captured speculative step's acceptance (`hy3c.runtime.spec_graphs`), bool [b, K]: a greedy
-        draft is accepted while it equals the argmax of the row checking it, as `verify` does; in the
-        forced benchmark mode, by its coin, drawn for the `real` rows only (padding rows draw none), so
-        captured and uncaptured steps make the same decisions."""
-        if self.forced is None:
-            return drafts == argmax
-        return self.forced.accepts_rows(real, drafts.shape[1])
+    def captured_rule(self, sampled: bool = False) -> CapturedRule:
+        """The rule a captured speculative step accepts and drafts by (`CapturedRule`); `sampled`: the
+        one for batches with sampled requests, whose draft distributions it keeps in `self.probs`."""
+        return CapturedRule(self.k, self.forced, self.probs if sampled and self.forced is None else None)
 
     def forget(self, seq: Sequence) -> None:
         """The sequence left (finished, aborted, preempted): its draft distributions go."""
-        self._probs.pop(seq, None)
+        self.probs.drop(seq)
 
     def verify_step(
         self,
@@ -114,15 +302,7 @@ class Speculator:
         if draft_tokens is None:
             tokens = [t for w in work for t in w.seq.drafts[: w.drafts]]
             draft_tokens = upload(torch.tensor(tokens, dtype=torch.long), device)
-        probs = None
-        if any(w.seq in self._probs for w in work if w.drafts):
-            vocab = logits.shape[-1]
-            parts = [
-                self._probs[w.seq][: w.drafts] if w.seq in self._probs else logits.new_zeros(w.drafts, vocab)
-                for w in work
-                if w.drafts
-            ]
-            probs = torch.cat(parts)
+        probs = self.probs.rows_of([(w.seq, w.drafts) for w in work if w.drafts], device)
         return verify(
             target,
             counts,
@@ -217,6 +397,7 @@ class Speculator:
         params = [item.params for item in drafting]
         generators = [item.generator for item in drafting]
         passes = [draft(logits, params, generators)]
+        written = [(0, list(range(len(drafting))), passes[0].probs)]  # (depth, drafting items, their q)
         deeper = [i for i, item in enumerate(drafting) if self.k > 1 and self._reserve(item, reserve)]
         if deeper:
             picked = upload(torch.tensor(deeper, dtype=torch.long), device)
@@ -247,18 +428,23 @@ class Speculator:
             logits, hidden_prev = runner.draft(step, hidden_prev, kv_cache)
             drawn = draft(logits, [params[i] for i in deeper], [generators[i] for i in deeper])
             passes.append(_widen(drawn, deeper, len(drafting)))
+            written.append((depth, deeper, drawn.probs))
         tokens = verified.tokens.new_zeros(verified.tokens.shape[0], len(passes))
         tokens.index_copy_(0, verified_rows, torch.stack([p.tokens for p in passes], 1))
         depths: dict[Sequence, tuple[int, int]] = {}
+        slots: dict[int, int] = {}  # drafting item → its row of `self.probs`, for the sampled ones
         for i, item in enumerate(drafting):
-            depth = len(passes) if i in deeper else 1
             seq = item.work.seq
-            assert item.row is not None
-            depths[seq] = (item.row, depth)
-            if all(p.probs is not None for p in passes[:depth]):
-                self._probs[seq] = torch.stack([p.probs[i] for p in passes[:depth]])
+            assert item.row is not None and item.params is not None
+            depths[seq] = (item.row, len(passes) if i in deeper else 1)
+            if item.params.greedy:
+                self.probs.drop(seq)
             else:
-                self._probs.pop(seq, None)
+                slots[i] = self.probs.slot(seq, logits.shape[-1], device)
+        for depth, items, q in written:  # each pass's q of its sampled requests, one copy a pass
+            kept = [(slots[i], row) for row, i in enumerate(items) if i in slots]
+            if kept and q is not None:
+                self.probs.write(depth, [slot for slot, _ in kept], q, [row for _, row in kept])
         return Drafted(tokens, depths)
 
     def _known(self, item: Drafting) -> int:

@@ -245,11 +245,21 @@ def _engine_over(
             k = speculative.num_speculative_tokens
             runner.capture_decode_graphs(engine.kv_cache, max_pages, sizes, (1, k + 1), sample=False)
             runner.capture_draft_graphs(engine.kv_cache, max_pages, sizes, (k + 1, 1) if k > 1 else (k + 1,))
-            # steady greedy decodes replay the whole step (verify, accept, draft) as one graph
-            assert engine.speculator is not None
+            # steady decodes replay the whole step (verify, accept, draft) as one graph: greedy batches
+            # one, batches with sampled requests another (the rejection rule's draft distributions kept
+            # by slot in a tensor the graphs hold: a row per request)
+            speculator = engine.speculator
+            assert speculator is not None
             runner.capture_spec_steps(
-                engine.kv_cache, max_pages, sizes, k, page_size, engine.speculator.accept_captured
+                engine.kv_cache, max_pages, sizes, k, page_size, speculator.captured_rule()
             )
+            if speculator.forced is None:
+                speculator.probs.reserve(config.max_num_seqs, runner.config.vocab_size, runner.device)
+                sampled_sizes = [b for b in sizes if b <= SAMPLED_SPEC_STEP_SIZES]
+                runner.capture_spec_steps(
+                    engine.kv_cache, max_pages, sampled_sizes, k, page_size, speculator.captured_rule(True),
+                    sampled=True,
+                )  # fmt: skip
     if runner.device.type == "cuda":
         started = time.monotonic()
         engine.warm_up()
@@ -268,6 +278,12 @@ def _engine_over(
         max_num_seqs=config.max_num_seqs,
     )
     return engine, tokenizer, server
+
+
+# the largest batch a captured sampled speculative step takes (larger ones run uncaptured: their host
+# work weighs less against the step, and the graph's temporaries — several [b·(K+1), V] fp32 rows — and
+# its capture time grow with b)
+SAMPLED_SPEC_STEP_SIZES = 64
 
 
 def server_config(options: ServeOptions) -> ServerConfig:

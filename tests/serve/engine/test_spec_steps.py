@@ -1,8 +1,9 @@
 """Whole speculative decode steps (`hy3c.runtime.spec_graphs`) through the engine: the step body a CUDA
 graph captures — chained correction, verify, acceptance, MTP passes — run uncaptured on the CPU gives
 the tokens of the uncaptured speculative path and of plain decoding (greedy, K = 1, 2, 3; padded
-batches; chained steps; forced acceptance at 1.0 and 0.6), and is used for every steady decode. GPU (`gpu`):
-the same through CUDA graph replays."""
+batches; chained steps; forced acceptance at 1.0 and 0.6), and is used for every steady decode; with
+seeded sampled requests, the captured sampled step gives the uncaptured path's tokens (also under
+preemption). GPU (`gpu`): the same through CUDA graph replays."""
 
 from __future__ import annotations
 
@@ -31,11 +32,13 @@ def cpu_artifact(tiny_ckpt, tmp_path_factory):
     return out.out
 
 
-def _engine(art, k: int, captured: bool, forced: float | None = None, overlap: bool = True) -> Engine:
+def _engine(
+    art, k: int, captured: bool, forced: float | None = None, overlap: bool = True, num_pages: int = 96
+) -> Engine:
     runner = artifact.load(art, "cpu", compile=False)
     speculative = SpeculativeConfig(num_speculative_tokens=k, forced_acceptance=forced) if k else None
     config = EngineConfig(
-        num_pages=96,
+        num_pages=num_pages,
         page_size=PAGE,
         max_num_seqs=8,
         max_num_batched_tokens=64,
@@ -47,18 +50,31 @@ def _engine(art, k: int, captured: bool, forced: float | None = None, overlap: b
     if captured:
         assert engine.speculator is not None
         reason = runner.capture_spec_steps(
-            engine.kv_cache, 32, [1, 2, 4, 8], k, PAGE, engine.speculator.accept_captured, graphs=False
+            engine.kv_cache, 32, [1, 2, 4, 8], k, PAGE, engine.speculator.captured_rule(), graphs=False
         )
         assert reason is None
+        if forced is None:  # batches with sampled requests: the captured sampled steps
+            engine.speculator.probs.reserve(config.max_num_seqs, runner.config.vocab_size, "cpu")
+            rule = engine.speculator.captured_rule(sampled=True)
+            assert (
+                runner.capture_spec_steps(engine.kv_cache, 32, [1, 2, 4], k, PAGE, rule, False, True) is None
+            )
     return engine
 
 
-def _requests() -> list[GenerationRequest]:
+SAMPLED = [
+    SamplingParams(temperature=0.8, seed=11),
+    SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=12),
+    SamplingParams(temperature=0.6, min_p=0.05, seed=13),
+]
+
+
+def _requests(sampled: bool = False) -> list[GenerationRequest]:
     return [
         GenerationRequest(
             f"r{i}",
             [5 + i, 17, 33 + 2 * i, 9, 41][: 2 + i % 4],
-            SamplingParams(temperature=0.0),
+            SAMPLED[i] if sampled and i else SamplingParams(temperature=0.0),
             max_tokens=30 + 7 * i,
             ignore_eos=True,
         )
@@ -66,21 +82,23 @@ def _requests() -> list[GenerationRequest]:
     ]
 
 
-def _run(engine: Engine) -> tuple[dict[str, list[int]], int, int]:
-    """Each request's tokens; the captured steps run, and those of them planned from a step in flight."""
+def _run(engine: Engine, sampled: bool = False) -> tuple[dict[str, list[int]], int, int]:
+    """Each request's tokens; the captured steps run (greedy and sampled ones), and those of them
+    planned from a step in flight."""
     runs = chained = 0
-    steps = getattr(engine.runner, "spec_steps", None)
-    if steps is not None:
-        run = steps.run
+    for name in ("spec_steps", "sampled_spec_steps"):
+        steps = getattr(engine.runner, name, None)
+        if steps is None:
+            continue
 
-        def counting(batch, chained_from=None):
+        def counting(batch, chained_from=None, params=None, run=steps.run):
             nonlocal runs, chained
             runs += 1
             chained += chained_from is not None
-            return run(batch, chained_from)
+            return run(batch, chained_from, params)
 
         steps.run = counting
-    requests = _requests()
+    requests = _requests(sampled)
     outputs: dict[str, list[StepOutput]] = {r.request_id: [] for r in requests}
     for request in requests:
         engine.submit(request, outputs[request.request_id].append)
@@ -118,6 +136,27 @@ def test_captured_step_body_under_forced_acceptance(cpu_artifact, alpha):
     assert captured == uncaptured and runs > 0 and chained > 0
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_captured_sampled_steps_give_the_uncaptured_tokens(cpu_artifact, k):
+    """Batches with seeded sampled requests (one greedy beside them; filters and none) replay the
+    captured sampled step: the rejection rule, drafts drawn from q kept by slot, the seeds drawn in the
+    uncaptured path's order — the same tokens as the uncaptured path, chained steps included, with
+    overlap and without, and under preemption by a small page pool."""
+    uncaptured, runs, _ = _run(_engine(cpu_artifact, k, False), sampled=True)
+    assert runs == 0
+    captured, runs, chained = _run(_engine(cpu_artifact, k, True), sampled=True)
+    assert captured == uncaptured and runs > 10 and chained > 0
+    read_first, runs, chained = _run(_engine(cpu_artifact, k, True, overlap=False), sampled=True)
+    assert read_first == uncaptured and runs > 10 and chained == 0
+    tight = _engine(cpu_artifact, k, False, num_pages=20)
+    expected = _run(tight, sampled=True)[0]
+    assert tight.scheduler.num_preemptions > 0
+    engine = _engine(cpu_artifact, k, True, num_pages=20)
+    assert _run(engine, sampled=True)[0] == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.speculator.probs._slots == {}  # every slot let go
+
+
 def test_captured_steps_refuse_without_a_device_or_drafts():
     kv = torch.zeros(1)
     accept = torch.eq
@@ -130,17 +169,20 @@ def test_captured_steps_refuse_without_a_device_or_drafts():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("k", [1, 2])
-def test_on_cuda_captured_steps_replay_and_give_the_uncaptured_tokens(cuda_artifact, k):
-    """The served engine on the GPU: steady greedy decodes replay the captured speculative step, with
-    the tokens of the engine whose speculative steps run uncaptured."""
+def test_on_cuda_captured_steps_replay_and_give_the_uncaptured_tokens(cuda_artifact, k, sampled):
+    """The served engine on the GPU: steady decodes — greedy, and seeded sampled beside a greedy one —
+    replay the captured speculative steps, with the tokens of the engine whose speculative steps run
+    uncaptured."""
     results = {}
     for captured in (True, False):
         engine = speculative_engine(cuda_artifact, k)
-        assert engine.runner.spec_steps is not None and engine.runner.spec_steps.captured
+        for steps in (engine.runner.spec_steps, engine.runner.sampled_spec_steps):
+            assert steps is not None and steps.captured
         if not captured:
-            engine.runner.spec_steps = None
-        results[captured] = _run(engine)
+            engine.runner.spec_steps = engine.runner.sampled_spec_steps = None
+        results[captured] = _run(engine, sampled)
         del engine  # its KV cache goes before the next engine takes one
         free_cuda_memory()
     assert results[True][0] == results[False][0]
