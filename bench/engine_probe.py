@@ -24,7 +24,9 @@ then drives it on this thread (`run_until_done`) with greedy requests of random 
   (the copies and staging kernels launched between two graphs show there);
 - `--overlap on|off|both` picks the settings run (each setting's row also prints as it ends);
   `--written on|off|both` whether decode steps are written into the sampled graphs' inputs with one
-  copy (`DecodeInputs`; on) or built as batches and staged into the graph (off: the path before);
+  copy (`DecodeInputs`; on) or built as batches and staged into the graph (off: the path before),
+  and under speculation whether batches with sampled requests replay the captured sampled step (on)
+  or run uncaptured (off); `--temperature T [--top-p P]` samples the requests (seeded), else greedy;
 - with `--speculative-config` (as `hy3c serve`'s): the engine speculates, and the verify and draft
   graphs' bare replays give the speedup MTP can reach at acceptances 0.57 and 0.9 (and projected to
   80 layers).
@@ -88,6 +90,16 @@ class PhaseClock:
 GRAMMAR = None  # the compiled --json-schema, when given
 
 
+TEMPERATURE, TOP_P = 0.0, 1.0  # the requests' sampling (--temperature, --top-p)
+
+
+def sampling(seed: int) -> SamplingParams:
+    """A request's sampling: greedy, or seeded at TEMPERATURE and TOP_P."""
+    if TEMPERATURE == 0.0:
+        return SamplingParams(temperature=0.0)
+    return SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, seed=seed)
+
+
 def submit(engine, count: int, input_len: int, output_len: int, salt: int) -> dict[str, list[float]]:
     """`count` greedy requests of distinct random prompts (under GRAMMAR when set); returns request →
     its output times."""
@@ -103,7 +115,7 @@ def submit(engine, count: int, input_len: int, output_len: int, salt: int) -> di
             stamps.extend([time.perf_counter()] * len(out.token_ids))  # a stamp per token
 
         request = GenerationRequest(
-            name, prompt, SamplingParams(temperature=0.0), output_len, ignore_eos=True, grammar=GRAMMAR
+            name, prompt, sampling(salt * 1000 + i), output_len, ignore_eos=True, grammar=GRAMMAR
         )
         engine.submit(request, emit)
     return times
@@ -481,12 +493,17 @@ def main() -> None:
         "--written",
         choices=("both", "on", "off"),
         default="on",
-        help="decode steps written into the graphs' inputs (on), staged from batches (off), or both",
+        help="decode steps written into the graphs' inputs (on), staged from batches (off), or both;"
+        " off also runs sampled speculative steps uncaptured",
     )
+    parser.add_argument("--temperature", type=float, default=0.0, help="requests sampled (seeded) at it")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument(
         "--gap-table", action="store_true", help="each setting's device idle, by the activity that ends it"
     )
     args = parser.parse_args()
+    global TEMPERATURE, TOP_P
+    TEMPERATURE, TOP_P = args.temperature, args.top_p
     options = ServeOptions(
         artifact=args.artifact,
         random_weights=args.random_weights,
@@ -535,13 +552,18 @@ def main() -> None:
                 salt += 1
                 # staged: decode steps built as batches and staged into the graph (the path before
                 # DecodeInputs), for a before/after in one run
+                # (and under speculation, sampled steps uncaptured: the path before CapturedRule)
                 launch_written = engine._launch_written
+                sampled_steps = getattr(engine.runner, "sampled_spec_steps", None)
                 if staged:
                     engine._launch_written = lambda *_: None
+                    engine.runner.sampled_spec_steps = None
                 rows.append(
                     {**run_setting(engine, clock, overlap, concurrency, args, salt), "staged": staged}
                 )
                 engine._launch_written = launch_written
+                if sampled_steps is not None:
+                    engine.runner.sampled_spec_steps = sampled_steps
                 report_setting(rows[-1])
         if args.json_schema is not None and True in overlaps:  # again with every mask filled in turn
             from hy3c.serve.agent import structured
