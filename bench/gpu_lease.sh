@@ -9,7 +9,8 @@
 #                 written into the graphs' inputs and staged from batches, gap table (issue 27)
 #   mtp-sampled   engine_probe under MTP K=1 with sampled requests (temperature 0.8, top-p 0.95),
 #                 C=1 and 32: the captured sampled step against the same steps uncaptured (issue 27)
-#   json          json_schema vs free-text TPOT at C=32 over HTTP, engine process (issue 29)
+#   json          json_schema vs free-text TPOT at C=32 over HTTP, engine process, two passes each (the
+#                 first builds the masked kernels) (issue 29)
 #   w4a8-test     GPU tests of the W4A8 GEMMs at Hy3's shapes (issue 30)
 #   w4a8-moe      W4A8 FusedMoE vs FP8 and bf16 with a config sweep (issue 30)
 #   w4a8-e2e      4-layer slice decode and prefill with W4A8 experts vs FP8 (issue 30)
@@ -35,7 +36,7 @@ for step in ${STEPS:-probe}; do
     mtp-sampled) compiled; timeout 300 python3 bench/engine_probe.py $slice --random-weights 0 \
         --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}' --temperature 0.8 --top-p 0.95 \
         --concurrency 1 32 --overlap on --written both --output-len 200 >"$out/$step.txt" 2>&1 ;;
-    json) compiled; ART=$slice RANDOM_WEIGHTS=1 SAMPLER=0 SERVERS=--engine-process KINDS="free json" \
+    json) compiled; ART=$slice RANDOM_WEIGHTS=1 SAMPLER=0 SERVERS=--engine-process KINDS="${KINDS:-free json free json}" \
         timeout 200 bash bench/structured_serve.sh >"$out/$step.txt" 2>&1 ;;
     w4a8-test) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_w4a8.py \
         >"$out/$step.txt" 2>&1 ;;
