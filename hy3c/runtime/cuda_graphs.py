@@ -19,8 +19,7 @@ depends on shapes only and whose plan is computed on the device, so those steps 
 
 Decode graphs with a sampler (plain decode that draws its next tokens in the replay) read their inputs
 from one `DecodeInputs` shared by every batch size, which the serving engine fills with one
-host-to-device copy per step (`DecodeInputs.write`, then `DecodeGraphs.replay_written`: between two
-graphs the device runs that copy and the draws' copy out, nothing else): see that class.
+host-to-device copy per step (`DecodeInputs.write`, then `DecodeGraphs.replay_written`): see that class.
 Off CUDA (tests), `capture(..., graphs=False)` keeps the same static buffers and runs the same body
 uncaptured.
 """
@@ -93,25 +92,21 @@ class DecodeInputs:
 
         int64 [4, size]   token ids the host knows, positions, KV slots, and `feed`: the row of the
                           previous step's draws (`drawn`) that is this token (−1: the host's id)
-        int32 [2, size]   sequence lengths, and `rows`: the row of `page_source` (the engine's
-                          persistent page table) that is this request's (−1: `page_table`'s row)
+        int32 [2, size]   sequence lengths, and the rows of the engine's page table to gather
         int32 [5, width]  the sampler's parameter block (`hy3c.ops.sample.block_columns`)
 
     The host writes a step into a pinned mirror of it (two mirrors, used in turn: the copy of one may
     still be queued while the next step is written) and one copy moves the whole mirror; the graph
-    then feeds the in-flight tokens itself, from `drawn`, where every sampled decode graph leaves its
-    draws, and gathers its requests' page-table rows from `page_source`. A step staged from a batch
-    copies the batch's page table into `page_table` instead (`rows` −1). Columns past the batch hold
-    padding values (token 0 at position 0, slot −1, length 1, feed −1, rows −1 over a zero row of
-    `page_table`, no draw), in the mirrors and on the device alike. Without a `page_source` (one that
-    the engine may replace would leave the graphs reading a stale table) nothing can be written.
+    feeds the in-flight tokens itself, from `drawn`, where every sampled decode graph leaves its draws.
+    The page-table rows are gathered into the graphs' table by one kernel before the replay (the
+    engine's table is a tensor the host may replace when it grows). Columns past the batch hold
+    padding values (token 0 at position 0, slot −1, length 1, feed −1, no draw), in the mirrors and on
+    the device alike.
     """
 
     WIDE, NARROW = 4, 2  # int64 rows (ids, positions, slots, feed); int32 rows (lengths, table rows)
 
-    def __init__(
-        self, size: int, max_pages: int, device: torch.device, page_source: Tensor | None = None
-    ) -> None:
+    def __init__(self, size: int, max_pages: int, device: torch.device) -> None:
         size += -size % 4  # every row 16-byte aligned
         self.size = self.width = size
         ints = self.NARROW * size + SAMPLING_BLOCK_ROWS * size  # int32 values, an even count
@@ -119,16 +114,6 @@ class DecodeInputs:
         self.box = torch.zeros(words, dtype=torch.int64, device=device)
         self.wide, self.lengths, self.rows, self.sampling = self._views(self.box)
         self.page_table = torch.zeros(size, max_pages, dtype=torch.int32, device=device)
-        if page_source is not None and (
-            page_source.dtype != torch.int32 or page_source.shape[1] != max_pages
-        ):
-            raise ValueError(
-                f"DecodeInputs: a page source of {list(page_source.shape)} {page_source.dtype} for graphs"
-                f" of {max_pages} pages (int32, as wide)"
-            )
-        self.page_source = page_source
-        # the graphs read this when no source was given: every row gathered from it is masked out
-        self._source = page_source if page_source is not None else self.page_table[:1]
         self.query_starts = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(size, dtype=torch.int64, device=device)
         self.drawn = torch.zeros(size, dtype=torch.int64, device=device)  # the last sampled graph's tokens
@@ -155,7 +140,7 @@ class DecodeInputs:
         wide[:2, start:end].zero_()
         wide[2:, start:end].fill_(-1)
         lengths[start:end].fill_(1)
-        rows[start:end].fill_(-1)
+        rows[start:end].zero_()
         sampling[:, start:end].zero_()
         sampling[3, start:end].fill_(SKIP_DRAW)
 
@@ -174,8 +159,6 @@ class DecodeInputs:
         that is request r's token (−1: `ids[r]`); `rows[r]`: its page-table row; `block`: the sampler's
         [5, width] parameter block (`hy3c.serve.engine.sampler.sampling_block`)."""
         b = len(ids)
-        if self.page_source is None:
-            raise ValueError("DecodeInputs.write: the graphs were captured without a page source")
         if not 0 < b <= self.size or block.shape != self.sampling.shape:
             raise ValueError(
                 f"DecodeInputs.write: {b} requests and a block of {list(block.shape)} for {self.size}"
@@ -204,19 +187,18 @@ class DecodeInputs:
         self.padding.from_row = b
         self.feeding = True
 
-    def pages(self, size: int) -> Tensor:
-        """The page table the graph of `size` requests reads (device work, captured in it): each written
-        request's row of `page_source`, the others' `page_table` rows."""
-        rows = self.rows[:size]
-        gathered = self._source.index_select(0, rows.clamp(min=0))
-        return torch.where(rows[:, None] >= 0, gathered, self.page_table[:size])
+    def gather_pages(self, b: int, table: Tensor) -> None:
+        """The page-table rows of the written step's b requests from the engine's `table` ([rows,
+        pages] int32, at least as many pages as the graphs take) into the graphs' table: one kernel."""
+        width = self.page_table.shape[1]
+        if table.shape[1] < width:
+            raise ValueError(f"DecodeInputs: a page table of {table.shape[1]} pages for graphs of {width}")
+        torch.index_select(table[:, :width], 0, self.rows[:b], out=self.page_table[:b])
 
     def stage(self, batch: StepBatch, b: int) -> None:
-        """A `StepBatch`'s decode step (b requests) into the device buffer: no tokens fed from `drawn`,
-        no rows gathered from `page_source`."""
+        """A `StepBatch`'s decode step (b requests) into the device buffer (no tokens fed from `drawn`)."""
         if self.feeding:
             self.wide[3, :b].fill_(-1)
-            self.rows[:b].fill_(-1)
         if b < self.padding.from_row:
             self._pad(self.box, b, self.padding.from_row)
             self.page_table[b : self.padding.from_row].zero_()
@@ -267,7 +249,6 @@ class DecodeGraphs:
         pool: object | None = None,
         sampler: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
         graphs: bool = True,
-        page_source: Tensor | None = None,
     ) -> DecodeGraphs | str:
         """Capture one graph per batch size; returns the reason instead when capture is impossible.
         `pool`: a graph memory pool to share with other captures (one is made by default). `sampler`
@@ -275,9 +256,8 @@ class DecodeGraphs:
         block)` → (tokens int64, [rows, 2] float64 draws) with `block` a static [5, width] int32
         parameter block (`hy3c.ops.sample.block_columns`; width: the largest batch size padded to a
         multiple of 4), so `run_sampled` and `replay_written` draw the next tokens in the replay; such
-        graphs read `DecodeInputs`, written steps' page-table rows from `page_source` (the engine's
-        persistent [rows, max_pages] int32 table: `replay_written` needs it). `graphs=False` (off
-        CUDA: tests) builds the same buffers and bodies uncaptured."""
+        graphs read `DecodeInputs`. `graphs=False` (off CUDA: tests) builds the same buffers and
+        bodies uncaptured."""
         if graphs and kv_cache.device.type != "cuda":
             return "CUDA graphs need a CUDA device"
         if query_len < 1 or rows_per_request not in (1, query_len):
@@ -294,9 +274,7 @@ class DecodeGraphs:
             pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         q = query_len
         captured = {}
-        shared = None
-        if sampler is not None:
-            shared = DecodeInputs(max(batch_sizes), max_pages, device, page_source)
+        shared = None if sampler is None else DecodeInputs(max(batch_sizes), max_pages, device)
         for size in sorted(batch_sizes, reverse=True):  # largest first: smaller graphs reuse its pool
             if shared is not None:
                 static, body, padding = _sampled_body(fn, kv_cache, shared, size, sampler)
@@ -393,11 +371,13 @@ class DecodeGraphs:
         self.sampling.copy_(block if pinned else block.pin_memory(), non_blocking=True)
         return self._replay_sampled(g, batch.seq_lens.shape[0])
 
-    def replay_written(self, b: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def replay_written(self, b: int, table: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Replay the sampled graph for the decode step of b requests written into `self.inputs`
-        (`DecodeInputs.write`): (logits rows, hidden, tokens, draws) as `run_sampled` returns them."""
+        (`DecodeInputs.write`), its page-table rows gathered from `table` (the engine's [rows, pages]
+        int32 table): (logits rows, hidden, tokens, draws) as `run_sampled` returns them."""
         if self.inputs is None or not 0 < b <= self.sizes[-1]:
             raise ValueError(f"replay_written: no sampled graph for {b} requests")
+        self.inputs.gather_pages(b, table)
         return self._replay_sampled(self.graphs[next(s for s in self.sizes if s >= b)], b)
 
     def _replay_sampled(self, g: _Graph, b: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -495,7 +475,7 @@ def _sampled_body(
     static = (
         ids,
         positions,
-        shared.page_table[:size],  # staged steps' rows (`_stage` copies them in); the graph reads `pages`
+        shared.page_table[:size],
         shared.lengths[:size],
         shared.query_starts[: size + 1],
         slots,
@@ -505,7 +485,7 @@ def _sampled_body(
 
     def body() -> tuple[Tensor, ...]:
         fed = torch.where(feed >= 0, shared.drawn.index_select(0, feed.clamp(min=0)), ids)
-        logits, hidden = fn(fed, positions, kv_cache, shared.pages(size), *static[3:7])
+        logits, hidden = fn(fed, positions, kv_cache, *static[2:7])
         tokens, draws = sampler(logits, shared.sampling)
         shared.drawn[:size].copy_(tokens)
         return logits, hidden, tokens, draws

@@ -575,12 +575,10 @@ class ShardedRunner:
         max_pages: int,
         batch_sizes: list[int] | None = None,
         query_lens: tuple[int, ...] = (1,),
-        page_source: Tensor | None = None,
     ) -> str | None:
         """Every rank captures decode graphs of the same sizes (the recipe's by default); rank 0's result.
         One token per request only (`query_lens` other than (1,) is refused with the reason: the ranks'
-        capture message carries no query length, and a sharded artifact drafts nothing to verify).
-        `page_source` is not used: sharded graphs draw nothing, so no step is written into them."""
+        capture message carries no query length, and a sharded artifact drafts nothing to verify)."""
         if tuple(query_lens) != (1,):
             return "sharded runners capture graphs at one token per request only"
         sizes = list(self.recipe.cuda_graphs.decode_batch_sizes if batch_sizes is None else batch_sizes)

@@ -135,22 +135,19 @@ class Runner:
         batch_sizes: list[int] | None = None,
         query_lens: tuple[int, ...] = (1,),
         sample: bool = True,
-        page_source: torch.Tensor | None = None,
     ) -> str | None:
         """Capture CUDA graphs of the step program over `kv_cache` (the recipe's batch sizes by default)
         at each of `query_lens` tokens per request, every token a logits row (q = 1: decode; q = K+1: a
         speculative verify step). Each q's graphs have their own memory pool: a replay's outputs stay
         valid until the next replay at the same q (of this program), whatever runs between. With
         `sample`, the decode graphs (q = 1) draw the next tokens too, with the Triton fused sampler
-        (`step_sampled`), and `page_source` (the engine's persistent page table) lets decode steps be
-        written into their inputs (`step_written`). Returns None on success, else why nothing was
-        captured (steps then run uncaptured)."""
+        (`step_sampled`). Returns None on success, else why nothing was captured (steps then run
+        uncaptured)."""
         sizes = batch_sizes if batch_sizes is not None else self.recipe.cuda_graphs.decode_batch_sizes
         sampler = _graph_sampler() if sample else None
         return self._capture(
-            self.step_graphs, self._run, self.gm, kv_cache, max_pages, sizes, query_lens, sampler=sampler,
-            page_source=page_source,
-        )  # fmt: skip
+            self.step_graphs, self._run, self.gm, kv_cache, max_pages, sizes, query_lens, sampler=sampler
+        )
 
     @property
     def sampling_width(self) -> int | None:
@@ -168,12 +165,14 @@ class Runner:
         graphs = self.step_graphs.get(1)
         return None if graphs is None else graphs.run_sampled(batch, kv_cache, block)
 
-    def step_written(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def step_written(
+        self, b: int, table: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The decode step of b requests written into the sampled decode graphs' inputs
-        (`decode_graphs.inputs`, a `hy3c.runtime.cuda_graphs.DecodeInputs`), replayed with its draws
-        (`DecodeGraphs.replay_written`): (logits rows, hidden, tokens int64, [b, 2] float64 draws),
-        valid until the next decode replay."""
-        return self.step_graphs[1].replay_written(b)
+        (`decode_graphs.inputs`, a `hy3c.runtime.cuda_graphs.DecodeInputs`), replayed with its draws, its
+        page-table rows gathered from `table` (`DecodeGraphs.replay_written`): (logits rows, hidden,
+        tokens int64, [b, 2] float64 draws), valid until the next decode replay."""
+        return self.step_graphs[1].replay_written(b, table)
 
     def capture_draft_graphs(
         self,
@@ -252,7 +251,6 @@ class Runner:
         query_lens: tuple[int, ...],
         draft: bool = False,
         sampler=None,
-        page_source: torch.Tensor | None = None,
     ) -> str | None:
         if not sizes:
             return "the recipe lists no decode batch sizes"
@@ -268,7 +266,6 @@ class Runner:
                 extra_widths=(self.config.hidden_size,) if draft else (),
                 extra_dtype=self.dtype,
                 sampler=sampler if q == 1 else None,
-                page_source=page_source,
             )
             if isinstance(result, str):
                 log_event(log, "cuda_graphs_skipped", reason=result, program="mtp" if draft else "step")

@@ -316,9 +316,7 @@ class Engine:
         self._in_flight: _InFlight | _SpecStep | None = None  # the step launched and not collected yet
         # the page table kept on the device, a row per running request (host work per step does not
         # grow with the context); attention-DP builds each rank's batch with build_step_batch
-        # (twice the running requests: preempted ones keep their rows while they wait, and a table that
-        # grows is a new tensor, which the decode graphs that gather from it cannot follow)
-        rows, pages = 2 * config.max_num_seqs, -(-config.max_model_len // config.page_size)
+        rows, pages = config.max_num_seqs, -(-config.max_model_len // config.page_size)
         self._inputs = StepInputs(config.page_size, runner.device, rows, pages)
         self._staging = HostStaging()  # pinned buffers the draws reach the host through
         self._mask_staging = MaskStaging()  # pinned buffers of the grammar masks (structured outputs)
@@ -697,17 +695,16 @@ class Engine:
     ) -> _InFlight | None:
         """Launch a plain decode step whose every request only draws its next token (no penalties,
         bias, logprobs, grammar or prompt rows) with the fewest device operations: written into the
-        sampled decode graphs' inputs with one copy and the graph replayed, which gathers its
-        page-table rows from `page_table`, feeds the tokens still in flight and draws the next ones
-        itself (`hy3c.runtime.cuda_graphs.DecodeInputs`). None when the step is not such a step or no
+        sampled decode graphs' inputs with one copy, its page-table rows gathered by one kernel, and
+        the graph replayed, which feeds the tokens still in flight and draws the next ones itself
+        (`hy3c.runtime.cuda_graphs.DecodeInputs`). None when the step is not such a step or no
         graph takes it (the caller builds it as a batch)."""
         graphs = getattr(self.runner, "decode_graphs", None)
         if graphs is None or graphs.inputs is None or graphs.kv_cache is not self.kv_cache:
             return None
-        # (a page table that grew since is a new tensor: the graphs would gather from the old one)
-        if graphs.inputs.page_source is not self._inputs.table:
+        if self.speculator is not None or self.data_parallel > 1:
             return None
-        if self.speculator is not None or self.data_parallel > 1 or len(work) > graphs.sizes[-1]:
+        if len(work) > graphs.sizes[-1] or self._inputs.table.shape[1] < graphs.max_pages:
             return None
         if any(w.count != 1 or not w.wants_logits or w.all_logits or w.drafts for w in work):
             return None
@@ -730,17 +727,11 @@ class Engine:
         block = sampling_block(params, [lv.generator for lv in lives], graphs.sampling_width)
         prepared = time.monotonic()
         self._inputs.write_decode(chunks, [w.seq for w in work], pairs, inputs, block)
-        _, _, tokens, pair = self.runner.step_written(len(work))
+        _, _, tokens, pair = self.runner.step_written(len(work), self._inputs.table)
         self.scheduler.advance(work, [lv.seq for lv in lives])
         pending = staged_draws(tokens, pair, self._staging)
         rows_of = {lv.seq: row for row, lv in enumerate(lives)}
         return _InFlight(work, lives, pending, rows_of, [], preempted, started, prepared - started)
-
-    @property
-    def page_table(self) -> Tensor:
-        """The persistent page table steps are built from (a row per request; the sampled decode graphs
-        gather from it: `Runner.capture_decode_graphs(page_source=...)`)."""
-        return self._inputs.table
 
     def _grammar_masks(self, lives: list[_Live], vocab: int, device: torch.device) -> Tensor | None:
         """The packed masks of a step's sampled rows (`hy3c.ops.sample`; every token allowed in a row

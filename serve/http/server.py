@@ -240,9 +240,7 @@ def _engine_over(
         sizes = [b for b in runner.recipe.cuda_graphs.decode_batch_sizes if b <= config.max_num_seqs]
         max_pages = -(-max_model_len // page_size)
         if speculative is None:
-            runner.capture_decode_graphs(
-                engine.kv_cache, max_pages=max_pages, batch_sizes=sizes, page_source=engine.page_table
-            )
+            runner.capture_decode_graphs(engine.kv_cache, max_pages=max_pages, batch_sizes=sizes)
         else:  # verify steps and the MTP's first pass feed K + 1 tokens per request, its recursion one
             k = speculative.num_speculative_tokens
             runner.capture_decode_graphs(engine.kv_cache, max_pages, sizes, (1, k + 1), sample=False)

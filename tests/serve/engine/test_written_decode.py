@@ -63,11 +63,10 @@ class GraphRunner:
     def allocate_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
         return self.model.allocate_kv_cache(num_pages, page_size)
 
-    def build(self, kv_cache: torch.Tensor, max_pages: int, page_source: torch.Tensor) -> None:
+    def build(self, kv_cache: torch.Tensor, max_pages: int) -> None:
         graphs = DecodeGraphs.capture(
-            self.model, None, kv_cache, SIZES, max_pages, sampler=reference_draws, graphs=False,
-            page_source=page_source,
-        )  # fmt: skip
+            self.model, None, kv_cache, SIZES, max_pages, sampler=reference_draws, graphs=False
+        )
         assert isinstance(graphs, DecodeGraphs) and not graphs.captured
         self.graphs = graphs
 
@@ -80,9 +79,9 @@ class GraphRunner:
         self.staged += out is not None
         return out
 
-    def step_written(self, b):
+    def step_written(self, b, table):
         self.written += 1
-        return self.graphs.replay_written(b)
+        return self.graphs.replay_written(b, table)
 
 
 def _engine(runner, tokenizer, overlap: bool, num_pages: int = 96, written: bool = True) -> Engine:
@@ -92,7 +91,7 @@ def _engine(runner, tokenizer, overlap: bool, num_pages: int = 96, written: bool
     config.async_scheduling = overlap
     engine = Engine(runner, tokenizer, config)
     if isinstance(runner, GraphRunner):
-        runner.build(engine.kv_cache, -(-config.max_model_len // PAGE), engine.page_table)
+        runner.build(engine.kv_cache, -(-config.max_model_len // PAGE))
     if not written:
         engine._launch_written = lambda *args: None
     return engine
@@ -152,31 +151,30 @@ def test_written_steps_under_preemption_and_with_other_steps_between(model, toke
 
 
 def test_inputs_layout_padding_and_mirrors():
-    table = torch.arange(12, dtype=torch.int32).view(4, 3)
-    inputs = DecodeInputs(6, max_pages=3, device=torch.device("cpu"), page_source=table)
+    inputs = DecodeInputs(6, max_pages=3, device=torch.device("cpu"))
     assert inputs.size == inputs.width == 8  # columns 16-byte aligned
     block = block_of([SamplingParams(temperature=0.5, top_k=3)] * 3, [1, 2, 3], width=8)
     inputs.write([11, 12, 13], [4, 5, 6], [40, 41, -1], [-1, 2, 0], [5, 6, 7], [2, 0, 1], block)
     assert inputs.wide[:, :4].tolist() == [[11, 12, 13, 0], [4, 5, 6, 0], [40, 41, -1, -1], [-1, 2, 0, -1]]
-    assert inputs.lengths.tolist() == [5, 6, 7, 1, 1, 1, 1, 1] and inputs.rows[:4].tolist() == [2, 0, 1, -1]
+    assert inputs.lengths.tolist() == [5, 6, 7, 1, 1, 1, 1, 1] and inputs.rows[:4].tolist() == [2, 0, 1, 0]
     assert inputs.sampling[3].tolist() == [3, 3, 3] + [SKIP_DRAW] * 5
-    assert inputs.pages(4).tolist() == [[6, 7, 8], [0, 1, 2], [3, 4, 5], [0, 0, 0]]  # padding: page 0
+    table = torch.arange(12, dtype=torch.int32).view(4, 3)
+    inputs.gather_pages(3, table)
+    assert inputs.page_table[:3].tolist() == [[6, 7, 8], [0, 1, 2], [3, 4, 5]]
     # a smaller step after it, into the other mirror and then the first again: the columns past it
-    # are padding in the device buffer and either mirror
+    # are padding in the device buffer, the graphs' table and either mirror
     for _ in range(2):
         inputs.write([21], [9], [50], [-1], [10], [3], block_of([SamplingParams()], [4], width=8))
+        inputs.gather_pages(1, table)
         assert inputs.wide[:, :3].tolist() == [[21, 0, 0], [9, 0, 0], [50, -1, -1], [-1, -1, -1]]
-        assert inputs.lengths[:3].tolist() == [10, 1, 1] and inputs.rows[:3].tolist() == [3, -1, -1]
-        assert inputs.pages(3).tolist() == [[9, 10, 11], [0, 0, 0], [0, 0, 0]]
+        assert inputs.lengths[:3].tolist() == [10, 1, 1] and inputs.page_table[1:3].tolist() == [[0] * 3] * 2
         assert inputs.sampling[3, 1:].tolist() == [SKIP_DRAW] * 7
     with pytest.raises(ValueError, match="9 requests"):
         inputs.write(*[[0] * 9] * 6, block)
     with pytest.raises(ValueError, match="block"):
         inputs.write([1], [1], [1], [-1], [2], [0], block_of([SamplingParams()], [4], width=4))
-    with pytest.raises(ValueError, match="page source"):
-        DecodeInputs(6, max_pages=4, device=torch.device("cpu"), page_source=table)
-    with pytest.raises(ValueError, match="without a page source"):
-        DecodeInputs(6, 3, torch.device("cpu")).write([1], [1], [1], [-1], [2], [0], block)
+    with pytest.raises(ValueError, match="page table of 2 pages"):
+        inputs.gather_pages(1, table[:, :2])
 
 
 # ---- GPU -------------------------------------------------------------------------------------------
@@ -186,10 +184,10 @@ def test_written_replays_equal_staged_replays(cuda_artifact):
 
     runner = artifact.load(cuda_artifact, device="cuda", compile=False)
     kv = runner.allocate_kv_cache(64, 16)
-    table = torch.zeros(8, 4, dtype=torch.int32, device="cuda")
-    assert runner.capture_decode_graphs(kv, max_pages=4, batch_sizes=[1, 2, 4], page_source=table) is None
+    assert runner.capture_decode_graphs(kv, max_pages=4, batch_sizes=[1, 2, 4]) is None
     graphs = runner.decode_graphs
     width = graphs.sampling_width
+    table = torch.zeros(8, 4, dtype=torch.int32, device="cuda")
     kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9)]
     previous = None
     for count in (4, 1, 3, 2, 4):  # exact and padded sizes, shrinking and growing
@@ -214,7 +212,7 @@ def test_written_replays_equal_staged_replays(cuda_artifact):
         graphs.inputs.write(
             ids, positions, slots, feed, [6 + r for r in range(count)], list(range(count)), block
         )
-        written_logits, _, written_tokens, written_pair = runner.step_written(count)
+        written_logits, _, written_tokens, written_pair = runner.step_written(count, table)
         torch.testing.assert_close(written_logits, logits)
         assert written_tokens.tolist() == tokens.tolist()
         torch.testing.assert_close(written_pair, pair)
