@@ -64,6 +64,11 @@ class StepRule(Protocol):
         """Draft `depth` (0 .. K − 1) of each request from the MTP pass's logits [b, V] → int64 [b]."""
         ...
 
+    def padding_block(self, size: int) -> Tensor:
+        """The host block of `size` padding columns: what the static block holds before a step
+        writes one (the capture's warm-up runs on it)."""
+        ...
+
 
 # a program run uncaptured: the step program's eight inputs or the draft program's nine → (logits, hidden)
 Program = Callable[..., tuple[Tensor, Tensor]]
@@ -218,7 +223,7 @@ def _build(
     request = torch.arange(size, dtype=torch.int64, device=device)
     chained = torch.zeros(1, dtype=torch.int64, device=device)
     packed = torch.zeros(size, 1 + q + k, dtype=torch.int64, device=device)
-    params = torch.zeros(rule.param_rows, size, dtype=torch.int64, device=device)
+    params = rule.padding_block(size).to(device)
     ids, positions, slots = token_rows[0], token_rows[1], token_rows[2]
 
     def slot_of(at: Tensor, real: Tensor) -> Tensor:

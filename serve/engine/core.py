@@ -599,7 +599,7 @@ class Engine:
             if w.start < w.seq.num_prompt:  # a prefill chunk: maybe the request's first scheduling
                 self._note_admission(w.seq, started)
         try:
-            if self.speculator is not None and getattr(self.runner, "spec_steps", None) is not None:
+            if self.speculator is not None and self._captures_speculation:
                 self._reserve_drafting(work)
             chunks = [
                 SeqChunk(
@@ -920,6 +920,13 @@ class Engine:
         for w in work:
             if w.drafts == k and w.count == k + 1:
                 self.scheduler.reserve(w.seq, w.start + w.count + k - 1)
+
+    @property
+    def _captures_speculation(self) -> bool:
+        """Whether the runner holds captured speculative steps (greedy or sampled)."""
+        return any(
+            getattr(self.runner, name, None) is not None for name in ("spec_steps", "sampled_spec_steps")
+        )
 
     def _captured_kind(self, work: list[Work], lives: list[_Live], batch: StepBatch) -> str | None:
         """Which captured speculative step runs this one, if any: "greedy" (`Runner.spec_steps`) or

@@ -192,23 +192,31 @@ class CapturedRule:
         per-step `seeds` ([the verification's, then one per draft depth], drawn in that order as the
         uncaptured path draws them); padding columns are greedy, slot SCRATCH. Pinned on CUDA hosts."""
         block = np.zeros((self.param_rows, size), dtype=np.int64)
+        if not self.param_rows:  # greedy or forced: no parameters
+            return torch.from_numpy(block)
         floats = np.ones((3, size), dtype=np.float32)  # temperature, min_p, top_p of padding: 1, -, 1
         floats[1] = 0.0
         block[1] = DraftProbs.SCRATCH
         block[2] = 1
         n = len(params)
-        block[0, :n] = [p.top_k for p in params]
-        block[1, :n] = slots
-        block[2, :n] = [int(p.greedy) for p in params]
-        floats[:, :n] = [
-            [p.temperature or 1.0 for p in params],
-            [p.min_p for p in params],
-            [p.top_p for p in params],
-        ]
+        if n:
+            block[0, :n] = [p.top_k for p in params]
+            block[1, :n] = slots
+            block[2, :n] = [int(p.greedy) for p in params]
+            floats[:, :n] = [
+                [p.temperature or 1.0 for p in params],
+                [p.min_p for p in params],
+                [p.top_p for p in params],
+            ]
+            block[6:, :n] = np.array(seeds, dtype=np.int64).T
         block[3:6] = floats.view(np.int32)
-        block[6:, :n] = np.array(seeds, dtype=np.int64).T
         host = torch.from_numpy(block)
         return host.pin_memory() if torch.cuda.is_available() else host
+
+    def padding_block(self, size: int) -> Tensor:
+        """`block` of `size` padding columns (greedy, slot SCRATCH): a captured step's block before
+        its first run."""
+        return self.block([], [], [], size)
 
     def row_columns(self, params: Tensor, repeat: int = 1) -> RowColumns:
         """The block's parameter columns, each request's repeated `repeat` times."""
