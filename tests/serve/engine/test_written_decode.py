@@ -218,3 +218,32 @@ def test_written_replays_equal_staged_replays(cuda_artifact):
         torch.testing.assert_close(written_pair, pair)
         torch.testing.assert_close(kv, kv_after)
         previous = tokens
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_served_engine_writes_its_decode_steps_and_changes_nothing(cuda_artifact):
+    """The engine `hy3c serve` builds, on the GPU: steady decodes are written steps, launched back to
+    back under overlap (the mirrors taken in turn, batches shrinking as requests end), with the tokens
+    of the same engine staging every step from a batch — greedy and seeded sampled alike."""
+    from hy3c.serve.http.server import ServeOptions, build_engine
+
+    from .conftest import free_cuda_memory
+
+    results = {}
+    for written in (True, False):
+        engine = build_engine(ServeOptions(cuda_artifact, max_num_seqs=8, kv_memory_gib=1.0))[0]
+        calls = [0]
+        step_written = engine.runner.step_written
+
+        def counting(b, step_written=step_written, calls=calls):
+            calls[0] += 1
+            return step_written(b)
+
+        engine.runner.step_written = counting
+        if not written:
+            engine._launch_written = lambda *args: None
+        results[written] = (_run(engine, _requests(6), _requests(3, salt=7)), calls[0])
+        del engine
+        free_cuda_memory()
+    assert results[True][0] == results[False][0]
+    assert results[True][1] > 20 and results[False][1] == 0
