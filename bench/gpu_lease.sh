@@ -11,6 +11,8 @@
 #                 C=1 and 32: the captured sampled step against the same steps uncaptured (issue 27)
 #   json          json_schema vs free-text TPOT at C=32 over HTTP, engine process, two passes each (the
 #                 first builds the masked kernels) (issue 29)
+#   tiers         prefix repetition at 0% and 80% hit, L1 only / + L2 / + file L3 (issue 28; the
+#                 whole of bench/kv_tiers_serve.sh needs a call of its own)
 #   w4a8-test     GPU tests of the W4A8 GEMMs at Hy3's shapes (issue 30)
 #   w4a8-moe      W4A8 FusedMoE vs FP8 and bf16 with a config sweep (issue 30)
 #   w4a8-e2e      4-layer slice decode and prefill with W4A8 experts vs FP8 (issue 30)
@@ -38,6 +40,8 @@ for step in ${STEPS:-probe}; do
         --concurrency 1 32 --overlap on --written both --output-len 200 >"$out/$step.txt" 2>&1 ;;
     json) compiled; ART=$slice RANDOM_WEIGHTS=1 SAMPLER=0 SERVERS=--engine-process KINDS="${KINDS:-free json free json}" \
         timeout 200 bash bench/structured_serve.sh >"$out/$step.txt" 2>&1 ;;
+    tiers) compiled; ART=$slice RANDOM_WEIGHTS=1 RATIOS="0 0.8" TRACE=0 SHARED=0 \
+        timeout 540 bash bench/kv_tiers_serve.sh >"$out/$step.txt" 2>&1 ;;
     w4a8-test) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_w4a8.py \
         >"$out/$step.txt" 2>&1 ;;
     w4a8-moe) timeout 300 python3 bench/moe_w4a8_bench.py --sweep >"$out/$step.txt" 2>&1 ;;
