@@ -49,6 +49,9 @@ from hy3c.model.batch import SeqChunk, StepBatch, build_step_batch
 from hy3c.serve.agent.structured import (
     STRUCTURED_ERROR,
     Constraint,
+    GrammarError,
+    Grammars,
+    GrammarSpec,
     allow_other_rows,
     fill_masks,
     new_constraint,
@@ -332,9 +335,12 @@ class Engine:
         or not; integer arguments that follow the batch — request and token counts — are marked not
         to specialize) and pick launch configs by token-count bucket (FusedMoE: 16 / 128 / 1024 /
         more; moe_align: 64 / 512 / 1024 pairs, i.e. 8 / 64 / 128 tokens at top-8), so single
-        prefills of WARM_UP_TOKENS (and of the token budget, and one less) run first; then one step samples the greedy, filtered, unfiltered and fallback paths of the sampler.
-        Decode batch sizes are covered by the CUDA-graph capture. Leaves no trace: the metrics are kept
-        aside and the prefix cache is emptied.
+        prefills of WARM_UP_TOKENS (and of the token budget, and one less) run first; then one step samples the greedy, filtered, unfiltered and fallback paths of the sampler,
+        then (when llguidance is installed, and not in the forced-acceptance benchmark mode) a greedy
+        and a sampled request under a grammar, whose draws read a mask: the masked sampler's kernel
+        variants (built on live traffic, they stalled the first structured-output requests for
+        seconds). Decode batch sizes are covered by the CUDA-graph capture. Leaves no trace: the
+        metrics are kept aside and the prefix cache is emptied.
         """
         metrics, self.metrics = self.metrics, EngineMetrics()
         vocab = self.runner.config.vocab_size
@@ -349,13 +355,12 @@ class Engine:
         ]
         requests: list[str] = []
 
-        def admit(name: str, length: int, params: SamplingParams) -> None:
+        def admit(name: str, length: int, params: SamplingParams, grammar: object | None = None) -> None:
             salt = 7919 * len(requests)  # distinct prompts: no prefix-cache hits
             requests.append(name)
             prompt = [(salt + 31 * j) % vocab for j in range(length)]
-            self._admit(
-                GenerationRequest(name, prompt, params, max_tokens=2, ignore_eos=True), lambda _: None
-            )
+            request = GenerationRequest(name, prompt, params, max_tokens=2, ignore_eos=True, grammar=grammar)
+            self._admit(request, lambda _: None)
 
         def drain() -> None:
             while self._iterate():
@@ -370,10 +375,26 @@ class Engine:
             for i, params in enumerate(kinds):
                 admit(f"warm-up-sampler-{i}", min(64, longest), params)
             drain()
+            grammar = self._warm_up_grammar()
+            if grammar is not None:
+                for i, params in enumerate(kinds[:2]):
+                    admit(f"warm-up-grammar-{i}", min(64, longest), params, grammar)
+                drain()
         finally:
             self.scheduler.reset_prefix_cache()
             self.pool.on_publish, self.pool.on_allocate = hooks
             self.metrics = metrics
+
+    def _warm_up_grammar(self) -> object | None:
+        """A grammar that allows any text, for the warm-up's constrained requests; None without
+        llguidance or in the forced-acceptance benchmark mode (which refuses grammars)."""
+        if self.forced_acceptance:
+            return None
+        grammars = Grammars(self.tokenizer, self.runner.config.vocab_size)
+        try:
+            return grammars.compile(GrammarSpec("regex", "[\\s\\S]*", "warm-up"))
+        except (GrammarError, ImportError):  # llguidance is not installed: no structured outputs
+            return None
 
     # ---- API side (any thread) ---------------------------------------------------------------------
     def start(self) -> None:

@@ -415,7 +415,8 @@ def test_overloaded_and_dead_engine_answer_503(artifact):
         assert down.status_code == 503 and "engine is not running" in down.json()["error"]["message"]
 
 
-def test_warm_up_prefills_each_token_count_class_then_samples_every_path(artifact):
+def test_warm_up_prefills_each_token_count_class_then_samples_every_path(artifact, monkeypatch):
+    from hy3c.serve.engine import core
     from hy3c.serve.engine.core import WARM_UP_TOKENS
     from hy3c.serve.http.server import build_engine
 
@@ -424,10 +425,16 @@ def test_warm_up_prefills_each_token_count_class_then_samples_every_path(artifac
     steps = []
     run = engine.runner.step
     engine.runner.step = lambda batch, kv: steps.append(int(batch.input_ids.numel())) or run(batch, kv)
+    masked = []
+    fill = core.fill_masks
+    monkeypatch.setattr(
+        core, "fill_masks", lambda cs, masks, rows: masked.append(len(rows)) or fill(cs, masks, rows)
+    )
     engine.warm_up()
     prefills = sorted({min(n, 512) for n in WARM_UP_TOKENS} | {511})
     assert steps[: 2 * len(prefills)] == [n for size in prefills for n in (size, 1)]  # prefill, then decode
     assert 4 * 64 in steps  # the sampler step: four requests, one per path
+    assert steps[-2] == 2 * 64 and masked == [2, 2]  # then a greedy and a sampled one under a grammar
     assert not engine.scheduler.has_work
     assert engine.pool.num_free == engine.pool.usable and not engine.pool.page_of  # no pages, no cache
     fresh = build_engine(options)[0]
