@@ -195,8 +195,9 @@ class DecodeInputs:
             raise ValueError(f"DecodeInputs: a page table of {table.shape[1]} pages for graphs of {width}")
         torch.index_select(table[:, :width], 0, self.rows[:b], out=self.page_table[:b])
 
-    def stage(self, batch: StepBatch, b: int) -> None:
-        """A `StepBatch`'s decode step (b requests) into the device buffer (no tokens fed from `drawn`)."""
+    def stage(self, b: int) -> None:
+        """Ready the device buffer for a `StepBatch`'s decode step of b requests, which the caller copies
+        into its first b columns: no tokens fed from `drawn`, padding past them."""
         if self.feeding:
             self.wide[3, :b].fill_(-1)
         if b < self.padding.from_row:
@@ -397,7 +398,7 @@ class DecodeGraphs:
         g = self.graphs[next(s for s in self.sizes if s >= b)]
         table, lens, starts, _, indices, token_rows = g.inputs[2:]
         if self.inputs is not None:  # shared by every size: its padding is reset for all of them
-            self.inputs.stage(batch, b)
+            self.inputs.stage(b)
         if batch.token_rows is not None:  # ids, positions and slots in one copy
             token_rows[:, : b * q].copy_(batch.token_rows)
         else:

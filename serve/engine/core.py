@@ -231,6 +231,13 @@ def hand_over(emissions: list[tuple[Callable[[StepOutput], None], StepOutput]]) 
         raise error
 
 
+def _draw_only(live: _Live) -> bool:
+    """Whether the request's row needs nothing but the draw (no penalties or logit bias, no top
+    logprobs, no grammar): a decode graph that samples can draw it."""
+    request = live.request
+    return not has_penalties(request.params) and not request.num_logprobs and live.constraint is None
+
+
 def _feed_pairs(work: list[Work], previous: _InFlight | None) -> list[tuple[int, int]]:
     """(token index, draw row of `previous`) of each item fed from the device: its last token, which
     its chunk holds as a placeholder, is `previous`'s draw for the request."""
@@ -664,9 +671,8 @@ class Engine:
             # the sampler's parameters (this step's seeds drawn) go up before the step: into the decode
             # graph that draws the tokens itself, else for the sampler's launches right behind the step
             width = getattr(self.runner, "sampling_width", None) if self.data_parallel == 1 else None
-            in_graph = bool(width) and pick is None and not scoring and not want and 0 < len(params) <= width
-            in_graph = in_graph and not any(has_penalties(p) for p in params)
-            in_graph = in_graph and not any(lv.constraint is not None for lv in lives)
+            in_graph = bool(width) and pick is None and not scoring and 0 < len(params) <= width
+            in_graph = in_graph and all(_draw_only(lv) for lv in lives)
             fused = bool(params) and fused_on(device)
             block = None
             if in_graph or fused:
@@ -730,11 +736,8 @@ class Engine:
         if any(w.count != 1 or not w.wants_logits or w.all_logits or w.drafts for w in work):
             return None
         _, lives, scoring, scored_only = self._logit_rows(work)
-        if scoring or scored_only or len(lives) != len(work):
+        if scoring or scored_only or len(lives) != len(work) or not all(_draw_only(lv) for lv in lives):
             return None
-        for live in lives:
-            if has_penalties(live.request.params) or live.request.num_logprobs or live.constraint is not None:
-                return None
         inputs = graphs.inputs
         pairs = _feed_pairs(work, previous)
         if pairs:  # the tokens in flight are fed from `inputs.drawn`: those drawn elsewhere are moved in
@@ -953,7 +956,8 @@ class Engine:
         """Which captured speculative step runs this one, if any: "greedy" (`Runner.spec_steps`) or
         "sampled" (`Runner.sampled_spec_steps`, for a batch with sampled requests) for a step of one
         rank whose every request is a decode feeding K drafts (no logprobs, penalties, logit bias or
-        grammar), holding the pages its recursion writes, in a batch a captured step covers."""
+        grammar), holding the pages its recursion writes, in a batch a captured step covers. For a
+        sampled one, each sampled request is given its `DraftProbs` slot here."""
         assert self.speculator is not None
         if self.data_parallel > 1 or len(lives) != len(work):
             return None
@@ -996,7 +1000,7 @@ class Engine:
                 slot = probs.find(live.seq)
                 assert slot is not None, "a sampled request's slot is given by _captured_kind"
                 slots.append(slot)
-                seeds.append([draw_seeds([p], [live.generator])[0] for _ in range(k + 1)])
+                seeds.append(draw_seeds([p] * (k + 1), [live.generator] * (k + 1)))
         return steps.rule.block(params, slots, seeds, steps.size_for(len(work)))
 
     def _spec_collect(self, step: _SpecStep, successor: _SpecStep | None = None) -> None:

@@ -98,11 +98,9 @@ class DraftProbs:
         self._slots: dict[object, int] = {}
         self._free: list[int] = []
 
-    def reserve(self, requests: int, vocab: int, device: torch.device | str) -> Tensor:
-        """Room for `requests` requests' rows besides ZERO and SCRATCH (a captured step's tensor)."""
+    def reserve(self, requests: int, vocab: int, device: torch.device | str) -> None:
+        """Room for `requests` requests' rows besides ZERO and SCRATCH (before a step captures it)."""
         self._grow(requests + 2, vocab, torch.device(device))
-        assert self.probs is not None
-        return self.probs
 
     def find(self, owner: object) -> int | None:
         return self._slots.get(owner)

@@ -100,8 +100,6 @@ class StepInputs:
         the rest as the batch's `feed_index` ([2, F]; None when empty)."""
         if len(owners) != len(chunks):
             raise ValueError(f"StepInputs.build: {len(chunks)} chunks but {len(owners)} owners")
-        if len(set(owners)) != len(owners):
-            raise ValueError("StepInputs.build: a request appears twice in one step's owners")
         inputs = token_inputs(chunks, self.page_size)
         width = max((len(c.pages) for c in chunks), default=1) or 1
         rows, cells, values = self._rows_and_cells(chunks, owners)
@@ -150,13 +148,11 @@ class StepInputs:
     ) -> None:
         """`build` for a decode step that a sampled decode graph replays (one token per request, each
         its logits row): the same values written into the graphs' `graph_inputs` — one copy — rather
-        than a batch (`hy3c.runtime.cuda_graphs.DecodeInputs`; the graph gathers its page-table rows
-        from `table`). `feed`: (token index, draw row) as for `build`, the draw rows being rows of
+        than a batch (`hy3c.runtime.cuda_graphs.DecodeInputs`; the replay gathers its page-table rows
+        from `table`: `DecodeGraphs.replay_written`). `feed`: (token index, draw row) as for `build`, the draw rows being rows of
         `graph_inputs.drawn`; `block`: the sampler's parameter block."""
         if len(owners) != len(chunks) or any(len(c.tokens) != 1 or c.logits != "last" for c in chunks):
             raise ValueError("StepInputs.write_decode: one token and its logits row per request")
-        if len(set(owners)) != len(owners):
-            raise ValueError("StepInputs.write_decode: a request appears twice in one step's owners")
         inputs = token_inputs(chunks, self.page_size)
         rows, cells, values = self._rows_and_cells(chunks, owners)
         if cells:  # a request's pages grew (every page_size steps of a decode)
@@ -173,6 +169,8 @@ class StepInputs:
         """Each request's table row (a new request gets one), and the cells of the pages added since
         its last step (flat indices into the table) with their values; the host's record of what each
         row holds moves on."""
+        if len(set(owners)) != len(owners):
+            raise ValueError("StepInputs: a request appears twice in one step's owners")
         width = max((len(c.pages) for c in chunks), default=1) or 1
         if width > self.table.shape[1]:
             self._grow(self.table.shape[0], width)
