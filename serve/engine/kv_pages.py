@@ -92,12 +92,15 @@ class PagePool:
         return self.num_used / self.usable
 
     # ---- prefix reuse ------------------------------------------------------------------------------
-    def match_prefix(self, tokens: Sequence[int]) -> list[int]:
+    def match_prefix(self, tokens: Sequence[int], keys: list[bytes] | None = None) -> list[int]:
         """Pages holding the longest published prefix of `tokens`, leaving at least one token to compute
-        (the step needs a query row for the next token's logits). The pages are referenced."""
+        (the step needs a query row for the next token's logits). The pages are referenced. `keys`, the
+        request's page keys computed so far, is extended in place (the tiers below and `publish` reuse
+        them: a long prompt is hashed once)."""
         full = (len(tokens) - 1) // self.page_size
+        keys = extend_page_keys([] if keys is None else keys, tokens, self.page_size, self.namespace, full)
         pages = []
-        for key in page_keys(tokens, self.page_size, self.namespace, full):
+        for key in keys[:full]:
             page = self.page_of.get(key)
             if page is None:
                 break

@@ -66,7 +66,7 @@ import torch
 from torch import Tensor
 
 from hy3c.logs import log_event
-from hy3c.serve.engine.kv_pages import OutOfPages, PagePool, page_keys
+from hy3c.serve.engine.kv_pages import OutOfPages, PagePool, extend_page_keys
 
 log = logging.getLogger("hy3c.serve.engine.kv_tiers")
 
@@ -575,23 +575,29 @@ class KVTiers:
 
     # ---- load-back ----------------------------------------------------------------------------------
     def extend_prefix(
-        self, pool: PagePool, tokens: Sequence[int], pages: list[int], request_id: str = ""
+        self,
+        pool: PagePool,
+        tokens: Sequence[int],
+        pages: list[int],
+        request_id: str = "",
+        keys: list[bytes] | None = None,
     ) -> list[int]:
         """L1 pages holding the pages after `pages` (an L1 hit on `tokens`) that L2 has (those a
         `fetching` read brought from the store included), loaded, published in L1 and referenced;
         stops at the first miss (leaving at least one token to compute, as `match_prefix` does) or when
-        L1 has no page to give."""
+        L1 has no page to give. `keys`: the request's page keys so far, extended in place (as
+        `match_prefix`'s)."""
         self._fetched.discard(request_id)
         if self._pending:  # a block about to be read may be one still to be copied into
             self.commit_saves()
         full = (len(tokens) - 1) // pool.page_size
         if full <= len(pages):
             return []
-        keys = page_keys(tokens, pool.page_size, pool.namespace, full)[len(pages) :]
+        keys = extend_page_keys([] if keys is None else keys, tokens, pool.page_size, pool.namespace, full)
         started = time.perf_counter()
         blocks: list[int] = []
         with self._lock:
-            for key in keys:
+            for key in keys[len(pages) : full]:
                 self.stats.l2_queries += 1
                 block = self._block_of.get(key)
                 if block is None:
@@ -615,7 +621,7 @@ class KVTiers:
                 self._release_busy(block)
         if loaded:
             computed = (len(pages) + len(loaded)) * pool.page_size
-            pool.publish(tokens, [*pages, *loaded], computed, since=len(pages))
+            pool.publish(tokens, [*pages, *loaded], computed, keys, since=len(pages))
             self.stats.loaded_bytes += len(loaded) * self.page_bytes
             self.stats.load_seconds += time.perf_counter() - started
         return loaded
@@ -653,7 +659,9 @@ class KVTiers:
                 self._note_copy(block, event)
         return event
 
-    def fetching(self, pool: PagePool, request_id: str, tokens: Sequence[int]) -> bool:
+    def fetching(
+        self, pool: PagePool, request_id: str, tokens: Sequence[int], keys: list[bytes] | None = None
+    ) -> bool:
         """Whether the request's admission waits for the store: the first call starts one read, on a
         worker, of the pages after its L1 and L2 hit (one call, so one timeout), and this is True until
         the read ends or the timeout passes; the pages read land in L2, where `extend_prefix` finds
@@ -665,7 +673,7 @@ class KVTiers:
             if request_id in self._fetched or self.degraded:
                 return False
             self._fetched.add(request_id)
-            keys = self._beyond_l2(pool, tokens)
+            keys = self._beyond_l2(pool, tokens, [] if keys is None else keys)
             if not keys:
                 return False
             self.stats.l3_queries += 1
@@ -756,10 +764,11 @@ class KVTiers:
         self._fetches.pop(request_id, None)
         self._fetched.discard(request_id)
 
-    def _beyond_l2(self, pool: PagePool, tokens: Sequence[int]) -> list[bytes]:
-        """The keys of the request's full pages after the run L1 and then L2 hold."""
+    def _beyond_l2(self, pool: PagePool, tokens: Sequence[int], keys: list[bytes]) -> list[bytes]:
+        """The keys of the request's full pages after the run L1 and then L2 hold (`keys`: its page keys
+        so far, extended in place)."""
         full = (len(tokens) - 1) // pool.page_size
-        keys = page_keys(tokens, pool.page_size, pool.namespace, full)
+        keys = extend_page_keys(keys, tokens, pool.page_size, pool.namespace, full)[:full]
         at = 0
         while at < len(keys) and keys[at] in pool.page_of:
             at += 1

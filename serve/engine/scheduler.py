@@ -367,15 +367,17 @@ class Scheduler:
                 break
             if not seq.pages:
                 tiers = None if self._scoring(seq) else self.tiers
-                if tiers is not None and tiers.fetching(self.pool, seq.request_id, seq.tokens):
+                if tiers is not None and tiers.fetching(self.pool, seq.request_id, seq.tokens, seq.page_keys):
                     deferred.add(id(seq))
                     continue
                 if not self._scoring(seq) and self._waits_for_writer(seq):
                     deferred.add(id(seq))
                     continue
-                seq.pages = [] if self._scoring(seq) else self.pool.match_prefix(seq.tokens)
+                seq.pages = [] if self._scoring(seq) else self.pool.match_prefix(seq.tokens, seq.page_keys)
                 if tiers is not None:
-                    seq.pages += tiers.extend_prefix(self.pool, seq.tokens, seq.pages, seq.request_id)
+                    seq.pages += tiers.extend_prefix(
+                        self.pool, seq.tokens, seq.pages, seq.request_id, seq.page_keys
+                    )
                 if self.speculative and seq.pages:
                     self.pool.release([seq.pages.pop()])
                 seq.published = len(seq.pages)

@@ -79,6 +79,33 @@ def test_an_evicted_prefix_comes_back_from_host_memory(model, tokenizer):
     _no_leaks(engine)
 
 
+def test_a_prompt_is_hashed_once_per_admission_across_the_tiers(model, tokenizer, tmp_path, monkeypatch):
+    """The L1 match, the L2 lookup, the store read's lookup and the L1 publish of loaded pages share the
+    request's page keys: each of its pages is hashed once (a 32K-token prompt hashed three times cost
+    ~4 ms of the engine thread per admission on the H100: bench/LOG.md)."""
+    import hashlib
+
+    from hy3c.serve.engine import kv_pages
+
+    engine = _engine(model, tokenizer, _config(tmp_path))
+    _generate(engine, PROMPT, "a")
+    _evict(engine)
+    hashed = []
+
+    class Counting:
+        @staticmethod
+        def blake2b(*args, **kwargs):
+            hashed.append(1)
+            return hashlib.blake2b(*args, **kwargs)
+
+    monkeypatch.setattr(kv_pages, "hashlib", Counting)
+    tokens, cached = _generate(engine, PROMPT, "b")
+    assert cached == 40 and engine.tiers.stats.l2_hits == 10  # back from L2
+    # its 10 prompt pages, then the pages its 6 output tokens fill (publish at the end)
+    assert len(hashed) == (len(PROMPT) + len(tokens) - 1) // PAGE
+    _no_leaks(engine)
+
+
 def test_a_restart_on_the_same_file_store_reuses_the_prefix(model, tokenizer, tmp_path):
     first = _engine(model, tokenizer, _config(tmp_path))
     expected, _ = _generate(first, PROMPT, "a")
