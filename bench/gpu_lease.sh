@@ -13,6 +13,7 @@
 #                 first builds the masked kernels) (issue 29)
 #   ttft          one request's TTFT at 8K and 32K prompts with an 80% prefix hit from L1 and from L2
 #                 against cold and the compute floor, with its device breakdown (issue 28)
+#   tiers-tests   GPU tests of the KV tiers (real side-stream copies, a load beside a running request)
 #   tiers         prefix repetition at 0% and 80% hit, L1 only / + L2 / + file L3 (issue 28; the
 #                 whole of bench/kv_tiers_serve.sh needs a call of its own)
 #   w4a8-test     GPU tests of the W4A8 GEMMs at Hy3's shapes (issue 30)
@@ -41,9 +42,12 @@ for step in ${STEPS:-probe}; do
         --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}' --temperature 0.8 --top-p 0.95 \
         --concurrency 1 32 --overlap on --written both --output-len 200 >"$out/$step.txt" 2>&1 ;;
     json) compiled; ART=$slice RANDOM_WEIGHTS=1 SAMPLER=0 SERVERS=--engine-process KINDS="${KINDS:-free json free json}" \
-        timeout 200 bash bench/structured_serve.sh >"$out/$step.txt" 2>&1 ;;
+        timeout 320 bash bench/structured_serve.sh >"$out/$step.txt" 2>&1
+      grep -hE "engine_(warmed_up|ready)|kernel_build" /tmp/structured/serve.log | tail -5 >>"$out/$step.txt" ;;
     ttft) compiled; for len in 8192 32768; do timeout 200 python3 bench/prefix_ttft_probe.py $slice \
         --random-weights 0 --prompt-len $len --repeats 5; done >"$out/$step.txt" 2>&1 ;;
+    tiers-tests) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/serve/engine/test_kv_tiers_gpu.py \
+        >"$out/$step.txt" 2>&1 ;;
     tiers) compiled; ART=$slice RANDOM_WEIGHTS=1 RATIOS="0 0.8" TRACE=0 SHARED=0 \
         timeout 540 bash bench/kv_tiers_serve.sh >"$out/$step.txt" 2>&1 ;;
     w4a8-test) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_w4a8.py \

@@ -29,9 +29,12 @@ prefix is found page by page in L1, then L2, then L3, stopping at the first miss
 * **Load-back** (`extend_prefix`, at admission): the pages after the L1 hit that L2 holds go into newly
   allocated L1 pages on the side stream — after the work queued so far, since a freshly freed L1 page
   may still be written by a step in flight: each run of consecutive blocks in one H2D copy into a
-  staging buffer, then one scatter into the pages per round — and the compute stream waits on the
-  copies' event before the next step. The loaded pages are published in L1 at once, so concurrent
-  requests with that prefix share them.
+  staging buffer, then one scatter into the pages per round. Nothing waits for it there: the pages
+  are `loading` until the copies' event has passed, and a request holding such pages is held back
+  while other requests step (the copy overlaps their work), or — when the step has nothing else to
+  run — the compute stream waits on the event (`wait_loads`); a loading page handed out again is
+  waited for likewise (`reusing`). The loaded pages are published in L1 at once, so concurrent
+  requests with that prefix share them (and their wait).
 * **L3 never blocks serving for long.** Each store call runs on a worker with a timeout; after
   `failures_to_degrade` consecutive failures or timeouts the store is *degraded*: lookups miss and
   writes drop while a background probe retries it every `probe_seconds`, resuming when it answers. A
@@ -458,6 +461,7 @@ class KVTiers:
         self._busy: dict[int, int] = {}  # block → pending L3 writes of it (not evictable meanwhile)
         self._pending: list[tuple[int, bytes, int]] = []  # (L1 page, key, block) published, not yet copied
         self._saving: dict[int, torch.cuda.Event] = {}  # L1 page → its D2H copy's event
+        self._loading: dict[int, torch.cuda.Event] = {}  # L1 page → its H2D load's event (until done)
         self._block_events: dict[int, torch.cuda.Event] = {}  # block → its last device copy's event
         self._fetches: dict[str, _Fetch] = {}  # request → its store read in flight
         self._fetched: set[str] = set()  # requests whose store read is done (until admitted)
@@ -565,13 +569,37 @@ class KVTiers:
 
     def reusing(self, pages: Sequence[int]) -> None:
         """The pool hands these L1 pages out again: their saves are issued first (`commit_saves`) and
-        the compute stream waits for their copies to L2 (no host wait)."""
+        the compute stream waits for their copies to L2, and for loads into them still running (no
+        host wait)."""
         if self._pending:
             self.commit_saves()
         for page in pages:
-            event = self._saving.pop(page, None)
-            if event is not None:
-                torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
+            for copies in (self._saving, self._loading):
+                event = copies.pop(page, None)
+                if event is not None:
+                    self._device_wait(event)
+
+    def loading(self, pages: Sequence[int]) -> bool:
+        """Whether a load from L2 into any of these L1 pages is still running on the side stream (a
+        request holding them joins a step once it is done: `extend_prefix`)."""
+        for page in pages if self._loading else ():
+            event = self._loading.get(page)
+            if event is None:
+                continue
+            if not event.query():
+                return True
+            del self._loading[page]
+        return False
+
+    def wait_loads(self, pages: Sequence[int]) -> None:
+        """The compute stream waits for the loads into these pages (a step with nothing else to run
+        takes them at once: a device wait, not a host poll)."""
+        events = {id(event): event for event in (self._loading.pop(page, None) for page in pages) if event}
+        for event in events.values():
+            self._device_wait(event)
+
+    def _device_wait(self, event: torch.cuda.Event) -> None:
+        torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
 
     # ---- load-back ----------------------------------------------------------------------------------
     def extend_prefix(
@@ -586,7 +614,12 @@ class KVTiers:
         `fetching` read brought from the store included), loaded, published in L1 and referenced;
         stops at the first miss (leaving at least one token to compute, as `match_prefix` does) or when
         L1 has no page to give. `keys`: the request's page keys so far, extended in place (as
-        `match_prefix`'s)."""
+        `match_prefix`'s).
+
+        The load runs on the side stream and nothing waits for it here: a step that reads the pages
+        must come after it — the scheduler holds back a request whose pages are `loading` while other
+        requests step (the copy overlaps their work), or makes the step wait on the device
+        (`wait_loads`) when it has nothing else to run."""
         self._fetched.discard(request_id)
         if self._pending:  # a block about to be read may be one still to be copied into
             self.commit_saves()
@@ -614,8 +647,8 @@ class KVTiers:
             except OutOfPages:
                 loaded = []
             event = self._load(loaded, blocks[: len(loaded)])
-            if event is not None:  # the next step reads the pages: it waits for their copies
-                torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
+            if event is not None:
+                self._loading.update(dict.fromkeys(loaded, event))
         finally:
             for block in blocks:
                 self._release_busy(block)

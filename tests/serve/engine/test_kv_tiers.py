@@ -106,6 +106,74 @@ def test_a_prompt_is_hashed_once_per_admission_across_the_tiers(model, tokenizer
     _no_leaks(engine)
 
 
+class _SlowCopy:
+    """A device copy's event that reports done only after `polls` queries (the CPU has no streams)."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_load_from_host_memory_overlaps_other_requests_steps(model, tokenizer, monkeypatch, alone):
+    """An L2 hit's pages are copied on the side stream without a wait: while the copy runs, the request
+    is held back and the running one keeps stepping (it joins once the copy is done); alone, it is
+    admitted at once and the step waits on the device. Same greedy tokens either way, nothing held."""
+    from hy3c.serve.engine import kv_tiers
+
+    plain = _engine(model, tokenizer, None, num_pages=40)
+    expected, _ = _generate(plain, PROMPT, "ref")
+    other_prompt = [(5 * i + 1) % 70 + 4 for i in range(9)]
+    other_expected, _ = _generate(plain, other_prompt, "ref-other")
+
+    engine = _engine(model, tokenizer, _config())
+    _generate(engine, PROMPT, "a")
+    _evict(engine)
+    load, copies, waits = kv_tiers.KVTiers._load, [], []
+
+    def slow_load(self, pages, blocks):
+        load(self, pages, blocks)
+        copies.append(_SlowCopy(polls=3))
+        return copies[-1]
+
+    monkeypatch.setattr(kv_tiers.KVTiers, "_load", slow_load)
+    monkeypatch.setattr(kv_tiers.KVTiers, "_device_wait", lambda self, event: waits.append(event))
+    steps: list[set[str]] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        work = schedule()
+        steps.append({w.seq.request_id for w in work})
+        return work
+
+    engine.scheduler.schedule = recorded
+    outputs: dict[str, list[StepOutput]] = {"b": [], "other": []}
+    if not alone:
+        engine.submit(
+            GenerationRequest("other", other_prompt, SamplingParams(temperature=0.0), 6, ignore_eos=True),
+            outputs["other"].append,
+        )
+        engine._iterate()  # the other request runs
+    engine.submit(
+        GenerationRequest("b", PROMPT, SamplingParams(temperature=0.0), 6, ignore_eos=True),
+        outputs["b"].append,
+    )
+    engine.run_until_done()
+    assert [t for o in outputs["b"] for t in o.token_ids] == expected and outputs["b"][-1].cached_tokens == 40
+    assert len(copies) == 1
+    if alone:
+        assert waits == copies and "b" in steps[0]  # admitted at once, the device waits
+    else:
+        assert [t for o in outputs["other"] for t in o.token_ids] == other_expected
+        joined = next(i for i, ids in enumerate(steps) if "b" in ids)
+        assert joined >= 3 and all("other" in ids for ids in steps[1:joined])  # it stepped meanwhile
+        assert waits == [] and copies[0].polls < 0
+    _no_leaks(engine)
+
+
 def test_a_restart_on_the_same_file_store_reuses_the_prefix(model, tokenizer, tmp_path):
     first = _engine(model, tokenizer, _config(tmp_path))
     expected, _ = _generate(first, PROMPT, "a")
