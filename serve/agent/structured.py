@@ -116,6 +116,61 @@ class Constraint:
         return self.matcher.get_error() if self.matcher.is_error() else ""
 
 
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): the printable character each byte is written as."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    shifted = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(shifted)}
+    return {c: b for b, c in chars.items()}
+
+
+class _TokenTable:
+    """A byte-level tokenizer as llguidance's `TokenizerWrapper` reads it: every id's bytes, the
+    special ids, and an encoder. llguidance builds its token table from these in well under a second,
+    where from the tokenizer's JSON it spent ~100 s on the CPU machine on one with 120K added tokens
+    (the placeholder tokenizer of `--random-weights` servers at Hy3's vocabulary: bench/LOG.md)."""
+
+    def __init__(self, tokenizer, tokens: list[bytes], special: list[int], eos: int) -> None:
+        self._tokenizer = tokenizer
+        self.tokens = tokens
+        self.special_token_ids = special
+        self.eos_token_id = eos
+        self.bos_token_id = None
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def byte_level_table(tokenizer, eos: int) -> _TokenTable | None:
+    """The token table of a `tokenizers.Tokenizer` whose decoder is byte-level BPE (Hy3's and the tiny
+    one's), `eos` its stop token; None for any other kind (llguidance then reads the tokenizer's JSON
+    itself)."""
+    spec = json.loads(tokenizer.to_str())
+    decoder = spec.get("decoder") or {}
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
+    if "ByteLevel" not in kinds:
+        return None
+    added = tokenizer.get_added_tokens_decoder()
+    byte_of = _byte_of_char()
+    tokens = []
+    for i in range(tokenizer.get_vocab_size()):
+        piece = tokenizer.id_to_token(i) or ""
+        if i in added or any(c not in byte_of for c in piece):  # (a piece off the byte alphabet: its text)
+            tokens.append(piece.encode())
+        else:
+            tokens.append(bytes(byte_of[c] for c in piece))
+    # every added token is a special token to the grammar, never text (as llguidance reads a
+    # tokenizer's JSON): the markup tokens too, which tool-call grammars name by id
+    return _TokenTable(tokenizer, tokens, sorted(added), eos)
+
+
 class Grammars:
     """Compiles grammars for one tokenizer (its token table is built on first use: about a second at
     Hy3's vocabulary size). A compiled grammar is a matcher at its start, which each request copies."""
@@ -146,9 +201,10 @@ class Grammars:
                         "response_format", f"structured outputs need llguidance ({exc})"
                     ) from None
                 tok = self.tokenizer
-                self._tokens = llguidance.LLTokenizer(
-                    tok.tokenizer.to_str(), n_vocab=self.width, eos_token=tok.token_to_id(tok.eos_token)
-                )
+                eos = tok.token_to_id(tok.eos_token)
+                table = byte_level_table(tok.tokenizer, eos)
+                source = tok.tokenizer.to_str() if table is None else llguidance.TokenizerWrapper(table)
+                self._tokens = llguidance.LLTokenizer(source, n_vocab=self.width, eos_token=eos)
             return self._tokens
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:

@@ -153,3 +153,48 @@ def test_many_masks_go_to_the_pool_and_few_cheap_ones_are_filled_in_turn(grammar
             alone = allocate_masks(1, vocab)
             constraint.fill(alone, 0)
             assert _allowed(masks, row, vocab) == _allowed(alone, 0, vocab)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec("json", SCHEMA, "x"),
+        GrammarSpec("regex", "[ab]+ é\u4e2d{2}", "y"),
+        GrammarSpec("choice", ["yes", "no", "<think>"], "z"),
+        GrammarSpec("regex", "[\\s\\S]{0,40}", "w"),  # special tokens are never text
+    ],
+)
+def test_the_byte_table_gives_the_masks_the_tokenizer_json_gives(tiny_ckpt, spec):
+    """llguidance's token table built from the byte-level vocabulary (`byte_level_table`, fast at any
+    number of added tokens) allows exactly the tokens of the one it builds from the tokenizer's JSON,
+    at every state of walks under the mask (specials, markup tokens and multi-byte text included)."""
+    import llguidance
+
+    from hy3c.serve.agent import structured
+
+    tokenizer = Hy3Tokenizer.from_dir(tiny_ckpt)
+    vocab, eos = tokenizer.vocab_size, tokenizer.token_to_id(tokenizer.eos_token)
+    table = structured.byte_level_table(tokenizer.tokenizer, eos)
+    assert table is not None and len(table.tokens) == vocab
+    tables = {
+        "bytes": llguidance.LLTokenizer(llguidance.TokenizerWrapper(table), n_vocab=vocab, eos_token=eos),
+        "json": llguidance.LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=vocab, eos_token=eos),
+    }
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        grammars = {}
+        for name, tokens in tables.items():
+            grammars[name] = Grammars(tokenizer, vocab)
+            grammars[name]._tokens = tokens
+        walkers = {name: new_constraint(g.compile(spec)) for name, g in grammars.items()}
+        for _ in range(24):
+            masks = {}
+            for name, walker in walkers.items():
+                masks[name] = allocate_masks(1, vocab)
+                walker.fill(masks[name], 0)
+            allowed = _allowed(masks["bytes"], 0, vocab)
+            assert allowed == _allowed(masks["json"], 0, vocab) and allowed
+            if allowed == {eos}:
+                break
+            token = sorted(allowed)[int(torch.randint(len(allowed), (1,), generator=generator))]
+            assert all(walker.accept(token) for walker in walkers.values())
