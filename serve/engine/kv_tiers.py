@@ -17,8 +17,11 @@ prefix is found page by page in L1, then L2, then L3, stopping at the first miss
   queued so far (the KV it copies is computed by then), so the copy is off the step's critical path;
   the L1 page is not handed out again before that copy is done (`reusing` makes the stream wait on its
   event — no host wait). Pages L2 already holds are only touched (LRU).
-* **L2 → L3.** A page new to L2 is queued to a writer thread that waits for the copy's event, then
-  writes the block's bytes to the store (a bounded queue: a full one drops the write, counted); a
+* **L2 → L3.** A page new to L2 is *unwritten* until a writer thread has stored it: the writer's
+  bounded queue is topped up from the unwritten blocks, oldest first, once per step and after each
+  batch it writes, so a burst faster than the store is written back while L2 still holds it (the
+  store's rate, not the queue, bounds what reaches L3); an unwritten block L2 evicts is a dropped
+  write, counted. The writer waits for a page's copy event, then writes the block's bytes; a
   zero-copy store (Mooncake: the L2 blocks registered with it) moves the block itself, and reads land
   straight in reserved blocks — a read that outlives its timeout keeps them until it ends. A
   block being written is pinned until its write ends, so L2 eviction never hands it out mid-write.
@@ -98,7 +101,7 @@ class TierConfig:
     namespace: bytes = b""
     failures_to_degrade: int = 3
     probe_seconds: float = 5.0
-    write_queue: int = 256
+    write_queue: int = 256  # pages handed to the writer at a time (the rest wait in L2, unwritten)
 
 
 class PageStore(Protocol):
@@ -421,7 +424,7 @@ class TierStats:
     l3_queries: int = 0
     l3_hits: int = 0
     l3_stored: int = 0
-    l3_dropped: int = 0  # writes dropped: queue full or store degraded
+    l3_dropped: int = 0  # writes dropped: evicted from L2 before the writer got to them, or store degraded
     l3_failures: int = 0
     loaded_bytes: int = 0
     stored_bytes: int = 0
@@ -460,6 +463,8 @@ class KVTiers:
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._busy: dict[int, int] = {}  # block → pending L3 writes of it (not evictable meanwhile)
         self._pending: list[tuple[int, bytes, int]] = []  # (L1 page, key, block) published, not yet copied
+        # blocks copied to L2 and not yet handed to the L3 writer, oldest first: block → key
+        self._unwritten: OrderedDict[int, bytes] = OrderedDict()
         self._saving: dict[int, torch.cuda.Event] = {}  # L1 page → its D2H copy's event
         self._loading: dict[int, torch.cuda.Event] = {}  # L1 page → its H2D load's event (until done)
         self._block_events: dict[int, torch.cuda.Event] = {}  # block → its last device copy's event
@@ -504,6 +509,8 @@ class KVTiers:
             if block not in self._busy:
                 del self._block_of[key]
                 self.stats.l2_evicted += 1
+                if self._unwritten.pop(block, None) is not None:
+                    self.stats.l3_dropped += 1
                 return block
         return None
 
@@ -556,16 +563,23 @@ class KVTiers:
                 self._note_copy(block, event)
                 if event is not None:
                     self._saving[page] = event
-                if not to_store:
-                    self._release_busy(block)
-                    continue
-                try:  # the writer releases the block once written
-                    self._writes.put_nowait((key, block, event))
-                except queue.Full:
-                    self._release_busy(block)
-                    self.stats.l3_dropped += 1
+                if to_store:
+                    with self._lock:
+                        self._unwritten[block] = key
+                self._release_busy(block)
         self.stats.l2_stored += len(pending)
         self.stats.stored_bytes += len(pending) * self.page_bytes
+        self._hand_to_writer()
+
+    def _hand_to_writer(self) -> None:
+        """Top the writer's queue up with the oldest unwritten blocks (each held until written)."""
+        if self.store is None or self.degraded:
+            return
+        with self._lock:
+            while self._unwritten and not self._writes.full():
+                block, key = self._unwritten.popitem(last=False)
+                self._busy[block] = self._busy.get(block, 0) + 1  # the writer releases it once written
+                self._writes.put_nowait((key, block, self._block_events.get(block)))
 
     def reusing(self, pages: Sequence[int]) -> None:
         """The pool hands these L1 pages out again: their saves are issued first (`commit_saves`) and
@@ -960,6 +974,7 @@ class KVTiers:
             finally:
                 if not still_writing:
                     self._written(batch)
+                self._hand_to_writer()
 
     def _written(self, batch: list[tuple[bytes, int, torch.cuda.Event | None]]) -> None:
         """The writer is done with these queued pages: their L2 blocks are free to reuse."""
@@ -984,7 +999,10 @@ class KVTiers:
         if self.store is None:
             return
         deadline = time.monotonic() + timeout
-        while self._writes.unfinished_tasks and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+            self._writes.unfinished_tasks or (self._unwritten and not self.degraded)
+        ):
+            self._hand_to_writer()
             time.sleep(0.005)
 
     def close(self) -> None:

@@ -601,3 +601,76 @@ def test_saves_gather_published_pages_into_their_blocks_once_per_commit(monkeypa
     for page, key in zip(pages, keys):
         block = tiers._block_of[key]
         assert torch.equal(tiers.host[block].view(torch.uint8), saved[:, :, page].view(torch.uint8))
+
+
+class _SlowStore:
+    """A store whose every write takes `seconds` (a disk slower than the pages come): what it holds."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.pages: dict[bytes, bytes] = {}
+
+    def get(self, key: bytes, length: int):
+        return self.pages.get(key)
+
+    def put(self, key: bytes, payload) -> None:
+        time.sleep(self.seconds)
+        self.pages[key] = bytes(payload)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.pages
+
+    def probe(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _slow_tiers(monkeypatch, blocks: int, seconds: float, write_queue: int):
+    from hy3c.serve.engine import kv_tiers
+
+    store = _SlowStore(seconds)
+    monkeypatch.setattr(kv_tiers, "open_store", lambda spec, namespace, max_bytes: store)
+    cache = torch.randn(2, 2, 24, PAGE, 2, 8)
+    page_bytes = cache[:, :, 0].numel() * cache.element_size()
+    config = TierConfig(host_gib=blocks * page_bytes / 2**30, store="slow:", write_queue=write_queue)
+    return kv_tiers.KVTiers(cache, config), store, cache
+
+
+def test_a_burst_faster_than_the_store_is_written_back_from_host_memory(monkeypatch):
+    """Twelve pages published at once to a writer that takes two at a time: none is dropped — the rest
+    wait in L2, unwritten, and go to the store as the writer frees up (before, a full queue dropped
+    ten of them)."""
+    from hy3c.serve.engine.kv_pages import page_keys
+
+    tiers, store, cache = _slow_tiers(monkeypatch, blocks=16, seconds=0.01, write_queue=2)
+    keys = page_keys(list(range(12 * PAGE + 1)), PAGE, b"", 12)
+    for page, key in enumerate(keys, start=1):
+        tiers.published(page, key)
+    tiers.commit_saves()
+    tiers.flush()
+    assert tiers.stats.l3_dropped == 0 and tiers.stats.l3_stored == 12 and tiers.blocks_busy == 0
+    for page, key in enumerate(keys, start=1):
+        assert store.pages[key] == cache[:, :, page].contiguous().view(torch.uint8).numpy().tobytes()
+    tiers.close()
+
+
+def test_an_unwritten_page_evicted_from_host_memory_is_dropped_never_written_wrong(monkeypatch):
+    """L2 of four blocks, a writer one page at a time: pages published two per step evict unwritten
+    ones; each is counted as dropped, and every page the store holds has its own page's bytes."""
+    from hy3c.serve.engine.kv_pages import page_keys
+
+    tiers, store, cache = _slow_tiers(monkeypatch, blocks=4, seconds=0.03, write_queue=1)
+    keys = page_keys(list(range(12 * PAGE + 1)), PAGE, b"", 12)
+    for at in range(0, 12, 2):
+        for page, key in zip(range(at + 1, at + 3), keys[at : at + 2]):
+            tiers.published(page, key)
+        tiers.commit_saves()
+    tiers.flush()
+    assert tiers.stats.l3_dropped > 0 and tiers.stats.l3_stored + tiers.stats.l3_dropped == 12
+    assert tiers.blocks_busy == 0 and len(store.pages) == tiers.stats.l3_stored
+    for page, key in enumerate(keys, start=1):
+        if key in store.pages:
+            assert store.pages[key] == cache[:, :, page].contiguous().view(torch.uint8).numpy().tobytes()
+    tiers.close()
