@@ -15,7 +15,8 @@
 #                 against cold and the compute floor, with its device breakdown (issue 28)
 #   tiers-tests   GPU tests of the KV tiers (real side-stream copies, a load beside a running request)
 #   tiers         prefix repetition at 0% and 80% hit, L1 only / + L2 / + file L3 (issue 28; the
-#                 whole of bench/kv_tiers_serve.sh needs a call of its own)
+#                 whole of bench/kv_tiers_serve.sh needs a call of its own; SETTINGS="l1-l2" etc.
+#                 runs one server of it, N=256 fewer prompts)
 #   w4a8-test     GPU tests of the W4A8 GEMMs at Hy3's shapes (issue 30)
 #   w4a8-moe      W4A8 FusedMoE vs FP8 and bf16 with a config sweep (issue 30)
 #   w4a8-e2e      4-layer slice decode and prefill with W4A8 experts vs FP8 (issue 30)
