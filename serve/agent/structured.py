@@ -148,24 +148,26 @@ class _TokenTable:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def byte_level_table(tokenizer, eos: int) -> _TokenTable | None:
+def byte_level_table(tokenizer, eos: int, width: int) -> _TokenTable | None:
     """The token table of a `tokenizers.Tokenizer` whose decoder is byte-level BPE (Hy3's and the tiny
-    one's), `eos` its stop token; None for any other kind (llguidance then reads the tokenizer's JSON
-    itself)."""
-    spec = json.loads(tokenizer.to_str())
-    decoder = spec.get("decoder") or {}
-    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
-    if "ByteLevel" not in kinds:
+    one's), `eos` its stop token, `width` entries (ids past the tokenizer's, which a model's padded
+    vocabulary has, are never allowed); None for any other kind (llguidance then reads the
+    tokenizer's JSON itself)."""
+    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    if decoder.get("type") != "ByteLevel":
         return None
     added = tokenizer.get_added_tokens_decoder()
     byte_of = _byte_of_char()
     tokens = []
     for i in range(tokenizer.get_vocab_size()):
         piece = tokenizer.id_to_token(i) or ""
-        if i in added or any(c not in byte_of for c in piece):  # (a piece off the byte alphabet: its text)
+        if i in added:
             tokens.append(piece.encode())
-        else:
+        elif all(c in byte_of for c in piece):
             tokens.append(bytes(byte_of[c] for c in piece))
+        else:  # a piece off the byte alphabet has no bytes: never allowed (as llguidance reads the JSON)
+            tokens.append(b"")
+    tokens += [b""] * (width - len(tokens))
     # every added token is a special token to the grammar, never text (as llguidance reads a
     # tokenizer's JSON): the markup tokens too, which tool-call grammars name by id
     return _TokenTable(tokenizer, tokens, sorted(added), eos)
@@ -202,7 +204,7 @@ class Grammars:
                     ) from None
                 tok = self.tokenizer
                 eos = tok.token_to_id(tok.eos_token)
-                table = byte_level_table(tok.tokenizer, eos)
+                table = byte_level_table(tok.tokenizer, eos, self.width)
                 source = tok.tokenizer.to_str() if table is None else llguidance.TokenizerWrapper(table)
                 self._tokens = llguidance.LLTokenizer(source, n_vocab=self.width, eos_token=eos)
             return self._tokens

@@ -915,6 +915,7 @@ class KVTiers:
                 self._failures = 0
                 self.degraded = False
             log_event(log, "kv_store_resumed")
+            self._hand_to_writer()  # what waited in L2 meanwhile, also while no step runs
             return
 
     def _write_loop(self) -> None:
@@ -935,7 +936,8 @@ class KVTiers:
             still_writing = False
             try:
                 if self.degraded:
-                    self.stats.l3_dropped += len(batch)
+                    with self._lock:
+                        self.stats.l3_dropped += len(batch)
                     continue
                 for _, _, event in batch:
                     if event is not None:
@@ -1008,7 +1010,7 @@ class KVTiers:
     def close(self) -> None:
         if self._closed.is_set():
             return
-        self.flush()
+        self.flush(timeout=5.0)  # what L2 still holds unwritten, for a few seconds at most
         self._closed.set()
         for pool in (self._workers, self._page_writers):
             if pool is not None:

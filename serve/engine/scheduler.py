@@ -279,6 +279,17 @@ class Scheduler:
         except OutOfPages:
             return False
 
+    def _release_waiting(self, keep: Sequence | None = None) -> bool:
+        """Pages held by waiting sequences (held back while their prefix loads from L2) go back to the
+        pool before a running sequence is preempted or a request refused for want of pages; they stay
+        published, so those sequences match them again (and wait for the load) when admitted. Whether
+        any were held."""
+        holders = [w for w in self.waiting if w.pages and w is not keep]
+        for waiting in holders:
+            self._free(waiting)
+            waiting.computed = 0
+        return bool(holders)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free(seq)
@@ -349,6 +360,8 @@ class Scheduler:
             drafts = self._draft_count(seq, count, budget)
             count += drafts
             while not self._grow(seq, seq.computed + count):
+                if self._release_waiting():
+                    continue
                 victims = [s for s in self.running if s is not seq and s not in {w.seq for w in work}]
                 if not victims:
                     self._preempt(seq)
@@ -397,7 +410,10 @@ class Scheduler:
             if count == 0:  # a scoring prefill waits for the next step's rows
                 break
             prefills += 1
-            if not self._grow(seq, seq.computed + count):
+            grown = self._grow(seq, seq.computed + count)
+            if not grown and self._release_waiting(keep=seq):
+                grown = self._grow(seq, seq.computed + count)
+            if not grown:
                 self._free(seq)  # a waiting sequence holds no pages (they stay published, matchable later)
                 seq.computed = 0
                 if not self.running and not work:  # alone and still too large: the pool is too small

@@ -155,6 +155,7 @@ def test_many_masks_go_to_the_pool_and_few_cheap_ones_are_filled_in_turn(grammar
             assert _allowed(masks, row, vocab) == _allowed(alone, 0, vocab)
 
 
+@pytest.mark.parametrize("padded", [0, 64])
 @pytest.mark.parametrize(
     "spec",
     [
@@ -164,17 +165,18 @@ def test_many_masks_go_to_the_pool_and_few_cheap_ones_are_filled_in_turn(grammar
         GrammarSpec("regex", "[\\s\\S]{0,40}", "w"),  # special tokens are never text
     ],
 )
-def test_the_byte_table_gives_the_masks_the_tokenizer_json_gives(tiny_ckpt, spec):
+def test_the_byte_table_gives_the_masks_the_tokenizer_json_gives(tiny_ckpt, spec, padded):
     """llguidance's token table built from the byte-level vocabulary (`byte_level_table`, fast at any
     number of added tokens) allows exactly the tokens of the one it builds from the tokenizer's JSON,
-    at every state of walks under the mask (specials, markup tokens and multi-byte text included)."""
+    at every state of walks under the mask (specials, markup tokens and multi-byte text included), also
+    for a model whose vocabulary is padded past the tokenizer's."""
     import llguidance
 
     from hy3c.serve.agent import structured
 
     tokenizer = Hy3Tokenizer.from_dir(tiny_ckpt)
-    vocab, eos = tokenizer.vocab_size, tokenizer.token_to_id(tokenizer.eos_token)
-    table = structured.byte_level_table(tokenizer.tokenizer, eos)
+    vocab, eos = tokenizer.vocab_size + padded, tokenizer.token_to_id(tokenizer.eos_token)
+    table = structured.byte_level_table(tokenizer.tokenizer, eos, vocab)
     assert table is not None and len(table.tokens) == vocab
     tables = {
         "bytes": llguidance.LLTokenizer(llguidance.TokenizerWrapper(table), n_vocab=vocab, eos_token=eos),

@@ -33,11 +33,12 @@ def _engine(model, tokenizer, tiers: TierConfig | None, num_pages: int = 24) -> 
     return Engine(model, tokenizer, config)
 
 
-def _generate(engine: Engine, prompt: list[int], name: str) -> tuple[list[int], int]:
+def _generate(engine: Engine, prompt: list[int], name: str, tokens: int = 6) -> tuple[list[int], int]:
     """(greedy tokens, cached prompt tokens) of one request run alone."""
     outputs: list[StepOutput] = []
     engine.submit(
-        GenerationRequest(name, prompt, SamplingParams(temperature=0.0), 6, ignore_eos=True), outputs.append
+        GenerationRequest(name, prompt, SamplingParams(temperature=0.0), tokens, ignore_eos=True),
+        outputs.append,
     )
     engine.run_until_done()
     return [t for o in outputs for t in o.token_ids], outputs[-1].cached_tokens
@@ -171,6 +172,41 @@ def test_a_load_from_host_memory_overlaps_other_requests_steps(model, tokenizer,
         joined = next(i for i, ids in enumerate(steps) if "b" in ids)
         assert joined >= 3 and all("other" in ids for ids in steps[1:joined])  # it stepped meanwhile
         assert waits == [] and copies[0].polls < 0
+    _no_leaks(engine)
+
+
+def test_a_request_held_back_by_its_load_gives_its_pages_to_a_running_one(model, tokenizer, monkeypatch):
+    """A long L2 hit can take every free page and then wait for its copy: a running request that needs
+    a page meanwhile gets the waiting one's pages back (they stay published; it matches them again),
+    rather than being preempted or refused as too large for the pool. Both finish with the tokens
+    they give alone."""
+    from hy3c.serve.engine import kv_tiers
+
+    running_prompt = [(5 * i + 1) % 70 + 4 for i in range(47)]  # 12 pages of the 23, then 20 tokens more
+    plain = _engine(model, tokenizer, None)
+    expected = {"r": _generate(plain, running_prompt, "r", 20)[0], "b": _generate(plain, PROMPT, "b")[0]}
+
+    engine = _engine(model, tokenizer, _config())
+    _generate(engine, PROMPT, "a")
+    _evict(engine)
+    load = kv_tiers.KVTiers._load
+    monkeypatch.setattr(
+        kv_tiers.KVTiers, "_load", lambda self, pages, blocks: load(self, pages, blocks) or _SlowCopy(12)
+    )
+    monkeypatch.setattr(kv_tiers.KVTiers, "_device_wait", lambda self, event: None)
+    outputs: dict[str, list[StepOutput]] = {"r": [], "b": []}
+    engine.submit(
+        GenerationRequest("r", running_prompt, SamplingParams(temperature=0.0), 20, ignore_eos=True),
+        outputs["r"].append,
+    )
+    engine._iterate()
+    engine.submit(
+        GenerationRequest("b", PROMPT, SamplingParams(temperature=0.0), 6, ignore_eos=True),
+        outputs["b"].append,
+    )
+    engine.run_until_done()
+    assert {name: [t for o in outs for t in o.token_ids] for name, outs in outputs.items()} == expected
+    assert engine.scheduler.num_preemptions == 0 and outputs["b"][-1].cached_tokens == 40
     _no_leaks(engine)
 
 
@@ -640,8 +676,8 @@ def _slow_tiers(monkeypatch, blocks: int, seconds: float, write_queue: int):
 
 def test_a_burst_faster_than_the_store_is_written_back_from_host_memory(monkeypatch):
     """Twelve pages published at once to a writer that takes two at a time: none is dropped — the rest
-    wait in L2, unwritten, and go to the store as the writer frees up (before, a full queue dropped
-    ten of them)."""
+    wait in L2, unwritten, and the writer takes them as it frees up, with no further step (before, a
+    full queue dropped ten of them)."""
     from hy3c.serve.engine.kv_pages import page_keys
 
     tiers, store, cache = _slow_tiers(monkeypatch, blocks=16, seconds=0.01, write_queue=2)
@@ -649,6 +685,10 @@ def test_a_burst_faster_than_the_store_is_written_back_from_host_memory(monkeypa
     for page, key in enumerate(keys, start=1):
         tiers.published(page, key)
     tiers.commit_saves()
+    deadline = time.monotonic() + 10
+    while len(store.pages) < 12 and time.monotonic() < deadline:  # the writer tops its queue up itself
+        time.sleep(0.01)
+    assert len(store.pages) == 12
     tiers.flush()
     assert tiers.stats.l3_dropped == 0 and tiers.stats.l3_stored == 12 and tiers.blocks_busy == 0
     for page, key in enumerate(keys, start=1):

@@ -4,7 +4,9 @@ overlaps other requests' steps, over the engine `hy3c serve --kv-host-gib` build
 The CPU tests (test_kv_tiers.py) run the same logic with synchronous copies and stand-in events; here
 the copies are real: the bytes a prefix's pages hold after coming back from L2 — alone, and while
 another request steps — equal those its first computation wrote, and the greedy tokens of an L2 hit
-equal those of an L1 hit of the same prompt."""
+equal those of an L1 hit of the same prompt. (Whether a step could read the pages before their copy
+ended is the scheduler's part, checked on the CPU with stand-in events: the bytes read afterwards
+would not show it.)"""
 
 from __future__ import annotations
 
