@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from engine_probe import PhaseClock  # bench/ is the script's directory
 
 from hy3c.serve.engine.core import GenerationRequest, StepOutput
 from hy3c.serve.engine.sampler import SamplingParams
@@ -40,30 +41,15 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-class Timer:
-    """Host seconds and calls of wrapped callables since the last `reset`, by name."""
+class Timer(PhaseClock):
+    """`PhaseClock` (host seconds of wrapped callables, by name) with the engine iterations' wall times."""
 
     def __init__(self) -> None:
-        self.seconds: collections.Counter[str] = collections.Counter()
-        self.calls: collections.Counter[str] = collections.Counter()
+        super().__init__()
         self.iterations: list[float] = []
 
-    def wrap(self, owner: object, attribute: str, name: str) -> None:
-        inner = getattr(owner, attribute)
-
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.seconds[name] += time.perf_counter() - started
-                self.calls[name] += 1
-
-        setattr(owner, attribute, timed)
-
     def reset(self) -> None:
-        self.seconds.clear()
-        self.calls.clear()
+        super().reset()
         self.iterations.clear()
 
 
@@ -212,7 +198,9 @@ def main() -> None:
         )
         for activity, ms in summary["top"]:
             print(f"  {ms:8.2f} ms  {activity}")
-    print(f"\nmedian of {args.repeats}; torch {torch.__version__}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU (dry run)'}")
+    print(
+        f"\nmedian of {args.repeats}; torch {torch.__version__}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU (dry run)'}"
+    )
 
 
 if __name__ == "__main__":
