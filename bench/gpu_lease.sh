@@ -45,7 +45,7 @@ for step in ${STEPS:-probe}; do
     json) compiled; ART=$slice RANDOM_WEIGHTS=1 SAMPLER=0 SERVERS=--engine-process KINDS="${KINDS:-free json free json}" \
         timeout 320 bash bench/structured_serve.sh >"$out/$step.txt" 2>&1
       grep -hE "engine_(warmed_up|ready)|kernel_build" /tmp/structured/serve.log | tail -5 >>"$out/$step.txt" ;;
-    ttft) compiled; for len in 8192 32768; do timeout 200 python3 bench/prefix_ttft_probe.py $slice \
+    ttft) compiled; for len in 8192 32768; do timeout 240 python3 bench/prefix_ttft_probe.py $slice \
         --random-weights 0 --prompt-len $len --repeats 5; done >"$out/$step.txt" 2>&1 ;;
     tiers-tests) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/serve/engine/test_kv_tiers_gpu.py \
         >"$out/$step.txt" 2>&1 ;;
