@@ -153,8 +153,9 @@ def byte_level_table(tokenizer, eos: int, width: int) -> _TokenTable | None:
     one's), `eos` its stop token, `width` entries (ids past the tokenizer's, which a model's padded
     vocabulary has, are never allowed); None for any other kind (llguidance then reads the
     tokenizer's JSON itself)."""
-    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
-    if decoder.get("type") != "ByteLevel":
+    from tokenizers import decoders
+
+    if not isinstance(tokenizer.decoder, decoders.ByteLevel):
         return None
     added = tokenizer.get_added_tokens_decoder()
     byte_of = _byte_of_char()
