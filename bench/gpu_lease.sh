@@ -17,6 +17,10 @@
 #   tiers         prefix repetition at 0% and 80% hit, L1 only / + L2 / + file L3 (issue 28; the
 #                 whole of bench/kv_tiers_serve.sh needs a call of its own; SETTINGS="l1-l2" etc.
 #                 runs one server of it, N=256 fewer prompts)
+#   shared        16 requests on 61,440-token shared prefixes: prompt tokens computed against the ideal,
+#                 one prefix in L1, and two alternating through L1 only / L2 / file L3 (issue 28)
+#   moe-prefill   FusedMoE bf16 / FP8 at 1K / 8K / 32K tokens against the peers, the FP8 path's
+#                 per-kernel breakdown against cuBLAS dense FP8, then a config sweep at 8K (issue 30)
 #   w4a8-test     GPU tests of the W4A8 GEMMs at Hy3's shapes (issue 30)
 #   w4a8-moe      W4A8 FusedMoE vs FP8 and bf16 with a config sweep (issue 30)
 #   w4a8-e2e      4-layer slice decode and prefill with W4A8 experts vs FP8 (issue 30)
@@ -51,6 +55,10 @@ for step in ${STEPS:-probe}; do
         >"$out/$step.txt" 2>&1 ;;
     tiers) compiled; ART=$slice RANDOM_WEIGHTS=1 RATIOS="0 0.8" TRACE=0 SHARED=0 \
         timeout 540 bash bench/kv_tiers_serve.sh >"$out/$step.txt" 2>&1 ;;
+    shared) compiled; ART=$slice RANDOM_WEIGHTS=1 MAIN=0 SHARED=1 \
+        timeout 540 bash bench/kv_tiers_serve.sh >"$out/$step.txt" 2>&1 ;;
+    moe-prefill) { timeout 240 python3 bench/moe_bench.py --parts moe,breakdown --tokens 1024,8192,32768
+        timeout 200 python3 bench/moe_bench.py --parts moe --tokens 8192 --sweep; } >"$out/$step.txt" 2>&1 ;;
     w4a8-test) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_w4a8.py \
         >"$out/$step.txt" 2>&1 ;;
     w4a8-moe) timeout 300 python3 bench/moe_w4a8_bench.py --sweep >"$out/$step.txt" 2>&1 ;;

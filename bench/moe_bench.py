@@ -16,6 +16,10 @@
   to $OUT/fused_moe_<gpu>.json, this GPU's table (`hy3c.kernels.moe.config.device_key`: h200 on an H200;
   the shipped configs for buckets not in --tokens); with the router part,
   also sweeps the dual-BF16 kernel's tiles and K splits per M.
+* --parts breakdown (prefill sizes, the --tokens above 128): the FP8 FusedMoE's device time per kernel
+  (torch.profiler, mean of 5 calls) against the measured FP8 dense peak at the same work (cuBLAS
+  `torch._scaled_mm`, per-row / per-column scales, M = T · top-k rows through [4096 → 3072] and
+  [1536 → 4096], as one dense GEMM each).
 """
 
 from __future__ import annotations
@@ -430,10 +434,66 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
             json.dump(shipped, f, indent=1)
 
 
+def dense_fp8_ms(m: int, n: int, k: int) -> float:
+    """ms of one cuBLAS FP8 GEMM [m, k] × [k, n] with per-row and per-column scales, bf16 out."""
+    a = torch.randn(m, k, device="cuda").to(FP8_DTYPE)
+    b = torch.randn(n, k, device="cuda").to(FP8_DTYPE).t()
+    sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    return bench(lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16))
+
+
+def prefill_breakdown(token_counts: tuple[int, ...]) -> None:
+    """Per-kernel device time of the FP8 FusedMoE at each prefill size, and its whole against the
+    dense FP8 GEMMs of the same work (the measured peak it could reach)."""
+    w13 = torch.randn(E, 2 * INTER, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, H, INTER, device="cuda", dtype=torch.bfloat16) * 0.02
+    s13, s2 = w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448
+    q13 = (w13.float() / s13[..., None]).to(FP8_DTYPE)
+    q2 = (w2.float() / s2[..., None]).to(FP8_DTYPE)
+    del w13, w2
+    for t in (t for t in token_counts if t > 128):
+        x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device="cuda")[:K_TOP] for _ in range(t)]).int()
+        wt = torch.rand(t, K_TOP, device="cuda")
+
+        def run(x=x, ids=ids, wt=wt):
+            return fused_moe_triton(x, wt, ids, q13, q2, s13, s2, None, None, None)
+
+        whole = bench(run)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                run()
+            torch.cuda.synchronize()
+        kernels: dict[str, float] = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time / 5e3
+        gate_up, down = dense_fp8_ms(t * K_TOP, 2 * INTER, H), dense_fp8_ms(t * K_TOP, H, INTER)
+        flops = 2 * t * K_TOP * 3 * H * INTER
+        dense = gate_up + down
+        RESULTS[f"breakdown_T{t}"] = {
+            "fused_moe_fp8_ms": whole,
+            "kernels_ms": kernels,
+            "dense_gate_up_ms": gate_up,
+            "dense_down_ms": down,
+        }
+        row(
+            f"FP8 FusedMoE T={t}, whole",
+            whole,
+            f"{flops / (whole * 1e-3) / 1e12:.0f} TFLOP/s",
+            f"{dense / whole * 100:.0f}% of cuBLAS dense FP8 ({dense:.3f} ms, "
+            f"{flops / (dense * 1e-3) / 1e12:.0f} TFLOP/s)",
+        )
+        for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1]):
+            row(f"  T={t} kernel {name[:70]}", ms, f"{ms / whole * 100:.0f}% of the whole")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--parts", default="router,align,moe", help="comma list of router, align, moe")
+    parser.add_argument(
+        "--parts", default="router,align,moe", help="comma list of router, align, moe, breakdown"
+    )
     parser.add_argument("--tokens", default="1,16,128,1024,8192", help="moe: comma list of token counts")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -444,6 +504,8 @@ def main() -> None:
         align_bench()
     if "moe" in parts:
         moe_bench(args.sweep, tuple(int(t) for t in args.tokens.split(",")))
+    if "breakdown" in parts:
+        prefill_breakdown(tuple(int(t) for t in args.tokens.split(",")))
     RESULTS["env"] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

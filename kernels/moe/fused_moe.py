@@ -12,8 +12,10 @@
    and the up halves, reads its activation rows *through* `sorted_ids` (with pair blocks, its pair's
    token row; no gather copy), and writes silu(gate) · up for its (token, slot) rows — the
    intermediate is written once, half-size.
-3. down GEMM over the intermediate rows, scaled by each pair's routing weight in the epilogue.
-4. combine: each token's k rows summed in fp32 plus the shared expert's output, written once.
+3. down GEMM over the intermediate rows: each pair's expert output in the model dtype (half the bytes
+   of fp32 rows; the one-token Gluon kernels write fp32 rows already weighted).
+4. combine: each token's k rows times their routing weights summed in fp32, plus the shared expert's
+   output, written once.
 
 Expert parallelism: an id of −1 (`hy3.local_experts`: the token's expert is held by another rank) is a
 pair with nothing to do here. The alignment drops it from every expert's block list, a pair block of it
@@ -251,7 +253,6 @@ def _down_kernel(
     padded_ptr,
     hs_ptr,
     ws_ptr,
-    topk_w_ptr,
     pairs,
     hidden,
     inter,
@@ -326,12 +327,10 @@ def _down_kernel(
             acc = acc * tl.load(ws_ptr + expert * stride_wse + cols, mask=col_ok, other=0.0)[None, :]
         else:
             acc = acc * tl.load(ws_ptr + expert * stride_wse)
-    out_dtype = out_ptr.dtype.element_ty
-    y = acc.to(out_dtype).to(tl.float32)  # the reference rounds each expert's output to the model dtype
-    y = y * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    # each expert's output in the model dtype, as the reference rounds it (the combine weights it)
     tl.store(
         out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :],
-        y,
+        acc.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None] & col_ok[None, :],
     )
 
@@ -340,6 +339,7 @@ def _down_kernel(
 def _combine_kernel(
     y_ptr,
     ids_ptr,
+    topk_w_ptr,
     shared_ptr,
     out_ptr,
     hidden,
@@ -349,10 +349,13 @@ def _combine_kernel(
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[token] = Σ_j y[token · TOP_K + j] (+ shared[token]); a pair of id −1 (flat top-k ids at
-    ids_ptr) adds nothing: no kernel wrote its row of y, which is not read."""
+    """out[token] = Σ_j w_j · y[token · TOP_K + j] (+ shared[token]), in fp32: y holds each pair's
+    expert output in the model dtype and w_j is the pair's routing weight (flat at topk_w_ptr), or —
+    WEIGHTED — y holds those products already (fp32). A pair of id −1 (flat top-k ids at ids_ptr) adds
+    nothing: no kernel wrote its row of y, which is not read."""
     wait_for_inputs(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -361,7 +364,10 @@ def _combine_kernel(
     for j in tl.static_range(TOP_K):
         pair = token * TOP_K + j
         held = tl.load(ids_ptr + pair) >= 0
-        acc += tl.load(y_ptr + pair.to(tl.int64) * stride_ym + cols, mask=ok & held, other=0.0)
+        y = tl.load(y_ptr + pair.to(tl.int64) * stride_ym + cols, mask=ok & held, other=0.0).to(tl.float32)
+        if not WEIGHTED:
+            y = y * tl.load(topk_w_ptr + pair)
+        acc += y
     out_dtype = out_ptr.dtype.element_ty
     result = acc.to(out_dtype)
     if HAS_SHARED:
@@ -439,13 +445,17 @@ def fused_moe_triton(
         raise ValueError(f"quant_on_load needs block_m <= 32 (got {cfg.block_m})")
     weights = (w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)
     if w4a8:
-        per_pair = routed_pairs_w4a8(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, cfg, pdl)
+        per_pair = routed_pairs_w4a8(x, x_q, x_q_scale, topk_ids, *weights, cfg, pdl)
+        weighted = False
     else:
-        per_pair = _routed_pairs(x, x_q, x_q_scale, topk_weights, topk_ids, weights, cfg, gluon, pdl)
+        per_pair, weighted = _routed_pairs(
+            x, x_q, x_q_scale, topk_weights, topk_ids, weights, cfg, gluon, pdl
+        )
     top_k = topk_ids.shape[1]
     _combine_kernel[(num_tokens, triton.cdiv(hidden, cfg.combine_block))](
         per_pair,
         topk_ids.to(torch.int32).contiguous().view(-1),  # flat, as the GEMMs read them (a view if int32)
+        topk_weights.float().contiguous().view(-1),
         shared if shared is not None else x,
         out,
         hidden,
@@ -455,6 +465,7 @@ def fused_moe_triton(
         TOP_K=top_k,
         BLOCK=cfg.combine_block,
         HAS_SHARED=shared is not None,
+        WEIGHTED=weighted,
         num_warps=4,
         **pdl_launch(x.device, pdl),
     )
@@ -471,14 +482,15 @@ def _routed_pairs(
     cfg: MoeConfig,
     gluon: bool,
     pdl: bool,
-) -> Tensor:
-    """Each pair's weighted expert output for bf16 or FP8 experts: the one-token Gluon GEMMs where the
-    config pairs blocks and they run, else the Triton kernels."""
+) -> tuple[Tensor, bool]:
+    """Each pair's expert output for bf16 or FP8 experts, and whether it is weighted already: the
+    one-token Gluon GEMMs' (weighted, fp32) where the config pairs blocks and they run, else the Triton
+    kernels' (in the model dtype, for the combine to weight)."""
     w13, w2, w13_scale, w2_scale = weights[:4]
     _check_scale_widths(w13, w2, w13_scale, w2_scale)
     if cfg.pair_blocks and _gluon_runs(x, w13, w2, overrides.variant(overrides.GLUON, gluon)):
-        return _routed_pairs_gluon(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, pdl)
-    return _routed_pairs_triton(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, cfg, pdl)
+        return _routed_pairs_gluon(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, pdl), True
+    return _routed_pairs_triton(x, x_q, x_q_scale, topk_ids, *weights, cfg, pdl), False
 
 
 def _gluon_runs(x: Tensor, w13: Tensor, w2: Tensor, gluon: bool) -> bool:
@@ -550,7 +562,6 @@ def _routed_pairs_triton(
     x: Tensor,
     x_q: Tensor | None,
     x_q_scale: Tensor | None,
-    topk_weights: Tensor,
     topk_ids: Tensor,
     w13: Tensor,
     w2: Tensor,
@@ -561,9 +572,9 @@ def _routed_pairs_triton(
     cfg: MoeConfig,
     pdl: bool,
 ) -> Tensor:
-    """Each pair's weighted expert output, [pairs, hidden] fp32, by the Triton kernels: alignment (unless
-    pair blocks), gate-up, the intermediate's quantization (FP8 with dynamic scales, unless on load), down.
-    The rows of pairs with id −1 are left unwritten."""
+    """Each pair's expert output, [pairs, hidden] in x's dtype (unweighted: the combine weights it), by
+    the Triton kernels: alignment (unless pair blocks), gate-up, the intermediate's quantization (FP8
+    with dynamic scales, unless on load), down. The rows of pairs with id −1 are left unwritten."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape
@@ -632,7 +643,7 @@ def _routed_pairs_triton(
     h, h_scale, h_per_row = (hidden_act, h_scale_static, False)
     if fp8 and not quant_h:  # dynamic scales: per pair row, the rows of id −1 skipped
         (h, h_scale), h_per_row = quantize_intermediate(hidden_act, flat_ids, cfg.quant_on_load, pdl), True
-    per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
+    per_pair = x.new_empty((pairs, hidden))
     w2_s = w2_scale if w2_scale is not None else dummy
     _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
         h,
@@ -644,7 +655,6 @@ def _routed_pairs_triton(
         padded,
         h_scale,
         w2_s,
-        topk_weights.float().contiguous().view(-1),
         pairs,
         hidden,
         inter,

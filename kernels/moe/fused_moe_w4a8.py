@@ -13,7 +13,7 @@ the epilogue.
 The layer around the two GEMMs is `fused_moe`'s: the same alignment (or pair blocks), the same
 gate-up epilogue (silu(gate) · up, written once for the pair's row, as e4m3 with a static scale for the
 down GEMM's input), the same quantization of the intermediate's rows with dynamic scales, the down GEMM
-scaled by the routing weight, and the same combine with the shared expert. Ids of −1 (expert
+writing each pair's output in the model dtype, and the same combine (routing weights, shared expert). Ids of −1 (expert
 parallelism) are skipped as there. With `swap_ab` (few tokens) the unpacked weights are the MMA's rows
 (a register operand of the wgmma) and the tokens its columns.
 """
@@ -166,7 +166,6 @@ def _down_w4a8_kernel(
     padded_ptr,
     hs_ptr,
     ws_ptr,
-    topk_w_ptr,
     pairs,
     hidden,
     inter,
@@ -220,12 +219,10 @@ def _down_w4a8_kernel(
         acc = acc * tl.load(hs_ptr + pair, mask=row_ok, other=0.0)[:, None]
     else:
         acc = acc * tl.load(hs_ptr)
-    out_dtype = out_ptr.dtype.element_ty
-    y = acc.to(out_dtype).to(tl.float32)  # each expert's output in the model dtype, as the reference's
-    y = y * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    # each expert's output in the model dtype, as the reference's (the combine weights it)
     tl.store(
         out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :],
-        y,
+        acc.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None] & col_ok[None, :],
     )
 
@@ -284,7 +281,6 @@ def routed_pairs_w4a8(
     x: Tensor,
     x_q: Tensor | None,
     x_q_scale: Tensor | None,
-    topk_weights: Tensor,
     topk_ids: Tensor,
     w13: Tensor,
     w2: Tensor,
@@ -295,9 +291,10 @@ def routed_pairs_w4a8(
     cfg: MoeConfig,
     pdl: bool,
 ) -> Tensor:
-    """Each pair's weighted expert output, [pairs, hidden] fp32, for W4A8 experts: alignment (unless pair
-    blocks), the activations' FP8 quantization (unless x_q), gate-up, the intermediate's quantization
-    (dynamic scales), down. The rows of pairs with id −1 are left unwritten."""
+    """Each pair's expert output, [pairs, hidden] in x's dtype (unweighted: the combine weights it), for
+    W4A8 experts: alignment (unless pair blocks), the activations' FP8 quantization (unless x_q),
+    gate-up, the intermediate's quantization (dynamic scales), down. The rows of pairs with id −1 are
+    left unwritten."""
     group = check_w4a8_experts(x, w13, w2, w13_scale, w2_scale)
     # the kernels step the packed bytes and the scales' groups by unit strides (parameters already are)
     w13, w2, w13_scale, w2_scale = (t.contiguous() for t in (w13, w2, w13_scale, w2_scale))
@@ -363,7 +360,7 @@ def routed_pairs_w4a8(
     h, h_scale, h_per_row = hidden_act, h_scale_static, False
     if not quant_h:  # dynamic scales: per pair row, the rows of id −1 skipped
         (h, h_scale), h_per_row = quantize_intermediate(hidden_act, flat_ids, False, pdl), True
-    per_pair = x.new_empty((pairs, hidden), dtype=torch.float32)
+    per_pair = x.new_empty((pairs, hidden))
     _down_w4a8_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
         h,
         w2,
@@ -373,7 +370,6 @@ def routed_pairs_w4a8(
         padded,
         h_scale,
         w2_scale,
-        topk_weights.float().contiguous().view(-1),
         pairs,
         hidden,
         inter,

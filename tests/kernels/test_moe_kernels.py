@@ -392,7 +392,7 @@ def test_fused_moe_writes_no_row_of_a_pair_without_an_expert(monkeypatch):
         monkeypatch.setattr(align, "MAX_ALIGN_PAIRS", 0 if torch_align else 1024)
         cfg = dataclasses.replace(CFG, **options)
         per_pair = fused_moe._routed_pairs_triton(
-            x, None, None, w, ids, w13, w2, *scales, None, None, cfg, False
+            x, None, None, ids, w13, w2, *scales, None, None, cfg, False
         )
         assert (per_pair[~held] == marker).all(), (options, torch_align)
         assert (per_pair[held].abs() < marker / 10).all(), (options, torch_align)
