@@ -57,8 +57,8 @@ for step in ${STEPS:-probe}; do
         timeout 540 bash bench/kv_tiers_serve.sh >"$out/$step.txt" 2>&1 ;;
     shared) compiled; ART=$slice RANDOM_WEIGHTS=1 MAIN=0 SHARED=1 \
         timeout 540 bash bench/kv_tiers_serve.sh >"$out/$step.txt" 2>&1 ;;
-    moe-prefill) { timeout 240 python3 bench/moe_bench.py --parts moe,breakdown --tokens 1024,8192,32768
-        timeout 200 python3 bench/moe_bench.py --parts moe --tokens 8192 --sweep; } >"$out/$step.txt" 2>&1 ;;
+    moe-prefill) { timeout 200 python3 bench/moe_bench.py --parts moe,breakdown --tokens 1024,8192,32768
+        timeout 300 python3 bench/moe_bench.py --parts moe --tokens 8192 --sweep; } >"$out/$step.txt" 2>&1 ;;
     w4a8-test) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_w4a8.py \
         >"$out/$step.txt" 2>&1 ;;
     w4a8-moe) timeout 300 python3 bench/moe_w4a8_bench.py --sweep >"$out/$step.txt" 2>&1 ;;

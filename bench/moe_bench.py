@@ -217,7 +217,8 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
     as the MMA's rows (`swap_ab`: a wgmma with 16 token columns, FP8 weights read from shared memory
     without widening); at one token, every config with one pair per M block (`pair_blocks`, no
     alignment launch) and the combine in 256-column programs (the aligned blocks they replace are not
-    re-timed here). Every size: weight tiles by pointer loads or by TMA bulk copies. (Five stages and
+    re-timed here). Prefill sizes: FP8 with 3 or 4 stages. Every size: weight tiles by pointer loads or
+    by TMA bulk copies. (Five stages and
     64-row FP8 blocks at decode sizes are not swept: they never won, bench/LOG.md.)"""
     if t <= 128:
         k_blocks = (128, 256) if fp8 else (64, 128)
@@ -245,10 +246,11 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
         return rows + swapped
     block_ms = (32, 64) if t <= 1024 else (64, 128)
     return [
-        MoeConfig(bm, bn, bk, 8, 4 if bm <= 32 else 8, 3, tma=tma)
+        MoeConfig(bm, bn, bk, 8, 4 if bm <= 32 else 8, stages, tma=tma)
         for bm in block_ms
         for bn in (64, 128)
         for bk in ((128, 256) if fp8 else (64, 128))
+        for stages in ((3, 4) if fp8 else (3,))
         for tma in (False, True)
     ]
 
@@ -260,6 +262,8 @@ def sweep_bucket(x, ids, wt, variants: dict[str, tuple]) -> dict[str, MoeConfig]
     timer = graph_ms if t <= 128 else bench
     chosen = {}
     for kind, weights in variants.items():
+        if t > 128 and kind == "fp8_static":  # prefill buckets: fp8_static takes fp8's tiles
+            continue
         best: tuple[float, MoeConfig] | None = None
         tried: dict[str, float | None] = {}
         for cfg in sweep_configs(t, kind != "bf16"):
@@ -268,6 +272,7 @@ def sweep_bucket(x, ids, wt, variants: dict[str, tuple]) -> dict[str, MoeConfig]
             except Exception:  # shared memory overflow for large tiles
                 continue
             tried[str(cfg)] = ms
+            print(f"sweep {kind} T={t}: {ms} ms {cfg}", flush=True)
             if ms is not None and (best is None or ms < best[0]):
                 best = (ms, cfg)
         if best is None:  # nothing could be timed (every capture failed): keep the shipped config
