@@ -84,6 +84,9 @@ _WRITE_BATCH = 32  # pages per L3 store call of the writer
 # threads a batch's page writes are spread over: a new file's writing is the file system's block
 # allocation, which scales with cores (1 → 2 threads: 0.38 → 0.70 GB/s on the 2-core CPU machine)
 WRITE_THREADS = 4
+# idle L2 blocks still waiting for L3 that eviction passes over, looking for one L3 holds already,
+# before it drops the oldest of them (a bound: the scan is per block taken)
+_VICTIM_SCAN = 64
 _STAGING_BYTES = 256 * 2**20  # the device staging buffer of one round of L2 → L1 loads
 
 
@@ -502,17 +505,30 @@ class KVTiers:
             return len(self._busy)
 
     def _take_block(self) -> int | None:
-        """A free block, else the least recently used one not being written to L3 (its key dropped)."""
+        """A free block, else the least recently used one that L3 holds already (or no L3: any), else —
+        none among the first `_VICTIM_SCAN` idle blocks — the least recently used one waiting to be
+        written (its page dropped: in no tier any more). Blocks being copied or written are skipped."""
         if self._free:
             return self._free.pop()
+        victim, looked = None, 0
         for key, block in self._block_of.items():
-            if block not in self._busy:
-                del self._block_of[key]
-                self.stats.l2_evicted += 1
-                if self._unwritten.pop(block, None) is not None:
-                    self.stats.l3_dropped += 1
-                return block
-        return None
+            if block in self._busy:
+                continue
+            if block not in self._unwritten:
+                victim = (key, block)
+                break
+            victim = victim or (key, block)
+            looked += 1
+            if looked == _VICTIM_SCAN:
+                break
+        if victim is None:
+            return None
+        key, block = victim
+        del self._block_of[key]
+        self.stats.l2_evicted += 1
+        if self._unwritten.pop(block, None) is not None:
+            self.stats.l3_dropped += 1
+        return block
 
     # ---- write-through ------------------------------------------------------------------------------
     def published(self, page: int, key: bytes) -> None:

@@ -714,3 +714,52 @@ def test_an_unwritten_page_evicted_from_host_memory_is_dropped_never_written_wro
         if key in store.pages:
             assert store.pages[key] == cache[:, :, page].contiguous().view(torch.uint8).numpy().tobytes()
     tiers.close()
+
+
+class _GatedStore(_SlowStore):
+    """A store whose writes wait for `gate` (a disk that stalls)."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def put(self, key: bytes, payload) -> None:
+        assert self.gate.wait(10)
+        super().put(key, payload)
+
+
+def test_host_memory_evicts_a_page_the_store_holds_before_one_it_would_drop(monkeypatch):
+    """L2 of four blocks: two pages written to L3, then two more the stalled store has not written,
+    then the first two used again (so the unwritten ones are least recently used). A fifth page takes
+    a written page's block, not an unwritten one's: nothing is dropped, and once the store is back
+    every page is in some tier."""
+    from hy3c.serve.engine import kv_tiers
+    from hy3c.serve.engine.kv_pages import page_keys
+
+    store = _GatedStore()
+    monkeypatch.setattr(kv_tiers, "open_store", lambda spec, namespace, max_bytes: store)
+    cache = torch.randn(2, 2, 24, PAGE, 2, 8)
+    page_bytes = cache[:, :, 0].numel() * cache.element_size()
+    tiers = kv_tiers.KVTiers(
+        cache, TierConfig(host_gib=4 * page_bytes / 2**30, store="gated:", write_queue=1)
+    )
+    keys = page_keys(list(range(5 * PAGE + 1)), PAGE, b"", 5)
+    for page in (1, 2):
+        tiers.published(page, keys[page - 1])
+    tiers.commit_saves()
+    tiers.flush()
+    assert set(store.pages) == set(keys[:2])
+    store.gate.clear()
+    for page in (3, 4):
+        tiers.published(page, keys[page - 1])
+    tiers.commit_saves()
+    for page in (1, 2):  # L1 publishes them again: L2 holds them, now the most recently used
+        tiers.published(page, keys[page - 1])
+    tiers.published(5, keys[4])
+    tiers.commit_saves()
+    assert tiers.stats.l3_dropped == 0 and tiers.stats.l2_evicted == 1
+    store.gate.set()
+    tiers.flush()
+    assert set(keys[2:]) <= set(store.pages)
+    tiers.close()
