@@ -3,8 +3,10 @@
 The weights are int4 values packed two per byte along the input dimension (w13 uint8 [E, 2I, H/2],
 w2 [E, H, I/2]; column 2j in the low nibble) with one fp32 scale per `group` input columns (w13_scale
 [E, 2I, H/g], w2_scale [E, H, I/g]); `hy3c.ops.moe` holds the reference. Each K block (BLOCK_K divides
-the group) is loaded as packed bytes — half the bytes of an FP8 tile — and widened in registers: the
-nibbles are split, sign-extended and converted to e4m3, where every int4 value is exact. The block's
+the group) is loaded as 32-bit words of 8 values — half the bytes of an FP8 tile, staged through shared
+memory ahead of use by Triton's pipeliner, which byte loads were not — and widened in registers: each
+nibble becomes an fp16 by bit operations (offset binary under the exponent of 1024), then e4m3, where
+every int4 value is exact. The block's
 product with the FP8 activation rows runs on the FP8 tensor cores into a fresh accumulator, which is
 added to the running sum times the block's group scales: the only roundings are the int4 weights and
 the FP8 activations, as in the reference. The activations' scale (per token, or static) is applied in
@@ -42,17 +44,37 @@ MIN_GEMM_GROUP = 32  # K of an FP8 MMA: a K block, within one group's scale, is 
 
 
 @triton.jit
+def _int4_nibble(offset_words, shift: tl.constexpr):
+    """The nibble at `shift` of each word (offset binary: q + 8) as the fp16 1024 + (q + 8)."""
+    bits = ((offset_words >> shift) & 0xF) | 0x6400  # under fp16's exponent of 1024 (0x6400)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _int4_tile(w_base, cols, col_ok, k, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Weight rows `cols` × input columns [k, k + BLOCK_K) of one expert as e4m3 [BLOCK_N, BLOCK_K]:
-    BLOCK_K / 2 packed bytes per row, each split into its two signed nibbles (low: the even column)."""
-    packed_cols = k // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_base + cols[:, None] * stride_wn + packed_cols[None, :], mask=col_ok[:, None], other=0)
-    low = (packed & 0xF).to(tl.int8)
-    high = (packed >> 4).to(tl.int8)
-    low = low - ((low & 8) << 1)  # two's complement nibble → int8
-    high = high - ((high & 8) << 1)
-    values = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
-    return values.to(tl.float16).to(tl.float8e4nv)
+    BLOCK_K / 8 words of 8 packed nibbles per row (column 8w + j in bits 4j..4j+3 of word w, as the
+    little-endian bytes pack them), each nibble made the fp16 1024 + (q + 8) by bit operations, less
+    1032: exact, and no integer-to-float conversion. Word loads (not byte loads) are what Triton's
+    pipeliner stages through shared memory ahead of their use."""
+    word_cols = k // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(
+        w_base.to(tl.pointer_type(tl.int32)) + cols[:, None] * (stride_wn // 4) + word_cols[None, :],
+        mask=col_ok[:, None],
+        other=0,
+    )
+    offset = words ^ -0x77777778  # 0x88888888: every two's-complement nibble q becomes q + 8
+    # join nests as [.., a, b, c] → column 4a + 2b + c of the word: n_j for j = 4a + 2b + c
+    low = tl.join(
+        tl.join(_int4_nibble(offset, 0), _int4_nibble(offset, 16)),
+        tl.join(_int4_nibble(offset, 8), _int4_nibble(offset, 24)),
+    )
+    high = tl.join(
+        tl.join(_int4_nibble(offset, 4), _int4_nibble(offset, 20)),
+        tl.join(_int4_nibble(offset, 12), _int4_nibble(offset, 28)),
+    )
+    values = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K]) - 1032.0
+    return values.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -298,6 +320,11 @@ def routed_pairs_w4a8(
     group = check_w4a8_experts(x, w13, w2, w13_scale, w2_scale)
     # the kernels step the packed bytes and the scales' groups by unit strides (parameters already are)
     w13, w2, w13_scale, w2_scale = (t.contiguous() for t in (w13, w2, w13_scale, w2_scale))
+    for name, packed in (("w13", w13), ("w2", w2)):
+        if packed.data_ptr() % 4:
+            raise ValueError(
+                f"fused_moe: W4A8 {name} must start on a 4-byte boundary (it is read as 32-bit words)"
+            )
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape

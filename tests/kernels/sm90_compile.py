@@ -227,7 +227,7 @@ def moe_variants() -> list[Variant]:
                 Variant(
                     f"fused_moe down {weights} tma={tma} block_m={block_m} swap_ab={swap} pair_blocks={pair_blocks}",
                     fused_moe._down_kernel,
-                    {"h_ptr": w, "w_ptr": w, "out_ptr": "*fp32", "topk_w_ptr": "*fp32", **scales},
+                    {"h_ptr": w, "w_ptr": w, "out_ptr": "*bf16", **scales},
                     common,
                     descs,
                 )
@@ -254,7 +254,7 @@ def static_one_token_variants() -> list[Variant]:
         Variant(
             "fused_moe down fp8 static one-token",
             fused_moe._down_kernel,
-            {"h_ptr": f"*{fp8}", "w_ptr": f"*{fp8}", "out_ptr": "*fp32", "topk_w_ptr": "*fp32", **scales},
+            {"h_ptr": f"*{fp8}", "w_ptr": f"*{fp8}", "out_ptr": "*bf16", **scales},
             dict(common, QUANT_ON_LOAD=False),
             descs,
         ),
@@ -287,8 +287,7 @@ def w4a8_moe_variants() -> list[Variant]:
             Variant(
                 f"fused_moe w4a8 down {cfg}",
                 fused_moe_w4a8._down_w4a8_kernel,
-                {"h_ptr": fp8, "w_ptr": "*u8", "out_ptr": "*fp32", "topk_w_ptr": "*fp32", "hs_ptr": "*fp32"}
-                | {"ws_ptr": "*fp32"},
+                {"h_ptr": fp8, "w_ptr": "*u8", "out_ptr": "*bf16", "hs_ptr": "*fp32", "ws_ptr": "*fp32"},
                 common,
                 options=options,
             )

@@ -146,6 +146,7 @@ def test_w4a8_pairs_without_an_expert_add_nothing():
         ("x of another width", r"x has 128 columns, the W4A8 experts 64"),
         ("groups of 16", r"the W4A8 GEMMs need groups of at least 32 columns"),
         ("groups of 24", r"group size 24 must be a power of two"),
+        ("w13 off a word boundary", r"W4A8 w13 must start on a 4-byte boundary"),
     ],
 )
 def test_w4a8_fused_moe_refuses_misshaped_weights(case, message):
@@ -163,6 +164,8 @@ def test_w4a8_fused_moe_refuses_misshaped_weights(case, message):
         x = torch.randn(2, 96).to(torch.bfloat16)
         q13, q2 = torch.zeros(4, 64, 48, dtype=torch.uint8), torch.zeros(4, 96, 16, dtype=torch.uint8)
         s13, s2 = torch.ones(4, 64, 4), torch.ones(4, 96, 1)
+    elif case == "w13 off a word boundary":  # contiguous, one byte into its storage
+        q13 = torch.cat([torch.zeros(1, dtype=torch.uint8), q13.flatten()])[1:].view(q13.shape)
     else:
         s13 = None
     ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
