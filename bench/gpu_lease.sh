@@ -20,7 +20,8 @@
 #   shared        16 requests on 61,440-token shared prefixes: prompt tokens computed against the ideal,
 #                 one prefix in L1, and two alternating through L1 only / L2 / file L3 (issue 28)
 #   moe-prefill   FusedMoE bf16 / FP8 at 1K / 8K / 32K tokens against the peers, the FP8 path's
-#                 per-kernel breakdown against cuBLAS dense FP8, then a config sweep at 8K (issue 30)
+#                 per-kernel breakdown against cuBLAS dense FP8 (issue 30)
+#   moe-sweep     the prefill config sweep at 8K tokens (bf16, FP8): this GPU's table, fused_moe_<gpu>.json
 #   w4a8-test     GPU tests of the W4A8 GEMMs at Hy3's shapes (issue 30)
 #   w4a8-moe      W4A8 FusedMoE vs FP8 and bf16 with a config sweep (issue 30)
 #   w4a8-e2e      4-layer slice decode and prefill with W4A8 experts vs FP8 (issue 30)
@@ -57,8 +58,9 @@ for step in ${STEPS:-probe}; do
         timeout 540 bash bench/kv_tiers_serve.sh >"$out/$step.txt" 2>&1 ;;
     shared) compiled; ART=$slice RANDOM_WEIGHTS=1 MAIN=0 SHARED=1 \
         timeout 540 bash bench/kv_tiers_serve.sh >"$out/$step.txt" 2>&1 ;;
-    moe-prefill) { timeout 200 python3 bench/moe_bench.py --parts moe,breakdown --tokens 1024,8192,32768
-        timeout 300 python3 bench/moe_bench.py --parts moe --tokens 8192 --sweep; } >"$out/$step.txt" 2>&1 ;;
+    moe-prefill) timeout 300 python3 bench/moe_bench.py --parts moe,breakdown --tokens 1024,8192,32768 \
+        >"$out/$step.txt" 2>&1 ;;
+    moe-sweep) timeout 540 python3 bench/moe_bench.py --parts moe --tokens 8192 --sweep >"$out/$step.txt" 2>&1 ;;
     w4a8-test) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_w4a8.py \
         >"$out/$step.txt" 2>&1 ;;
     w4a8-moe) timeout 300 python3 bench/moe_w4a8_bench.py --sweep >"$out/$step.txt" 2>&1 ;;

@@ -1,6 +1,6 @@
 """MoE-path benchmark on one GPU (H200): router GEMM, FusedMoE bf16/FP8, against peers in the same run.
 
-    python bench/moe_bench.py [--sweep] [--parts router,align,moe]
+    python bench/moe_bench.py [--sweep] [--parts router,align,moe,breakdown] [--tokens 1,16,128,1024,8192]
         # markdown table; $OUT/moe.json (+ $OUT/fused_moe_<gpu>.json)
 
 * Router GEMM, N=192, K=4096: fp32 cuBLAS, TF32 cuBLAS, hy3c dual-BF16 Triton; max abs error vs fp64.
@@ -272,7 +272,7 @@ def sweep_bucket(x, ids, wt, variants: dict[str, tuple]) -> dict[str, MoeConfig]
             except Exception:  # shared memory overflow for large tiles
                 continue
             tried[str(cfg)] = ms
-            print(f"sweep {kind} T={t}: {ms} ms {cfg}", flush=True)
+            print(f"sweep {kind} T={t}: {'not timed' if ms is None else f'{ms:.4f} ms'} {cfg}", flush=True)
             if ms is not None and (best is None or ms < best[0]):
                 best = (ms, cfg)
         if best is None:  # nothing could be timed (every capture failed): keep the shipped config
@@ -294,17 +294,10 @@ def sweep_bucket(x, ids, wt, variants: dict[str, tuple]) -> dict[str, MoeConfig]
 
 
 def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
-    d = "cuda"
-    w13 = torch.randn(E, 2 * INTER, H, device=d, dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(E, H, INTER, device=d, dtype=torch.bfloat16) * 0.02
-    s13, s2 = w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448
-    q13 = (w13.float() / s13[..., None]).to(FP8_DTYPE)
-    q2 = (w2.float() / s2[..., None]).to(FP8_DTYPE)
+    w13, w2, q13, q2, s13, s2 = experts()
     tuned: dict[str, dict[int, MoeConfig]] = {"bf16": {}, "fp8": {}, "fp8_static": {}}
     for t in token_counts:
-        x = torch.randn(t, H, device=d, dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, device=d)[:K_TOP] for _ in range(t)]).int()
-        wt = torch.rand(t, K_TOP, device=d)
+        x, ids, wt = routed_tokens(t)
         active = ids.unique().numel()
         wbytes = active * 3 * H * INTER * 2
         flops = 2 * t * K_TOP * 3 * H * INTER
@@ -439,35 +432,48 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
             json.dump(shipped, f, indent=1)
 
 
-def dense_fp8_ms(m: int, n: int, k: int) -> float:
-    """ms of one cuBLAS FP8 GEMM [m, k] × [k, n] with per-row and per-column scales, bf16 out."""
-    a = torch.randn(m, k, device="cuda").to(FP8_DTYPE)
-    b = torch.randn(n, k, device="cuda").to(FP8_DTYPE).t()
-    sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
-    return bench(lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16))
-
-
-def prefill_breakdown(token_counts: tuple[int, ...]) -> None:
-    """Per-kernel device time of the FP8 FusedMoE at each prefill size, and its whole against the
-    dense FP8 GEMMs of the same work (the measured peak it could reach)."""
+def experts() -> tuple[torch.Tensor, ...]:
+    """Hy3's routed experts at random: bf16 w13 and w2, their FP8 copies and per-channel scales."""
     w13 = torch.randn(E, 2 * INTER, H, device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(E, H, INTER, device="cuda", dtype=torch.bfloat16) * 0.02
     s13, s2 = w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448
     q13 = (w13.float() / s13[..., None]).to(FP8_DTYPE)
     q2 = (w2.float() / s2[..., None]).to(FP8_DTYPE)
-    del w13, w2
+    return w13, w2, q13, q2, s13, s2
+
+
+def routed_tokens(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """t random rows, each routed to K_TOP distinct random experts, and their routing weights."""
+    x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K_TOP] for _ in range(t)]).int()
+    return x, ids, torch.rand(t, K_TOP, device="cuda")
+
+
+def dense_fp8_ms(m: int, n: int, k: int) -> float:
+    """ms of one cuBLAS FP8 GEMM [m, k] × [k, n] with per-row and per-column scales, bf16 out, and
+    fast accumulation (as Triton's FP8 dots on sm_90 accumulate: the faster peer)."""
+    a = torch.randn(m, k, device="cuda").to(FP8_DTYPE)
+    b = torch.randn(n, k, device="cuda").to(FP8_DTYPE).t()
+    sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    return bench(lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True))
+
+
+def prefill_breakdown(token_counts: tuple[int, ...]) -> None:
+    """Per-kernel device time of the FP8 FusedMoE at each prefill size, and its whole against the
+    dense FP8 GEMMs of the same work (the measured peak it could reach)."""
+    _, _, q13, q2, s13, s2 = experts()
     for t in (t for t in token_counts if t > 128):
-        x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, device="cuda")[:K_TOP] for _ in range(t)]).int()
-        wt = torch.rand(t, K_TOP, device="cuda")
+        x, ids, wt = routed_tokens(t)
 
-        def run(x=x, ids=ids, wt=wt):
-            return fused_moe_triton(x, wt, ids, q13, q2, s13, s2, None, None, None)
+        def run(pdl: bool, x=x, ids=ids, wt=wt):
+            return fused_moe_triton(x, wt, ids, q13, q2, s13, s2, None, None, None, pdl=pdl)
 
-        whole = bench(run)
+        whole = bench(lambda: run(True))
+        # each kernel's own interval: without programmatic dependent launch, which starts a kernel
+        # while the one before it still runs (its interval would hold that wait)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                run()
+                run(False)
             torch.cuda.synchronize()
         kernels: dict[str, float] = {}
         for event in prof.events():

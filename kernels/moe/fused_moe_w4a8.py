@@ -15,9 +15,9 @@ the epilogue.
 The layer around the two GEMMs is `fused_moe`'s: the same alignment (or pair blocks), the same
 gate-up epilogue (silu(gate) · up, written once for the pair's row, as e4m3 with a static scale for the
 down GEMM's input), the same quantization of the intermediate's rows with dynamic scales, the down GEMM
-writing each pair's output in the model dtype, and the same combine (routing weights, shared expert). Ids of −1 (expert
-parallelism) are skipped as there. With `swap_ab` (few tokens) the unpacked weights are the MMA's rows
-(a register operand of the wgmma) and the tokens its columns.
+writing each pair's output in the model dtype, and the same combine (routing weights, shared expert).
+Ids of −1 (expert parallelism) are skipped as there. With `swap_ab` (few tokens) the unpacked weights
+are the MMA's rows (a register operand of the wgmma) and the tokens its columns.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def _int4_tile(w_base, cols, col_ok, k, stride_wn, BLOCK_N: tl.constexpr, BLOCK_
         other=0,
     )
     offset = words ^ -0x77777778  # 0x88888888: every two's-complement nibble q becomes q + 8
-    # join nests as [.., a, b, c] → column 4a + 2b + c of the word: n_j for j = 4a + 2b + c
+    # the innermost join pairs nibbles 4 apart (shift +16), the middle one 2 apart (+8), the outer
+    # one the low and high nibble of a byte (+4): reshaped, column j of a word is its nibble j
     low = tl.join(
         tl.join(_int4_nibble(offset, 0), _int4_nibble(offset, 16)),
         tl.join(_int4_nibble(offset, 8), _int4_nibble(offset, 24)),

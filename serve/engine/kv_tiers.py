@@ -505,9 +505,10 @@ class KVTiers:
             return len(self._busy)
 
     def _take_block(self) -> int | None:
-        """A free block, else the least recently used one that L3 holds already (or no L3: any), else —
-        none among the first `_VICTIM_SCAN` idle blocks — the least recently used one waiting to be
-        written (its page dropped: in no tier any more). Blocks being copied or written are skipped."""
+        """A free block, else the least recently used one not waiting to be written to L3 (written, or
+        never to be: no L3, or published while it was degraded), else — none among the first
+        `_VICTIM_SCAN` idle blocks — the least recently used one waiting (its page dropped: in no tier
+        any more). Blocks being copied or written are skipped."""
         if self._free:
             return self._free.pop()
         victim, looked = None, 0

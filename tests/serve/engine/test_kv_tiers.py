@@ -741,9 +741,8 @@ def test_host_memory_evicts_a_page_the_store_holds_before_one_it_would_drop(monk
     monkeypatch.setattr(kv_tiers, "open_store", lambda spec, namespace, max_bytes: store)
     cache = torch.randn(2, 2, 24, PAGE, 2, 8)
     page_bytes = cache[:, :, 0].numel() * cache.element_size()
-    tiers = kv_tiers.KVTiers(
-        cache, TierConfig(host_gib=4 * page_bytes / 2**30, store="gated:", write_queue=1)
-    )
+    config = TierConfig(host_gib=4 * page_bytes / 2**30, store="gated:", write_queue=1, store_timeout=60.0)
+    tiers = kv_tiers.KVTiers(cache, config)
     keys = page_keys(list(range(5 * PAGE + 1)), PAGE, b"", 5)
     for page in (1, 2):
         tiers.published(page, keys[page - 1])
@@ -756,6 +755,7 @@ def test_host_memory_evicts_a_page_the_store_holds_before_one_it_would_drop(monk
     tiers.commit_saves()
     for page in (1, 2):  # L1 publishes them again: L2 holds them, now the most recently used
         tiers.published(page, keys[page - 1])
+    assert len(tiers._unwritten) == 1  # page 3 with the stalled writer, page 4 waiting behind it
     tiers.published(5, keys[4])
     tiers.commit_saves()
     assert tiers.stats.l3_dropped == 0 and tiers.stats.l2_evicted == 1
