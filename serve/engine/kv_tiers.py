@@ -234,6 +234,17 @@ class FileStore:
             path.unlink(missing_ok=True)
 
 
+def _consecutive_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(start, end, first block) of each run blocks[start:end] of consecutive block numbers: one
+    contiguous host copy each."""
+    runs, start = [], 0
+    for end in range(1, len(blocks) + 1):
+        if end == len(blocks) or blocks[end] != blocks[end - 1] + 1:
+            runs.append((start, end, blocks[start]))
+            start = end
+    return runs
+
+
 def _all_of(parts: list[Future]) -> Future:
     """A future done once every one of `parts` is: the sum of their results, or the first error."""
     combined: Future = Future()
@@ -566,12 +577,8 @@ class KVTiers:
                 index = index.to(self.kv_cache.device, non_blocking=True)
                 staging = self.kv_cache.view(torch.uint8).movedim(2, 0)[index]  # [pages, layers, 2, …]
                 host = self.host.view(torch.uint8)
-                start = 0
-                for end in range(1, len(round_) + 1):
-                    if end == len(round_) or round_[end][2] != round_[end - 1][2] + 1:
-                        first = round_[start][2]
-                        host[first : first + end - start].copy_(staging[start:end], non_blocking=True)
-                        start = end
+                for start, end, first in _consecutive_runs([block for _, _, block in round_]):
+                    host[first : first + end - start].copy_(staging[start:end], non_blocking=True)
                 if self.stream is not None:
                     event = torch.cuda.Event()
                     event.record()
@@ -706,12 +713,8 @@ class KVTiers:
                 self.stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                 staging = torch.empty_like(self.host[: len(round_blocks)], device=self.kv_cache.device)
-                start = 0
-                for end in range(1, len(round_blocks) + 1):
-                    if end == len(round_blocks) or round_blocks[end] != round_blocks[end - 1] + 1:
-                        first = round_blocks[start]
-                        staging[start:end].copy_(self.host[first : first + end - start], non_blocking=True)
-                        start = end
+                for start, end, first in _consecutive_runs(round_blocks):
+                    staging[start:end].copy_(self.host[first : first + end - start], non_blocking=True)
                 index = torch.tensor(round_pages, dtype=torch.long, pin_memory=self.cuda)
                 index = index.to(self.kv_cache.device, non_blocking=True)
                 cache_bytes, staging_bytes = self.kv_cache.view(torch.uint8), staging.view(torch.uint8)
