@@ -16,7 +16,10 @@ from hy3c.recipe import load_recipe
 from hy3c.serve.http.demo import BackgroundServer, free_port
 from hy3c.serve.http.server import ServeOptions
 
-PAGE_BYTES = 32 * 1024  # one 16-token page of the tiny model's KV (3 layers + the MTP layer, fp32)
+# one 16-token page of KV (fp32) of each tiny model: the random one has 3 layers + the MTP layer, the
+# trained one 2 + 1
+PAGE_BYTES = {"random": 32 * 1024, "trained": 24 * 1024}
+POOL_PAGES = 9  # page 0 is scratch: 8 usable, 128 tokens; the six prompts end at 17 pages together
 PROMPTS = [
     "def parse(",
     "import os\nimport sys\n\n",
@@ -37,15 +40,15 @@ def artifacts(tiny_ckpt, trained_ckpt, tmp_path_factory):
     }
 
 
-def _serve(artifact, k: int, overlap: bool) -> dict[str, str]:
+def _serve(artifacts, model: str, k: int, overlap: bool) -> dict[str, str]:
     """Every prompt's streamed greedy completion, concurrently, beside a request whose client leaves
     after two chunks; checks the server is idle with every page free at the end, and that the pool
-    (12 pages) made it preempt."""
+    (`POOL_PAGES`) made it preempt."""
     config = None if k == 0 else f'{{"method": "mtp", "num_speculative_tokens": {k}}}'
     options = ServeOptions(
-        artifact,
+        artifacts[model],
         port=free_port(),
-        kv_memory_gib=12 * PAGE_BYTES / 2**30,
+        kv_memory_gib=POOL_PAGES * PAGE_BYTES[model] / 2**30,
         max_num_seqs=8,
         async_scheduling=overlap,
         speculative_config=config,
@@ -64,7 +67,7 @@ def _serve(artifact, k: int, overlap: bool) -> dict[str, str]:
                 return "".join(text)
 
         async def leaver(client: httpx.AsyncClient) -> None:
-            body = {"prompt": "a long one", "max_tokens": 100, "temperature": 0, "stream": True}
+            body = {"prompt": "a long one", "max_tokens": 64, "temperature": 0, "stream": True}
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 lines = response.aiter_lines()
                 for _ in range(2):
@@ -77,6 +80,7 @@ def _serve(artifact, k: int, overlap: bool) -> dict[str, str]:
 
         texts = asyncio.run(main())
         engine = server.engine
+        assert engine.pool.num_pages == POOL_PAGES, "PAGE_BYTES no longer matches the tiny model's page"
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             running, waiting = engine.num_requests()
@@ -95,7 +99,7 @@ def _serve(artifact, k: int, overlap: bool) -> dict[str, str]:
 
 @pytest.mark.parametrize("model", ["random", "trained"])
 def test_greedy_output_is_the_same_with_mtp_and_overlap_through_the_server(artifacts, model):
-    expected = _serve(artifacts[model], 0, overlap=False)
+    expected = _serve(artifacts, model, 0, overlap=False)
     assert all(expected.values())
     settings = (
         [(1, True), (2, True)]
@@ -103,4 +107,4 @@ def test_greedy_output_is_the_same_with_mtp_and_overlap_through_the_server(artif
         else [(0, True), (1, False), (1, True), (2, False), (2, True)]
     )
     for k, overlap in settings:
-        assert _serve(artifacts[model], k, overlap) == expected, f"K = {k}, overlap {overlap}"
+        assert _serve(artifacts, model, k, overlap) == expected, f"K = {k}, overlap {overlap}"
