@@ -66,7 +66,8 @@ def test_fp8_calibrated_on_text_keeps_the_trained_models_predictions(trained_ckp
     preds, ppl = _predictions_and_perplexity(fp8, windows)
     agreement = float((preds == ref_preds).float().mean())
     # measured 2026-12-04: 95.8% of 8,192 positions (bf16 itself agrees with fp32 on 98.7%), perplexity
-    # 1.0023x; the goal is 99% agreement (short, per-tensor weight scales on a tiny model)
+    # 1.0023x; the goal is 99% agreement (short: the tiny model's two best logits are within 0.1 at
+    # 10% of positions, FP8 moves them by 0.075; bench/LOG.md, session 31)
     assert agreement >= 0.95, agreement
     assert ppl / ref_ppl <= 1.01, (ppl, ref_ppl)
 
