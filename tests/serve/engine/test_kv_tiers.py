@@ -586,15 +586,28 @@ def test_pages_evicted_from_the_gpu_and_from_host_memory_come_back_from_the_stor
     _no_leaks(engine)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_loads_scatter_runs_of_blocks_into_their_pages_in_bounded_rounds(monkeypatch, dtype):
+@pytest.mark.parametrize(
+    "dtype, head_size, width",
+    [
+        (torch.float32, 8, torch.int64),
+        (torch.bfloat16, 8, torch.int64),
+        (torch.float8_e4m3fn, 8, torch.int64),
+        (torch.float8_e4m3fn, 6, torch.int16),
+        (torch.float8_e4m3fn, 3, torch.uint8),
+    ],
+)
+def test_loads_scatter_runs_of_blocks_into_their_pages_in_bounded_rounds(
+    monkeypatch, dtype, head_size, width
+):
     """`_load` copies runs of consecutive L2 blocks in one piece and scatters each round into its L1
     pages: every page gets exactly its block, untouched pages keep theirs, across round boundaries
-    (FP8 caches too, which torch's `index_copy_` does not take directly)."""
+    (FP8 caches too, which torch's `index_copy_` does not take directly), moving the widest integers
+    that tile a head's bytes."""
     from hy3c.serve.engine import kv_tiers
 
     # layers, K / V, pages, page size, KV heads, head size
-    cache = torch.randn(3, 2, 16, PAGE, 2, 8).to(dtype)
+    cache = torch.randn(3, 2, 16, PAGE, 2, head_size).to(dtype)
+    assert kv_tiers._words(cache).dtype == width
     tiers = kv_tiers.KVTiers(cache, _config())
     tiers.host.copy_(torch.randn(tiers.host.shape).to(dtype))
     page_bytes = cache[:, :, 0].numel() * cache.element_size()
@@ -609,15 +622,17 @@ def test_loads_scatter_runs_of_blocks_into_their_pages_in_bounded_rounds(monkeyp
     assert torch.equal(as_bytes[:, :, others], before.view(torch.uint8)[:, :, others])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
-def test_saves_gather_published_pages_into_their_blocks_once_per_commit(monkeypatch, dtype):
+@pytest.mark.parametrize(
+    "dtype, head_size", [(torch.float32, 8), (torch.float8_e4m3fn, 8), (torch.float8_e4m3fn, 6)]
+)
+def test_saves_gather_published_pages_into_their_blocks_once_per_commit(monkeypatch, dtype, head_size):
     """`published` only takes a block; `commit_saves` copies every page published since into its block
     (runs of consecutive blocks and lone ones, across round boundaries); a page handed out again
     (`reusing`) is saved before, so its old KV is what L2 keeps; held blocks are all let go."""
     from hy3c.serve.engine import kv_tiers
     from hy3c.serve.engine.kv_pages import page_keys
 
-    cache = torch.randn(3, 2, 16, PAGE, 2, 8).to(dtype)
+    cache = torch.randn(3, 2, 16, PAGE, 2, head_size).to(dtype)
     tiers = kv_tiers.KVTiers(cache, _config())
     page_bytes = cache[:, :, 0].numel() * cache.element_size()
     monkeypatch.setattr(kv_tiers, "_STAGING_BYTES", 3 * page_bytes)  # rounds of three pages
