@@ -4,13 +4,21 @@ The weights are int4 values packed two per byte along the input dimension (w13 u
 w2 [E, H, I/2]; column 2j in the low nibble) with one fp32 scale per `group` input columns (w13_scale
 [E, 2I, H/g], w2_scale [E, H, I/g]); `hy3c.ops.moe` holds the reference. Each K block (BLOCK_K divides
 the group) is loaded as 32-bit words of 8 values — half the bytes of an FP8 tile, staged through shared
-memory ahead of use by Triton's pipeliner, which byte loads were not — and widened in registers: each
-nibble becomes an fp16 by bit operations (offset binary under the exponent of 1024), then e4m3, where
-every int4 value is exact. The block's
-product with the FP8 activation rows runs on the FP8 tensor cores into a fresh accumulator, which is
-added to the running sum times the block's group scales: the only roundings are the int4 weights and
-the FP8 activations, as in the reference. The activations' scale (per token, or static) is applied in
-the epilogue.
+memory ahead of use by Triton's pipeliner, which byte loads were not — and widened in registers, by
+one of two ways (`MoeConfig.int4_subnormal`), exact either way:
+
+* fp16: each nibble becomes an fp16 by bit operations (offset binary under the exponent of 1024), then
+  e4m3 (~4 instructions a value);
+* subnormal: the offset-binary nibble alone in a byte is the e4m3 value (q + 8) · 2⁻⁹ (`_int4_tile_subnormal`),
+  two masks and two byte permutes a word (~0.75 instructions a value); the product is then
+  2⁹ · a · w − 8 · Σa, with Σa of each row and K block written by `quantize_rows_with_sums` where this
+  module quantizes the rows, summed in the GEMM where they come quantized (the norm's FP8 rows, a
+  static intermediate scale).
+
+The block's product with the FP8 activation rows runs on the FP8 tensor cores into a fresh accumulator,
+which is added to the running sum times the block's group scales: the only roundings are the int4
+weights and the FP8 activations, as in the reference. The activations' scale (per token, or static) is
+applied in the epilogue.
 
 The layer around the two GEMMs is `fused_moe`'s: the same alignment (or pair blocks), the same
 gate-up epilogue (silu(gate) · up, written once for the pair's row, as e4m3 with a static scale for the
@@ -79,15 +87,113 @@ def _int4_tile(w_base, cols, col_ok, k, stride_wn, BLOCK_N: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _group_product(a, w, scale, SWAP_AB: tl.constexpr):
+def _e4m3_byte(words, byte: tl.constexpr):
+    """Byte `byte` of each word, reinterpreted as e4m3."""
+    return (words >> (8 * byte)).to(tl.int8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _interleave_bytes(even, odd, PRMT: tl.constexpr):
+    """Words of bytes (e0 o0 e1 o1) and (e2 o2 e3 o3) from the words (e0 e1 e2 e3) and (o0 o1 o2 o3):
+    two byte permutes on the GPU (`PRMT`, inline PTX), shifts and masks under TRITON_INTERPRET."""
+    if PRMT:
+        first, second = tl.inline_asm_elementwise(
+            "prmt.b32 $0, $2, $3, 0x5140;\n\tprmt.b32 $1, $2, $3, 0x7362;",
+            "=r,=r,r,r",
+            [even, odd],
+            dtype=(tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        first = (even & 0xFF) | ((odd & 0xFF) << 8) | ((even & 0xFF00) << 8) | ((odd & 0xFF00) << 16)
+        second = ((even >> 16) & 0xFF) | ((odd >> 8) & 0xFF00) | ((even >> 8) & 0xFF0000) | (odd & -0x1000000)
+    return first, second
+
+
+@triton.jit
+def _int4_tile_subnormal(
+    w_base, cols, col_ok, k, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRMT: tl.constexpr
+):
+    """`_int4_tile`'s weights as the e4m3 bytes (q + 8) · 2⁻⁹, [BLOCK_N, BLOCK_K]: an e4m3 byte whose high
+    four bits are zero is the value of its low four bits times 2⁻⁹ (exponent 0: subnormal m · 2⁻⁹;
+    exponent 1: (8 + m) · 2⁻⁹), so an offset-binary nibble moved into a byte of its own is already its
+    e4m3 value, exact: two masks of each word give the even and the odd nibbles as bytes, two byte
+    permutes put them in column order. `_group_product` takes the offset (8 · Σ a) and the 2⁹ back out."""
+    word_cols = k // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(
+        w_base.to(tl.pointer_type(tl.int32)) + cols[:, None] * (stride_wn // 4) + word_cols[None, :],
+        mask=col_ok[:, None],
+        other=0,
+    )
+    offset = words ^ -0x77777778  # 0x88888888: every two's-complement nibble q becomes q + 8
+    even = offset & 0x0F0F0F0F  # nibbles 0, 2, 4, 6 as bytes 0-3
+    odd = (offset >> 4) & 0x0F0F0F0F  # nibbles 1, 3, 5, 7
+    first, second = _interleave_bytes(even, odd, PRMT)  # columns 0-3 and 4-7 of the word
+    # a join's new axis varies faster than the axes before it and slower than those of later joins:
+    # reshaped, column 4s + j of a word is byte j (j = 2t + u) of `first` (s = 0) or `second` (s = 1)
+    b0 = tl.join(_e4m3_byte(first, 0), _e4m3_byte(second, 0))
+    b1 = tl.join(_e4m3_byte(first, 1), _e4m3_byte(second, 1))
+    b2 = tl.join(_e4m3_byte(first, 2), _e4m3_byte(second, 2))
+    b3 = tl.join(_e4m3_byte(first, 3), _e4m3_byte(second, 3))
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _int4_weights(
+    w_base,
+    cols,
+    col_ok,
+    k,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUBNORMAL: tl.constexpr,
+    PRMT: tl.constexpr,
+):
+    """One K block of weights as e4m3, by the widening the config chose (`MoeConfig.int4_subnormal`)."""
+    if SUBNORMAL:
+        tile = _int4_tile_subnormal(w_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K, PRMT)
+    else:
+        tile = _int4_tile(w_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K)
+    return tile
+
+
+@triton.jit
+def _group_product(a, w, scale, a_sum, SWAP_AB: tl.constexpr, SUBNORMAL: tl.constexpr, A_SUMS: tl.constexpr):
     """One K block's product of FP8 rows a [BLOCK_M, BLOCK_K] and weights w [BLOCK_N, BLOCK_K] in a fresh
     fp32 accumulator, times the weight rows' group scales [BLOCK_N]: [BLOCK_N, BLOCK_M] with SWAP_AB
-    (weights as the MMA's rows), else [BLOCK_M, BLOCK_N]."""
+    (weights as the MMA's rows), else [BLOCK_M, BLOCK_N]. With SUBNORMAL the weights are
+    `_int4_tile_subnormal`'s (q + 8) · 2⁻⁹, so a · q = 2⁹ · a · w − 8 · Σa over the block: Σa of each
+    row given (`a_sum` [BLOCK_M], written by `quantize_rows_with_sums`) with A_SUMS, else summed here."""
     if SWAP_AB:
-        product = tl.dot(w, tl.trans(a)) * scale[:, None]
+        product = tl.dot(w, tl.trans(a))
     else:
-        product = tl.dot(a, tl.trans(w)) * scale[None, :]
+        product = tl.dot(a, tl.trans(w))
+    if SUBNORMAL:
+        if A_SUMS:
+            offset = 8.0 * a_sum
+        else:
+            offset = 8.0 * tl.sum(a.to(tl.float32), axis=1)
+        if SWAP_AB:
+            product = product * 512.0 - offset[None, :]
+        else:
+            product = product * 512.0 - offset[:, None]
+    if SWAP_AB:
+        product = product * scale[:, None]
+    else:
+        product = product * scale[None, :]
     return product
+
+
+@triton.jit
+def _block_sums(sums_ptr, rows, row_ok, k, stride_sm, BLOCK_K: tl.constexpr, A_SUMS: tl.constexpr):
+    """Σa of K block k of each row (`quantize_rows_with_sums`), or 0 where the GEMM sums its tile itself."""
+    if A_SUMS:
+        a_sum = tl.load(sums_ptr + rows.to(tl.int64) * stride_sm + k // BLOCK_K, mask=row_ok, other=0.0)
+    else:
+        a_sum = 0.0
+    return a_sum
 
 
 @triton.jit(do_not_specialize=["pairs", "num_m_blocks"])
@@ -101,6 +207,7 @@ def _gate_up_w4a8_kernel(
     as_ptr,
     ws_ptr,
     hs_ptr,
+    asum_ptr,
     pairs,
     top_k,
     inter,
@@ -112,6 +219,7 @@ def _gate_up_w4a8_kernel(
     stride_om,
     stride_wse,
     stride_wsn,
+    stride_asm,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -122,6 +230,9 @@ def _gate_up_w4a8_kernel(
     ACT_DTYPE: tl.constexpr,
     SWAP_AB: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
+    SUBNORMAL: tl.constexpr,
+    A_SUMS: tl.constexpr,
+    PRMT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -153,12 +264,13 @@ def _gate_up_w4a8_kernel(
         a = tl.load(
             a_ptr + token[:, None].to(tl.int64) * stride_am + rk[None, :], mask=row_ok[:, None], other=0.0
         )
-        wg = _int4_tile(gate_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K)
-        wu = _int4_tile(up_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K)
+        wg = _int4_weights(gate_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K, SUBNORMAL, PRMT)
+        wu = _int4_weights(up_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K, SUBNORMAL, PRMT)
         sg = tl.load(gate_scales + k // GROUP, mask=col_ok, other=0.0)
         su = tl.load(up_scales + k // GROUP, mask=col_ok, other=0.0)
-        acc_g += _group_product(a, wg, sg, SWAP_AB)
-        acc_u += _group_product(a, wu, su, SWAP_AB)
+        a_sum = _block_sums(asum_ptr, token, row_ok, k, stride_asm, BLOCK_K, A_SUMS)
+        acc_g += _group_product(a, wg, sg, a_sum, SWAP_AB, SUBNORMAL, A_SUMS)
+        acc_u += _group_product(a, wu, su, a_sum, SWAP_AB, SUBNORMAL, A_SUMS)
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -189,6 +301,7 @@ def _down_w4a8_kernel(
     padded_ptr,
     hs_ptr,
     ws_ptr,
+    asum_ptr,
     pairs,
     hidden,
     inter,
@@ -199,6 +312,7 @@ def _down_w4a8_kernel(
     stride_om,
     stride_wse,
     stride_wsn,
+    stride_asm,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -207,6 +321,9 @@ def _down_w4a8_kernel(
     A_PER_ROW: tl.constexpr,
     SWAP_AB: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
+    SUBNORMAL: tl.constexpr,
+    A_SUMS: tl.constexpr,
+    PRMT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -233,9 +350,10 @@ def _down_w4a8_kernel(
         a = tl.load(
             h_ptr + pair[:, None].to(tl.int64) * stride_hm + rk[None, :], mask=row_ok[:, None], other=0.0
         )
-        w = _int4_tile(w_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K)
+        w = _int4_weights(w_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K, SUBNORMAL, PRMT)
         s = tl.load(scales + k // GROUP, mask=col_ok, other=0.0)
-        acc += _group_product(a, w, s, SWAP_AB)
+        a_sum = _block_sums(asum_ptr, pair, row_ok, k, stride_asm, BLOCK_K, A_SUMS)
+        acc += _group_product(a, w, s, a_sum, SWAP_AB, SUBNORMAL, A_SUMS)
     if SWAP_AB:
         acc = tl.trans(acc)
     if A_PER_ROW:
@@ -248,6 +366,81 @@ def _down_w4a8_kernel(
         acc.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None] & col_ok[None, :],
     )
+
+
+@triton.jit
+def _quant_rows_sums_kernel(
+    x_ptr,
+    ids_ptr,
+    q_ptr,
+    scale_ptr,
+    sums_ptr,
+    width,
+    stride_x,
+    stride_q,
+    stride_s,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    STATIC: tl.constexpr,
+    SKIP_IDS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One row to e4m3 — its dynamic scale (max(absmax / 448, 1e-12), as `quant_fp8_per_token`) or the
+    static one at scale_ptr — and the sums of its e4m3 values over each CHUNK columns (a W4A8 GEMM's K
+    block), as the FP8 MMA reads them. SKIP_IDS: row r is the pair of flat top-k id r, skipped when −1."""
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
+    if SKIP_IDS:  # noqa: SIM102 (a compile-time test)
+        if tl.load(ids_ptr + row) < 0:
+            return
+    cols = tl.arange(0, BLOCK)
+    ok = cols < width
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if STATIC:
+        scale = tl.load(scale_ptr)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+        tl.store(scale_ptr + row, scale)
+    q = tl.clamp(x / scale, -448.0, 448.0).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, q, mask=ok)
+    sums = tl.sum(tl.reshape(q.to(tl.float32), [BLOCK // CHUNK, CHUNK]), axis=1)
+    chunks = tl.arange(0, BLOCK // CHUNK)
+    tl.store(sums_ptr + row.to(tl.int64) * stride_s + chunks, sums, mask=chunks < tl.cdiv(width, CHUNK))
+
+
+def quantize_rows_with_sums(
+    x: Tensor, static_scale: Tensor | None, ids: Tensor | None, chunk: int, pdl: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(e4m3 rows, their scale — per row, or the static one —, fp32 sums of each row's e4m3 values over
+    every `chunk` columns): the input of a W4A8 GEMM whose weights are widened by
+    `_int4_tile_subnormal`, in one pass per row. With `ids` (flat top-k ids), rows of id −1 are skipped."""
+    rows, width = x.shape
+    q = torch.empty((rows, width), dtype=FP8_DTYPE, device=x.device)
+    scale = (
+        static_scale.float().reshape(1)
+        if static_scale is not None
+        else x.new_empty(rows, dtype=torch.float32)
+    )
+    sums = x.new_empty((rows, triton.cdiv(width, chunk)), dtype=torch.float32)
+    block = max(triton.next_power_of_2(width), chunk)
+    _quant_rows_sums_kernel[(rows,)](
+        x,
+        ids if ids is not None else scale,
+        q,
+        scale,
+        sums,
+        width,
+        x.stride(0),
+        q.stride(0),
+        sums.stride(0),
+        BLOCK=block,
+        CHUNK=chunk,
+        STATIC=static_scale is not None,
+        SKIP_IDS=ids is not None,
+        num_warps=max(min(block // 512, 16), 1),
+        **pdl_launch(x.device, pdl),
+    )
+    return q, scale, sums
 
 
 def check_w4a8_experts(
@@ -339,12 +532,17 @@ def routed_pairs_w4a8(
     else:
         sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, cfg.block_m, pdl)
     num_m_blocks = expert_ids.shape[0]
+    dummy = x.new_empty(1, dtype=torch.float32)
+    subnormal = cfg.int4_subnormal
+    a_sums = None  # with subnormal widening, Σ of each row's e4m3 values per K block (else the GEMM sums)
     if x_q is not None:
         a, a_scale, a_per_row = x_q, x_q_scale.reshape(-1).contiguous(), True
+    elif subnormal:
+        a, a_scale, a_sums = quantize_rows_with_sums(x, a13_scale, None, block_k, pdl)
+        a_per_row = a13_scale is None
     else:
         a, a_scale, a_per_row = quantize_activations(x, a13_scale, False, pdl)
     quant_h = a2_scale is not None
-    dummy = x.new_empty(1, dtype=torch.float32)
     hidden_act = x.new_empty((pairs, inter), dtype=FP8_DTYPE if quant_h else x.dtype)
     h_scale_static = a2_scale.float().reshape(1) if quant_h else dummy
     common = dict(
@@ -355,6 +553,8 @@ def routed_pairs_w4a8(
         GROUP_M=cfg.group_m,
         SWAP_AB=cfg.swap_ab,
         PAIR_BLOCKS=cfg.pair_blocks,
+        SUBNORMAL=subnormal,
+        PRMT=x.device.type == "cuda",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -368,6 +568,7 @@ def routed_pairs_w4a8(
         a_scale,
         w13_scale,
         h_scale_static,
+        dummy if a_sums is None else a_sums,
         pairs,
         top_k,
         inter,
@@ -379,14 +580,21 @@ def routed_pairs_w4a8(
         hidden_act.stride(0),
         w13_scale.stride(0),
         w13_scale.stride(1),
+        0 if a_sums is None else a_sums.stride(0),
         A_PER_ROW=a_per_row,
+        A_SUMS=a_sums is not None,
         QUANT_H=quant_h,
         ACT_DTYPE=TL_DTYPES[x.dtype],
         **common,
         **pdl_launch(x.device, pdl),
     )
-    h, h_scale, h_per_row = hidden_act, h_scale_static, False
-    if not quant_h:  # dynamic scales: per pair row, the rows of id −1 skipped
+    h, h_scale, h_per_row, h_sums = hidden_act, h_scale_static, False, None
+    if not quant_h and subnormal:  # dynamic scales and the K blocks' sums, the rows of id −1 skipped
+        (h, h_scale, h_sums), h_per_row = (
+            quantize_rows_with_sums(hidden_act, None, flat_ids, block_k, pdl),
+            True,
+        )
+    elif not quant_h:  # dynamic scales: per pair row, the rows of id −1 skipped
         (h, h_scale), h_per_row = quantize_intermediate(hidden_act, flat_ids, False, pdl), True
     per_pair = x.new_empty((pairs, hidden))
     _down_w4a8_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
@@ -398,6 +606,7 @@ def routed_pairs_w4a8(
         padded,
         h_scale,
         w2_scale,
+        dummy if h_sums is None else h_sums,
         pairs,
         hidden,
         inter,
@@ -408,7 +617,9 @@ def routed_pairs_w4a8(
         per_pair.stride(0),
         w2_scale.stride(0),
         w2_scale.stride(1),
+        0 if h_sums is None else h_sums.stride(0),
         A_PER_ROW=h_per_row,
+        A_SUMS=h_sums is not None,
         **common,
         **pdl_launch(x.device, pdl),
     )

@@ -10,6 +10,7 @@ import torch
 
 from hy3c.kernels.moe.config import MoeConfig, select_config
 from hy3c.kernels.moe.fused_moe import fused_moe_triton
+from hy3c.kernels.moe.fused_moe_w4a8 import quantize_rows_with_sums
 from hy3c.ops.quant import (
     dequantize_int4_groups,
     pack_int4,
@@ -78,7 +79,8 @@ def test_reference_is_fp8_rows_times_the_dequantized_int4_weights():
     [{}, {"swap_ab": True}, {"pair_blocks": True}, {"pair_blocks": True, "swap_ab": True}, {"block_m": 32}],
 )
 @pytest.mark.parametrize("activations", ["dynamic", "static", "pre-quantized"])
-def test_w4a8_fused_moe_equals_its_reference(options, activations):
+@pytest.mark.parametrize("subnormal", [False, True], ids=["fp16-widening", "subnormal-widening"])
+def test_w4a8_fused_moe_equals_its_reference(options, activations, subnormal):
     tokens, experts, top_k = 9 if not options.get("pair_blocks") else 1, 8, 2
     x = torch.randn(tokens, 64).to(torch.bfloat16)
     q13, s13, q2, s2 = _experts(experts, 64, 32)
@@ -91,8 +93,49 @@ def test_w4a8_fused_moe_equals_its_reference(options, activations):
         scale = per_token_scale(x)
         args = (*args, quantize_fp8(x, scale), scale)
     ref = hy3.fused_moe(*args)
-    out = fused_moe_triton(*args, config=dataclasses.replace(CFG, **options), pdl=False)
+    config = dataclasses.replace(CFG, **options, int4_subnormal=subnormal)
+    out = fused_moe_triton(*args, config=config, pdl=False)
     assert _relative_error(out, ref) < 1e-2
+
+
+def test_subnormal_widening_takes_the_offset_out_of_each_k_block():
+    """The subnormal widening with K blocks of half a group (32 of 64 columns): the rows' sums are per K
+    block, not per group, whether the quantization kernel writes them (dynamic) or the GEMM takes them
+    itself (pre-quantized rows, static intermediate scale); a wrong offset would be 8 · Σa off."""
+    tokens, experts = 5, 4
+    x = torch.randn(tokens, 128).to(torch.bfloat16)
+    q13, s13, q2, s2 = _experts(experts, 128, 64, group=64)
+    ids = torch.stack([torch.randperm(experts)[:2] for _ in range(tokens)]).int()
+    weights = torch.rand(tokens, 2)
+    scale = per_token_scale(x)
+    config = dataclasses.replace(CFG, block_k=32, int4_subnormal=True)
+    for extra, a2 in (((), None), ((quantize_fp8(x, scale), scale), torch.tensor([0.05]))):
+        args = (x, weights, ids, q13, q2, s13, s2, None, a2, None, *extra)
+        out = fused_moe_triton(*args, config=config, pdl=False)
+        assert _relative_error(out, hy3.fused_moe(*args)) < 1e-2
+
+
+def test_rows_quantized_with_their_k_block_sums():
+    """`quantize_rows_with_sums`: the e4m3 rows and scales of `per_token_scale` / `quantize_fp8` (or a
+    static scale), each row's sums of its e4m3 values per chunk of columns (the last chunk partial), and
+    rows of id −1 left unwritten."""
+    x = torch.randn(4, 80).to(torch.bfloat16)
+    q, scale, sums = quantize_rows_with_sums(x, None, None, 32, pdl=False)
+    expected_scale = per_token_scale(x)
+    expected = quantize_fp8(x, expected_scale)
+    assert torch.equal(scale, expected_scale.reshape(-1))
+    assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
+    padded = torch.nn.functional.pad(expected.float(), (0, 16))
+    assert torch.equal(sums, padded.view(4, 3, 32).sum(-1))
+    static = torch.tensor([0.01])
+    q, scale, sums = quantize_rows_with_sums(
+        x, static, torch.tensor([0, -1, 2, 3], dtype=torch.int32), 32, False
+    )
+    expected = quantize_fp8(x, static)
+    assert torch.equal(scale, static) and torch.equal(q[0].view(torch.uint8), expected[0].view(torch.uint8))
+    assert torch.equal(
+        sums[[0, 2, 3]], torch.nn.functional.pad(expected.float(), (0, 16)).view(4, 3, 32).sum(-1)[[0, 2, 3]]
+    )
 
 
 def test_w4a8_fused_moe_at_a_group_of_128_with_default_configs():
@@ -185,9 +228,11 @@ def test_opcheck_fused_moe_with_w4a8_experts():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 16, 128, 2048])
-def test_w4a8_fused_moe_real_shapes(tokens):
+@pytest.mark.parametrize("subnormal", [False, True], ids=["fp16-widening", "subnormal-widening"])
+def test_w4a8_fused_moe_real_shapes(tokens, subnormal):
     """Hy3's experts (192 × [3072, 4096] and [4096, 1536], top-8, groups of 128) on the GPU, with the
-    shipped configs: against the reference, with x as given or as the norm's FP8 rows."""
+    shipped configs (and their subnormal widening: e4m3 subnormals through the FP8 MMA, the byte
+    permutes in inline PTX): against the reference, with x as given or as the norm's FP8 rows."""
     experts, hidden, inter = 192, 4096, 1536
     q13, s13 = quantize_int4_groups(0.02 * torch.randn(experts, 2 * inter, hidden, device="cuda"), 128)
     q2, s2 = quantize_int4_groups(0.02 * torch.randn(experts, hidden, inter, device="cuda"), 128)
@@ -196,6 +241,9 @@ def test_w4a8_fused_moe_real_shapes(tokens):
     weights, shared = torch.rand(tokens, 8, device="cuda"), torch.randn_like(x)
     args = (x, weights, ids, q13, q2, s13, s2, None, None, shared)
     ref = hy3.fused_moe(*args)
-    assert _relative_error(fused_moe_triton(*args), ref) < 1e-2
+    config = dataclasses.replace(
+        select_config(tokens, "w4a8", torch.cuda.get_device_name()), int4_subnormal=subnormal
+    )
+    assert _relative_error(fused_moe_triton(*args, config=config), ref) < 1e-2
     scale = per_token_scale(x)
-    assert _relative_error(fused_moe_triton(*args, quantize_fp8(x, scale), scale), ref) < 1e-2
+    assert _relative_error(fused_moe_triton(*args, quantize_fp8(x, scale), scale, config=config), ref) < 1e-2
