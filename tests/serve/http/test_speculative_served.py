@@ -55,6 +55,9 @@ def _serve(artifacts, model: str, k: int, overlap: bool) -> dict[str, str]:
     )
     server = BackgroundServer(options)
     try:
+        assert server.engine.pool.num_pages == POOL_PAGES, (
+            "PAGE_BYTES no longer matches the tiny model's page"
+        )
 
         async def one(client: httpx.AsyncClient, prompt: str) -> str:
             body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
@@ -80,7 +83,6 @@ def _serve(artifacts, model: str, k: int, overlap: bool) -> dict[str, str]:
 
         texts = asyncio.run(main())
         engine = server.engine
-        assert engine.pool.num_pages == POOL_PAGES, "PAGE_BYTES no longer matches the tiny model's page"
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             running, waiting = engine.num_requests()
