@@ -30,6 +30,8 @@ are the MMA's rows (a register operand of the wgmma) and the tokens its columns.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -408,6 +410,15 @@ def _quant_rows_sums_kernel(
     tl.store(sums_ptr + row.to(tl.int64) * stride_s + chunks, sums, mask=chunks < tl.cdiv(width, CHUNK))
 
 
+def _ptx_byte_permutes(device: torch.device) -> bool:
+    """Whether the subnormal widening's byte interleave may be inline PTX `prmt`: on an NVIDIA GPU, not
+    under TRITON_INTERPRET (which runs no PTX) nor on ROCm."""
+    return device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+MAX_SUM_ROW = 16384  # columns of a row quantized with its sums in one program's registers
+
+
 def quantize_rows_with_sums(
     x: Tensor, static_scale: Tensor | None, ids: Tensor | None, chunk: int, pdl: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -415,6 +426,8 @@ def quantize_rows_with_sums(
     every `chunk` columns): the input of a W4A8 GEMM whose weights are widened by
     `_int4_tile_subnormal`, in one pass per row. With `ids` (flat top-k ids), rows of id −1 are skipped."""
     rows, width = x.shape
+    if x.stride(1) != 1 or width > MAX_SUM_ROW:
+        raise ValueError(f"quantize_rows_with_sums: rows of unit stride and at most {MAX_SUM_ROW} columns")
     q = torch.empty((rows, width), dtype=FP8_DTYPE, device=x.device)
     scale = (
         static_scale.float().reshape(1)
@@ -423,6 +436,8 @@ def quantize_rows_with_sums(
     )
     sums = x.new_empty((rows, triton.cdiv(width, chunk)), dtype=torch.float32)
     block = max(triton.next_power_of_2(width), chunk)
+    if rows == 0:
+        return q, scale, sums
     _quant_rows_sums_kernel[(rows,)](
         x,
         ids if ids is not None else scale,
@@ -554,7 +569,7 @@ def routed_pairs_w4a8(
         SWAP_AB=cfg.swap_ab,
         PAIR_BLOCKS=cfg.pair_blocks,
         SUBNORMAL=subnormal,
-        PRMT=x.device.type == "cuda",
+        PRMT=_ptx_byte_permutes(x.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -168,6 +168,8 @@ def test_rows_quantized_with_their_k_block_sums():
     assert torch.equal(q[kept].view(torch.uint8), expected[kept].view(torch.uint8))
     padded = torch.nn.functional.pad(expected.float(), (0, 16))
     assert torch.equal(sums[kept], padded.view(4, 3, 32).sum(-1)[kept])
+    with pytest.raises(ValueError, match="unit stride"):
+        quantize_rows_with_sums(x.t(), None, None, 32, False)
 
 
 def test_w4a8_fused_moe_at_a_group_of_128_with_default_configs():
