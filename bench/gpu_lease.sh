@@ -24,7 +24,8 @@
 #                 per-kernel breakdown against cuBLAS dense FP8 (issue 30)
 #   moe-sweep     the prefill config sweep at 8K tokens (bf16, FP8): this GPU's table, fused_moe_<gpu>.json
 #   w4a8-test     GPU tests of the W4A8 GEMMs at Hy3's shapes (issue 30)
-#   w4a8-moe      W4A8 FusedMoE vs FP8 and bf16 with a config sweep (issue 30)
+#   w4a8-moe      W4A8 FusedMoE vs FP8 and bf16 with a config sweep of both widenings (issue 30; a call
+#                 of its own: up to 8 minutes)
 #   w4a8-e2e      4-layer slice decode and prefill with W4A8 experts vs FP8 (issue 30)
 set -uo pipefail
 source bench/device_env.sh
@@ -66,7 +67,7 @@ for step in ${STEPS:-probe}; do
     moe-sweep) timeout 540 python3 bench/moe_bench.py --parts moe --tokens 8192 --sweep >"$out/$step.txt" 2>&1 ;;
     w4a8-test) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_w4a8.py \
         >"$out/$step.txt" 2>&1 ;;
-    w4a8-moe) timeout 300 python3 bench/moe_w4a8_bench.py --sweep >"$out/$step.txt" 2>&1 ;;
+    w4a8-moe) timeout 480 python3 bench/moe_w4a8_bench.py --sweep >"$out/$step.txt" 2>&1 ;;
     w4a8-e2e) timeout 420 python3 bench/e2e.py --layers 4 --part w4a8 --decode 1,32 --prefill 8192,32768 \
         >"$out/$step.txt" 2>&1 ;;
     *) echo "unknown step $step" ;;
