@@ -11,7 +11,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
-from hy3c.kernels.rowwise.quant import quant_fp8, quant_fp8_per_token
+from hy3c.kernels.rowwise.quant import quant_fp8, quant_fp8_per_token, row_to_e4m3
 from hy3c.ops.quant import FP8_DTYPE
 
 # the Triton dtype of each model dtype, as the kernels' epilogues round to it
@@ -62,9 +62,7 @@ def quant_pair_rows_kernel(
     cols = tl.arange(0, BLOCK)
     ok = cols < width
     h = tl.load(h_ptr + pair.to(tl.int64) * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(h), axis=0) / 448.0, 1e-12)
-    tl.store(scale_ptr + pair, scale)
-    q = tl.clamp(h / scale, -448.0, 448.0)
+    q = row_to_e4m3(h, pair, scale_ptr, scale_ptr, False)
     tl.store(q_ptr + pair.to(tl.int64) * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 

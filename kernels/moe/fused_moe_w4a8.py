@@ -48,6 +48,7 @@ from hy3c.kernels.moe.blocks import (
 )
 from hy3c.kernels.moe.config import MoeConfig
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
+from hy3c.kernels.rowwise.quant import row_to_e4m3
 from hy3c.ops.quant import FP8_DTYPE, check_int4_groups
 
 MIN_GEMM_GROUP = 32  # K of an FP8 MMA: a K block, within one group's scale, is at least this
@@ -61,11 +62,10 @@ def _int4_nibble(offset_words, shift: tl.constexpr):
 
 
 @triton.jit
-def _int4_tile(w_base, cols, col_ok, k, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight rows `cols` × input columns [k, k + BLOCK_K) of one expert as e4m3 [BLOCK_N, BLOCK_K]:
-    BLOCK_K / 8 words of 8 packed nibbles per row (column 8w + j in bits 4j..4j+3 of word w, as the
-    little-endian bytes pack them), each nibble made the fp16 1024 + (q + 8) by bit operations, less
-    1032: exact, and no integer-to-float conversion. Word loads (not byte loads) are what Triton's
+def _offset_words(w_base, cols, col_ok, k, stride_wn, BLOCK_K: tl.constexpr):
+    """Weight rows `cols` × input columns [k, k + BLOCK_K) of one expert as [BLOCK_N, BLOCK_K / 8] words
+    of 8 packed nibbles (column 8w + j in bits 4j..4j+3 of word w, as the little-endian bytes pack
+    them), each nibble made offset binary (q + 8). Word loads (not byte loads) are what Triton's
     pipeliner stages through shared memory ahead of their use."""
     word_cols = k // 8 + tl.arange(0, BLOCK_K // 8)
     words = tl.load(
@@ -73,7 +73,15 @@ def _int4_tile(w_base, cols, col_ok, k, stride_wn, BLOCK_N: tl.constexpr, BLOCK_
         mask=col_ok[:, None],
         other=0,
     )
-    offset = words ^ -0x77777778  # 0x88888888: every two's-complement nibble q becomes q + 8
+    return words ^ -0x77777778  # 0x88888888: every two's-complement nibble q becomes q + 8
+
+
+@triton.jit
+def _int4_tile(w_base, cols, col_ok, k, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight rows `cols` × input columns [k, k + BLOCK_K) of one expert as e4m3 [BLOCK_N, BLOCK_K]:
+    each nibble of `_offset_words` made the fp16 1024 + (q + 8) by bit operations, less 1032: exact, and
+    no integer-to-float conversion."""
+    offset = _offset_words(w_base, cols, col_ok, k, stride_wn, BLOCK_K)
     # the innermost join pairs nibbles 4 apart (shift +16), the middle one 2 apart (+8), the outer
     # one the low and high nibble of a byte (+4): reshaped, column j of a word is its nibble j
     low = tl.join(
@@ -122,13 +130,7 @@ def _int4_tile_subnormal(
     exponent 1: (8 + m) · 2⁻⁹), so an offset-binary nibble moved into a byte of its own is already its
     e4m3 value, exact: two masks of each word give the even and the odd nibbles as bytes, two byte
     permutes put them in column order. `_group_product` takes the offset (8 · Σ a) and the 2⁹ back out."""
-    word_cols = k // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(
-        w_base.to(tl.pointer_type(tl.int32)) + cols[:, None] * (stride_wn // 4) + word_cols[None, :],
-        mask=col_ok[:, None],
-        other=0,
-    )
-    offset = words ^ -0x77777778  # 0x88888888: every two's-complement nibble q becomes q + 8
+    offset = _offset_words(w_base, cols, col_ok, k, stride_wn, BLOCK_K)
     even = offset & 0x0F0F0F0F  # nibbles 0, 2, 4, 6 as bytes 0-3
     odd = (offset >> 4) & 0x0F0F0F0F  # nibbles 1, 3, 5, 7
     first, second = _interleave_bytes(even, odd, PRMT)  # columns 0-3 and 4-7 of the word
@@ -398,12 +400,7 @@ def _quant_rows_sums_kernel(
     cols = tl.arange(0, BLOCK)
     ok = cols < width
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    if STATIC:
-        scale = tl.load(scale_ptr)
-    else:
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
-        tl.store(scale_ptr + row, scale)
-    q = tl.clamp(x / scale, -448.0, 448.0).to(q_ptr.dtype.element_ty)
+    q = row_to_e4m3(x, row, scale_ptr, scale_ptr, STATIC).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, q, mask=ok)
     sums = tl.sum(tl.reshape(q.to(tl.float32), [BLOCK // CHUNK, CHUNK]), axis=1)
     chunks = tl.arange(0, BLOCK // CHUNK)

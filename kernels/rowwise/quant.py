@@ -22,6 +22,18 @@ MAX_ROW = 16384
 
 
 @triton.jit
+def row_to_e4m3(x, row, static_ptr, scale_ptr, STATIC: tl.constexpr):
+    """One row (fp32, in registers) as e4m3 values (still fp32: x / scale clamped to ±448) by the static
+    scale at static_ptr, or by its own absmax / 448 (≥ 1e-12), which is stored at scale_ptr + row."""
+    if STATIC:
+        scale = tl.load(static_ptr)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+        tl.store(scale_ptr + row, scale)
+    return tl.clamp(x / scale, -448.0, 448.0)
+
+
+@triton.jit
 def _quant_rows_kernel(
     x_ptr,
     q_ptr,
@@ -39,12 +51,7 @@ def _quant_rows_kernel(
     cols = tl.arange(0, BLOCK)
     ok = cols < K
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    if STATIC:
-        scale = tl.load(static_ptr)
-    else:
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
-        tl.store(scale_ptr + row, scale)
-    q = tl.clamp(x / scale, -448.0, 448.0)
+    q = row_to_e4m3(x, row, static_ptr, scale_ptr, STATIC)
     tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
