@@ -36,10 +36,13 @@ def build_pass(spec: PassSpec) -> tuple[Pass, PassConfig]:
 
 
 class PassManager:
-    def __init__(self, specs: list[PassSpec], ctx: CompileCtx, dump_dir: Path | None = None) -> None:
+    def __init__(
+        self, specs: list[PassSpec], ctx: CompileCtx, dump_dir: Path | None = None, program: str = "step"
+    ) -> None:
         self.specs = specs
         self.ctx = ctx
         self.dump_dir = dump_dir
+        self.program = program  # which graph the passes rewrite (step, mtp), named in the logs
 
     def _dump(self, index: int, name: str, gm: fx.GraphModule) -> None:
         if self.dump_dir is not None:
@@ -83,7 +86,7 @@ class PassManager:
             reason = "disabled in the recipe" if not spec.enabled else pass_.gate(self.ctx, config)
             if reason is not None:
                 result.skip_reason = reason
-                log_event(log, "pass_skipped", name=spec.name, reason=reason)
+                log_event(log, "pass_skipped", program=self.program, name=spec.name, reason=reason)
                 return result
             sites = pass_.run(gm, self.ctx, config)
             gm.graph.eliminate_dead_code()
@@ -105,6 +108,7 @@ class PassManager:
         log_event(
             log,
             "pass_ran",
+            program=self.program,
             name=spec.name,
             matches=result.matches,
             ms=result.time_ms,

@@ -188,7 +188,7 @@ def trace_and_run_passes(
 
         start = time.perf_counter()
         try:
-            results = PassManager(recipe.passes, ctx, dump_dir).run(gm, on_pass=advance)
+            results = PassManager(recipe.passes, ctx, dump_dir, program).run(gm, on_pass=advance)
         except PassError as exc:
             raise CompileError(str(exc)) from None
         timings[f"{prefix}passes_s"] = time.perf_counter() - start

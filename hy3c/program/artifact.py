@@ -141,7 +141,12 @@ def open_artifact(path: str | Path) -> Artifact:
     path = Path(path)
     file = path / MANIFEST_FILE
     if not os.path.lexists(file):
-        raise ArtifactError(f"{file}: missing (is {path} a hy3c artifact?)")
+        hint = (
+            f"; a checkpoint is compiled first: hy3c compile --model {path} --out ART"
+            if (path / "config.json").is_file()
+            else ""
+        )
+        raise ArtifactError(f"{file}: missing (is {path} a hy3c artifact?){hint}")
     manifest = _read_json(path, MANIFEST_FILE)
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:

@@ -331,6 +331,11 @@ def test_corrupt_artifacts_are_named(cpu_art, tmp_path, damage, message):
         artifact.load(path, compile=False)
 
 
+def test_serving_a_checkpoint_instead_of_its_artifact_says_to_compile_it(tiny_ckpt):
+    with pytest.raises(ArtifactError, match=f"manifest.json: missing .* hy3c compile --model {tiny_ckpt}"):
+        open_artifact(tiny_ckpt)
+
+
 def test_artifact_for_another_device_is_refused(tiny_ckpt, tmp_path):
     out = compile_artifact(load_recipe("h200-bf16"), tmp_path / "gpu", checkpoint=tiny_ckpt).out
     with pytest.raises(ArtifactError, match="compiled for target 'h200'"):
