@@ -999,7 +999,9 @@ def _run_demo(args: argparse.Namespace) -> None:
             parsed.func(parsed)
         print(f"$ hy3c serve {art}   (in the background)  +  POST /v1/chat/completions")
         print(run_demo(art, args.prompt))
-        print("(the checkpoint's weights are random, so the reply is noise: the demo shows the path, not a model)")
+        print(
+            "(the checkpoint's weights are random, so the reply is noise: the demo shows the path, not a model)"
+        )
 
 
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
