@@ -286,5 +286,6 @@ def test_w4a8_fused_moe_real_shapes(tokens, subnormal):
     for extra in ((), (quantize_fp8(x, scale), scale)):  # x as given, or as the norm's FP8 rows
         error = _relative_error(fused_moe_triton(*args, *extra, config=config), ref)
         assert error < 1e-2
-        # no worse than the fp16 widening's (its e4m3 weights are exact too) beyond rounding
-        assert error <= 1.5 * _relative_error(fused_moe_triton(*args, *extra, config=baseline), ref) + 1e-4
+        # no worse than the fp16 widening's (its e4m3 weights are exact too) by more than a margin far
+        # below FP8's own rounding of the activations (~3e-2 of bf16)
+        assert error <= 1.5 * _relative_error(fused_moe_triton(*args, *extra, config=baseline), ref) + 1e-3
