@@ -48,7 +48,7 @@ from hy3c.kernels.moe.blocks import (
 )
 from hy3c.kernels.moe.config import MoeConfig
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
-from hy3c.kernels.rowwise.quant import row_to_e4m3
+from hy3c.kernels.rowwise.quant import MAX_ROW, row_to_e4m3
 from hy3c.ops.quant import FP8_DTYPE, check_int4_groups
 
 MIN_GEMM_GROUP = 32  # K of an FP8 MMA: a K block, within one group's scale, is at least this
@@ -413,9 +413,6 @@ def _ptx_byte_permutes(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-MAX_SUM_ROW = 16384  # columns of a row quantized with its sums in one program's registers
-
-
 def quantize_rows_with_sums(
     x: Tensor, static_scale: Tensor | None, ids: Tensor | None, chunk: int, pdl: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -423,8 +420,8 @@ def quantize_rows_with_sums(
     every `chunk` columns): the input of a W4A8 GEMM whose weights are widened by
     `_int4_tile_subnormal`, in one pass per row. With `ids` (flat top-k ids), rows of id −1 are skipped."""
     rows, width = x.shape
-    if x.stride(1) != 1 or width > MAX_SUM_ROW:
-        raise ValueError(f"quantize_rows_with_sums: rows of unit stride and at most {MAX_SUM_ROW} columns")
+    if x.stride(1) != 1 or width > MAX_ROW:  # a row is held in one program's registers
+        raise ValueError(f"quantize_rows_with_sums: rows of unit stride and at most {MAX_ROW} columns")
     q = torch.empty((rows, width), dtype=FP8_DTYPE, device=x.device)
     scale = (
         static_scale.float().reshape(1)
@@ -432,9 +429,9 @@ def quantize_rows_with_sums(
         else x.new_empty(rows, dtype=torch.float32)
     )
     sums = x.new_empty((rows, triton.cdiv(width, chunk)), dtype=torch.float32)
-    block = max(triton.next_power_of_2(width), chunk)
     if rows == 0:
         return q, scale, sums
+    block = max(triton.next_power_of_2(width), chunk)
     _quant_rows_sums_kernel[(rows,)](
         x,
         ids if ids is not None else scale,
@@ -602,10 +599,8 @@ def routed_pairs_w4a8(
     )
     h, h_scale, h_per_row, h_sums = hidden_act, h_scale_static, False, None
     if not quant_h and subnormal:  # dynamic scales and the K blocks' sums, the rows of id −1 skipped
-        (h, h_scale, h_sums), h_per_row = (
-            quantize_rows_with_sums(hidden_act, None, flat_ids, block_k, pdl),
-            True,
-        )
+        h, h_scale, h_sums = quantize_rows_with_sums(hidden_act, None, flat_ids, block_k, pdl)
+        h_per_row = True
     elif not quant_h:  # dynamic scales: per pair row, the rows of id −1 skipped
         (h, h_scale), h_per_row = quantize_intermediate(hidden_act, flat_ids, False, pdl), True
     per_pair = x.new_empty((pairs, hidden))
