@@ -119,10 +119,8 @@ def main() -> None:
             "bf16": ((w13, w2, None, None, None, None), (), 2 * weights, None),
             "fp8": ((f13, f2, s13, s2, None, None), xq, weights, None),
             "w4a8": (int4, xq, int4_bytes, None),
-            # widened as subnormal e4m3 bytes: the GEMM sums the norm's FP8 rows itself, or the rows are
-            # quantized here with their K blocks' sums
+            # widened as sign-magnitude e4m3 subnormals q · 2⁻⁹ (`MoeConfig.int4_subnormal`)
             "w4a8 subnormal": (int4, xq, int4_bytes, subnormal),
-            "w4a8 subnormal, x quantized with sums": (int4, (), int4_bytes, subnormal),
         }
         times: dict[str, float | None] = {}
         for name, (w, extra, nbytes, config) in variants.items():

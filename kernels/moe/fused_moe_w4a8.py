@@ -9,11 +9,11 @@ one of two ways (`MoeConfig.int4_subnormal`), exact either way:
 
 * fp16: each nibble becomes an fp16 by bit operations (offset binary under the exponent of 1024), then
   e4m3 (~4 instructions a value);
-* subnormal: the offset-binary nibble alone in a byte is the e4m3 value (q + 8) · 2⁻⁹ (`_int4_tile_subnormal`),
-  two masks and two byte permutes a word (~0.75 instructions a value); the product is then
-  2⁹ · a · w − 8 · Σa, with Σa of each row and K block written by `quantize_rows_with_sums` where this
-  module quantizes the rows, summed in the GEMM where they come quantized (the norm's FP8 rows, a
-  static intermediate scale).
+* subnormal: an e4m3 byte whose exponent and mantissa bits are 0–8 is that number times 2⁻⁹, so |q| in a
+  byte of its own, under q's sign bit, is the e4m3 value q · 2⁻⁹ (`_int4_tile_subnormal`): a few
+  integer operations and two byte permutes a word (~2.5 instructions a value), the product scaled by 2⁹
+  after the MMA. (Offset-binary bytes (q + 8) · 2⁻⁹, fewer operations, were tried: taking 8 · Σa back
+  out after the MMA cost 2% of the result on rows with a mean, bench/LOG.md session 32.)
 
 The block's product with the FP8 activation rows runs on the FP8 tensor cores into a fresh accumulator,
 which is added to the running sum times the block's group scales: the only roundings are the int4
@@ -48,7 +48,6 @@ from hy3c.kernels.moe.blocks import (
 )
 from hy3c.kernels.moe.config import MoeConfig
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
-from hy3c.kernels.rowwise.quant import MAX_ROW, row_to_e4m3
 from hy3c.ops.quant import FP8_DTYPE, check_int4_groups
 
 MIN_GEMM_GROUP = 32  # K of an FP8 MMA: a K block, within one group's scale, is at least this
@@ -62,26 +61,26 @@ def _int4_nibble(offset_words, shift: tl.constexpr):
 
 
 @triton.jit
-def _offset_words(w_base, cols, col_ok, k, stride_wn, BLOCK_K: tl.constexpr):
+def _packed_words(w_base, cols, col_ok, k, stride_wn, BLOCK_K: tl.constexpr):
     """Weight rows `cols` × input columns [k, k + BLOCK_K) of one expert as [BLOCK_N, BLOCK_K / 8] words
-    of 8 packed nibbles (column 8w + j in bits 4j..4j+3 of word w, as the little-endian bytes pack
-    them), each nibble made offset binary (q + 8). Word loads (not byte loads) are what Triton's
-    pipeliner stages through shared memory ahead of their use."""
+    of 8 packed two's-complement nibbles (column 8w + j in bits 4j..4j+3 of word w, as the little-endian
+    bytes pack them). Word loads (not byte loads) are what Triton's pipeliner stages through shared
+    memory ahead of their use."""
     word_cols = k // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(
+    return tl.load(
         w_base.to(tl.pointer_type(tl.int32)) + cols[:, None] * (stride_wn // 4) + word_cols[None, :],
         mask=col_ok[:, None],
         other=0,
     )
-    return words ^ -0x77777778  # 0x88888888: every two's-complement nibble q becomes q + 8
 
 
 @triton.jit
 def _int4_tile(w_base, cols, col_ok, k, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Weight rows `cols` × input columns [k, k + BLOCK_K) of one expert as e4m3 [BLOCK_N, BLOCK_K]:
-    each nibble of `_offset_words` made the fp16 1024 + (q + 8) by bit operations, less 1032: exact, and
-    no integer-to-float conversion."""
-    offset = _offset_words(w_base, cols, col_ok, k, stride_wn, BLOCK_K)
+    each nibble made offset binary (q + 8), then the fp16 1024 + (q + 8) by bit operations, less 1032:
+    exact, and no integer-to-float conversion."""
+    # 0x88888888: every two's-complement nibble q becomes q + 8
+    offset = _packed_words(w_base, cols, col_ok, k, stride_wn, BLOCK_K) ^ -0x77777778
     # the innermost join pairs nibbles 4 apart (shift +16), the middle one 2 apart (+8), the outer
     # one the low and high nibble of a byte (+4): reshaped, column j of a word is its nibble j
     low = tl.join(
@@ -122,17 +121,26 @@ def _interleave_bytes(even, odd, PRMT: tl.constexpr):
 
 
 @triton.jit
+def _sign_magnitude_bytes(nibbles):
+    """Words of four bytes each holding a two's-complement nibble q (0–15) → the e4m3 bytes of q · 2⁻⁹:
+    q's sign bit over |q| (0–8; 16 − nibble where q < 0). No carry or borrow crosses a byte."""
+    negative = (nibbles >> 3) & 0x01010101
+    magnitude = (nibbles ^ ((negative << 4) - negative)) + negative  # nibble ^ 15 + 1 = 16 − nibble
+    return magnitude | (negative << 7)
+
+
+@triton.jit
 def _int4_tile_subnormal(
     w_base, cols, col_ok, k, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRMT: tl.constexpr
 ):
-    """`_int4_tile`'s weights as the e4m3 bytes (q + 8) · 2⁻⁹, [BLOCK_N, BLOCK_K]: an e4m3 byte whose high
-    four bits are zero is the value of its low four bits times 2⁻⁹ (exponent 0: subnormal m · 2⁻⁹;
-    exponent 1: (8 + m) · 2⁻⁹), so an offset-binary nibble moved into a byte of its own is already its
-    e4m3 value, exact: two masks of each word give the even and the odd nibbles as bytes, two byte
-    permutes put them in column order. `_group_product` takes the offset (8 · Σ a) and the 2⁹ back out."""
-    offset = _offset_words(w_base, cols, col_ok, k, stride_wn, BLOCK_K)
-    even = offset & 0x0F0F0F0F  # nibbles 0, 2, 4, 6 as bytes 0-3
-    odd = (offset >> 4) & 0x0F0F0F0F  # nibbles 1, 3, 5, 7
+    """`_int4_tile`'s weights as the e4m3 bytes q · 2⁻⁹, [BLOCK_N, BLOCK_K]: an e4m3 byte of exponent and
+    mantissa bits m ≤ 8 is m · 2⁻⁹ (exponent 0: subnormal m · 2⁻⁹; m = 8: exponent 1, 2⁻⁶), so |q| in a
+    byte of its own under q's sign is q's e4m3 value, exact: two masks of each word give the even and
+    the odd nibbles as bytes, `_sign_magnitude_bytes` makes them e4m3, two byte permutes put them in
+    column order. `_group_product` takes the 2⁹ back out."""
+    words = _packed_words(w_base, cols, col_ok, k, stride_wn, BLOCK_K)
+    even = _sign_magnitude_bytes(words & 0x0F0F0F0F)  # nibbles 0, 2, 4, 6 as bytes 0-3
+    odd = _sign_magnitude_bytes((words >> 4) & 0x0F0F0F0F)  # nibbles 1, 3, 5, 7
     first, second = _interleave_bytes(even, odd, PRMT)  # columns 0-3 and 4-7 of the word
     # a join's new axis varies faster than the axes before it and slower than those of later joins:
     # reshaped, column 4s + j of a word is byte j (j = 2t + u) of `first` (s = 0) or `second` (s = 1)
@@ -164,40 +172,18 @@ def _int4_weights(
 
 
 @triton.jit
-def _group_product(a, w, scale, a_sum, SWAP_AB: tl.constexpr, SUBNORMAL: tl.constexpr, A_SUMS: tl.constexpr):
+def _group_product(a, w, scale, SWAP_AB: tl.constexpr, SUBNORMAL: tl.constexpr):
     """One K block's product of FP8 rows a [BLOCK_M, BLOCK_K] and weights w [BLOCK_N, BLOCK_K] in a fresh
-    fp32 accumulator, times the weight rows' group scales [BLOCK_N]: [BLOCK_N, BLOCK_M] with SWAP_AB
-    (weights as the MMA's rows), else [BLOCK_M, BLOCK_N]. With SUBNORMAL the weights are
-    `_int4_tile_subnormal`'s (q + 8) · 2⁻⁹, so a · q = 2⁹ · a · w − 8 · Σa over the block: Σa of each
-    row given (`a_sum` [BLOCK_M], written by `quantize_rows_with_sums`) with A_SUMS, else summed here."""
-    if SWAP_AB:
-        product = tl.dot(w, tl.trans(a))
-    else:
-        product = tl.dot(a, tl.trans(w))
+    fp32 accumulator, times the weight rows' group scales [BLOCK_N] (and 2⁹ for `_int4_tile_subnormal`'s
+    q · 2⁻⁹ with SUBNORMAL): [BLOCK_N, BLOCK_M] with SWAP_AB (weights as the MMA's rows), else
+    [BLOCK_M, BLOCK_N]."""
     if SUBNORMAL:
-        if A_SUMS:
-            offset = 8.0 * a_sum
-        else:
-            offset = 8.0 * tl.sum(a.to(tl.float32), axis=1)
-        if SWAP_AB:
-            product = product * 512.0 - offset[None, :]
-        else:
-            product = product * 512.0 - offset[:, None]
+        scale = scale * 512.0
     if SWAP_AB:
-        product = product * scale[:, None]
+        product = tl.dot(w, tl.trans(a)) * scale[:, None]
     else:
-        product = product * scale[None, :]
+        product = tl.dot(a, tl.trans(w)) * scale[None, :]
     return product
-
-
-@triton.jit
-def _block_sums(sums_ptr, rows, row_ok, k, stride_sm, BLOCK_K: tl.constexpr, A_SUMS: tl.constexpr):
-    """Σa of K block k of each row (`quantize_rows_with_sums`), or 0 where the GEMM sums its tile itself."""
-    if A_SUMS:
-        a_sum = tl.load(sums_ptr + rows.to(tl.int64) * stride_sm + k // BLOCK_K, mask=row_ok, other=0.0)
-    else:
-        a_sum = 0.0
-    return a_sum
 
 
 @triton.jit(do_not_specialize=["pairs", "num_m_blocks"])
@@ -211,7 +197,6 @@ def _gate_up_w4a8_kernel(
     as_ptr,
     ws_ptr,
     hs_ptr,
-    asum_ptr,
     pairs,
     top_k,
     inter,
@@ -223,7 +208,6 @@ def _gate_up_w4a8_kernel(
     stride_om,
     stride_wse,
     stride_wsn,
-    stride_asm,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -235,7 +219,6 @@ def _gate_up_w4a8_kernel(
     SWAP_AB: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
     SUBNORMAL: tl.constexpr,
-    A_SUMS: tl.constexpr,
     PRMT: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -272,9 +255,8 @@ def _gate_up_w4a8_kernel(
         wu = _int4_weights(up_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K, SUBNORMAL, PRMT)
         sg = tl.load(gate_scales + k // GROUP, mask=col_ok, other=0.0)
         su = tl.load(up_scales + k // GROUP, mask=col_ok, other=0.0)
-        a_sum = _block_sums(asum_ptr, token, row_ok, k, stride_asm, BLOCK_K, A_SUMS)
-        acc_g += _group_product(a, wg, sg, a_sum, SWAP_AB, SUBNORMAL, A_SUMS)
-        acc_u += _group_product(a, wu, su, a_sum, SWAP_AB, SUBNORMAL, A_SUMS)
+        acc_g += _group_product(a, wg, sg, SWAP_AB, SUBNORMAL)
+        acc_u += _group_product(a, wu, su, SWAP_AB, SUBNORMAL)
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -305,7 +287,6 @@ def _down_w4a8_kernel(
     padded_ptr,
     hs_ptr,
     ws_ptr,
-    asum_ptr,
     pairs,
     hidden,
     inter,
@@ -316,7 +297,6 @@ def _down_w4a8_kernel(
     stride_om,
     stride_wse,
     stride_wsn,
-    stride_asm,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -326,7 +306,6 @@ def _down_w4a8_kernel(
     SWAP_AB: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
     SUBNORMAL: tl.constexpr,
-    A_SUMS: tl.constexpr,
     PRMT: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -356,8 +335,7 @@ def _down_w4a8_kernel(
         )
         w = _int4_weights(w_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K, SUBNORMAL, PRMT)
         s = tl.load(scales + k // GROUP, mask=col_ok, other=0.0)
-        a_sum = _block_sums(asum_ptr, pair, row_ok, k, stride_asm, BLOCK_K, A_SUMS)
-        acc += _group_product(a, w, s, a_sum, SWAP_AB, SUBNORMAL, A_SUMS)
+        acc += _group_product(a, w, s, SWAP_AB, SUBNORMAL)
     if SWAP_AB:
         acc = tl.trans(acc)
     if A_PER_ROW:
@@ -372,84 +350,10 @@ def _down_w4a8_kernel(
     )
 
 
-@triton.jit
-def _quant_rows_sums_kernel(
-    x_ptr,
-    ids_ptr,
-    q_ptr,
-    scale_ptr,
-    sums_ptr,
-    width,
-    stride_x,
-    stride_q,
-    stride_s,
-    BLOCK: tl.constexpr,
-    CHUNK: tl.constexpr,
-    STATIC: tl.constexpr,
-    SKIP_IDS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One row to e4m3 — its dynamic scale (max(absmax / 448, 1e-12), as `quant_fp8_per_token`) or the
-    static one at scale_ptr — and the sums of its e4m3 values over each CHUNK columns (a W4A8 GEMM's K
-    block), as the FP8 MMA reads them. SKIP_IDS: row r is the pair of flat top-k id r, skipped when −1."""
-    wait_for_inputs(PDL)
-    row = tl.program_id(0)
-    if SKIP_IDS:  # noqa: SIM102 (a compile-time test)
-        if tl.load(ids_ptr + row) < 0:
-            return
-    cols = tl.arange(0, BLOCK)
-    ok = cols < width
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    q = row_to_e4m3(x, row, scale_ptr, scale_ptr, STATIC).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, q, mask=ok)
-    sums = tl.sum(tl.reshape(q.to(tl.float32), [BLOCK // CHUNK, CHUNK]), axis=1)
-    chunks = tl.arange(0, BLOCK // CHUNK)
-    tl.store(sums_ptr + row.to(tl.int64) * stride_s + chunks, sums, mask=chunks < tl.cdiv(width, CHUNK))
-
-
 def _ptx_byte_permutes(device: torch.device) -> bool:
     """Whether the subnormal widening's byte interleave may be inline PTX `prmt`: on an NVIDIA GPU, not
     under TRITON_INTERPRET (which runs no PTX) nor on ROCm."""
     return device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
-
-
-def quantize_rows_with_sums(
-    x: Tensor, static_scale: Tensor | None, ids: Tensor | None, chunk: int, pdl: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(e4m3 rows, their scale — per row, or the static one —, fp32 sums of each row's e4m3 values over
-    every `chunk` columns): the input of a W4A8 GEMM whose weights are widened by
-    `_int4_tile_subnormal`, in one pass per row. With `ids` (flat top-k ids), rows of id −1 are skipped."""
-    rows, width = x.shape
-    if x.stride(1) != 1 or width > MAX_ROW:  # a row is held in one program's registers
-        raise ValueError(f"quantize_rows_with_sums: rows of unit stride and at most {MAX_ROW} columns")
-    q = torch.empty((rows, width), dtype=FP8_DTYPE, device=x.device)
-    scale = (
-        static_scale.float().reshape(1)
-        if static_scale is not None
-        else x.new_empty(rows, dtype=torch.float32)
-    )
-    sums = x.new_empty((rows, triton.cdiv(width, chunk)), dtype=torch.float32)
-    if rows == 0:
-        return q, scale, sums
-    block = max(triton.next_power_of_2(width), chunk)
-    _quant_rows_sums_kernel[(rows,)](
-        x,
-        ids if ids is not None else scale,
-        q,
-        scale,
-        sums,
-        width,
-        x.stride(0),
-        q.stride(0),
-        sums.stride(0),
-        BLOCK=block,
-        CHUNK=chunk,
-        STATIC=static_scale is not None,
-        SKIP_IDS=ids is not None,
-        num_warps=max(min(block // 512, 16), 1),
-        **pdl_launch(x.device, pdl),
-    )
-    return q, scale, sums
 
 
 def check_w4a8_experts(
@@ -542,13 +446,8 @@ def routed_pairs_w4a8(
         sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, cfg.block_m, pdl)
     num_m_blocks = expert_ids.shape[0]
     dummy = x.new_empty(1, dtype=torch.float32)
-    subnormal = cfg.int4_subnormal
-    a_sums = None  # with subnormal widening, Σ of each row's e4m3 values per K block (else the GEMM sums)
     if x_q is not None:
         a, a_scale, a_per_row = x_q, x_q_scale.reshape(-1).contiguous(), True
-    elif subnormal:
-        a, a_scale, a_sums = quantize_rows_with_sums(x, a13_scale, None, block_k, pdl)
-        a_per_row = a13_scale is None
     else:
         a, a_scale, a_per_row = quantize_activations(x, a13_scale, False, pdl)
     quant_h = a2_scale is not None
@@ -562,7 +461,7 @@ def routed_pairs_w4a8(
         GROUP_M=cfg.group_m,
         SWAP_AB=cfg.swap_ab,
         PAIR_BLOCKS=cfg.pair_blocks,
-        SUBNORMAL=subnormal,
+        SUBNORMAL=cfg.int4_subnormal,
         PRMT=_ptx_byte_permutes(x.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -577,7 +476,6 @@ def routed_pairs_w4a8(
         a_scale,
         w13_scale,
         h_scale_static,
-        dummy if a_sums is None else a_sums,
         pairs,
         top_k,
         inter,
@@ -589,19 +487,14 @@ def routed_pairs_w4a8(
         hidden_act.stride(0),
         w13_scale.stride(0),
         w13_scale.stride(1),
-        0 if a_sums is None else a_sums.stride(0),
         A_PER_ROW=a_per_row,
-        A_SUMS=a_sums is not None,
         QUANT_H=quant_h,
         ACT_DTYPE=TL_DTYPES[x.dtype],
         **common,
         **pdl_launch(x.device, pdl),
     )
-    h, h_scale, h_per_row, h_sums = hidden_act, h_scale_static, False, None
-    if not quant_h and subnormal:  # dynamic scales and the K blocks' sums, the rows of id −1 skipped
-        h, h_scale, h_sums = quantize_rows_with_sums(hidden_act, None, flat_ids, block_k, pdl)
-        h_per_row = True
-    elif not quant_h:  # dynamic scales: per pair row, the rows of id −1 skipped
+    h, h_scale, h_per_row = hidden_act, h_scale_static, False
+    if not quant_h:  # dynamic scales: per pair row, the rows of id −1 skipped
         (h, h_scale), h_per_row = quantize_intermediate(hidden_act, flat_ids, False, pdl), True
     per_pair = x.new_empty((pairs, hidden))
     _down_w4a8_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
@@ -613,7 +506,6 @@ def routed_pairs_w4a8(
         padded,
         h_scale,
         w2_scale,
-        dummy if h_sums is None else h_sums,
         pairs,
         hidden,
         inter,
@@ -624,9 +516,7 @@ def routed_pairs_w4a8(
         per_pair.stride(0),
         w2_scale.stride(0),
         w2_scale.stride(1),
-        0 if h_sums is None else h_sums.stride(0),
         A_PER_ROW=h_per_row,
-        A_SUMS=h_sums is not None,
         **common,
         **pdl_launch(x.device, pdl),
     )

@@ -264,25 +264,22 @@ def static_one_token_variants() -> list[Variant]:
 def w4a8_moe_variants() -> list[Variant]:
     """The W4A8 GEMMs (int4 weights widened to e4m3 in registers, K blocks of one 128-column group) in
     every built-in config's shape, by either widening: weights as the MMA's rows or not, pair blocks,
-    dynamic or static intermediate scales; and the rows' quantization with their K blocks' sums."""
+    dynamic or static intermediate scales."""
     fp8 = f"*{KV_DTYPES['fp8']}"
-    scales = {"as_ptr": "*fp32", "ws_ptr": "*fp32", "hs_ptr": "*fp32", "asum_ptr": "*fp32"}
+    scales = {"as_ptr": "*fp32", "ws_ptr": "*fp32", "hs_ptr": "*fp32"}
     variants = []
-    configs = [(cfg, False) for cfg in moe_config._W4A8_DEFAULTS.values()]
-    # the subnormal widening with the K blocks' sums given (dynamic scales) and summed in the GEMM
-    configs += [
-        (dataclasses.replace(cfg, int4_subnormal=True), sums) for cfg, _ in configs for sums in (True, False)
-    ]
-    for cfg, sums in configs:
+    configs = list(moe_config._W4A8_DEFAULTS.values())
+    configs += [dataclasses.replace(cfg, int4_subnormal=True) for cfg in configs]
+    for cfg in configs:
         common = dict(GROUP=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
         common |= dict(GROUP_M=cfg.group_m, A_PER_ROW=True, SWAP_AB=cfg.swap_ab, PAIR_BLOCKS=cfg.pair_blocks)
-        common |= dict(SUBNORMAL=cfg.int4_subnormal, A_SUMS=sums, PRMT=True, PDL=True)
+        common |= dict(SUBNORMAL=cfg.int4_subnormal, PRMT=True, PDL=True)
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         # the e4m3 intermediate changes only the epilogue, the same for either widening
         for quant_h in (False, True) if not cfg.int4_subnormal else (False,):
             variants.append(
                 Variant(
-                    f"fused_moe w4a8 gate-up {cfg} sums={sums} quant_h={quant_h}",
+                    f"fused_moe w4a8 gate-up {cfg} quant_h={quant_h}",
                     fused_moe_w4a8._gate_up_w4a8_kernel,
                     {"a_ptr": fp8, "w_ptr": "*u8", "out_ptr": fp8 if quant_h else "*bf16", **scales},
                     dict(common, QUANT_H=quant_h, ACT_DTYPE=tl.bfloat16),
@@ -291,28 +288,11 @@ def w4a8_moe_variants() -> list[Variant]:
             )
         variants.append(
             Variant(
-                f"fused_moe w4a8 down {cfg} sums={sums}",
+                f"fused_moe w4a8 down {cfg}",
                 fused_moe_w4a8._down_w4a8_kernel,
-                {
-                    "h_ptr": fp8,
-                    "w_ptr": "*u8",
-                    "out_ptr": "*bf16",
-                    "hs_ptr": "*fp32",
-                    "ws_ptr": "*fp32",
-                    "asum_ptr": "*fp32",
-                },
+                {"h_ptr": fp8, "w_ptr": "*u8", "out_ptr": "*bf16", "hs_ptr": "*fp32", "ws_ptr": "*fp32"},
                 common,
                 options=options,
-            )
-        )
-    for skip_ids in (False, True):  # the rows' quantization with their K blocks' sums (subnormal widening)
-        variants.append(
-            Variant(
-                f"fused_moe w4a8 rows quantized with sums skip_ids={skip_ids}",
-                fused_moe_w4a8._quant_rows_sums_kernel,
-                {"x_ptr": "*bf16", "q_ptr": fp8, "scale_ptr": "*fp32", "sums_ptr": "*fp32"},
-                dict(BLOCK=4096, CHUNK=128, STATIC=False, SKIP_IDS=skip_ids, PDL=True),
-                options={"num_warps": 8},
             )
         )
     return variants
