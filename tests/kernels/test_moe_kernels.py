@@ -584,26 +584,29 @@ def test_static_fp8_configs_fall_back_to_dynamic_buckets(tmp_path, monkeypatch):
 
 
 def test_config_tables_are_keyed_by_the_gpus_name_and_others_get_the_defaults(hy3c_log):
-    """An H200 takes fused_moe_h200.json; an H20, an H100 or the CPU (no GPU) take the untuned defaults —
-    never the H200's tiles — and a GPU without a table is logged once; the compile report's text for a
-    target says which it gets."""
+    """An H200 takes fused_moe_h200.json and an H100 fused_moe_h100_80gb_hbm3.json; an H20 or the CPU (no
+    GPU) take the untuned defaults — never another GPU's tiles — and a GPU without a table is logged
+    once; the compile report's text for a target says which it gets."""
     from hy3c.kernels.moe import config as moe_config
 
     assert moe_config.device_key("NVIDIA H200") == "h200" and moe_config.device_key("NVIDIA H20") == "h20"
     assert moe_config.device_key("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
     tuned = moe_config.select_config(1, "bf16", "NVIDIA H200")
     assert tuned.pair_blocks and tuned == moe_config._tuned("h200")["bf16"][1]
+    h100 = moe_config.select_config(8192, "fp8", "NVIDIA H100 80GB HBM3")
+    assert h100 == moe_config._tuned("h100_80gb_hbm3")["fp8"][8192]
+    assert h100 != moe_config.select_config(8192, "fp8", "NVIDIA H200")
     defaults = moe_config._DEFAULTS[16]
     moe_config._tuned.cache_clear()
     try:
-        for gpu in ("NVIDIA H20", "NVIDIA H100 80GB HBM3", None, "NVIDIA H20"):
+        for gpu in ("NVIDIA H20", None, "NVIDIA H20"):
             assert moe_config.select_config(1, "bf16", gpu) == defaults
         untuned = [r.getMessage() for r in hy3c_log.records if "moe_configs_untuned" in r.getMessage()]
-        assert len(untuned) == 2 and "missing=fused_moe_h20.json" in untuned[0]
+        assert len(untuned) == 1 and "missing=fused_moe_h20.json" in untuned[0]
     finally:
         moe_config._tuned.cache_clear()
     assert moe_config.table_for("h200") == "fused_moe_h200.json"
-    assert moe_config.table_for("h20") == "untuned defaults (no fused_moe_h20.json; tuned: h200)"
+    assert moe_config.table_for("h20") == "untuned defaults (no fused_moe_h20.json; tuned: h100_80gb_hbm3, h200)"
 
 
 def test_gluon_moe_slots_and_support():
