@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 
 from hy3c.program.artifact import open_artifact
+from hy3c.serve.engine.kv_file_store import FileStore
 from hy3c.serve.engine.kv_pages import PagePool, page_keys
-from hy3c.serve.engine.kv_tiers import WRITE_THREADS, FileStore, KVTiers, TierConfig
+from hy3c.serve.engine.kv_tiers import WRITE_THREADS, KVTiers, TierConfig
 
 
 def sync(device: torch.device) -> None:

@@ -21,7 +21,8 @@ prefix is found page by page in L1, then L2, then L3, stopping at the first miss
   bounded queue is topped up from the unwritten blocks, oldest first, once per step and after each
   batch it writes, so a burst faster than the store is written back while L2 still holds it (the
   store's rate, not the queue, bounds what reaches L3); an unwritten block L2 evicts is a dropped
-  write, counted. The writer waits for a page's copy event, then writes the block's bytes; a
+  write, counted. The writer waits for a page's copy event, then writes the block's bytes (the file
+  store hands them to its writer process, `kv_file_store.SpawnedFileStore`, through a pipe); a
   zero-copy store (Mooncake: the L2 blocks registered with it) moves the block itself, and reads land
   straight in reserved blocks — a read that outlives its timeout keeps them until it ends. A
   block being written is pinned until its write ends, so L2 eviction never hands it out mid-write.
@@ -52,13 +53,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import queue
-import stat
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -72,14 +69,12 @@ import torch
 from torch import Tensor
 
 from hy3c.logs import log_event
+from hy3c.serve.engine.kv_file_store import _MAGIC, Buffer, SpawnedFileStore, _seal, _unseal
 from hy3c.serve.engine.kv_pages import OutOfPages, PagePool, extend_page_keys
 
 log = logging.getLogger("hy3c.serve.engine.kv_tiers")
 
-Buffer = bytes | bytearray | memoryview  # a page's bytes: a view of an L2 block, or bytes read
-_MAGIC = b"HY3CKV02"
 _MOONCAKE_NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND: a miss, unlike every other negative code
-_HEADER = struct.Struct("<8s16sQI")  # magic, namespace digest, payload bytes, payload CRC-32
 _WRITE_BATCH = 32  # pages per L3 store call of the writer
 # threads a batch's page writes are spread over: a new file's writing is the file system's block
 # allocation, which scales with cores (1 → 2 threads: 0.38 → 0.70 GB/s on the 2-core CPU machine)
@@ -119,119 +114,6 @@ class PageStore(Protocol):
     def probe(self) -> None: ...
 
     def close(self) -> None: ...
-
-
-class FileStore:
-    """The embedded L3: one file per page, `root/<xx>/<hex>.kv`, a header (magic, namespace digest,
-    payload length, CRC-32) then the payload; written to a temporary file and renamed (a
-    reader never sees half a page), bounded to `max_bytes` by evicting the least recently used files
-    (an index rebuilt by scanning the directory at start, so pages survive a restart; a page another
-    process wrote since is found on disk). The directory must be ours (owner, no group or other write):
-    whoever can write it can plant KV. Files are opened without following links, only regular files of
-    the expected size are read."""
-
-    def __init__(self, root: Path, namespace: bytes, max_bytes: int) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        info = self.root.stat()
-        if info.st_uid != os.getuid() or info.st_mode & 0o022:
-            raise ValueError(
-                f"--kv-store file:{self.root}: the directory must be ours and not group/other-writable"
-            )
-        self.namespace = hashlib.blake2b(namespace, digest_size=16).digest()
-        self.max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._index: OrderedDict[Path, int] = OrderedDict()  # path → size, least recently used first
-        self.bytes = 0
-        found = []
-        for path in self.root.glob("*/*.kv"):
-            try:  # another process may evict files meanwhile
-                info = path.stat()
-            except FileNotFoundError:
-                continue
-            found.append((info.st_mtime, path, info.st_size))
-        for _, path, size in sorted(found):
-            self._index[path] = size
-            self.bytes += size
-
-    def _path(self, key: bytes) -> Path:
-        name = hashlib.blake2b(self.namespace + key, digest_size=20).hexdigest()
-        return self.root / name[:2] / f"{name}.kv"
-
-    def contains(self, key: bytes) -> bool:
-        path = self._path(key)
-        with self._lock:
-            if path in self._index:
-                return True
-        return path.is_file()
-
-    def get(self, key: bytes, length: int) -> memoryview | None:
-        """The payload (a view of the file's bytes read), or None when absent, not a regular file of the page's size, truncated, foreign
-        or corrupt (a bad file is deleted)."""
-        path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:  # absent (maybe evicted by another process), or a link
-            self._forget(path)
-            return None
-        with os.fdopen(fd, "rb") as f:
-            info = os.fstat(f.fileno())
-            if not stat.S_ISREG(info.st_mode) or info.st_size != _HEADER.size + length:
-                data = b""
-            else:
-                data = f.read(_HEADER.size + length + 1)
-        payload = _unseal(data, self.namespace, length)
-        if payload is None:
-            log_event(
-                log, "kv_store_page_rejected", level=logging.WARNING, path=str(path), bytes=info.st_size
-            )
-            self._forget(path, unlink=True)
-            return None
-        with self._lock:
-            if path not in self._index:
-                self.bytes += len(data)
-            self._index[path] = len(data)
-            self._index.move_to_end(path)
-        with contextlib.suppress(OSError):
-            os.utime(path)
-        return payload
-
-    def put(self, key: bytes, payload: Buffer) -> None:
-        """Write a page (`payload` may be a view of an L2 block: it is read, not copied, and not kept)."""
-        path = self._path(key)
-        path.parent.mkdir(exist_ok=True, mode=0o700)
-        tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
-        with open(tmp, "wb") as f:
-            f.write(_header(payload, self.namespace))
-            f.write(payload)
-        os.replace(tmp, path)
-        size = _HEADER.size + len(payload)
-        with self._lock:
-            self.bytes += size - self._index.pop(path, 0)
-            self._index[path] = size
-            victims = []
-            while self.bytes > self.max_bytes and len(self._index) > 1:
-                victim, victim_size = self._index.popitem(last=False)
-                self.bytes -= victim_size
-                victims.append(victim)
-        for victim in victims:
-            victim.unlink(missing_ok=True)
-
-    def probe(self) -> None:
-        """Raise unless the store can be written and read (the degraded state's health check)."""
-        path = self.root / ".probe"
-        path.write_bytes(_MAGIC)
-        if path.read_bytes() != _MAGIC:
-            raise OSError(f"{self.root}: a probe read back wrong")
-
-    def close(self) -> None:
-        """Nothing to let go of: every write is complete when `put` returns."""
-
-    def _forget(self, path: Path, unlink: bool = False) -> None:
-        with self._lock:
-            self.bytes -= self._index.pop(path, 0)
-        if unlink:
-            path.unlink(missing_ok=True)
 
 
 def _consecutive_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -278,33 +160,6 @@ def _all_of(parts: list[Future]) -> Future:
     for part in parts:
         part.add_done_callback(one_done)
     return combined
-
-
-def _checksum(payload: Buffer) -> int:
-    """CRC-32: catches torn and flipped pages at 4.6× the rate of blake2b (bench/LOG.md); a checksum
-    is no defence against a writer of the store, which is ours alone (FileStore) or trusted (Mooncake)."""
-    return zlib.crc32(payload)
-
-
-def _header(payload: Buffer, namespace: bytes) -> bytes:
-    """A stored page's header: magic, namespace digest, payload length, checksum."""
-    return _HEADER.pack(_MAGIC, namespace, memoryview(payload).nbytes, _checksum(payload))
-
-
-def _seal(payload: Buffer, namespace: bytes) -> bytes:
-    """A stored page in one object: the header, then the payload."""
-    return b"".join((_header(payload, namespace), payload))
-
-
-def _unseal(data: bytes, namespace: bytes, length: int) -> memoryview | None:
-    """The payload of a stored page (a view of `data`), or None when it is truncated, foreign or corrupt."""
-    if len(data) != _HEADER.size + length:
-        return None
-    magic, stored_namespace, size, checksum = _HEADER.unpack_from(data)
-    payload = memoryview(data)[_HEADER.size :]
-    if (magic, stored_namespace, size) != (_MAGIC, namespace, length) or checksum != _checksum(payload):
-        return None
-    return payload
 
 
 class MooncakeStore:
@@ -435,7 +290,7 @@ def open_store(spec: str, namespace: bytes, max_bytes: int) -> PageStore:
     if kind != "file" or not where:
         raise ValueError(f"--kv-store {spec!r}: expected file:DIR or mooncake:HOST:PORT")
     try:
-        return FileStore(Path(where), namespace, max_bytes)
+        return SpawnedFileStore(Path(where), namespace, max_bytes)
     except OSError as exc:
         raise ValueError(f"--kv-store {spec!r}: {exc.strerror or exc}") from None
 
@@ -987,12 +842,12 @@ class KVTiers:
                         memoryview(self.host[block].view(-1).view(torch.uint8).numpy()) for block in blocks
                     ]
                     assert self._page_writers is not None
+                    # a store that writes in a process of its own takes the pages in order, one sender
+                    parts = 1 if getattr(self.store, "puts_only_new", False) else WRITE_THREADS
                     future = _all_of(
                         [
-                            self._page_writers.submit(
-                                self._put_new, keys[part::WRITE_THREADS], views[part::WRITE_THREADS]
-                            )
-                            for part in range(min(WRITE_THREADS, len(keys)))
+                            self._page_writers.submit(self._put_new, keys[part::parts], views[part::parts])
+                            for part in range(min(parts, len(keys)))
                         ]
                     )
                     ok, stored = self._await(future)
@@ -1016,11 +871,13 @@ class KVTiers:
             self._writes.task_done()
 
     def _put_new(self, keys: list[bytes], payloads: list[memoryview]) -> int:
-        """Store the pages the store does not hold yet (another instance may have); how many."""
+        """Store the pages the store does not hold yet (another instance may have; a store that
+        `puts_only_new` checks that itself); how many were handed to it."""
         assert self.store is not None
+        checked = getattr(self.store, "puts_only_new", False)
         stored = 0
         for key, payload in zip(keys, payloads):
-            if not self.store.contains(key):
+            if checked or not self.store.contains(key):
                 self.store.put(key, payload)
                 stored += 1
         return stored
@@ -1037,6 +894,9 @@ class KVTiers:
         ):
             self._hand_to_writer()
             time.sleep(0.005)
+        drain = getattr(self.store, "drain", None)  # a store whose writes end after its `put` returns
+        if drain is not None:
+            drain(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         if self._closed.is_set():

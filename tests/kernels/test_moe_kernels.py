@@ -606,7 +606,9 @@ def test_config_tables_are_keyed_by_the_gpus_name_and_others_get_the_defaults(hy
     finally:
         moe_config._tuned.cache_clear()
     assert moe_config.table_for("h200") == "fused_moe_h200.json"
-    assert moe_config.table_for("h20") == "untuned defaults (no fused_moe_h20.json; tuned: h100_80gb_hbm3, h200)"
+    assert (
+        moe_config.table_for("h20") == "untuned defaults (no fused_moe_h20.json; tuned: h100_80gb_hbm3, h200)"
+    )
 
 
 def test_gluon_moe_slots_and_support():

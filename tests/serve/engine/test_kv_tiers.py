@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from hy3c.serve.engine.core import Engine, EngineConfig, GenerationRequest, StepOutput
-from hy3c.serve.engine.kv_tiers import FileStore, TierConfig
+from hy3c.serve.engine.kv_file_store import FileStore
+from hy3c.serve.engine.kv_tiers import TierConfig
 from hy3c.serve.engine.sampler import SamplingParams
 
 PAGE = 4

@@ -1,0 +1,372 @@
+"""The embedded L3 of the KV tiers (`--kv-store file:DIR`): page files (`FileStore`), and their writer in a
+process of its own (`SpawnedFileStore`).
+
+Writing every page a server computes is steady file-system work: at Hy3's slice shape on an H100,
+thousands of 0.62 MiB pages a second. Done by threads of the engine's process, their Python between
+system calls held the engine's GIL often enough to cost 30.7% of the throughput at 0% prefix hit
+(bench/LOG.md, session 32). `SpawnedFileStore` hands each page to a child process through a pipe
+instead — one `write` of the page's bytes, the GIL released while the kernel copies them — and the
+child checksums, writes and bounds the store. Reads stay in the engine's process: a `FileStore` over
+the same directory finds the files the child wrote.
+
+The child runs `python -m hy3c.serve.engine.kv_file_store ROOT NAMESPACE_HEX MAX_BYTES`; it imports
+neither torch nor the engine. It reads frames (key, payload length, payload) from stdin and answers
+each with one byte on stdout: `+` stored, `=` the store held it already, `!` the write failed; a
+frame without payload is a page read here (a touch, for the store's LRU), not answered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import zlib
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from hy3c.logs import log_event
+
+log = logging.getLogger("hy3c.serve.engine.kv_file_store")
+
+Buffer = bytes | bytearray | memoryview  # a page's bytes: a view of an L2 block, or bytes read
+_MAGIC = b"HY3CKV02"
+_HEADER = struct.Struct("<8s16sQI")  # magic, namespace digest, payload bytes, payload CRC-32
+_FRAME = struct.Struct("<16sQ")  # a page handed to the writer process: its key, then its payload's length
+_PIPE_BYTES = 4 << 20  # the pipe to the writer: a few pages in flight (Linux's default is 64 KiB)
+_CHILD_THREADS = 4  # the child's page writes in parallel (a new file's block allocation scales with cores)
+_CHILD_PAGES = 16  # pages the child holds at most (read, not yet written): the pipe's back-pressure
+_STARTUP_SECONDS = 60.0  # the child's start: its import and the store's index scan
+
+
+class FileStore:
+    """The embedded L3: one file per page, `root/<xx>/<hex>.kv`, a header (magic, namespace digest,
+    payload length, CRC-32) then the payload; written to a temporary file and renamed (a
+    reader never sees half a page), bounded to `max_bytes` by evicting the least recently used files
+    (an index rebuilt by scanning the directory at start, so pages survive a restart; a page another
+    process wrote since is found on disk). The directory must be ours (owner, no group or other write):
+    whoever can write it can plant KV. Files are opened without following links, only regular files of
+    the expected size are read."""
+
+    def __init__(self, root: Path, namespace: bytes, max_bytes: int) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        info = self.root.stat()
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise ValueError(
+                f"--kv-store file:{self.root}: the directory must be ours and not group/other-writable"
+            )
+        self.namespace = hashlib.blake2b(namespace, digest_size=16).digest()
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._index: OrderedDict[Path, int] = OrderedDict()  # path → size, least recently used first
+        self.bytes = 0
+        found = []
+        for path in self.root.glob("*/*.kv"):
+            try:  # another process may evict files meanwhile
+                info = path.stat()
+            except FileNotFoundError:
+                continue
+            found.append((info.st_mtime, path, info.st_size))
+        for _, path, size in sorted(found):
+            self._index[path] = size
+            self.bytes += size
+
+    def _path(self, key: bytes) -> Path:
+        name = hashlib.blake2b(self.namespace + key, digest_size=20).hexdigest()
+        return self.root / name[:2] / f"{name}.kv"
+
+    def contains(self, key: bytes) -> bool:
+        path = self._path(key)
+        with self._lock:
+            if path in self._index:
+                return True
+        return path.is_file()
+
+    def get(self, key: bytes, length: int) -> memoryview | None:
+        """The payload (a view of the file's bytes read), or None when absent, not a regular file of the page's size, truncated, foreign
+        or corrupt (a bad file is deleted)."""
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # absent (maybe evicted by another process), or a link
+            self._forget(path)
+            return None
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size != _HEADER.size + length:
+                data = b""
+            else:
+                data = f.read(_HEADER.size + length + 1)
+        payload = _unseal(data, self.namespace, length)
+        if payload is None:
+            log_event(
+                log, "kv_store_page_rejected", level=logging.WARNING, path=str(path), bytes=info.st_size
+            )
+            self._forget(path, unlink=True)
+            return None
+        with self._lock:
+            if path not in self._index:
+                self.bytes += len(data)
+            self._index[path] = len(data)
+            self._index.move_to_end(path)
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        return payload
+
+    def touch(self, key: bytes) -> None:
+        """The page was read (by another instance over this directory): the most recently used."""
+        path = self._path(key)
+        with self._lock:
+            if path in self._index:
+                self._index.move_to_end(path)
+
+    def put(self, key: bytes, payload: Buffer) -> None:
+        """Write a page (`payload` may be a view of an L2 block: it is read, not copied, and not kept)."""
+        path = self._path(key)
+        path.parent.mkdir(exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+        with open(tmp, "wb") as f:
+            f.write(_header(payload, self.namespace))
+            f.write(payload)
+        os.replace(tmp, path)
+        size = _HEADER.size + len(payload)
+        with self._lock:
+            self.bytes += size - self._index.pop(path, 0)
+            self._index[path] = size
+            victims = []
+            while self.bytes > self.max_bytes and len(self._index) > 1:
+                victim, victim_size = self._index.popitem(last=False)
+                self.bytes -= victim_size
+                victims.append(victim)
+        for victim in victims:
+            victim.unlink(missing_ok=True)
+
+    def probe(self) -> None:
+        """Raise unless the store can be written and read (the degraded state's health check)."""
+        path = self.root / ".probe"
+        path.write_bytes(_MAGIC)
+        if path.read_bytes() != _MAGIC:
+            raise OSError(f"{self.root}: a probe read back wrong")
+
+    def close(self) -> None:
+        """Nothing to let go of: every write is complete when `put` returns."""
+
+    def _forget(self, path: Path, unlink: bool = False) -> None:
+        with self._lock:
+            self.bytes -= self._index.pop(path, 0)
+        if unlink:
+            path.unlink(missing_ok=True)
+
+
+def _checksum(payload: Buffer) -> int:
+    """CRC-32: catches torn and flipped pages at 4.6× the rate of blake2b (bench/LOG.md); a checksum
+    is no defence against a writer of the store, which is ours alone (FileStore) or trusted (Mooncake)."""
+    return zlib.crc32(payload)
+
+
+def _header(payload: Buffer, namespace: bytes) -> bytes:
+    """A stored page's header: magic, namespace digest, payload length, checksum."""
+    return _HEADER.pack(_MAGIC, namespace, memoryview(payload).nbytes, _checksum(payload))
+
+
+def _seal(payload: Buffer, namespace: bytes) -> bytes:
+    """A stored page in one object: the header, then the payload."""
+    return b"".join((_header(payload, namespace), payload))
+
+
+def _unseal(data: bytes, namespace: bytes, length: int) -> memoryview | None:
+    """The payload of a stored page (a view of `data`), or None when it is truncated, foreign or corrupt."""
+    if len(data) != _HEADER.size + length:
+        return None
+    magic, stored_namespace, size, checksum = _HEADER.unpack_from(data)
+    payload = memoryview(data)[_HEADER.size :]
+    if (magic, stored_namespace, size) != (_MAGIC, namespace, length) or checksum != _checksum(payload):
+        return None
+    return payload
+
+
+class SpawnedFileStore:
+    """A `FileStore` whose writes run in a child process (`serve_writes`): `put` sends the page through
+    a pipe and returns once the pipe holds it (blocking while the child is behind: back-pressure),
+    `get` and `contains` read the directory here. A write the child reports failed is raised by the
+    next `put` (the tiers count it like any store failure); a child that died is started again by
+    `probe`. `drain` waits until the child has answered every page sent."""
+
+    puts_only_new = True  # the child skips a page the store holds: no check here, on the engine's GIL
+
+    def __init__(self, root: Path, namespace: bytes, max_bytes: int) -> None:
+        self.reader = FileStore(root, namespace, max_bytes)  # checks the directory before any child starts
+        self.root, self.namespace, self.max_bytes = Path(root), namespace, max_bytes
+        self._send = threading.Lock()  # one frame at a time into the pipe
+        self._answers = threading.Condition()
+        self._sent = self._answered = 0
+        self._errors: list[str] = []
+        self._start()
+
+    def _start(self) -> None:
+        self.child = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hy3c.serve.engine.kv_file_store",
+                str(self.root),
+                self.namespace.hex(),
+                str(self.max_bytes),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # never read: its start's error comes on stdout
+            bufsize=0,
+        )
+        with contextlib.suppress(OSError, AttributeError):  # a larger pipe where the platform allows it
+            fcntl.fcntl(self.child.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+        ready = _read_exact(self.child.stdout, 1)
+        if ready != b"R":
+            reason = self.child.stdout.read().decode(errors="replace").strip()
+            self.child.kill()
+            raise OSError(f"the file store's writer process did not start: {reason or 'no reason given'}")
+        with self._answers:
+            self._sent = self._answered = 0
+        threading.Thread(
+            target=self._read_answers, args=(self.child,), name="hy3c-kv-file-answers", daemon=True
+        ).start()
+
+    def _read_answers(self, child: subprocess.Popen) -> None:
+        """The child's answers, a byte a page, until its stdout closes."""
+        while answer := child.stdout.read(1):
+            with self._answers:
+                if child is not self.child:
+                    return
+                self._answered += 1
+                if answer == b"!":
+                    self._errors.append("the writer process failed to store a page")
+                self._answers.notify_all()
+        with self._answers:  # the child is gone: nothing it held will be answered
+            if child is self.child:
+                self._answered = self._sent
+                self._answers.notify_all()
+
+    def put(self, key: bytes, payload: Buffer) -> None:
+        """Hand the page to the writer process (`payload` is copied into the pipe, not kept)."""
+        with self._answers:
+            if self._errors:
+                raise OSError(self._errors.pop())
+        view = memoryview(payload).cast("B")
+        with self._send:
+            fd = self.child.stdin.fileno()
+            _write_all(fd, _FRAME.pack(key, view.nbytes))  # BrokenPipeError (an OSError) if it died
+            _write_all(fd, view)
+            with self._answers:
+                self._sent += 1
+
+    def get(self, key: bytes, length: int) -> memoryview | None:
+        """The page read here; a hit is sent to the child as a touch (a frame without payload), whose
+        index then evicts the least recently used page, not the one written first."""
+        payload = self.reader.get(key, length)
+        if payload is not None:
+            with self._send:
+                _write_all(self.child.stdin.fileno(), _FRAME.pack(key, 0))
+        return payload
+
+    def contains(self, key: bytes) -> bool:
+        return self.reader.contains(key)
+
+    def probe(self) -> None:
+        """Raise unless the directory can be written and read and the writer process runs (started
+        again if it died)."""
+        self.reader.probe()
+        if self.child.poll() is not None:
+            self._start()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until the child has answered every page sent, or `timeout` seconds; whether it has."""
+        with self._answers:
+            return self._answers.wait_for(lambda: self._answered >= self._sent, timeout)
+
+    def close(self) -> None:
+        """Let the child write what it holds and end (a few seconds at most)."""
+        with contextlib.suppress(OSError):
+            self.child.stdin.close()
+        try:
+            self.child.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self.child.kill()
+
+
+def _write_all(fd: int, data: Buffer) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_exact(stream, count: int) -> bytes:
+    """`count` bytes from a binary stream, fewer only at its end."""
+    parts, left = [], count
+    while left:
+        part = stream.read(left)
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def serve_writes(store: FileStore, frames, answers) -> None:
+    """The writer process's loop: each frame's page stored (unless the store holds it) by a small pool
+    of threads, answered with a byte in the order the writes end, until the frames end."""
+    lock, room = threading.Lock(), threading.BoundedSemaphore(_CHILD_PAGES)
+
+    def write(key: bytes, payload: bytes) -> None:
+        try:
+            answer = b"="
+            if not store.contains(key):
+                store.put(key, payload)
+                answer = b"+"
+        except OSError:
+            answer = b"!"
+        finally:
+            room.release()
+        with lock:
+            answers.write(answer)
+            answers.flush()
+
+    with ThreadPoolExecutor(_CHILD_THREADS, thread_name_prefix="hy3c-kv-file-write") as pool:
+        while head := _read_exact(frames, _FRAME.size):
+            if len(head) < _FRAME.size:
+                break
+            key, length = _FRAME.unpack(head)
+            if length == 0:  # a page read by the engine's process: a touch, not answered
+                store.touch(key)
+                continue
+            payload = _read_exact(frames, length)
+            if len(payload) < length:
+                break
+            room.acquire()
+            pool.submit(write, key, payload)
+
+
+def main(argv: list[str]) -> int:
+    root, namespace, max_bytes = Path(argv[0]), bytes.fromhex(argv[1]), int(argv[2])
+    answers = sys.stdout.buffer
+    try:
+        store = FileStore(root, namespace, max_bytes)
+    except (OSError, ValueError) as exc:
+        answers.write(b"F" + str(exc).encode())
+        answers.flush()
+        return 2
+    answers.write(b"R")
+    answers.flush()
+    serve_writes(store, sys.stdin.buffer, answers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,122 @@
+"""The file store's writer process (`SpawnedFileStore`): pages sent through the pipe land as the same
+files `FileStore` writes and reads, a page the store holds is not written again, a failed write is
+raised by the next `put`, a dead child is started again by `probe`, and the child imports no torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hy3c.serve.engine.kv_file_store import FileStore, SpawnedFileStore
+
+PAGE = 4096
+
+
+def _store(tmp_path, max_bytes: int = 1 << 30) -> SpawnedFileStore:
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    return SpawnedFileStore(root, b"ns", max_bytes)
+
+
+def _page(i: int) -> bytes:
+    return bytes([i % 251]) * PAGE
+
+
+def test_pages_sent_to_the_writer_process_are_read_back_here_and_after_a_restart(tmp_path):
+    store = _store(tmp_path)
+    try:
+        for i in range(20):
+            store.put(bytes([i]) * 16, memoryview(_page(i)))
+        assert store.drain(timeout=30)
+        assert all(bytes(store.get(bytes([i]) * 16, PAGE)) == _page(i) for i in range(20))
+        assert store.get(bytes([99]) * 16, PAGE) is None
+        reopened = FileStore(tmp_path / "store", b"ns", 1 << 30)  # another instance, as after a restart
+        assert bytes(reopened.get(bytes([7]) * 16, PAGE)) == _page(7)
+        assert reopened.get(bytes([7]) * 16, PAGE + 1) is None  # a page of another size is not ours
+    finally:
+        store.close()
+    assert store.child.returncode == 0
+
+
+def test_the_writer_process_skips_pages_the_store_holds_and_evicts_the_least_recently_used(tmp_path):
+    """Pages the store holds are not written again; over its bound the child evicts the page least
+    recently written or read (reads here reach it as touches), one page at a time so the order is known
+    (the child's writes run in parallel)."""
+    store = _store(tmp_path, max_bytes=5 * (PAGE + 64))
+
+    def on_disk() -> list[int]:
+        return [i for i in range(1, 13) if store.reader._path(bytes([i]) * 16).is_file()]
+
+    try:
+        key = bytes([1]) * 16
+        store.put(key, _page(1))
+        assert store.drain(timeout=30)
+        path = store.reader._path(key)
+        before = path.stat().st_mtime_ns
+        store.put(key, _page(2))  # held already: the child answers without writing
+        assert store.drain(timeout=30)
+        assert path.stat().st_mtime_ns == before and bytes(store.reader.get(key, PAGE)) == _page(1)
+        for i in range(2, 12):
+            store.put(bytes([i]) * 16, _page(i))
+            assert store.drain(timeout=30)
+        assert on_disk() == list(range(7, 12))  # the bound's five pages, the latest written
+        assert store.get(bytes([7]) * 16, PAGE) is not None  # read here: now the child's most recent
+        store.put(bytes([12]) * 16, _page(12))
+        assert store.drain(timeout=30)
+        assert on_disk() == [7, 9, 10, 11, 12]  # the least recently used (8) went, not 7
+    finally:
+        store.close()
+
+
+def test_a_failed_write_is_raised_by_the_next_put_and_a_dead_child_restarts_on_probe(tmp_path):
+    store = _store(tmp_path)
+    try:
+        key = bytes([3]) * 16
+        blocker = store.reader._path(key).parent
+        blocker.write_bytes(b"")  # a file where the page's directory goes: the child's mkdir fails
+        store.put(key, _page(3))
+        assert store.drain(timeout=30)
+        with pytest.raises(OSError, match="failed to store a page"):
+            store.put(bytes([4]) * 16, _page(4))
+        blocker.unlink()
+        store.child.kill()
+        store.child.wait()
+        with pytest.raises(OSError):  # the pipe is broken until a probe starts the child again
+            store.put(bytes([5]) * 16, _page(5))
+        store.probe()
+        store.put(bytes([5]) * 16, _page(5))
+        assert store.drain(timeout=30)
+        assert bytes(store.get(bytes([5]) * 16, PAGE)) == _page(5)
+    finally:
+        store.close()
+
+
+def test_a_directory_that_is_not_ours_is_refused_before_any_child_starts(tmp_path):
+    root = tmp_path / "open"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    with pytest.raises(ValueError, match="must be ours"):
+        SpawnedFileStore(root, b"ns", 1 << 20)
+
+
+def test_the_writer_process_imports_no_torch():
+    code = "import sys, hy3c.serve.engine.kv_file_store; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_a_writer_process_that_cannot_open_its_store_says_why_on_stdout(tmp_path):
+    root = tmp_path / "open"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    child = subprocess.run(
+        [sys.executable, "-m", "hy3c.serve.engine.kv_file_store", str(root), b"ns".hex(), "4096"],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert child.returncode == 2
+    assert child.stdout.startswith(b"F") and b"must be ours" in child.stdout
