@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from hy3c.program.artifact import open_artifact
-from hy3c.serve.engine.kv_file_store import FileStore
+from hy3c.serve.engine.kv_file_store import FileStore, SpawnedFileStore
 from hy3c.serve.engine.kv_pages import PagePool, page_keys
 from hy3c.serve.engine.kv_tiers import WRITE_THREADS, KVTiers, TierConfig
 
@@ -150,6 +150,19 @@ def main() -> None:
         results["file store get"] = timed(
             lambda: [store.get(k, page_bytes) for k in keys], device, args.rounds
         )
+        # the serving path: pages through the pipe to the writer process, until it has written them
+        # (new keys each round: the writer skips pages the store holds)
+        spawned = SpawnedFileStore(Path(directory) / "spawned", b"bench", max_bytes=4 * total)
+        rounds = iter(range(1 << 30))
+
+        def spawned_puts() -> None:
+            prefix = next(rounds).to_bytes(4, "little")
+            for key in keys:
+                spawned.put(prefix + key[4:], payload)
+            spawned.drain(timeout=600)
+
+        results["file store put, writer process"] = timed(spawned_puts, device, args.rounds)
+        spawned.close()
     print(
         f"KV tiers: {device} {torch.cuda.get_device_name() if device.type == 'cuda' else ''}, torch {torch.__version__},"
         f" {n} pages of {page_bytes / 2**20:.2f} MiB ({total / 2**30:.2f} GiB), KV {dtype}"
