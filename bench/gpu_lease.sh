@@ -11,6 +11,8 @@
 #                 C=1 and 32: the captured sampled step against the same steps uncaptured (issue 27)
 #   json          json_schema vs free-text TPOT at C=32 over HTTP, engine process, two passes each (the
 #                 first builds the masked kernels) (issue 29)
+#   json-probe    engine_probe at C=32 with and without a json_schema, profiled steps and the kernel table:
+#                 where json_schema's longer step goes (issue 29)
 #   ttft          one request's TTFT at 8K and 32K prompts with an 80% prefix hit from L1 and from L2
 #                 against cold and the compute floor, with its device breakdown (issue 28)
 #   tiers-tests   GPU tests of the KV tiers (real side-stream copies, a load beside a running request)
@@ -52,6 +54,11 @@ for step in ${STEPS:-probe}; do
     json) compiled; ART=$slice RANDOM_WEIGHTS=1 SAMPLER=0 SERVERS=--engine-process KINDS="${KINDS:-free json free json}" \
         timeout 320 bash bench/structured_serve.sh >"$out/$step.txt" 2>&1
       grep -hE "engine_(warmed_up|ready)|kernel_build" /tmp/structured/serve.log | tail -5 >>"$out/$step.txt" ;;
+    json-probe) compiled; schema='{"type": "object", "required": ["notes"], "properties": {"notes": {"type": "array",
+        "minItems": 64, "items": {"type": "string", "maxLength": 40}}}}'
+      for extra in "" "--json-schema"; do timeout 200 python3 bench/engine_probe.py $slice --random-weights 0 \
+        --concurrency 32 --output-len 160 --profile-steps 20 --overlap on --kernel-table \
+        ${extra:+$extra "$schema"}; done >"$out/$step.txt" 2>&1 ;;
     ttft) compiled; for len in 8192 32768; do timeout 240 python3 bench/prefix_ttft_probe.py $slice \
         --random-weights 0 --prompt-len $len --repeats 5; done >"$out/$step.txt" 2>&1 ;;
     tiers-tests) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/serve/engine/test_kv_tiers_gpu.py \
