@@ -181,6 +181,12 @@ def main() -> None:
     peer = results["peer: D2H copy_ to pinned, contiguous"]
     for name in ("save (GPU → L2, consecutive blocks)", "save (GPU → L2, shuffled blocks)"):
         print(f"{name} vs peer D2H: {peer / results[name]:.2f}× of its bandwidth")
+    # where the load's host call spends its time: the host ops of one load, by their own time (a call
+    # that waits for its copies, as the host time of run X suggested, shows as one op taking it all)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        load()
+    print("load's host ops (one call, self CPU time):")
+    print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
     tiers.close()
 
 
