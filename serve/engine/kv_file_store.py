@@ -22,6 +22,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import select
 import stat
 import struct
 import subprocess
@@ -37,7 +38,7 @@ from hy3c.logs import log_event
 log = logging.getLogger("hy3c.serve.engine.kv_file_store")
 
 Buffer = bytes | bytearray | memoryview  # a page's bytes: a view of an L2 block, or bytes read
-_MAGIC = b"HY3CKV02"
+MAGIC = b"HY3CKV02"
 _HEADER = struct.Struct("<8s16sQI")  # magic, namespace digest, payload bytes, payload CRC-32
 _FRAME = struct.Struct("<16sQ")  # a page handed to the writer process: its key, then its payload's length
 _PIPE_BYTES = 4 << 20  # the pipe to the writer: a few pages in flight (Linux's default is 64 KiB)
@@ -105,7 +106,7 @@ class FileStore:
                 data = b""
             else:
                 data = f.read(_HEADER.size + length + 1)
-        payload = _unseal(data, self.namespace, length)
+        payload = unseal(data, self.namespace, length)
         if payload is None:
             log_event(
                 log, "kv_store_page_rejected", level=logging.WARNING, path=str(path), bytes=info.st_size
@@ -152,8 +153,8 @@ class FileStore:
     def probe(self) -> None:
         """Raise unless the store can be written and read (the degraded state's health check)."""
         path = self.root / ".probe"
-        path.write_bytes(_MAGIC)
-        if path.read_bytes() != _MAGIC:
+        path.write_bytes(MAGIC)
+        if path.read_bytes() != MAGIC:
             raise OSError(f"{self.root}: a probe read back wrong")
 
     def close(self) -> None:
@@ -174,21 +175,21 @@ def _checksum(payload: Buffer) -> int:
 
 def _header(payload: Buffer, namespace: bytes) -> bytes:
     """A stored page's header: magic, namespace digest, payload length, checksum."""
-    return _HEADER.pack(_MAGIC, namespace, memoryview(payload).nbytes, _checksum(payload))
+    return _HEADER.pack(MAGIC, namespace, memoryview(payload).nbytes, _checksum(payload))
 
 
-def _seal(payload: Buffer, namespace: bytes) -> bytes:
+def seal(payload: Buffer, namespace: bytes) -> bytes:
     """A stored page in one object: the header, then the payload."""
     return b"".join((_header(payload, namespace), payload))
 
 
-def _unseal(data: bytes, namespace: bytes, length: int) -> memoryview | None:
+def unseal(data: bytes, namespace: bytes, length: int) -> memoryview | None:
     """The payload of a stored page (a view of `data`), or None when it is truncated, foreign or corrupt."""
     if len(data) != _HEADER.size + length:
         return None
     magic, stored_namespace, size, checksum = _HEADER.unpack_from(data)
     payload = memoryview(data)[_HEADER.size :]
-    if (magic, stored_namespace, size) != (_MAGIC, namespace, length) or checksum != _checksum(payload):
+    if (magic, stored_namespace, size) != (MAGIC, namespace, length) or checksum != _checksum(payload):
         return None
     return payload
 
@@ -272,9 +273,22 @@ class SpawnedFileStore:
         index then evicts the least recently used page, not the one written first."""
         payload = self.reader.get(key, length)
         if payload is not None:
-            with self._send:
-                _write_all(self.child.stdin.fileno(), _FRAME.pack(key, 0))
+            self._touch(key)
         return payload
+
+    def _touch(self, key: bytes) -> None:
+        """Tell the child of a read, unless that would wait: a page being sent, or a pipe without room
+        (a read never waits behind the writes; a touch missed only ages the page in the child's LRU)."""
+        if not self._send.acquire(blocking=False):
+            return
+        try:
+            fd = self.child.stdin.fileno()
+            if select.select([], [fd], [], 0)[1]:  # room for PIPE_BUF bytes: a frame's write won't block
+                _write_all(fd, _FRAME.pack(key, 0))
+        except OSError:  # the child is gone: the next put reports it
+            pass
+        finally:
+            self._send.release()
 
     def contains(self, key: bytes) -> bool:
         return self.reader.contains(key)

@@ -69,7 +69,7 @@ import torch
 from torch import Tensor
 
 from hy3c.logs import log_event
-from hy3c.serve.engine.kv_file_store import _MAGIC, Buffer, SpawnedFileStore, _seal, _unseal
+from hy3c.serve.engine.kv_file_store import MAGIC, Buffer, SpawnedFileStore, seal, unseal
 from hy3c.serve.engine.kv_pages import OutOfPages, PagePool, extend_page_keys
 
 log = logging.getLogger("hy3c.serve.engine.kv_tiers")
@@ -253,10 +253,10 @@ class MooncakeStore:
 
     def get(self, key: bytes, length: int) -> memoryview | None:
         data = self.client.get(self.prefix + key.hex())
-        return _unseal(bytes(data), self.namespace, length) if data else None
+        return unseal(bytes(data), self.namespace, length) if data else None
 
     def put(self, key: bytes, payload: Buffer) -> None:
-        code = self.client.put(self.prefix + key.hex(), _seal(payload, self.namespace))
+        code = self.client.put(self.prefix + key.hex(), seal(payload, self.namespace))
         if code != 0:
             raise OSError(f"mooncake put returned {code}")
 
@@ -272,7 +272,7 @@ class MooncakeStore:
         client = self._join()
         self._register(client)
         name = self.prefix + "probe"
-        if client.upsert(name, _MAGIC) != 0 or bytes(client.get(name)) != _MAGIC:
+        if client.upsert(name, MAGIC) != 0 or bytes(client.get(name)) != MAGIC:
             client.close()
             raise OSError("a Mooncake probe object did not round-trip")
         self.client = client  # the old one is left open: a hung call may still be inside it
