@@ -217,7 +217,8 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
     as the MMA's rows (`swap_ab`: a wgmma with 16 token columns, FP8 weights read from shared memory
     without widening); at one token, every config with one pair per M block (`pair_blocks`, no
     alignment launch) and the combine in 256-column programs (the aligned blocks they replace are not
-    re-timed here). Prefill sizes: FP8 with 3 or 4 stages. Every size: weight tiles by pointer loads or
+    re-timed here). Prefill sizes: FP8 with 3 or 4 stages (and 5 for 128-row blocks of 128 × 128
+    above 1,024 tokens). Every size: weight tiles by pointer loads or
     by TMA bulk copies. (Five stages and
     64-row FP8 blocks at decode sizes are not swept: they never won, bench/LOG.md.)"""
     if t <= 128:
@@ -245,7 +246,7 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
             return [dataclasses.replace(cfg, pair_blocks=True, combine_block=256) for cfg in rows + swapped]
         return rows + swapped
     block_ms = (32, 64) if t <= 1024 else (64, 128)
-    return [
+    configs = [
         MoeConfig(bm, bn, bk, 8, 4 if bm <= 32 else 8, stages, tma=tma)
         for bm in block_ms
         for bn in (64, 128)
@@ -253,6 +254,9 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
         for stages in ((3, 4) if fp8 else (3,))
         for tma in (False, True)
     ]
+    if fp8 and t > 1024:  # the H100's 8K pick (128 × 128 × 128, 4 stages, run Y) one stage deeper
+        configs += [MoeConfig(128, 128, 128, 8, 8, 5, tma=tma) for tma in (False, True)]
+    return configs
 
 
 def sweep_bucket(x, ids, wt, variants: dict[str, tuple]) -> dict[str, MoeConfig]:
