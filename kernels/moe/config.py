@@ -37,8 +37,8 @@ class MoeConfig:
     swap_ab: bool = False  # weights as the MMA's rows (acc^T = W · a^T): a wgmma with block_m token columns
     pair_blocks: bool = False  # one (token, slot) pair per M block, no alignment launch (for one token)
     combine_block: int = 1024  # columns per program of the combine (more programs for few tokens)
-    # W4A8: int4 weights widened to e4m3 as (q + 8) · 2⁻⁹ by two masks a word (the offset taken out after
-    # the MMA) instead of through fp16 (fused_moe_w4a8)
+    # W4A8: int4 weights widened to the e4m3 subnormals q · 2⁻⁹ (|q| under q's sign bit, a few integer
+    # operations a word; the 2⁹ taken out after the MMA) instead of through fp16 (fused_moe_w4a8)
     int4_subnormal: bool = False
 
     def __post_init__(self) -> None:

@@ -54,9 +54,10 @@ class FileStore:
     (an index rebuilt by scanning the directory at start, so pages survive a restart; a page another
     process wrote since is found on disk). The directory must be ours (owner, no group or other write):
     whoever can write it can plant KV. Files are opened without following links, only regular files of
-    the expected size are read."""
+    the expected size are read. `indexed=False`: a reader beside the process that writes and bounds the
+    store (`SpawnedFileStore`), with no scan and no index of its own (it would only go stale)."""
 
-    def __init__(self, root: Path, namespace: bytes, max_bytes: int) -> None:
+    def __init__(self, root: Path, namespace: bytes, max_bytes: int, indexed: bool = True) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         info = self.root.stat()
@@ -66,11 +67,12 @@ class FileStore:
             )
         self.namespace = hashlib.blake2b(namespace, digest_size=16).digest()
         self.max_bytes = max_bytes
+        self.indexed = indexed
         self._lock = threading.Lock()
         self._index: OrderedDict[Path, int] = OrderedDict()  # path → size, least recently used first
         self.bytes = 0
         found = []
-        for path in self.root.glob("*/*.kv"):
+        for path in self.root.glob("*/*.kv") if indexed else ():
             try:  # another process may evict files meanwhile
                 info = path.stat()
             except FileNotFoundError:
@@ -85,11 +87,13 @@ class FileStore:
         return self.root / name[:2] / f"{name}.kv"
 
     def contains(self, key: bytes) -> bool:
+        """Whether the page's file is there (one deleted by a reader as corrupt, or evicted by another
+        process, leaves the index too)."""
         path = self._path(key)
-        with self._lock:
-            if path in self._index:
-                return True
-        return path.is_file()
+        if path.is_file():
+            return True
+        self._forget(path)
+        return False
 
     def get(self, key: bytes, length: int) -> memoryview | None:
         """The payload (a view of the file's bytes read), or None when absent, not a regular file of the page's size, truncated, foreign
@@ -113,11 +117,12 @@ class FileStore:
             )
             self._forget(path, unlink=True)
             return None
-        with self._lock:
-            if path not in self._index:
-                self.bytes += len(data)
-            self._index[path] = len(data)
-            self._index.move_to_end(path)
+        if self.indexed:
+            with self._lock:
+                if path not in self._index:
+                    self.bytes += len(data)
+                self._index[path] = len(data)
+                self._index.move_to_end(path)
         with contextlib.suppress(OSError):
             os.utime(path)
         return payload
@@ -196,43 +201,46 @@ def unseal(data: bytes, namespace: bytes, length: int) -> memoryview | None:
 
 class SpawnedFileStore:
     """A `FileStore` whose writes run in a child process (`serve_writes`): `put` sends the page through
-    a pipe and returns once the pipe holds it (blocking while the child is behind: back-pressure),
-    `get` and `contains` read the directory here. A write the child reports failed is raised by the
-    next `put` (the tiers count it like any store failure); a child that died is started again by
-    `probe`. `drain` waits until the child has answered every page sent."""
+    a pipe and returns once the pipe holds it (blocking while the child is behind: back-pressure);
+    `get` and `contains` read the directory here. Writes the child reports failed, and pages a dead
+    child took with it, are raised by the next `put` (once: the tiers count it like any store
+    failure); a dead child is started again by `probe`. `drain` waits until the child has answered
+    every page sent."""
 
     puts_only_new = True  # the child skips a page the store holds: no check here, on the engine's GIL
 
     def __init__(self, root: Path, namespace: bytes, max_bytes: int) -> None:
-        self.reader = FileStore(root, namespace, max_bytes)  # checks the directory before any child starts
-        self.root, self.namespace, self.max_bytes = Path(root), namespace, max_bytes
-        self._send = threading.Lock()  # one frame at a time into the pipe
+        # checks the directory before any child starts; reads only (the child indexes and bounds)
+        self.reader = FileStore(root, namespace, max_bytes, indexed=False)
+        self.root, self.raw_namespace, self.max_bytes = Path(root), namespace, max_bytes
+        self._send = threading.Lock()  # one frame at a time into the pipe; held while the child restarts
         self._answers = threading.Condition()
-        self._sent = self._answered = 0
-        self._errors: list[str] = []
+        self._sent = self._answered = self._lost = 0
+        self._closed = False
         self._start()
 
     def _start(self) -> None:
+        """Start the child (under `_send`, or before any other thread has the store) and wait for it to
+        report ready, `_STARTUP_SECONDS` at most."""
+        store = (str(self.root), self.raw_namespace.hex(), str(self.max_bytes))
         self.child = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hy3c.serve.engine.kv_file_store",
-                str(self.root),
-                self.namespace.hex(),
-                str(self.max_bytes),
-            ],
+            # -P: nothing from the working directory on the child's import path
+            [sys.executable, "-P", "-m", "hy3c.serve.engine.kv_file_store", *store],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,  # never read: its start's error comes on stdout
+            stderr=subprocess.DEVNULL,  # never read: the store's own start-up error comes on stdout
             bufsize=0,
+            start_new_session=True,  # a Ctrl-C at the server's terminal reaches the server, which closes it
         )
-        with contextlib.suppress(OSError, AttributeError):  # a larger pipe where the platform allows it
-            fcntl.fcntl(self.child.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-        ready = _read_exact(self.child.stdout, 1)
+        with contextlib.suppress(OSError):  # a larger pipe, as large as the system lets this user have
+            fcntl.fcntl(self.child.stdin.fileno(), fcntl.F_SETPIPE_SZ, min(_PIPE_BYTES, _max_pipe_bytes()))
+        poller = select.poll()
+        poller.register(self.child.stdout.fileno(), select.POLLIN)
+        ready = _read_exact(self.child.stdout, 1) if poller.poll(_STARTUP_SECONDS * 1000) else b""
         if ready != b"R":
-            reason = self.child.stdout.read().decode(errors="replace").strip()
+            reason = self.child.stdout.read().decode(errors="replace").strip() if ready == b"F" else ""
             self.child.kill()
+            self.child.wait()
             raise OSError(f"the file store's writer process did not start: {reason or 'no reason given'}")
         with self._answers:
             self._sent = self._answered = 0
@@ -247,21 +255,26 @@ class SpawnedFileStore:
                 if child is not self.child:
                     return
                 self._answered += 1
-                if answer == b"!":
-                    self._errors.append("the writer process failed to store a page")
+                self._lost += answer == b"!"
                 self._answers.notify_all()
-        with self._answers:  # the child is gone: nothing it held will be answered
+        with self._answers:  # the child is gone: what it had not answered is lost
             if child is self.child:
+                self._lost += self._sent - self._answered
                 self._answered = self._sent
                 self._answers.notify_all()
 
     def put(self, key: bytes, payload: Buffer) -> None:
         """Hand the page to the writer process (`payload` is copied into the pipe, not kept)."""
-        with self._answers:
-            if self._errors:
-                raise OSError(self._errors.pop())
         view = memoryview(payload).cast("B")
+        if len(key) != 16 or not view.nbytes:
+            raise ValueError("a page is a 16-byte key and a payload of at least one byte")
+        with self._answers:
+            lost, self._lost = self._lost, 0
+        if lost:
+            raise OSError(f"the file store's writer process lost {lost} page(s) (failed or ended)")
         with self._send:
+            if self._closed:
+                raise OSError("the file store is closed")
             fd = self.child.stdin.fileno()
             _write_all(fd, _FRAME.pack(key, view.nbytes))  # BrokenPipeError (an OSError) if it died
             _write_all(fd, view)
@@ -282,8 +295,12 @@ class SpawnedFileStore:
         if not self._send.acquire(blocking=False):
             return
         try:
+            if self._closed:
+                return
             fd = self.child.stdin.fileno()
-            if select.select([], [fd], [], 0)[1]:  # room for PIPE_BUF bytes: a frame's write won't block
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            if poller.poll(0):  # room for PIPE_BUF bytes: a frame's write will not block
                 _write_all(fd, _FRAME.pack(key, 0))
         except OSError:  # the child is gone: the next put reports it
             pass
@@ -295,10 +312,13 @@ class SpawnedFileStore:
 
     def probe(self) -> None:
         """Raise unless the directory can be written and read and the writer process runs (started
-        again if it died)."""
+        again if it died; the pages the old one lost are forgotten, counted once already)."""
         self.reader.probe()
-        if self.child.poll() is not None:
-            self._start()
+        with self._send:
+            if self.child.poll() is not None and not self._closed:
+                with self._answers:
+                    self._lost = 0
+                self._start()
 
     def drain(self, timeout: float) -> bool:
         """Wait until the child has answered every page sent, or `timeout` seconds; whether it has."""
@@ -306,13 +326,30 @@ class SpawnedFileStore:
             return self._answers.wait_for(lambda: self._answered >= self._sent, timeout)
 
     def close(self) -> None:
-        """Let the child write what it holds and end (a few seconds at most)."""
-        with contextlib.suppress(OSError):
-            self.child.stdin.close()
+        """Let the child write what it holds and end (a few seconds at most): after a `put` still
+        sending, which no later one follows."""
+        if not self._send.acquire(timeout=5.0):  # a put blocked on a hung child: end it
+            self.child.kill()
+            self._send.acquire()
+        try:
+            self._closed = True
+            with contextlib.suppress(OSError):
+                self.child.stdin.close()
+        finally:
+            self._send.release()
         try:
             self.child.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             self.child.kill()
+            self.child.wait()
+
+
+def _max_pipe_bytes() -> int:
+    """The largest pipe an unprivileged process may ask for (Linux's pipe-max-size; 1 MiB by default)."""
+    try:
+        return int(Path("/proc/sys/fs/pipe-max-size").read_text())
+    except (OSError, ValueError):
+        return 1 << 20
 
 
 def _write_all(fd: int, data: Buffer) -> None:
@@ -376,10 +413,26 @@ def main(argv: list[str]) -> int:
         answers.write(b"F" + str(exc).encode())
         answers.flush()
         return 2
+    _remove_orphaned_temporaries(root)
     answers.write(b"R")
     answers.flush()
     serve_writes(store, sys.stdin.buffer, answers)
     return 0
+
+
+def _remove_orphaned_temporaries(root: Path) -> None:
+    """Temporary page files (`*.kv.tmpPID.TID` or `*.tmpPID.TID`) of writers no longer running: a killed
+    writer leaves them, the store's index never counts them."""
+    for path in root.glob("*/*.tmp*"):
+        pid = path.name.rpartition(".tmp")[2].partition(".")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except OSError:  # alive, another user's: not ours to touch
+            continue
 
 
 if __name__ == "__main__":
