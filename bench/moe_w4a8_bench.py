@@ -114,11 +114,13 @@ def main() -> None:
         weights = active * 3 * H * INTER
         int4 = (p13, p2, g13, g2, None, None)
         int4_bytes = weights // 2 + weights // GROUP * 4
-        subnormal = dataclasses.replace(select_config(t, "w4a8", gpu), int4_subnormal=True)
+        shipped = select_config(t, "w4a8", gpu)
+        fp16 = dataclasses.replace(shipped, int4_subnormal=False)
+        subnormal = dataclasses.replace(shipped, int4_subnormal=True)
         variants = {  # name: (weights and scales, x's FP8 rows or none, weight bytes, config)
             "bf16": ((w13, w2, None, None, None, None), (), 2 * weights, None),
             "fp8": ((f13, f2, s13, s2, None, None), xq, weights, None),
-            "w4a8": (int4, xq, int4_bytes, None),
+            "w4a8": (int4, xq, int4_bytes, fp16),  # the shipped tiles, widened through fp16
             # widened as sign-magnitude e4m3 subnormals q · 2⁻⁹ (`MoeConfig.int4_subnormal`)
             "w4a8 subnormal": (int4, xq, int4_bytes, subnormal),
         }

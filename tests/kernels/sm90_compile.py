@@ -269,7 +269,7 @@ def w4a8_moe_variants() -> list[Variant]:
     scales = {"as_ptr": "*fp32", "ws_ptr": "*fp32", "hs_ptr": "*fp32"}
     variants = []
     configs = list(moe_config._W4A8_DEFAULTS.values())
-    configs += [dataclasses.replace(cfg, int4_subnormal=True) for cfg in configs]
+    configs += [dataclasses.replace(cfg, int4_subnormal=not cfg.int4_subnormal) for cfg in configs]
     for cfg in configs:
         common = dict(GROUP=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
         common |= dict(GROUP_M=cfg.group_m, A_PER_ROW=True, SWAP_AB=cfg.swap_ab, PAIR_BLOCKS=cfg.pair_blocks)
