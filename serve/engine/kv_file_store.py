@@ -30,6 +30,7 @@ import sys
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -208,6 +209,9 @@ class SpawnedFileStore:
     every page sent."""
 
     puts_only_new = True  # the child skips a page the store holds: no check here, on the engine's GIL
+    # told of each page the child wrote (its '+' answers; a page it already held is not one), on the
+    # thread that reads the answers: the tiers' count of pages stored
+    on_stored: Callable[[int], None] | None = None
 
     def __init__(self, root: Path, namespace: bytes, max_bytes: int) -> None:
         # checks the directory before any child starts; reads only (the child indexes and bounds)
@@ -256,6 +260,8 @@ class SpawnedFileStore:
                     return
                 self._answered += 1
                 self._lost += answer == b"!"
+                if answer == b"+" and self.on_stored is not None:
+                    self.on_stored(1)
                 self._answers.notify_all()
         with self._answers:  # the child is gone: what it had not answered is lost
             if child is self.child:

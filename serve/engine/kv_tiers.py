@@ -365,6 +365,8 @@ class KVTiers:
         if config.store:
             self.store = open_store(config.store, config.namespace, int(config.store_gib * 2**30))
             # a store that can move pages straight from and into the L2 blocks (Mooncake) does
+            if hasattr(self.store, "on_stored"):  # a store whose writes end after its `put` returns
+                self.store.on_stored = self._stored
             self.zero_copy = hasattr(self.store, "attach")
             if self.zero_copy:
                 self.store.attach(self.host)  # type: ignore[attr-defined]
@@ -855,7 +857,8 @@ class KVTiers:
                     if not future.done():  # timed out, still reading the blocks: they wait for it
                         still_writing = True
                         future.add_done_callback(lambda _, batch=batch: self._written(batch))
-                self.stats.l3_stored += stored
+                with self._lock:
+                    self.stats.l3_stored += stored
                 self.stats.l3_write_seconds += time.perf_counter() - started
             except Exception as exc:  # the writer lives on: the pages are not stored, the store failed
                 self._failed(exc)
@@ -864,6 +867,10 @@ class KVTiers:
                     self._written(batch)
                 self._hand_to_writer()
 
+    def _stored(self, pages: int) -> None:
+        with self._lock:
+            self.stats.l3_stored += pages
+
     def _written(self, batch: list[tuple[bytes, int, torch.cuda.Event | None]]) -> None:
         """The writer is done with these queued pages: their L2 blocks are free to reuse."""
         for _, block, _ in batch:
@@ -871,13 +878,16 @@ class KVTiers:
             self._writes.task_done()
 
     def _put_new(self, keys: list[bytes], payloads: list[memoryview]) -> int:
-        """Store the pages the store does not hold yet (another instance may have; a store that
-        `puts_only_new` checks that itself); how many were handed to it."""
+        """Store the pages the store does not hold yet (another instance may have); how many. A store
+        that `puts_only_new` checks that itself, and counts what it wrote through `on_stored`."""
         assert self.store is not None
-        checked = getattr(self.store, "puts_only_new", False)
+        if getattr(self.store, "puts_only_new", False):
+            for key, payload in zip(keys, payloads):
+                self.store.put(key, payload)
+            return 0
         stored = 0
         for key, payload in zip(keys, payloads):
-            if checked or not self.store.contains(key):
+            if not self.store.contains(key):
                 self.store.put(key, payload)
                 stored += 1
         return stored

@@ -60,6 +60,8 @@ def test_the_writer_process_skips_pages_the_store_holds_and_evicts_the_least_rec
     def on_disk() -> list[int]:
         return [i for i in range(1, 13) if store.reader._path(bytes([i]) * 16).is_file()]
 
+    stored: list[int] = []
+    store.on_stored = stored.append
     try:
         key = bytes([1]) * 16
         store.put(key, _page(1))
@@ -77,6 +79,7 @@ def test_the_writer_process_skips_pages_the_store_holds_and_evicts_the_least_rec
         store.put(bytes([12]) * 16, _page(12))
         assert store.drain(timeout=30)
         assert on_disk() == [7, 9, 10, 11, 12]  # the least recently used (8) went, not 7
+        assert len(stored) == 12  # every page written once; the one the store held is not counted
     finally:
         store.close()
 
