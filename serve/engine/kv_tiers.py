@@ -364,14 +364,16 @@ class KVTiers:
         self._closed = threading.Event()
         if config.store:
             self.store = open_store(config.store, config.namespace, int(config.store_gib * 2**30))
-            # a store that can move pages straight from and into the L2 blocks (Mooncake) does
             if hasattr(self.store, "on_stored"):  # a store whose writes end after its `put` returns
                 self.store.on_stored = self._stored
+            # a store that writes in a process of its own takes a batch's pages in order, one sender
+            self._put_parts = 1 if getattr(self.store, "puts_only_new", False) else WRITE_THREADS
+            # a store that can move pages straight from and into the L2 blocks (Mooncake) does
             self.zero_copy = hasattr(self.store, "attach")
             if self.zero_copy:
                 self.store.attach(self.host)  # type: ignore[attr-defined]
             self._workers = ThreadPoolExecutor(2, thread_name_prefix="hy3c-kv-store")
-            self._page_writers = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="hy3c-kv-put")
+            self._page_writers = ThreadPoolExecutor(self._put_parts, thread_name_prefix="hy3c-kv-put")
             threading.Thread(target=self._write_loop, name="hy3c-kv-writer", daemon=True).start()
 
     # ---- blocks -------------------------------------------------------------------------------------
@@ -844,8 +846,7 @@ class KVTiers:
                         memoryview(self.host[block].view(-1).view(torch.uint8).numpy()) for block in blocks
                     ]
                     assert self._page_writers is not None
-                    # a store that writes in a process of its own takes the pages in order, one sender
-                    parts = 1 if getattr(self.store, "puts_only_new", False) else WRITE_THREADS
+                    parts = self._put_parts
                     future = _all_of(
                         [
                             self._page_writers.submit(self._put_new, keys[part::parts], views[part::parts])
