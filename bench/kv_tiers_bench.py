@@ -127,8 +127,9 @@ def main() -> None:
     results = {
         "save (GPU → L2, consecutive blocks)": timed(save, device, args.rounds),
         "save (GPU → L2, shuffled blocks)": timed(lambda: save(True), device, args.rounds),
-        "load (L2 → GPU, consecutive blocks)": timed(load, device, args.rounds),
     }
+    save()  # the pages back in consecutive blocks (the shuffled save left them in no order)
+    results["load (L2 → GPU, consecutive blocks)"] = timed(load, device, args.rounds)
     load_host = statistics.median(host_seconds)
     results |= {
         "load (L2 → GPU, shuffled blocks)": timed(load_scattered, device, args.rounds),
@@ -183,10 +184,15 @@ def main() -> None:
         print(f"{name} vs peer D2H: {peer / results[name]:.2f}× of its bandwidth")
     # where the load's host call spends its time: the host ops of one load, by their own time (a call
     # that waits for its copies, as the host time of run X suggested, shows as one op taking it all)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+    # (with CUDA activity the runtime calls show too: a cudaMemcpyAsync or a synchronize that blocks)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
         load()
-    print("load's host ops (one call, self CPU time):")
-    print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+        sync(device)
+    print("load's host ops and runtime calls (one call, self CPU time):")
+    print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
     tiers.close()
 
 
