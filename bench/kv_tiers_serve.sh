@@ -7,11 +7,11 @@
 # L2 / L3 bring it back) (one GPU lease).
 #   bash bench/kv_tiers_serve.sh        (on the GPU machine; carry .whl; ART=DIR serves an artifact
 #   compiled before; KV_GIB, the GPU pool's size (default 0.75: 78K tokens of 10 KiB, less than the working set);
-#   RATIOS="0 0.2 0.5 0.8"; N prompts per level (default 768) over PREFIXES prefixes (default 48: a
-#   working set of 315K tokens at 80%, four times the pool, and 16 sendings of each, so the tiers can
-#   reach 75% of the prompt tokens while L1 alone keeps little: with 16 prefixes (105K tokens, run K)
-#   L1 alone hit 36%, which capped the TTFT gain the tiers could show at (1 − 0.36) / (1 − 0.75) =
-#   2.6×, under the 3× goal); CONCURRENCY (default 8); TRACE=0 skips the trace (TRACE_N prompts,
+#   RATIOS="0 0.2 0.5 0.8" (the share of prompt tokens a cache that never forgets serves: the prefix
+#   is R · N / (N − PREFIXES) of each 8,192-token prompt); N prompts per level (default 768) over
+#   PREFIXES prefixes (default 48: a working set of ~340K tokens at 80%, four times the pool, so L1
+#   alone keeps little: with 16 prefixes (105K tokens, run K) L1 alone hit 36%, which capped the
+#   TTFT gain the tiers could show under the 3× goal); CONCURRENCY (default 8); TRACE=0 skips the trace (TRACE_N prompts,
 #   default 96); SETTINGS picks of "l1-only l1-l2 l1-l2-file")
 set -uo pipefail
 source bench/device_env.sh

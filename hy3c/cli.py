@@ -860,7 +860,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--prefix-repetition-hit-ratio",
         type=float,
         metavar="R",
-        help="the shared prefix's share of each prompt (ours; default: the prefix and suffix lengths)",
+        help="the share of all prompt tokens that repeat earlier ones, each prefix's first sending a miss (ours; sizes the shared prefix within prefix + suffix; default: the lengths as given)",
     )
     s.add_argument("--trace-scale", type=float, default=1.0, help="hy3-trace: lengths times this")
     s.add_argument("--trace-reuse", type=float, default=0.8, help="hy3-trace: the share of a prompt reused")

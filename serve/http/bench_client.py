@@ -11,9 +11,11 @@ valid for any vocabulary):
 * `prefix_repetition` (also spelled `prefix-repetition`): `--prefix-repetition-num-prefixes` random
   prefixes of `--prefix-repetition-prefix-len` tokens, each shared by an equal part of the prompts,
   then `--prefix-repetition-suffix-len` random tokens; `--prefix-repetition-output-len` out. Ours:
-  `--prefix-repetition-hit-ratio R` makes the shared prefix R of each prompt's length (prefix + suffix),
-  so a share R of the prompt tokens repeat earlier ones (less the prefixes' first sendings: with many
-  prefixes the working set outgrows the GPU's pages, which is what the KV tiers are for);
+  `--prefix-repetition-hit-ratio R` sizes the shared prefix (within the prompt's length, prefix +
+  suffix) so that a share R of all prompt tokens repeat earlier ones — what a cache that never
+  forgets would serve: each prefix's first sending is a miss, so with P prefixes over N prompts the
+  prefix is R · N / (N − P) of each prompt (with many prefixes the working set outgrows the GPU's
+  pages, which is what the KV tiers are for);
 * `hy3-trace` (ours): lengths shaped like the Hy3 stack's production load — inputs log-normal around
   68K tokens with a long tail (σ 1, cut at 4× the median), outputs around 900 (σ 0.5), both times
   `--trace-scale` so it fits a slice on one GPU — where `--trace-reuse R` of each prompt is the start of
@@ -169,6 +171,14 @@ class BenchConfig:
         ratio = self.prefix_repetition_hit_ratio
         if ratio is not None and not 0 <= ratio < 1:
             raise ValueError(f"--prefix-repetition-hit-ratio must lie in [0, 1) (got {ratio})")
+        if ratio is not None and ratio > 0 and self.dataset in ("prefix_repetition", "prefix-repetition"):
+            reachable = 1 - min(self.prefix_repetition_num_prefixes, self.num_prompts) / self.num_prompts
+            if ratio >= reachable:
+                raise ValueError(
+                    f"--prefix-repetition-hit-ratio {ratio}: {self.prefix_repetition_num_prefixes} prefixes"
+                    f" over {self.num_prompts} prompts miss at each prefix's first sending, so under"
+                    f" {reachable:.3f} can hit (fewer prefixes or more prompts)"
+                )
         if not 0 < self.trace_scale <= 1:
             raise ValueError(f"--trace-scale must lie in (0, 1] (got {self.trace_scale})")
         if not 0 <= self.trace_reuse < 1:
@@ -257,9 +267,9 @@ def make_prompts(
     if config.dataset == "hy3-trace":
         return trace_prompts(config, draw, rng)
     prefix_len, suffix_len = config.prefix_repetition_prefix_len, config.prefix_repetition_suffix_len
-    if config.prefix_repetition_hit_ratio is not None:
-        total = prefix_len + suffix_len
-        prefix_len = round(config.prefix_repetition_hit_ratio * total)
+    if config.prefix_repetition_hit_ratio is not None:  # R of all tokens, the first sendings missing
+        total, cold = prefix_len + suffix_len, min(config.prefix_repetition_num_prefixes, n)
+        prefix_len = min(total - 1, round(config.prefix_repetition_hit_ratio * n / (n - cold) * total))
         suffix_len = total - prefix_len
     prefixes = [draw(prefix_len) for _ in range(config.prefix_repetition_num_prefixes)]
     prompts = [

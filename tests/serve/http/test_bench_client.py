@@ -311,22 +311,33 @@ def test_spec_decode_report_reads_what_the_engine_metrics_render():
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.2, 0.5, 0.8])
-def test_prefix_repetition_hit_ratio_sets_the_repeated_share_of_prompt_tokens(ratio):
-    """With R set, a share R of each prompt is its shared prefix: the tokens a prefix cache can serve
-    are R of all, less each prefix's first sending."""
+def test_prefix_repetition_hit_ratio_is_the_share_of_prompt_tokens_a_cache_can_serve(ratio):
+    """With R set, a share R of all prompt tokens repeat earlier ones (each prefix's first sending is
+    a miss, so the shared prefix is R · N / (N − P) of each prompt)."""
     config = BenchConfig(
         base_url="http://x", dataset_name="prefix_repetition", num_prompts=200,
         prefix_repetition_num_prefixes=10, prefix_repetition_hit_ratio=ratio,
     )  # fmt: skip
     prompts = make_prompts(config, list(range(1000, 5000)), np.random.default_rng(0))
     assert all(len(p) == 512 for p, _ in prompts)
+    shared = round(ratio * 200 / 190 * 512)
     seen, repeated, total = set(), 0, 0
     for prompt, _ in prompts:
-        prefix = tuple(prompt[: round(ratio * 512)])
+        prefix = tuple(prompt[:shared])
         repeated += len(prefix) if prefix in seen else 0
         seen.add(prefix)
         total += len(prompt)
-    assert repeated / total == pytest.approx(round(ratio * 512) / 512 * (1 - 10 / 200), abs=1e-9)
+    assert len(seen) == (10 if ratio else 1)
+    assert repeated / total == pytest.approx(ratio, abs=1 / 512)
+
+
+def test_a_prefix_repetition_hit_ratio_the_first_sendings_rule_out_is_refused():
+    """48 prefixes over 96 prompts: half the prompts are first sendings, so 0.5 or more cannot hit."""
+    with pytest.raises(ValueError, match="--prefix-repetition-hit-ratio 0.5: 48 prefixes over 96 prompts"):
+        BenchConfig(
+            base_url="http://x", dataset_name="prefix_repetition", num_prompts=96,
+            prefix_repetition_num_prefixes=48, prefix_repetition_hit_ratio=0.5,
+        ).check()  # fmt: skip
 
 
 def test_the_hy3_trace_has_a_long_tail_short_outputs_and_the_chosen_reuse():
