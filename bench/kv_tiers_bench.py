@@ -14,7 +14,8 @@ them all. Timed, each the median of `--rounds`:
   them; again with the pages' L2 blocks shuffled (few runs: about one copy per page, as after churn);
 * peer: one pinned host → device `copy_` of all those bytes (contiguous), and device → host;
 * file store: `FileStore.put` / `get` of every page (page cache warm: the rate of the code, not the disk),
-  and the puts spread over the L3 writer's threads.
+  the puts spread over threads, through the writer process's pipe, and handed to it by L2 block
+  number (as the tiers do: it reads the shared blocks).
 
 Prints GB/s and the load's share of the peer's bandwidth (the issue's goal: ≥ 80%) and of the H2D
 limit of the link, and how much of a load is the host's `extend_prefix` call (on the H100 a 26K-token
@@ -164,6 +165,19 @@ def main() -> None:
 
         results["file store put, writer process"] = timed(spawned_puts, device, args.rounds)
         spawned.close()
+        # as the tiers hand pages over: by L2 block number, the child reading the shared blocks
+        by_block = SpawnedFileStore(
+            Path(directory) / "by-block", b"bench", max_bytes=4 * total, blocks=tiers.shared.blocks()
+        )
+
+        def block_puts() -> None:
+            prefix = next(rounds).to_bytes(4, "little")
+            for key in keys:
+                by_block.put_block(prefix + key[4:], tiers._block_of[key], timeout=600)
+            by_block.drain(timeout=600)
+
+        results["file store put, writer process, by block"] = timed(block_puts, device, args.rounds)
+        by_block.close()
     print(
         f"KV tiers: {device} {torch.cuda.get_device_name() if device.type == 'cuda' else ''}, torch {torch.__version__},"
         f" {n} pages of {page_bytes / 2**20:.2f} MiB ({total / 2**30:.2f} GiB), KV {dtype}"

@@ -4,23 +4,29 @@ process of its own (`SpawnedFileStore`).
 Writing every page a server computes is steady file-system work: at Hy3's slice shape on an H100,
 thousands of 0.62 MiB pages a second. Done by threads of the engine's process, their Python between
 system calls held the engine's GIL often enough to cost 30.7% of the throughput at 0% prefix hit
-(bench/LOG.md, session 32). `SpawnedFileStore` hands each page to a child process through a pipe
-instead — one `write` of the page's bytes, the GIL released while the kernel copies them — and the
-child checksums, writes and bounds the store. Reads stay in the engine's process: a `FileStore` over
-the same directory finds the files the child wrote.
+(bench/LOG.md, session 32). `SpawnedFileStore` hands the pages to a child process instead, which
+checksums, writes and bounds the store. The KV tiers keep L2 in shared memory (`SharedBlocks`, a
+memfd the child maps read-only), so a page is handed over as its key and L2 block number — 24 bytes
+through a pipe, the child reading the block itself — and its block stays held until the child
+answers (`on_block_done`); `put` sends a page's bytes through the pipe instead (a store without
+shared blocks). Reads stay in the engine's process: a `FileStore` over the same directory finds the
+files the child wrote.
 
-The child runs `python -m hy3c.serve.engine.kv_file_store ROOT NAMESPACE_HEX MAX_BYTES`; it imports
-neither torch nor the engine. It reads frames (key, payload length, payload) from stdin and answers
-each with one byte on stdout: `+` stored, `=` the store held it already, `!` the write failed; a
-frame without payload is a page read here (a touch, for the store's LRU), not answered.
+The child runs `python -m hy3c.serve.engine.kv_file_store ROOT NAMESPACE_HEX MAX_BYTES [FD BLOCK_BYTES
+BLOCKS]`; it imports neither torch nor the engine. It reads frames from stdin — a key, then a word:
+a payload's length and the payload, or `BLOCK_FRAME | block`, or 0 (a page read here: a touch, for
+the store's LRU, not answered) — and answers each page on stdout with a code, `+` stored, `=` the store
+held it already, `!` the write failed, and the page's block (`NO_BLOCK` for a payload).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import logging
+import mmap
 import os
 import select
 import stat
@@ -29,7 +35,7 @@ import subprocess
 import sys
 import threading
 import zlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,10 +47,16 @@ log = logging.getLogger("hy3c.serve.engine.kv_file_store")
 Buffer = bytes | bytearray | memoryview  # a page's bytes: a view of an L2 block, or bytes read
 MAGIC = b"HY3CKV02"
 _HEADER = struct.Struct("<8s16sQI")  # magic, namespace digest, payload bytes, payload CRC-32
-_FRAME = struct.Struct("<16sQ")  # a page handed to the writer process: its key, then its payload's length
+_FRAME = struct.Struct(
+    "<16sQ"
+)  # a page handed to the writer process: its key, then a word (module docstring)
+_ANSWER = struct.Struct("<cQ")  # the writer's answer for a page: its code, then its block (or NO_BLOCK)
+BLOCK_FRAME = 1 << 63  # a frame's word with this bit set names an L2 block, not a payload's length
+NO_BLOCK = (1 << 64) - 1  # the block of a page sent with its payload
 _PIPE_BYTES = 4 << 20  # the pipe to the writer: a few pages in flight (Linux's default is 64 KiB)
 _CHILD_THREADS = 4  # the child's page writes in parallel (a new file's block allocation scales with cores)
 _CHILD_PAGES = 16  # pages the child holds at most (read, not yet written): the pipe's back-pressure
+_BLOCKS_IN_FLIGHT = 64  # L2 blocks handed over and not yet answered, at most (`put_block` waits)
 _STARTUP_SECONDS = 60.0  # the child's start: its import and the store's index scan
 
 
@@ -200,33 +212,54 @@ def unseal(data: bytes, namespace: bytes, length: int) -> memoryview | None:
     return payload
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedBlocks:
+    """L2 in shared memory, as the writer process maps it: a file descriptor (a memfd), the bytes of one
+    block, and how many blocks."""
+
+    fd: int
+    block_bytes: int
+    count: int
+
+
 class SpawnedFileStore:
     """A `FileStore` whose writes run in a child process (`serve_writes`): `put` sends the page through
     a pipe and returns once the pipe holds it (blocking while the child is behind: back-pressure);
-    `get` and `contains` read the directory here. Writes the child reports failed, and pages a dead
-    child took with it, are raised by the next `put` (once: the tiers count it like any store
-    failure); a dead child is started again by `probe`. `drain` waits until the child has answered
-    every page sent."""
+    with `blocks` (L2 in shared memory) `put_block` sends only the page's key and block, and the child
+    reads the block itself; `get` and `contains` read the directory here. Writes the child reports
+    failed, and pages a dead child took with it, are raised by the next `put` or `put_block` (once: the
+    tiers count it like any store failure); a dead child is started again by `probe`. `drain` waits
+    until the child has answered every page sent."""
 
     puts_only_new = True  # the child skips a page the store holds: no check here, on the engine's GIL
     # told of each page the child wrote (its '+' answers; a page it already held is not one), on the
     # thread that reads the answers: the tiers' count of pages stored
     on_stored: Callable[[int], None] | None = None
+    # told of each block `put_block` handed over once the child is done reading it (answered, or died
+    # holding it), on the thread that reads the answers: exactly once per `put_block` that returned
+    on_block_done: Callable[[int], None] | None = None
 
-    def __init__(self, root: Path, namespace: bytes, max_bytes: int) -> None:
+    def __init__(
+        self, root: Path, namespace: bytes, max_bytes: int, blocks: SharedBlocks | None = None
+    ) -> None:
         # checks the directory before any child starts; reads only (the child indexes and bounds)
         self.reader = FileStore(root, namespace, max_bytes, indexed=False)
         self.root, self.raw_namespace, self.max_bytes = Path(root), namespace, max_bytes
+        self.blocks = blocks
         self._send = threading.Lock()  # one frame at a time into the pipe; held while the child restarts
         self._answers = threading.Condition()
         self._sent = self._answered = self._lost = 0
+        self._held: Counter[int] = Counter()  # blocks handed over, not yet answered
+        self._reader: threading.Thread | None = None
         self._closed = False
         self._start()
 
     def _start(self) -> None:
         """Start the child (under `_send`, or before any other thread has the store) and wait for it to
         report ready, `_STARTUP_SECONDS` at most."""
-        store = (str(self.root), self.raw_namespace.hex(), str(self.max_bytes))
+        store = [str(self.root), self.raw_namespace.hex(), str(self.max_bytes)]
+        if self.blocks is not None:
+            store += [str(self.blocks.fd), str(self.blocks.block_bytes), str(self.blocks.count)]
         self.child = subprocess.Popen(
             # -P: nothing from the working directory on the child's import path
             [sys.executable, "-P", "-m", "hy3c.serve.engine.kv_file_store", *store],
@@ -235,6 +268,7 @@ class SpawnedFileStore:
             stderr=subprocess.DEVNULL,  # never read: the store's own start-up error comes on stdout
             bufsize=0,
             start_new_session=True,  # a Ctrl-C at the server's terminal reaches the server, which closes it
+            pass_fds=() if self.blocks is None else (self.blocks.fd,),
         )
         with contextlib.suppress(OSError):  # a larger pipe, as large as the system lets this user have
             fcntl.fcntl(self.child.stdin.fileno(), fcntl.F_SETPIPE_SZ, min(_PIPE_BYTES, _max_pipe_bytes()))
@@ -248,36 +282,44 @@ class SpawnedFileStore:
             raise OSError(f"the file store's writer process did not start: {reason or 'no reason given'}")
         with self._answers:
             self._sent = self._answered = 0
-        threading.Thread(
+        self._reader = threading.Thread(
             target=self._read_answers, args=(self.child,), name="hy3c-kv-file-answers", daemon=True
-        ).start()
+        )
+        self._reader.start()
 
     def _read_answers(self, child: subprocess.Popen) -> None:
-        """The child's answers, a byte a page, until its stdout closes."""
-        while answer := child.stdout.read(1):
+        """The child's answers, one a page, until its stdout closes; then the blocks it still held are
+        done with (a new child starts only after this ends: `probe`)."""
+        while len(answer := _read_exact(child.stdout, _ANSWER.size)) == _ANSWER.size:
+            code, block = _ANSWER.unpack(answer)
             with self._answers:
-                if child is not self.child:
-                    return
                 self._answered += 1
-                self._lost += answer == b"!"
-                if answer == b"+" and self.on_stored is not None:
-                    self.on_stored(1)
+                self._lost += code == b"!"
+                if block != NO_BLOCK:
+                    self._held[block] -= 1
+                    if not self._held[block]:
+                        del self._held[block]
                 self._answers.notify_all()
-        with self._answers:  # the child is gone: what it had not answered is lost
-            if child is self.child:
-                self._lost += self._sent - self._answered
-                self._answered = self._sent
-                self._answers.notify_all()
+            if code == b"+" and self.on_stored is not None:
+                self.on_stored(1)
+            if block != NO_BLOCK and self.on_block_done is not None:
+                self.on_block_done(block)
+        # the child is gone: what it had not answered is lost (after a frame being sent: under `_send`)
+        with self._send, self._answers:
+            self._lost += self._sent - self._answered
+            self._answered = self._sent
+            held, self._held = self._held, Counter()
+            self._answers.notify_all()
+        for block in held.elements():
+            if self.on_block_done is not None:
+                self.on_block_done(block)
 
     def put(self, key: bytes, payload: Buffer) -> None:
         """Hand the page to the writer process (`payload` is copied into the pipe, not kept)."""
         view = memoryview(payload).cast("B")
         if len(key) != 16 or not view.nbytes:
             raise ValueError("a page is a 16-byte key and a payload of at least one byte")
-        with self._answers:
-            lost, self._lost = self._lost, 0
-        if lost:
-            raise OSError(f"the file store's writer process lost {lost} page(s) (failed or ended)")
+        self._raise_lost()
         with self._send:
             if self._closed:
                 raise OSError("the file store is closed")
@@ -286,6 +328,31 @@ class SpawnedFileStore:
             _write_all(fd, view)
             with self._answers:
                 self._sent += 1
+
+    def put_block(self, key: bytes, block: int, timeout: float) -> None:
+        """Hand the page in L2 block `block` (of the shared `blocks`) to the writer process, which reads
+        it there: the block must not change until `on_block_done(block)`. Waits while
+        `_BLOCKS_IN_FLIGHT` blocks are handed over and unanswered, `timeout` seconds at most (then a
+        TimeoutError); when this raises, the block was not handed over."""
+        if self.blocks is None or not 0 <= block < self.blocks.count or len(key) != 16:
+            raise ValueError(f"put_block: block {block} of a store sharing {self.blocks}")
+        self._raise_lost()
+        with self._answers:
+            if not self._answers.wait_for(lambda: self._sent - self._answered < _BLOCKS_IN_FLIGHT, timeout):
+                raise TimeoutError(f"the file store's writer process answered nothing in {timeout} s")
+        with self._send:
+            if self._closed:
+                raise OSError("the file store is closed")
+            _write_all(self.child.stdin.fileno(), _FRAME.pack(key, BLOCK_FRAME | block))
+            with self._answers:
+                self._sent += 1
+                self._held[block] += 1
+
+    def _raise_lost(self) -> None:
+        with self._answers:
+            lost, self._lost = self._lost, 0
+        if lost:
+            raise OSError(f"the file store's writer process lost {lost} page(s) (failed or ended)")
 
     def get(self, key: bytes, length: int) -> memoryview | None:
         """The page read here; a hit is sent to the child as a touch (a frame without payload), whose
@@ -320,8 +387,11 @@ class SpawnedFileStore:
         """Raise unless the directory can be written and read and the writer process runs (started
         again if it died; the pages the old one lost are forgotten, counted once already)."""
         self.reader.probe()
+        if self.child.poll() is not None and self._reader is not None:
+            self._reader.join()  # its end releases what the dead child held (it takes `_send`)
         with self._send:
-            if self.child.poll() is not None and not self._closed:
+            ended = self._reader is None or not self._reader.is_alive()
+            if self.child.poll() is not None and not self._closed and ended:
                 with self._answers:
                     self._lost = 0
                 self._start()
@@ -376,15 +446,18 @@ def _read_exact(stream, count: int) -> bytes:
     return b"".join(parts)
 
 
-def serve_writes(store: FileStore, frames, answers) -> None:
+def serve_writes(store: FileStore, frames, answers, blocks: list[memoryview] | None = None) -> None:
     """The writer process's loop: each frame's page stored (unless the store holds it) by a small pool
-    of threads, answered with a byte in the order the writes end, until the frames end."""
+    of threads, answered in the order the writes end, until the frames end. `blocks`: the shared L2
+    blocks that block frames name (read, never written here)."""
     lock, room = threading.Lock(), threading.BoundedSemaphore(_CHILD_PAGES)
 
-    def write(key: bytes, payload: bytes) -> None:
+    def write(key: bytes, payload: Buffer | None, block: int) -> None:
         try:
             answer = b"="
-            if not store.contains(key):
+            if payload is None:  # a block frame naming no block of ours
+                answer = b"!"
+            elif not store.contains(key):
                 store.put(key, payload)
                 answer = b"+"
         except OSError:
@@ -392,22 +465,26 @@ def serve_writes(store: FileStore, frames, answers) -> None:
         finally:
             room.release()
         with lock:
-            answers.write(answer)
+            answers.write(_ANSWER.pack(answer, block))
             answers.flush()
 
     with ThreadPoolExecutor(_CHILD_THREADS, thread_name_prefix="hy3c-kv-file-write") as pool:
         while head := _read_exact(frames, _FRAME.size):
             if len(head) < _FRAME.size:
                 break
-            key, length = _FRAME.unpack(head)
-            if length == 0:  # a page read by the engine's process: a touch, not answered
+            key, word = _FRAME.unpack(head)
+            if word == 0:  # a page read by the engine's process: a touch, not answered
                 store.touch(key)
                 continue
-            payload = _read_exact(frames, length)
-            if len(payload) < length:
-                break
+            if word & BLOCK_FRAME:
+                block = word & ~BLOCK_FRAME
+                payload = blocks[block] if blocks is not None and block < len(blocks) else None
+            else:
+                block, payload = NO_BLOCK, _read_exact(frames, word)
+                if len(payload) < word:
+                    break
             room.acquire()
-            pool.submit(write, key, payload)
+            pool.submit(write, key, payload, block)
 
 
 def main(argv: list[str]) -> int:
@@ -415,6 +492,7 @@ def main(argv: list[str]) -> int:
     answers = sys.stdout.buffer
     try:
         store = FileStore(root, namespace, max_bytes)
+        blocks = _map_blocks(*map(int, argv[3:6])) if len(argv) >= 6 else None
     except (OSError, ValueError) as exc:
         answers.write(b"F" + str(exc).encode())
         answers.flush()
@@ -422,8 +500,14 @@ def main(argv: list[str]) -> int:
     _remove_orphaned_temporaries(root)
     answers.write(b"R")
     answers.flush()
-    serve_writes(store, sys.stdin.buffer, answers)
+    serve_writes(store, sys.stdin.buffer, answers, blocks)
     return 0
+
+
+def _map_blocks(fd: int, block_bytes: int, count: int) -> list[memoryview]:
+    """The shared L2 blocks, mapped read-only: one view per block."""
+    whole = memoryview(mmap.mmap(fd, block_bytes * count, prot=mmap.PROT_READ))
+    return [whole[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
 
 
 def _remove_orphaned_temporaries(root: Path) -> None:

@@ -21,11 +21,13 @@ prefix is found page by page in L1, then L2, then L3, stopping at the first miss
   bounded queue is topped up from the unwritten blocks, oldest first, once per step and after each
   batch it writes, so a burst faster than the store is written back while L2 still holds it (the
   store's rate, not the queue, bounds what reaches L3); an unwritten block L2 evicts is a dropped
-  write, counted. The writer waits for a page's copy event, then writes the block's bytes (the file
-  store hands them to its writer process, `kv_file_store.SpawnedFileStore`, through a pipe); a
-  zero-copy store (Mooncake: the L2 blocks registered with it) moves the block itself, and reads land
-  straight in reserved blocks — a read that outlives its timeout keeps them until it ends. A
-  block being written is pinned until its write ends, so L2 eviction never hands it out mid-write.
+  write, counted. The writer waits for a page's copy event, then has the block stored without
+  copying it: L2 lives in shared memory (a memfd, registered with CUDA as pinned memory), which the
+  file store's writer process (`kv_file_store.SpawnedFileStore`) maps, so it is handed a page's key
+  and block number and reads the block itself; a zero-copy store (Mooncake: the L2 blocks
+  registered with it) moves the block itself, and reads land straight in reserved blocks — a read
+  that outlives its timeout keeps them until it ends. A block being written is pinned until its
+  write ends, so L2 eviction never hands it out mid-write.
 * **Store reads** (`fetching`, before admission): when a waiting request's prefix continues past what
   L1 and L2 hold, one read of those pages runs on a worker while the engine keeps stepping the running
   requests; the request is admitted when the read ends or its timeout passes, the pages read landing
@@ -53,6 +55,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import mmap
+import os
 import queue
 import threading
 import time
@@ -69,7 +73,7 @@ import torch
 from torch import Tensor
 
 from hy3c.logs import log_event
-from hy3c.serve.engine.kv_file_store import MAGIC, Buffer, SpawnedFileStore, seal, unseal
+from hy3c.serve.engine.kv_file_store import MAGIC, Buffer, SharedBlocks, SpawnedFileStore, seal, unseal
 from hy3c.serve.engine.kv_pages import OutOfPages, PagePool, extend_page_keys
 
 log = logging.getLogger("hy3c.serve.engine.kv_tiers")
@@ -138,6 +142,39 @@ def _words(t: Tensor) -> Tensor:
         if row_bytes % dtype.itemsize == 0
     )
     return t.view(torch.uint8).view(width)
+
+
+class SharedHost:
+    """L2's blocks in shared memory: a memfd mapped here, whose descriptor a writer process maps too
+    (`SharedBlocks`), registered with CUDA as pinned memory when the cache is on a GPU (its copies
+    then run asynchronously at the link's rate, as from `pin_memory` buffers)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, cuda: bool) -> None:
+        nbytes = int(numpy.prod(shape)) * dtype.itemsize
+        self.fd = os.memfd_create("hy3c-kv-l2", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, nbytes)
+        self._mapping = mmap.mmap(self.fd, nbytes)
+        self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8).view(dtype).view(shape)
+        self.registered = False
+        if cuda:
+            code = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            if int(code) != 0:
+                raise OSError(
+                    f"--kv-host-gib: pinning {nbytes / 2**30:.1f} GiB of host memory failed ({code})"
+                )
+            self.registered = True
+
+    def blocks(self) -> SharedBlocks:
+        return SharedBlocks(
+            self.fd, self.tensor[0].numel() * self.tensor.element_size(), self.tensor.shape[0]
+        )
+
+    def release(self) -> None:
+        """Unpin (every copy into or out of it done); the mapping goes with its last tensor."""
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.registered = False
+        os.close(self.fd)
 
 
 def _all_of(parts: list[Future]) -> Future:
@@ -281,16 +318,16 @@ class MooncakeStore:
         self.client.close()
 
 
-def open_store(spec: str, namespace: bytes, max_bytes: int) -> PageStore:
-    """The store `--kv-store` names: `file:DIR` (bounded to `max_bytes`) or `mooncake:HOST:PORT` (a
-    segment of `max_bytes` mounted into the pool)."""
+def open_store(spec: str, namespace: bytes, max_bytes: int, blocks: SharedBlocks | None = None) -> PageStore:
+    """The store `--kv-store` names: `file:DIR` (bounded to `max_bytes`; its writer process reads the
+    L2 `blocks`) or `mooncake:HOST:PORT` (a segment of `max_bytes` mounted into the pool)."""
     kind, _, where = spec.partition(":")
     if kind == "mooncake" and where.rpartition(":")[2].isdigit():
         return MooncakeStore(where, namespace, max_bytes)
     if kind != "file" or not where:
         raise ValueError(f"--kv-store {spec!r}: expected file:DIR or mooncake:HOST:PORT")
     try:
-        return SpawnedFileStore(Path(where), namespace, max_bytes)
+        return SpawnedFileStore(Path(where), namespace, max_bytes, blocks)
     except OSError as exc:
         raise ValueError(f"--kv-store {spec!r}: {exc.strerror or exc}") from None
 
@@ -337,7 +374,8 @@ class KVTiers:
                 f"--kv-host-gib {config.host_gib}: smaller than one KV page ({self.page_bytes / 2**20:.1f} MiB)"
             )
         self.cuda = kv_cache.is_cuda
-        self.host = torch.empty((self.num_blocks, *page.shape), dtype=kv_cache.dtype, pin_memory=self.cuda)
+        self.shared = SharedHost((self.num_blocks, *page.shape), kv_cache.dtype, self.cuda)
+        self.host = self.shared.tensor
         self.stream = torch.cuda.Stream(kv_cache.device) if self.cuda else None
         self.stats = TierStats()
         self._lock = threading.Lock()  # blocks: the engine thread and the L3 writer
@@ -363,9 +401,13 @@ class KVTiers:
         self._writes: queue.Queue = queue.Queue(config.write_queue)
         self._closed = threading.Event()
         if config.store:
-            self.store = open_store(config.store, config.namespace, int(config.store_gib * 2**30))
+            self.store = open_store(
+                config.store, config.namespace, int(config.store_gib * 2**30), self.shared.blocks()
+            )
             if hasattr(self.store, "on_stored"):  # a store whose writes end after its `put` returns
                 self.store.on_stored = self._stored
+            if self.by_block:  # told when it is done with each block it was handed
+                self.store.on_block_done = self._block_written  # type: ignore[attr-defined]
             # a store that writes in a process of its own takes a batch's pages in order, one sender
             self._put_parts = 1 if getattr(self.store, "puts_only_new", False) else WRITE_THREADS
             # a store that can move pages straight from and into the L2 blocks (Mooncake) does
@@ -375,6 +417,11 @@ class KVTiers:
             self._workers = ThreadPoolExecutor(2, thread_name_prefix="hy3c-kv-store")
             self._page_writers = ThreadPoolExecutor(self._put_parts, thread_name_prefix="hy3c-kv-put")
             threading.Thread(target=self._write_loop, name="hy3c-kv-writer", daemon=True).start()
+
+    @property
+    def by_block(self) -> bool:
+        """Whether the store reads the pages it writes from the shared L2 blocks (`put_block`)."""
+        return hasattr(self.store, "put_block")
 
     # ---- blocks -------------------------------------------------------------------------------------
     @property
@@ -841,6 +888,18 @@ class KVTiers:
                     with self._health:
                         self._failures = 0
                     stored = len(batch)
+                elif self.by_block:  # handed over by block number; each released as the store answers
+                    handed = 0
+                    try:
+                        for key, block in zip(keys, blocks):
+                            self.store.put_block(key, block, self.config.store_timeout)  # type: ignore[attr-defined]
+                            handed += 1
+                    finally:
+                        still_writing = True
+                        self._written(batch[handed:])
+                    with self._health:
+                        self._failures = 0
+                    stored = 0  # counted as the writer answers (`on_stored`)
                 else:
                     views = [
                         memoryview(self.host[block].view(-1).view(torch.uint8).numpy()) for block in blocks
@@ -877,6 +936,11 @@ class KVTiers:
         for _, block, _ in batch:
             self._release_busy(block)
             self._writes.task_done()
+
+    def _block_written(self, block: int) -> None:
+        """The store is done reading a block `put_block` handed it: free to reuse."""
+        self._release_busy(block)
+        self._writes.task_done()
 
     def _put_new(self, keys: list[bytes], payloads: list[memoryview]) -> int:
         """Store the pages the store does not hold yet (another instance may have); how many. A store
@@ -919,3 +983,6 @@ class KVTiers:
                 pool.shutdown(wait=False)
         if self.store is not None:
             self.store.close()
+        if self.cuda:
+            torch.cuda.synchronize(self.kv_cache.device)  # no copy into or out of L2 still running
+        self.shared.release()

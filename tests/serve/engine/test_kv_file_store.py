@@ -4,13 +4,16 @@ raised by the next `put`, a dead child is started again by `probe`, and the chil
 
 from __future__ import annotations
 
+import mmap
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from hy3c.serve.engine.kv_file_store import FileStore, SpawnedFileStore
+from hy3c.serve.engine.kv_file_store import FileStore, SharedBlocks, SpawnedFileStore
 
 PAGE = 4096
 
@@ -108,6 +111,79 @@ def test_a_failed_write_is_raised_by_the_next_put_and_a_dead_child_restarts_on_p
         assert bytes(store.get(bytes([5]) * 16, PAGE)) == _page(5)
     finally:
         store.close()
+
+
+def _shared_blocks(count: int) -> tuple[SharedBlocks, mmap.mmap]:
+    """`count` blocks of PAGE bytes in a memfd, block i filled with _page(i)."""
+    fd = os.memfd_create("test-blocks", os.MFD_CLOEXEC)
+    os.ftruncate(fd, count * PAGE)
+    mapping = mmap.mmap(fd, count * PAGE)
+    for i in range(count):
+        mapping[i * PAGE : (i + 1) * PAGE] = _page(i)
+    return SharedBlocks(fd, PAGE, count), mapping
+
+
+def test_blocks_handed_over_by_number_are_read_from_shared_memory_and_each_given_back_once(tmp_path):
+    """`put_block` sends a key and a block number: the child reads the page from the shared blocks,
+    each block is given back (`on_block_done`) exactly once after its write, and the files equal
+    the blocks; a block outside the shared ones is refused here."""
+    blocks, mapping = _shared_blocks(8)
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    store = SpawnedFileStore(root, b"ns", 1 << 30, blocks)
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def block_done(block: int) -> None:
+        with lock:
+            done.append(block)
+
+    store.on_block_done = block_done
+    try:
+        for i in range(8):
+            store.put_block(bytes([i]) * 16, i, timeout=10)
+        store.put_block(bytes([3]) * 16, 3, timeout=10)  # held already: given back all the same
+        assert store.drain(timeout=30)
+        assert sorted(done) == [0, 1, 2, 3, 3, 4, 5, 6, 7]
+        assert all(bytes(store.get(bytes([i]) * 16, PAGE)) == _page(i) for i in range(8))
+        with pytest.raises(ValueError, match="block 8"):
+            store.put_block(bytes([8]) * 16, 8, timeout=10)
+    finally:
+        store.close()
+        os.close(blocks.fd)
+        mapping.close()
+
+
+def test_blocks_a_dead_writer_held_are_given_back_and_its_loss_raised_once(tmp_path):
+    """Blocks handed to a child that dies before answering (stopped, then killed): every one is given
+    back once (no L2 block stays held), the loss is raised by the next `put_block` once, and after a
+    probe pages are written again."""
+    blocks, mapping = _shared_blocks(4)
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    store = SpawnedFileStore(root, b"ns", 1 << 30, blocks)
+    done: list[int] = []
+    store.on_block_done = done.append
+    try:
+        store.child.send_signal(signal.SIGSTOP)  # reads nothing, answers nothing
+        for i in range(4):
+            store.put_block(bytes([i]) * 16, i, timeout=10)
+        store.child.kill()
+        store.child.wait()
+        store._reader.join(timeout=30)  # the answers' end: what the child held is given back
+        assert sorted(done) == [0, 1, 2, 3] and not store._held
+        with pytest.raises(OSError, match="lost 4 page"):
+            store.put_block(bytes([1]) * 16, 1, timeout=10)
+        with pytest.raises(OSError):  # raised once; now the dead child's pipe refuses the block
+            store.put_block(bytes([1]) * 16, 1, timeout=10)
+        store.probe()  # a new child
+        store.put_block(bytes([2]) * 16, 2, timeout=10)
+        assert store.drain(timeout=30) and sorted(done) == [0, 1, 2, 2, 3]
+        assert bytes(store.get(bytes([2]) * 16, PAGE)) == _page(2)
+    finally:
+        store.close()
+        os.close(blocks.fd)
+        mapping.close()
 
 
 def test_a_directory_that_is_not_ours_is_refused_before_any_child_starts(tmp_path):

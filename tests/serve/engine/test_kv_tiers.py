@@ -683,7 +683,7 @@ def _slow_tiers(monkeypatch, blocks: int, seconds: float, write_queue: int):
     from hy3c.serve.engine import kv_tiers
 
     store = _SlowStore(seconds)
-    monkeypatch.setattr(kv_tiers, "open_store", lambda spec, namespace, max_bytes: store)
+    monkeypatch.setattr(kv_tiers, "open_store", lambda spec, namespace, max_bytes, blocks: store)
     cache = torch.randn(2, 2, 24, PAGE, 2, 8)
     page_bytes = cache[:, :, 0].numel() * cache.element_size()
     config = TierConfig(host_gib=blocks * page_bytes / 2**30, store="slow:", write_queue=write_queue)
@@ -754,7 +754,7 @@ def test_host_memory_evicts_a_page_the_store_holds_before_one_it_would_drop(monk
     from hy3c.serve.engine.kv_pages import page_keys
 
     store = _GatedStore()
-    monkeypatch.setattr(kv_tiers, "open_store", lambda spec, namespace, max_bytes: store)
+    monkeypatch.setattr(kv_tiers, "open_store", lambda spec, namespace, max_bytes, blocks: store)
     cache = torch.randn(2, 2, 24, PAGE, 2, 8)
     page_bytes = cache[:, :, 0].numel() * cache.element_size()
     config = TierConfig(host_gib=4 * page_bytes / 2**30, store="gated:", write_queue=1, store_timeout=60.0)
