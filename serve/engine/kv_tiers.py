@@ -60,6 +60,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -147,7 +148,9 @@ def _words(t: Tensor) -> Tensor:
 class SharedHost:
     """L2's blocks in shared memory: a memfd mapped here, whose descriptor a writer process maps too
     (`SharedBlocks`), registered with CUDA as pinned memory when the cache is on a GPU (its copies
-    then run asynchronously at the link's rate, as from `pin_memory` buffers)."""
+    then run asynchronously at the link's rate, as from `pin_memory` buffers). Unpinned by `release`,
+    or when it is collected — before the mapping can go, which the tensor over it keeps alive: memory
+    unmapped while registered would stay pinned, and a later mapping at its address would not pin."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, cuda: bool) -> None:
         nbytes = int(numpy.prod(shape)) * dtype.itemsize
@@ -155,26 +158,29 @@ class SharedHost:
         os.ftruncate(self.fd, nbytes)
         self._mapping = mmap.mmap(self.fd, nbytes)
         self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8).view(dtype).view(shape)
-        self.registered = False
+        pointer = None
         if cuda:
             code = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
             if int(code) != 0:
+                os.close(self.fd)
                 raise OSError(
                     f"--kv-host-gib: pinning {nbytes / 2**30:.1f} GiB of host memory failed ({code})"
                 )
-            self.registered = True
+            pointer = self.tensor.data_ptr()
+        self.release = weakref.finalize(self, _unpin, pointer, self.fd)
 
     def blocks(self) -> SharedBlocks:
         return SharedBlocks(
             self.fd, self.tensor[0].numel() * self.tensor.element_size(), self.tensor.shape[0]
         )
 
-    def release(self) -> None:
-        """Unpin (every copy into or out of it done); the mapping goes with its last tensor."""
-        if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.registered = False
-        os.close(self.fd)
+
+def _unpin(pointer: int | None, fd: int) -> None:
+    """`SharedHost`'s release: unregistered from CUDA once no copy into or out of it runs."""
+    if pointer is not None:
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(pointer)
+    os.close(fd)
 
 
 def _all_of(parts: list[Future]) -> Future:
@@ -983,6 +989,4 @@ class KVTiers:
                 pool.shutdown(wait=False)
         if self.store is not None:
             self.store.close()
-        if self.cuda:
-            torch.cuda.synchronize(self.kv_cache.device)  # no copy into or out of L2 still running
         self.shared.release()
