@@ -36,10 +36,11 @@ prefix is found page by page in L1, then L2, then L3, stopping at the first miss
   allocated L1 pages on the side stream — after the work queued so far, since a freshly freed L1 page
   may still be written by a step in flight: each run of consecutive blocks in one H2D copy into a
   staging buffer, then one scatter into the pages per round. Nothing waits for it there: the pages
-  are `loading` until the copies' event has passed, and a request holding such pages is held back
-  while other requests step (the copy overlaps their work), or — when the step has nothing else to
-  run — the compute stream waits on the event (`wait_loads`); a loading page handed out again is
-  waited for likewise (`reusing`). The loaded pages are published in L1 at once, so concurrent
+  are `loading` until the copies' event has passed. A request holding such pages joins the next step
+  at once, the compute stream waiting on the event (`wait_loads`), when the load is no larger than a
+  step's token budget or the step has nothing else to run; else it is held back while other requests
+  step (the copy overlaps their work). A loading page handed out again is waited for likewise
+  (`reusing`). The loaded pages are published in L1 at once, so concurrent
   requests with that prefix share them (and their wait).
 * **L3 never blocks serving for long.** Each store call runs on a worker with a timeout; after
   `failures_to_degrade` consecutive failures or timeouts the store is *degraded*: lookups miss and
@@ -542,17 +543,21 @@ class KVTiers:
                 if event is not None:
                     self._device_wait(event)
 
-    def loading(self, pages: Sequence[int]) -> bool:
-        """Whether a load from L2 into any of these L1 pages is still running on the side stream (a
-        request holding them joins a step once it is done: `extend_prefix`)."""
+    def loading(self, pages: Sequence[int]) -> int:
+        """How many of these L1 pages a load from L2 is still filling on the side stream (0: none; the
+        scheduler decides whether a request holding them joins a step now: `extend_prefix`)."""
+        running, done = 0, {}  # event → whether it has passed (asked once: a load's pages share one)
         for page in pages if self._loading else ():
             event = self._loading.get(page)
             if event is None:
                 continue
-            if not event.query():
-                return True
-            del self._loading[page]
-        return False
+            if id(event) not in done:
+                done[id(event)] = event.query()
+            if done[id(event)]:
+                del self._loading[page]
+            else:
+                running += 1
+        return running
 
     def wait_loads(self, pages: Sequence[int]) -> None:
         """The compute stream waits for the loads into these pages (a step with nothing else to run
@@ -580,9 +585,10 @@ class KVTiers:
         `match_prefix`'s).
 
         The load runs on the side stream and nothing waits for it here: a step that reads the pages
-        must come after it — the scheduler holds back a request whose pages are `loading` while other
-        requests step (the copy overlaps their work), or makes the step wait on the device
-        (`wait_loads`) when it has nothing else to run."""
+        must come after it — the scheduler makes the step wait on the device (`wait_loads`) when the
+        load is small (moving a token's KV costs a small fraction of computing it, so a load of up to a
+        step's token budget delays the step less than waiting a step delays the request), and holds
+        back a request with a larger load while other requests step (the copy overlaps their work)."""
         self._fetched.discard(request_id)
         if self._pending:  # a block about to be read may be one still to be copied into
             self.commit_saves()

@@ -11,7 +11,9 @@ Every step, `schedule()` decides which tokens each sequence feeds:
    waits for it, so concurrent requests with one prefix compute it once — also under overlapped
    scheduling, where the chunk that writes it is still in flight when the next step is planned.
    With KV tiers, the prefix continues in host memory (L2) and the store (L3): a sequence whose
-   pages are still being loaded from L2 waits while the others step (`KVTiers.loading`).
+   pages are still being loaded from L2 joins the step at once when the load is no larger than the
+   step's token budget (the step waits for it on the device), else waits while the others step
+   (`KVTiers.loading`).
 A step is a list of `Work` items (one per sequence) that the engine turns into a `StepBatch`.
 
 Overlapped scheduling: the engine plans and launches step N+1 before it reads step N's sampled tokens.
@@ -399,11 +401,14 @@ class Scheduler:
                 seq.computed = len(seq.pages) * self.pool.page_size
                 if not seq.admitted:
                     seq.cached_tokens = seq.computed
-            if self.tiers is not None and self.tiers.loading(seq.pages):
-                if work:  # others step while its pages come up from host memory; it joins after
+            loading = self.tiers.loading(seq.pages) if self.tiers is not None else 0
+            if loading:
+                # a load of up to a step's token budget joins now, the step waiting for it on the
+                # device (its copy costs far less than a step); a larger one waits while others step
+                if work and loading * self.pool.page_size > self.max_num_batched_tokens:
                     deferred.add(id(seq))
                     continue
-                self.tiers.wait_loads(seq.pages)  # nothing else to run: the step waits on the device
+                self.tiers.wait_loads(seq.pages)
             if not self._may_prefill(prefills):
                 break
             count = self._chunk(min(seq.pending, budget, logit_rows if self._scoring(seq) else budget))

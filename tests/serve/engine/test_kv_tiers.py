@@ -119,11 +119,12 @@ class _SlowCopy:
         return self.polls < 0
 
 
-@pytest.mark.parametrize("alone", [False, True])
-def test_a_load_from_host_memory_overlaps_other_requests_steps(model, tokenizer, monkeypatch, alone):
-    """An L2 hit's pages are copied on the side stream without a wait: while the copy runs, the request
-    is held back and the running one keeps stepping (it joins once the copy is done); alone, it is
-    admitted at once and the step waits on the device. Same greedy tokens either way, nothing held."""
+@pytest.mark.parametrize("case", ["alone", "beside", "beside, a load over the budget"])
+def test_a_load_from_host_memory_joins_at_once_unless_larger_than_a_step(model, tokenizer, monkeypatch, case):
+    """An L2 hit's pages are copied on the side stream without a wait. Alone, or beside a running
+    request with a load no larger than the step's token budget, the request is admitted at once and
+    the step waits on the device; with a larger load it is held back while the running one keeps
+    stepping (it joins once the copy is done). Same greedy tokens either way, nothing held."""
     from hy3c.serve.engine import kv_tiers
 
     plain = _engine(model, tokenizer, None, num_pages=40)
@@ -134,6 +135,9 @@ def test_a_load_from_host_memory_overlaps_other_requests_steps(model, tokenizer,
     engine = _engine(model, tokenizer, _config())
     _generate(engine, PROMPT, "a")
     _evict(engine)
+    held_back = case == "beside, a load over the budget"
+    if held_back:  # the 40 tokens loaded are more than a step takes
+        engine.scheduler.max_num_batched_tokens = 32
     load, copies, waits = kv_tiers.KVTiers._load, [], []
 
     def slow_load(self, pages, blocks):
@@ -153,7 +157,7 @@ def test_a_load_from_host_memory_overlaps_other_requests_steps(model, tokenizer,
 
     engine.scheduler.schedule = recorded
     outputs: dict[str, list[StepOutput]] = {"b": [], "other": []}
-    if not alone:
+    if case != "alone":
         engine.submit(
             GenerationRequest("other", other_prompt, SamplingParams(temperature=0.0), 6, ignore_eos=True),
             outputs["other"].append,
@@ -166,10 +170,12 @@ def test_a_load_from_host_memory_overlaps_other_requests_steps(model, tokenizer,
     engine.run_until_done()
     assert [t for o in outputs["b"] for t in o.token_ids] == expected and outputs["b"][-1].cached_tokens == 40
     assert len(copies) == 1
-    if alone:
-        assert waits == copies and "b" in steps[0]  # admitted at once, the device waits
-    else:
+    if case != "alone":
         assert [t for o in outputs["other"] for t in o.token_ids] == other_expected
+    if not held_back:
+        joined = next(i for i, ids in enumerate(steps) if "b" in ids)
+        assert waits == copies and joined == (0 if case == "alone" else 1)  # at once, the device waits
+    else:
         joined = next(i for i, ids in enumerate(steps) if "b" in ids)
         assert joined >= 3 and all("other" in ids for ids in steps[1:joined])  # it stepped meanwhile
         assert waits == [] and copies[0].polls < 0
