@@ -196,6 +196,7 @@ def test_a_request_held_back_by_its_load_gives_its_pages_to_a_running_one(model,
     engine = _engine(model, tokenizer, _config())
     _generate(engine, PROMPT, "a")
     _evict(engine)
+    engine.scheduler.max_num_batched_tokens = 32  # the 40 tokens loaded are more than a step: held back
     load = kv_tiers.KVTiers._load
     monkeypatch.setattr(
         kv_tiers.KVTiers, "_load", lambda self, pages, blocks: load(self, pages, blocks) or _SlowCopy(12)
