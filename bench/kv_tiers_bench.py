@@ -172,8 +172,11 @@ def main() -> None:
 
         def block_puts() -> None:
             prefix = next(rounds).to_bytes(4, "little")
-            for key in keys:
-                by_block.put_block(prefix + key[4:], tiers._block_of[key], timeout=600)
+            for at in range(0, len(keys), 32):  # in the tiers' batches
+                batch = keys[at : at + 32]
+                by_block.hand_blocks(
+                    [prefix + k[4:] for k in batch], [tiers._block_of[k] for k in batch], 600
+                )
             by_block.drain(timeout=600)
 
         results["file store put, writer process, by block"] = timed(block_puts, device, args.rounds)

@@ -31,12 +31,15 @@ from hy3c.serve.agent.tool_calls import schema_types
 
 CACHED = 64  # compiled grammars kept (requests of one schema share one)
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, pattern or list of choices longer than this (as JSON) is refused
-# A step's masks go to llguidance's pool unless they are few and cheap: each mask filled on the
-# engine's thread releases and retakes the GIL, and in a server every retake may wait for the HTTP
-# loop (32 masks in turn beside a spinning thread: ~40 ms against ~5 ms through the pool, on the CPU
-# machine), though alone 32 cheap masks took 0.5 ms in turn against 0.9 through the pool (H200 host).
+# A step's masks go to llguidance's pool when filling them in turn would take long (PARALLEL_AFTER_S at
+# the first one's pace). Alone, in turn is the faster: 32 masks took 0.59 ms in turn against 1.23 ms
+# through the pool on the H100's host (BENCHMARKS, issue 29). But each mask filled on the engine's
+# thread releases and retakes the GIL, and an engine on a thread of the HTTP server may wait for the
+# server's loop at every retake (32 masks in turn beside a spinning thread: ~40 ms against ~5 ms through
+# the pool, on the CPU machine): there, more than IN_TURN_AT_MOST masks after the first always go to
+# the pool (`EngineConfig.masks_in_turn_at_most`).
 PARALLEL_AFTER_S = 1e-3
-IN_TURN_AT_MOST = 3  # masks after the first
+IN_TURN_AT_MOST = 3  # masks after the first, for an engine that shares its process with the HTTP loop
 
 
 def _limits():
@@ -366,11 +369,16 @@ def _executor():
     return llguidance.LLExecutor()  # its own threads, one per core
 
 
-def fill_masks(constraints: list[Constraint], mask: Tensor, rows: list[int] | None = None) -> None:
+def fill_masks(
+    constraints: list[Constraint],
+    mask: Tensor,
+    rows: list[int] | None = None,
+    in_turn_at_most: int | None = IN_TURN_AT_MOST,
+) -> None:
     """Row rows[i] (default i) of `mask` for constraint i. The first is filled on this thread and
-    timed: when more than IN_TURN_AT_MOST others remain, or they would take longer than
-    PARALLEL_AFTER_S at its pace, they are filled in parallel on llguidance's threads (a mask of a
-    120,832-token vocabulary inside a JSON string takes ~0.2 ms: BENCHMARKS), else here too."""
+    timed: when more than `in_turn_at_most` others remain (None: no such bound), or they would take
+    longer than PARALLEL_AFTER_S at its pace, they are filled in parallel on llguidance's threads (a
+    mask of a 120,832-token vocabulary inside a JSON string takes ~0.2 ms: BENCHMARKS), else here too."""
     rows = list(range(len(constraints))) if rows is None else rows
     if not constraints:
         return
@@ -378,7 +386,8 @@ def fill_masks(constraints: list[Constraint], mask: Tensor, rows: list[int] | No
     constraints[0].fill(mask, rows[0])
     first = time.perf_counter() - started
     rest = list(zip(constraints[1:], rows[1:]))
-    if len(rest) <= IN_TURN_AT_MOST and first * len(rest) < PARALLEL_AFTER_S:
+    few = in_turn_at_most is None or len(rest) <= in_turn_at_most
+    if few and first * len(rest) < PARALLEL_AFTER_S:
         for constraint, row in rest:
             constraint.fill(mask, row)
         return

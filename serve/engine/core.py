@@ -111,6 +111,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # a prefill chunk's tokens per step at most (0: the budget)
     max_num_partial_prefills: int = 0  # requests prefilling in one step at most (0: any number)
     kv_tiers: TierConfig | None = None  # L2 pinned host memory and an L3 store below the page pool
+    # a step's grammar masks after the first filled on the engine's thread at most, the rest on
+    # llguidance's pool (None: only their time decides; `hy3c.serve.agent.structured.fill_masks`)
+    masks_in_turn_at_most: int | None = None
 
 
 WARM_UP_TOKENS = (1, 15, 16, 127, 128, 1023, 1024)  # prefill lengths `Engine.warm_up` runs
@@ -785,7 +788,7 @@ class Engine:
             if cuda
             else torch.zeros((total, -(-width // 32)), dtype=torch.int32)
         )
-        fill_masks(constraints, masks, rows)
+        fill_masks(constraints, masks, rows, self.config.masks_in_turn_at_most)
         allow_other_rows(masks, rows)
         return self._mask_staging.upload(masks, device) if cuda else masks
 

@@ -28,12 +28,14 @@ import hashlib
 import logging
 import mmap
 import os
+import queue
 import select
 import stat
 import struct
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -56,7 +58,8 @@ NO_BLOCK = (1 << 64) - 1  # the block of a page sent with its payload
 _PIPE_BYTES = 4 << 20  # the pipe to the writer: a few pages in flight (Linux's default is 64 KiB)
 _CHILD_THREADS = 4  # the child's page writes in parallel (a new file's block allocation scales with cores)
 _CHILD_PAGES = 16  # pages the child holds at most (read, not yet written): the pipe's back-pressure
-_BLOCKS_IN_FLIGHT = 64  # L2 blocks handed over and not yet answered, at most (`put_block` waits)
+_BLOCKS_IN_FLIGHT = 64  # L2 blocks handed over and not yet answered, at most (`hand_blocks` waits)
+_ANSWER_PAUSE = 0.002  # seconds the child waits after sending answers, so the next ones come in a burst
 _STARTUP_SECONDS = 60.0  # the child's start: its import and the store's index scan
 
 
@@ -225,9 +228,9 @@ class SharedBlocks:
 class SpawnedFileStore:
     """A `FileStore` whose writes run in a child process (`serve_writes`): `put` sends the page through
     a pipe and returns once the pipe holds it (blocking while the child is behind: back-pressure);
-    with `blocks` (L2 in shared memory) `put_block` sends only the page's key and block, and the child
+    with `blocks` (L2 in shared memory) `hand_blocks` sends only the page's key and block, and the child
     reads the block itself; `get` and `contains` read the directory here. Writes the child reports
-    failed, and pages a dead child took with it, are raised by the next `put` or `put_block` (once: the
+    failed, and pages a dead child took with it, are raised by the next `put` or `hand_blocks` (once: the
     tiers count it like any store failure); a dead child is started again by `probe`. `drain` waits
     until the child has answered every page sent."""
 
@@ -235,8 +238,8 @@ class SpawnedFileStore:
     # told of each page the child wrote (its '+' answers; a page it already held is not one), on the
     # thread that reads the answers: the tiers' count of pages stored
     on_stored: Callable[[int], None] | None = None
-    # told of each block `put_block` handed over once the child is done reading it (answered, or died
-    # holding it), on the thread that reads the answers: exactly once per `put_block` that returned
+    # told of each block `hand_blocks` handed over once the child is done reading it (answered, or died
+    # holding it), on the thread that reads the answers: exactly once per `hand_blocks` that returned
     on_block_done: Callable[[int], None] | None = None
 
     def __init__(
@@ -288,21 +291,26 @@ class SpawnedFileStore:
         self._reader.start()
 
     def _read_answers(self, child: subprocess.Popen) -> None:
-        """The child's answers, one a page, until its stdout closes; then the blocks it still held are
-        done with (a new child starts only after this ends: `probe`)."""
-        while len(answer := _read_exact(child.stdout, _ANSWER.size)) == _ANSWER.size:
-            code, block = _ANSWER.unpack(answer)
+        """The child's answers, one a page, read as many at a time as have come (the child sends them
+        in bursts: each wake-up here takes the engine's GIL), until its stdout closes; then the blocks
+        it still held are done with (a new child starts only after this ends: `probe`)."""
+        fd, pending = child.stdout.fileno(), b""
+        while data := os.read(fd, 256 * _ANSWER.size):
+            pending += data
+            whole = len(pending) - len(pending) % _ANSWER.size
+            answers = [_ANSWER.unpack_from(pending, at) for at in range(0, whole, _ANSWER.size)]
+            pending = pending[whole:]
+            blocks = [block for _, block in answers if block != NO_BLOCK]
             with self._answers:
-                self._answered += 1
-                self._lost += code == b"!"
-                if block != NO_BLOCK:
-                    self._held[block] -= 1
-                    if not self._held[block]:
-                        del self._held[block]
+                self._answered += len(answers)
+                self._lost += sum(code == b"!" for code, _ in answers)
+                self._held.subtract(blocks)
+                self._held = +self._held  # drop the blocks no longer held
                 self._answers.notify_all()
-            if code == b"+" and self.on_stored is not None:
-                self.on_stored(1)
-            if block != NO_BLOCK and self.on_block_done is not None:
+            stored = sum(code == b"+" for code, _ in answers)
+            if stored and self.on_stored is not None:
+                self.on_stored(stored)
+            for block in blocks if self.on_block_done is not None else ():
                 self.on_block_done(block)
         # the child is gone: what it had not answered is lost (after a frame being sent: under `_send`)
         with self._send, self._answers:
@@ -329,24 +337,29 @@ class SpawnedFileStore:
             with self._answers:
                 self._sent += 1
 
-    def put_block(self, key: bytes, block: int, timeout: float) -> None:
-        """Hand the page in L2 block `block` (of the shared `blocks`) to the writer process, which reads
-        it there: the block must not change until `on_block_done(block)`. Waits while
-        `_BLOCKS_IN_FLIGHT` blocks are handed over and unanswered, `timeout` seconds at most (then a
-        TimeoutError); when this raises, the block was not handed over."""
-        if self.blocks is None or not 0 <= block < self.blocks.count or len(key) != 16:
-            raise ValueError(f"put_block: block {block} of a store sharing {self.blocks}")
+    def hand_blocks(self, keys: list[bytes], blocks: list[int], timeout: float) -> None:
+        """Hand the pages in L2 blocks `blocks` (of the shared `blocks`) to the writer process, which
+        reads them there: a block must not change until `on_block_done(block)`. One write of their
+        frames (atomic: all are handed over, or — when this raises — none). Waits while
+        `_BLOCKS_IN_FLIGHT` pages are handed over and unanswered, `timeout` seconds at most (then a
+        TimeoutError)."""
+        if len(keys) != len(blocks) or len(keys) * _FRAME.size > select.PIPE_BUF:
+            raise ValueError(f"hand_blocks: {len(keys)} keys and {len(blocks)} blocks in one write")
+        for key, block in zip(keys, blocks):
+            if self.blocks is None or not 0 <= block < self.blocks.count or len(key) != 16:
+                raise ValueError(f"hand_blocks: block {block} of a store sharing {self.blocks}")
         self._raise_lost()
         with self._answers:
             if not self._answers.wait_for(lambda: self._sent - self._answered < _BLOCKS_IN_FLIGHT, timeout):
                 raise TimeoutError(f"the file store's writer process answered nothing in {timeout} s")
+        frames = b"".join(_FRAME.pack(key, BLOCK_FRAME | block) for key, block in zip(keys, blocks))
         with self._send:
             if self._closed:
                 raise OSError("the file store is closed")
-            _write_all(self.child.stdin.fileno(), _FRAME.pack(key, BLOCK_FRAME | block))
+            _write_all(self.child.stdin.fileno(), frames)
             with self._answers:
-                self._sent += 1
-                self._held[block] += 1
+                self._sent += len(blocks)
+                self._held.update(blocks)
 
     def _raise_lost(self) -> None:
         with self._answers:
@@ -450,7 +463,28 @@ def serve_writes(store: FileStore, frames, answers, blocks: list[memoryview] | N
     """The writer process's loop: each frame's page stored (unless the store holds it) by a small pool
     of threads, answered in the order the writes end, until the frames end. `blocks`: the shared L2
     blocks that block frames name (read, never written here)."""
-    lock, room = threading.Lock(), threading.BoundedSemaphore(_CHILD_PAGES)
+    room = threading.BoundedSemaphore(_CHILD_PAGES)
+    queued: queue.SimpleQueue = queue.SimpleQueue()  # answers, sent in bursts by `send_answers`
+
+    def send_answers() -> None:
+        """Every answer queued, in one write, then a pause (`_ANSWER_PAUSE`): the engine's process
+        wakes for a burst, not for each page; None ends it."""
+        while (first := queued.get()) is not None:
+            burst, end = [first], False
+            while not queued.empty():
+                item = queued.get()
+                if item is None:
+                    end = True
+                    break
+                burst.append(item)
+            answers.write(b"".join(_ANSWER.pack(*answer) for answer in burst))
+            answers.flush()
+            if end:
+                return
+            time.sleep(_ANSWER_PAUSE)
+
+    sender = threading.Thread(target=send_answers, name="hy3c-kv-file-answers")
+    sender.start()
 
     def write(key: bytes, payload: Buffer | None, block: int) -> None:
         try:
@@ -464,9 +498,7 @@ def serve_writes(store: FileStore, frames, answers, blocks: list[memoryview] | N
             answer = b"!"
         finally:
             room.release()
-        with lock:
-            answers.write(_ANSWER.pack(answer, block))
-            answers.flush()
+        queued.put((answer, block))
 
     with ThreadPoolExecutor(_CHILD_THREADS, thread_name_prefix="hy3c-kv-file-write") as pool:
         while head := _read_exact(frames, _FRAME.size):
@@ -485,6 +517,8 @@ def serve_writes(store: FileStore, frames, answers, blocks: list[memoryview] | N
                     break
             room.acquire()
             pool.submit(write, key, payload, block)
+    queued.put(None)  # after every write (the pool is shut down): the last answers, then the end
+    sender.join()
 
 
 def main(argv: list[str]) -> int:

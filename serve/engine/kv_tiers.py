@@ -427,8 +427,8 @@ class KVTiers:
 
     @property
     def by_block(self) -> bool:
-        """Whether the store reads the pages it writes from the shared L2 blocks (`put_block`)."""
-        return hasattr(self.store, "put_block")
+        """Whether the store reads the pages it writes from the shared L2 blocks (`hand_blocks`)."""
+        return hasattr(self.store, "hand_blocks")
 
     # ---- blocks -------------------------------------------------------------------------------------
     @property
@@ -888,8 +888,10 @@ class KVTiers:
                     with self._lock:
                         self.stats.l3_dropped += len(batch)
                     continue
-                for _, _, event in batch:
-                    if event is not None:
+                # each copy's event once (a step's saves share one), waited only while it runs: every
+                # wait lets go of the GIL, and taking it back can keep the engine's thread waiting
+                for event in {id(event): event for _, _, event in batch if event is not None}.values():
+                    if not event.query():
                         event.synchronize()
                 started = time.perf_counter()
                 keys, blocks = [key for key, _, _ in batch], [block for _, block, _ in batch]
@@ -901,14 +903,8 @@ class KVTiers:
                         self._failures = 0
                     stored = len(batch)
                 elif self.by_block:  # handed over by block number; each released as the store answers
-                    handed = 0
-                    try:
-                        for key, block in zip(keys, blocks):
-                            self.store.put_block(key, block, self.config.store_timeout)  # type: ignore[attr-defined]
-                            handed += 1
-                    finally:
-                        still_writing = True
-                        self._written(batch[handed:])
+                    self.store.hand_blocks(keys, blocks, self.config.store_timeout)  # type: ignore[attr-defined]
+                    still_writing = True  # handed over: no longer this loop's to release
                     with self._health:
                         self._failures = 0
                     stored = 0  # counted as the writer answers (`on_stored`)
@@ -950,7 +946,7 @@ class KVTiers:
             self._writes.task_done()
 
     def _block_written(self, block: int) -> None:
-        """The store is done reading a block `put_block` handed it: free to reuse."""
+        """The store is done reading a block `hand_blocks` handed it: free to reuse."""
         self._release_busy(block)
         self._writes.task_done()
 

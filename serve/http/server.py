@@ -169,6 +169,7 @@ def _engine_over(
     engine, its CUDA graphs and warm-up."""
     import torch
 
+    from hy3c.serve.agent.structured import IN_TURN_AT_MOST
     from hy3c.serve.engine.core import Engine, EngineConfig
     from hy3c.serve.engine.kernel_builds import watch_kernel_builds
     from hy3c.serve.engine.metrics import EngineMetrics
@@ -232,6 +233,8 @@ def _engine_over(
         speculative=speculative,
         long_prefill_token_threshold=options.long_prefill_token_threshold or 0,
         max_num_partial_prefills=options.max_num_partial_prefills or 0,
+        # an engine on a thread of the HTTP server retakes the GIL from its loop after every mask
+        masks_in_turn_at_most=None if options.engine_process else IN_TURN_AT_MOST,
     )
     metrics = EngineMetrics(max_model_len)
     metrics.describe_cache(page_size, num_pages, str(runner.kv_dtype).removeprefix("torch."))

@@ -123,8 +123,9 @@ def test_after_the_reasoning_tag_the_grammar_holds_only_what_follows(grammars, s
 
 
 def test_many_masks_go_to_the_pool_and_few_cheap_ones_are_filled_in_turn(grammars, monkeypatch):
-    """Past IN_TURN_AT_MOST masks after the first, llguidance's pool fills them (one GIL release a
-    step, not one a mask); either way the rows equal one-at-a-time fills."""
+    """Past IN_TURN_AT_MOST masks after the first (an engine sharing its process with the HTTP loop),
+    llguidance's pool fills them (one GIL release a step, not one a mask); either way the rows equal
+    one-at-a-time fills. Without that bound, only the fills' expected time sends them to the pool."""
     import llguidance.torch
 
     from hy3c.serve.agent import structured
@@ -153,6 +154,14 @@ def test_many_masks_go_to_the_pool_and_few_cheap_ones_are_filled_in_turn(grammar
             alone = allocate_masks(1, vocab)
             constraint.fill(alone, 0)
             assert _allowed(masks, row, vocab) == _allowed(alone, 0, vocab)
+    # an engine in a process of its own: no count bound, their time alone decides
+    constraints = [new_constraint(grammar) for _ in range(2 + structured.IN_TURN_AT_MOST)]
+    pooled.clear()
+    fill_masks(constraints, allocate_masks(len(constraints), vocab), in_turn_at_most=None)
+    assert pooled == []
+    monkeypatch.setattr(structured, "PARALLEL_AFTER_S", 0.0)
+    fill_masks(constraints, allocate_masks(len(constraints), vocab), in_turn_at_most=None)
+    assert pooled == [len(constraints) - 1]
 
 
 @pytest.mark.parametrize("padded", [0, 64])

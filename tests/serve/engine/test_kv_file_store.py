@@ -124,7 +124,7 @@ def _shared_blocks(count: int) -> tuple[SharedBlocks, mmap.mmap]:
 
 
 def test_blocks_handed_over_by_number_are_read_from_shared_memory_and_each_given_back_once(tmp_path):
-    """`put_block` sends a key and a block number: the child reads the page from the shared blocks,
+    """`hand_blocks` sends a key and a block number: the child reads the page from the shared blocks,
     each block is given back (`on_block_done`) exactly once after its write, and the files equal
     the blocks; a block outside the shared ones is refused here."""
     blocks, mapping = _shared_blocks(8)
@@ -140,14 +140,15 @@ def test_blocks_handed_over_by_number_are_read_from_shared_memory_and_each_given
 
     store.on_block_done = block_done
     try:
-        for i in range(8):
-            store.put_block(bytes([i]) * 16, i, timeout=10)
-        store.put_block(bytes([3]) * 16, 3, timeout=10)  # held already: given back all the same
+        store.hand_blocks([bytes([i]) * 16 for i in range(6)], list(range(6)), timeout=10)
+        store.hand_blocks([bytes([6]) * 16, bytes([7]) * 16], [6, 7], timeout=10)
+        store.hand_blocks([bytes([3]) * 16], [3], timeout=10)  # held already: given back all the same
         assert store.drain(timeout=30)
         assert sorted(done) == [0, 1, 2, 3, 3, 4, 5, 6, 7]
         assert all(bytes(store.get(bytes([i]) * 16, PAGE)) == _page(i) for i in range(8))
         with pytest.raises(ValueError, match="block 8"):
-            store.put_block(bytes([8]) * 16, 8, timeout=10)
+            store.hand_blocks([bytes([7]) * 16, bytes([8]) * 16], [7, 8], timeout=10)
+        assert store.drain(timeout=30) and len(done) == 9  # refused whole: block 7 not handed again
     finally:
         store.close()
         os.close(blocks.fd)
@@ -156,7 +157,7 @@ def test_blocks_handed_over_by_number_are_read_from_shared_memory_and_each_given
 
 def test_blocks_a_dead_writer_held_are_given_back_and_its_loss_raised_once(tmp_path):
     """Blocks handed to a child that dies before answering (stopped, then killed): every one is given
-    back once (no L2 block stays held), the loss is raised by the next `put_block` once, and after a
+    back once (no L2 block stays held), the loss is raised by the next `hand_blocks` once, and after a
     probe pages are written again."""
     blocks, mapping = _shared_blocks(4)
     root = tmp_path / "store"
@@ -166,18 +167,17 @@ def test_blocks_a_dead_writer_held_are_given_back_and_its_loss_raised_once(tmp_p
     store.on_block_done = done.append
     try:
         store.child.send_signal(signal.SIGSTOP)  # reads nothing, answers nothing
-        for i in range(4):
-            store.put_block(bytes([i]) * 16, i, timeout=10)
+        store.hand_blocks([bytes([i]) * 16 for i in range(4)], list(range(4)), timeout=10)
         store.child.kill()
         store.child.wait()
         store._reader.join(timeout=30)  # the answers' end: what the child held is given back
         assert sorted(done) == [0, 1, 2, 3] and not store._held
         with pytest.raises(OSError, match="lost 4 page"):
-            store.put_block(bytes([1]) * 16, 1, timeout=10)
+            store.hand_blocks([bytes([1]) * 16], [1], timeout=10)
         with pytest.raises(OSError):  # raised once; now the dead child's pipe refuses the block
-            store.put_block(bytes([1]) * 16, 1, timeout=10)
+            store.hand_blocks([bytes([1]) * 16], [1], timeout=10)
         store.probe()  # a new child
-        store.put_block(bytes([2]) * 16, 2, timeout=10)
+        store.hand_blocks([bytes([2]) * 16], [2], timeout=10)
         assert store.drain(timeout=30) and sorted(done) == [0, 1, 2, 2, 3]
         assert bytes(store.get(bytes([2]) * 16, PAGE)) == _page(2)
     finally:
