@@ -18,7 +18,7 @@
 #   tiers-tests   GPU tests of the KV tiers (real side-stream copies, a load beside a running request)
 #   tiers         prefix repetition at 0% and 80% hit, L1 only / + L2 / + file L3 (issue 28; the
 #                 whole of bench/kv_tiers_serve.sh needs a call of its own; SETTINGS="l1-l2" etc.
-#                 runs one server of it, N=256 fewer prompts)
+#                 runs one server of it, N=192 PREFIXES=24 fewer prompts, RATIOS others)
 #   tiers-paths   the KV tiers' data paths (L2 → GPU loads, GPU → L2 saves) against plain pinned copies
 #   shared        16 requests on 61,440-token shared prefixes: prompt tokens computed against the ideal,
 #                 one prefix in L1, and two alternating through L1 only / L2 / file L3 (issue 28)
@@ -63,7 +63,7 @@ for step in ${STEPS:-probe}; do
         --random-weights 0 --prompt-len $len --repeats 5; done >"$out/$step.txt" 2>&1 ;;
     tiers-tests) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/serve/engine/test_kv_tiers_gpu.py \
         >"$out/$step.txt" 2>&1 ;;
-    tiers) compiled; ART=$slice RANDOM_WEIGHTS=1 RATIOS="0 0.8" TRACE=0 SHARED=0 \
+    tiers) compiled; ART=$slice RANDOM_WEIGHTS=1 RATIOS="${RATIOS:-0 0.8}" TRACE=0 SHARED=0 \
         timeout 540 bash bench/kv_tiers_serve.sh >"$out/$step.txt" 2>&1 ;;
     tiers-paths) compiled; timeout 240 python3 bench/kv_tiers_bench.py --artifact $slice --pages 1024 --rounds 5 \
         >"$out/$step.txt" 2>&1 ;;
