@@ -332,10 +332,9 @@ class SpawnedFileStore:
             if self._closed:
                 raise OSError("the file store is closed")
             fd = self.child.stdin.fileno()
-            _write_all(fd, _FRAME.pack(key, view.nbytes))  # BrokenPipeError (an OSError) if it died
-            _write_all(fd, view)
-            with self._answers:
-                self._sent += 1
+            with self._sending([]):  # BrokenPipeError (an OSError) if the child died
+                _write_all(fd, _FRAME.pack(key, view.nbytes))
+                _write_all(fd, view)
 
     def hand_blocks(self, keys: list[bytes], blocks: list[int], timeout: float) -> None:
         """Hand the pages in L2 blocks `blocks` (of the shared `blocks`) to the writer process, which
@@ -356,10 +355,26 @@ class SpawnedFileStore:
         with self._send:
             if self._closed:
                 raise OSError("the file store is closed")
-            _write_all(self.child.stdin.fileno(), frames)
+            with self._sending(blocks):
+                _write_all(self.child.stdin.fileno(), frames)
+
+    @contextlib.contextmanager
+    def _sending(self, blocks: list[int]):
+        """Count a page (`blocks` empty: one sent with its payload) or these blocks as sent before the
+        write — the child may answer before the write returns — and uncount them if it fails (under
+        `_send`, so a dead child's last accounting comes after)."""
+        count = len(blocks) or 1
+        with self._answers:
+            self._sent += count
+            self._held.update(blocks)
+        try:
+            yield
+        except BaseException:
             with self._answers:
-                self._sent += len(blocks)
-                self._held.update(blocks)
+                self._sent -= count
+                self._held.subtract(blocks)
+                self._held = +self._held
+            raise
 
     def _raise_lost(self) -> None:
         with self._answers:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -153,6 +154,35 @@ def test_blocks_handed_over_by_number_are_read_from_shared_memory_and_each_given
         store.close()
         os.close(blocks.fd)
         mapping.close()
+
+
+def test_a_block_answered_before_its_hand_over_returns_is_given_back_once(tmp_path, monkeypatch):
+    """The child may answer a block before `hand_blocks` has returned (its write done, the pipe read at
+    once): the block is given back once, also at close, never again for the same hand-over."""
+    from hy3c.serve.engine import kv_file_store
+
+    blocks, mapping = _shared_blocks(4)
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    store = SpawnedFileStore(root, b"ns", 1 << 30, blocks)
+    done: list[int] = []
+    store.on_block_done = done.append
+    write_all = kv_file_store._write_all
+
+    def slow_after_write(fd, data) -> None:  # the child answers while the sender is still here
+        write_all(fd, data)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(kv_file_store, "_write_all", slow_after_write)
+    try:
+        store.hand_blocks([bytes([i]) * 16 for i in range(4)], list(range(4)), timeout=10)
+        assert store.drain(timeout=30) and sorted(done) == [0, 1, 2, 3] and not store._held
+    finally:
+        store.close()
+        os.close(blocks.fd)
+        mapping.close()
+    store._reader.join(timeout=30)  # the answers' end after close: nothing given back twice
+    assert sorted(done) == [0, 1, 2, 3]
 
 
 def test_blocks_a_dead_writer_held_are_given_back_and_its_loss_raised_once(tmp_path):
