@@ -60,6 +60,7 @@ _CHILD_THREADS = 4  # the child's page writes in parallel (a new file's block al
 _CHILD_PAGES = 16  # pages the child holds at most (read, not yet written): the pipe's back-pressure
 _BLOCKS_IN_FLIGHT = 64  # L2 blocks handed over and not yet answered, at most (`hand_blocks` waits)
 _ANSWER_PAUSE = 0.002  # seconds the child waits after sending answers, so the next ones come in a burst
+_HUNG_SECONDS = 30.0  # a child with pages unanswered this long is stopped by `probe` (and started again)
 _STARTUP_SECONDS = 60.0  # the child's start: its import and the store's index scan
 
 
@@ -253,6 +254,7 @@ class SpawnedFileStore:
         self._answers = threading.Condition()
         self._sent = self._answered = self._lost = 0
         self._held: Counter[int] = Counter()  # blocks handed over, not yet answered
+        self._progress = time.monotonic()  # the child's last answer, or the send that gave it work
         self._reader: threading.Thread | None = None
         self._closed = False
         self._start()
@@ -285,6 +287,8 @@ class SpawnedFileStore:
             raise OSError(f"the file store's writer process did not start: {reason or 'no reason given'}")
         with self._answers:
             self._sent = self._answered = 0
+            self._held.clear()
+            self._progress = time.monotonic()
         self._reader = threading.Thread(
             target=self._read_answers, args=(self.child,), name="hy3c-kv-file-answers", daemon=True
         )
@@ -293,34 +297,48 @@ class SpawnedFileStore:
     def _read_answers(self, child: subprocess.Popen) -> None:
         """The child's answers, one a page, read as many at a time as have come (the child sends them
         in bursts: each wake-up here takes the engine's GIL), until its stdout closes; then the blocks
-        it still held are done with (a new child starts only after this ends: `probe`)."""
+        it still held are done with (a new child starts only after this ends: `probe`). A block is given
+        back only while it is held (an answer for another is ignored), and before the answers are
+        counted, so `drain` returns after the callbacks."""
         fd, pending = child.stdout.fileno(), b""
-        while data := os.read(fd, 256 * _ANSWER.size):
-            pending += data
-            whole = len(pending) - len(pending) % _ANSWER.size
-            answers = [_ANSWER.unpack_from(pending, at) for at in range(0, whole, _ANSWER.size)]
-            pending = pending[whole:]
-            blocks = [block for _, block in answers if block != NO_BLOCK]
-            with self._answers:
-                self._answered += len(answers)
-                self._lost += sum(code == b"!" for code, _ in answers)
-                self._held.subtract(blocks)
-                self._held = +self._held  # drop the blocks no longer held
-                self._answers.notify_all()
-            stored = sum(code == b"+" for code, _ in answers)
+        try:
+            while data := os.read(fd, 256 * _ANSWER.size):
+                pending += data
+                whole = len(pending) - len(pending) % _ANSWER.size
+                answers = [_ANSWER.unpack_from(pending, at) for at in range(0, whole, _ANSWER.size)]
+                pending = pending[whole:]
+                with self._answers:
+                    blocks = [block for _, block in answers if block != NO_BLOCK and self._held[block] > 0]
+                    self._held.subtract(blocks)
+                    self._held = +self._held  # drop the blocks no longer held
+                self._tell(sum(code == b"+" for code, _ in answers), blocks)
+                with self._answers:
+                    self._answered += len(answers)
+                    self._lost += sum(code == b"!" for code, _ in answers)
+                    self._progress = time.monotonic()
+                    self._answers.notify_all()
+        except OSError:  # the pipe failed: as if the child had ended
+            pass
+        finally:  # the child is gone: what it had not answered is lost (a frame being sent: under `_send`)
+            with self._send:
+                with self._answers:
+                    held, self._held = self._held, Counter()
+                self._tell(0, list(held.elements()))
+                with self._answers:
+                    self._lost += self._sent - self._answered
+                    self._answered = self._sent
+                    self._answers.notify_all()
+
+    def _tell(self, stored: int, blocks: list[int]) -> None:
+        """The callbacks of pages stored and blocks given back (a callback's error is logged: the answers
+        go on being read)."""
+        try:
             if stored and self.on_stored is not None:
                 self.on_stored(stored)
             for block in blocks if self.on_block_done is not None else ():
                 self.on_block_done(block)
-        # the child is gone: what it had not answered is lost (after a frame being sent: under `_send`)
-        with self._send, self._answers:
-            self._lost += self._sent - self._answered
-            self._answered = self._sent
-            held, self._held = self._held, Counter()
-            self._answers.notify_all()
-        for block in held.elements():
-            if self.on_block_done is not None:
-                self.on_block_done(block)
+        except Exception as exc:
+            log_event(log, "kv_file_store_callback_failed", level=logging.ERROR, error=repr(exc))
 
     def put(self, key: bytes, payload: Buffer) -> None:
         """Hand the page to the writer process (`payload` is copied into the pipe, not kept)."""
@@ -342,6 +360,8 @@ class SpawnedFileStore:
         frames (atomic: all are handed over, or — when this raises — none). Waits while
         `_BLOCKS_IN_FLIGHT` pages are handed over and unanswered, `timeout` seconds at most (then a
         TimeoutError)."""
+        if not keys and not blocks:
+            return
         if len(keys) != len(blocks) or len(keys) * _FRAME.size > select.PIPE_BUF:
             raise ValueError(f"hand_blocks: {len(keys)} keys and {len(blocks)} blocks in one write")
         for key, block in zip(keys, blocks):
@@ -350,7 +370,9 @@ class SpawnedFileStore:
         self._raise_lost()
         with self._answers:
             if not self._answers.wait_for(lambda: self._sent - self._answered < _BLOCKS_IN_FLIGHT, timeout):
-                raise TimeoutError(f"the file store's writer process answered nothing in {timeout} s")
+                raise TimeoutError(
+                    f"the file store's writer process left {_BLOCKS_IN_FLIGHT} pages unanswered for {timeout} s"
+                )
         frames = b"".join(_FRAME.pack(key, BLOCK_FRAME | block) for key, block in zip(keys, blocks))
         with self._send:
             if self._closed:
@@ -365,6 +387,8 @@ class SpawnedFileStore:
         `_send`, so a dead child's last accounting comes after)."""
         count = len(blocks) or 1
         with self._answers:
+            if self._sent == self._answered:  # the child was idle: its time to answer starts now
+                self._progress = time.monotonic()
             self._sent += count
             self._held.update(blocks)
         try:
@@ -413,8 +437,17 @@ class SpawnedFileStore:
 
     def probe(self) -> None:
         """Raise unless the directory can be written and read and the writer process runs (started
-        again if it died; the pages the old one lost are forgotten, counted once already)."""
+        again if it died, or stopped first if it has left pages unanswered for `_HUNG_SECONDS`; the
+        pages the old one lost are forgotten, counted once already)."""
         self.reader.probe()
+        with self._answers:
+            hung = self._sent > self._answered and time.monotonic() - self._progress > _HUNG_SECONDS
+        if hung and self.child.poll() is None:
+            log_event(
+                log, "kv_file_writer_hung", level=logging.WARNING, unanswered=self._sent - self._answered
+            )
+            self.child.kill()
+            self.child.wait()
         if self.child.poll() is not None and self._reader is not None:
             self._reader.join()  # its end releases what the dead child held (it takes `_send`)
         with self._send:
@@ -474,10 +507,24 @@ def _read_exact(stream, count: int) -> bytes:
     return b"".join(parts)
 
 
-def serve_writes(store: FileStore, frames, answers, blocks: list[memoryview] | None = None) -> None:
+class MappedBlocks:
+    """The shared L2 blocks in the writer process, mapped read-only: a block's view on demand."""
+
+    def __init__(self, fd: int, block_bytes: int, count: int) -> None:
+        self.block_bytes, self.count = block_bytes, count
+        self.view = memoryview(mmap.mmap(fd, block_bytes * count, prot=mmap.PROT_READ))
+
+    def get(self, block: int) -> memoryview | None:
+        """Block `block`, or None when there is no such block."""
+        if not 0 <= block < self.count:
+            return None
+        return self.view[block * self.block_bytes : (block + 1) * self.block_bytes]
+
+
+def serve_writes(store: FileStore, frames, answers, blocks: MappedBlocks | None = None) -> None:
     """The writer process's loop: each frame's page stored (unless the store holds it) by a small pool
-    of threads, answered in the order the writes end, until the frames end. `blocks`: the shared L2
-    blocks that block frames name (read, never written here)."""
+    of threads, answered in the order the writes end, until the frames end or fail. `blocks`: the
+    shared L2 blocks that block frames name (read, never written here)."""
     room = threading.BoundedSemaphore(_CHILD_PAGES)
     queued: queue.SimpleQueue = queue.SimpleQueue()  # answers, sent in bursts by `send_answers`
 
@@ -498,7 +545,7 @@ def serve_writes(store: FileStore, frames, answers, blocks: list[memoryview] | N
                 return
             time.sleep(_ANSWER_PAUSE)
 
-    sender = threading.Thread(target=send_answers, name="hy3c-kv-file-answers")
+    sender = threading.Thread(target=send_answers, name="hy3c-kv-file-answer-sender")
     sender.start()
 
     def write(key: bytes, payload: Buffer | None, block: int) -> None:
@@ -509,31 +556,33 @@ def serve_writes(store: FileStore, frames, answers, blocks: list[memoryview] | N
             elif not store.contains(key):
                 store.put(key, payload)
                 answer = b"+"
-        except OSError:
+        except Exception:  # whatever the write raised: that page is not stored, the loop goes on
             answer = b"!"
         finally:
             room.release()
         queued.put((answer, block))
 
-    with ThreadPoolExecutor(_CHILD_THREADS, thread_name_prefix="hy3c-kv-file-write") as pool:
-        while head := _read_exact(frames, _FRAME.size):
-            if len(head) < _FRAME.size:
-                break
-            key, word = _FRAME.unpack(head)
-            if word == 0:  # a page read by the engine's process: a touch, not answered
-                store.touch(key)
-                continue
-            if word & BLOCK_FRAME:
-                block = word & ~BLOCK_FRAME
-                payload = blocks[block] if blocks is not None and block < len(blocks) else None
-            else:
-                block, payload = NO_BLOCK, _read_exact(frames, word)
-                if len(payload) < word:
+    try:
+        with ThreadPoolExecutor(_CHILD_THREADS, thread_name_prefix="hy3c-kv-file-write") as pool:
+            while head := _read_exact(frames, _FRAME.size):
+                if len(head) < _FRAME.size:
                     break
-            room.acquire()
-            pool.submit(write, key, payload, block)
-    queued.put(None)  # after every write (the pool is shut down): the last answers, then the end
-    sender.join()
+                key, word = _FRAME.unpack(head)
+                if word == 0:  # a page read by the engine's process: a touch, not answered
+                    store.touch(key)
+                    continue
+                if word & BLOCK_FRAME:
+                    block = word & ~BLOCK_FRAME
+                    payload = blocks.get(block) if blocks is not None else None
+                else:
+                    block, payload = NO_BLOCK, _read_exact(frames, word)
+                    if len(payload) < word:
+                        break
+                room.acquire()
+                pool.submit(write, key, payload, block)
+    finally:  # after every write (the pool is shut down): the last answers, then the end
+        queued.put(None)
+        sender.join()
 
 
 def main(argv: list[str]) -> int:
@@ -541,7 +590,7 @@ def main(argv: list[str]) -> int:
     answers = sys.stdout.buffer
     try:
         store = FileStore(root, namespace, max_bytes)
-        blocks = _map_blocks(*map(int, argv[3:6])) if len(argv) >= 6 else None
+        blocks = MappedBlocks(*map(int, argv[3:6])) if len(argv) >= 6 else None
     except (OSError, ValueError) as exc:
         answers.write(b"F" + str(exc).encode())
         answers.flush()
@@ -551,12 +600,6 @@ def main(argv: list[str]) -> int:
     answers.flush()
     serve_writes(store, sys.stdin.buffer, answers, blocks)
     return 0
-
-
-def _map_blocks(fd: int, block_bytes: int, count: int) -> list[memoryview]:
-    """The shared L2 blocks, mapped read-only: one view per block."""
-    whole = memoryview(mmap.mmap(fd, block_bytes * count, prot=mmap.PROT_READ))
-    return [whole[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
 
 
 def _remove_orphaned_temporaries(root: Path) -> None:

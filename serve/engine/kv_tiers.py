@@ -153,14 +153,18 @@ class SharedHost:
     or when it is collected — before the mapping can go, which the tensor over it keeps alive: memory
     unmapped while registered would stay pinned, and a later mapping at its address would not pin."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, cuda: bool) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         nbytes = int(numpy.prod(shape)) * dtype.itemsize
         self.fd = os.memfd_create("hy3c-kv-l2", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, nbytes)
-        self._mapping = mmap.mmap(self.fd, nbytes)
+        try:
+            os.ftruncate(self.fd, nbytes)
+            self._mapping = mmap.mmap(self.fd, nbytes)
+        except OSError:
+            os.close(self.fd)
+            raise
         self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8).view(dtype).view(shape)
         pointer = None
-        if cuda:
+        if device.type == "cuda":
             code = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
             if int(code) != 0:
                 os.close(self.fd)
@@ -168,7 +172,7 @@ class SharedHost:
                     f"--kv-host-gib: pinning {nbytes / 2**30:.1f} GiB of host memory failed ({code})"
                 )
             pointer = self.tensor.data_ptr()
-        self.release = weakref.finalize(self, _unpin, pointer, self.fd)
+        self.release = weakref.finalize(self, _unpin, pointer, self.fd, device)
 
     def blocks(self) -> SharedBlocks:
         return SharedBlocks(
@@ -176,10 +180,11 @@ class SharedHost:
         )
 
 
-def _unpin(pointer: int | None, fd: int) -> None:
-    """`SharedHost`'s release: unregistered from CUDA once no copy into or out of it runs."""
+def _unpin(pointer: int | None, fd: int, device: torch.device) -> None:
+    """`SharedHost`'s release: unregistered from CUDA once no copy into or out of it runs (on the
+    cache's device: a collector's thread may have another current)."""
     if pointer is not None:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
         torch.cuda.cudart().cudaHostUnregister(pointer)
     os.close(fd)
 
@@ -381,7 +386,7 @@ class KVTiers:
                 f"--kv-host-gib {config.host_gib}: smaller than one KV page ({self.page_bytes / 2**20:.1f} MiB)"
             )
         self.cuda = kv_cache.is_cuda
-        self.shared = SharedHost((self.num_blocks, *page.shape), kv_cache.dtype, self.cuda)
+        self.shared = SharedHost((self.num_blocks, *page.shape), kv_cache.dtype, kv_cache.device)
         self.host = self.shared.tensor
         self.stream = torch.cuda.Stream(kv_cache.device) if self.cuda else None
         self.stats = TierStats()

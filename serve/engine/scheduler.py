@@ -401,14 +401,12 @@ class Scheduler:
                 seq.computed = len(seq.pages) * self.pool.page_size
                 if not seq.admitted:
                     seq.cached_tokens = seq.computed
+            # a load of up to a step's token budget joins now, the step waiting for it on the device
+            # (its copy costs far less than a step); a larger one waits while others step
             loading = self.tiers.loading(seq.pages) if self.tiers is not None else 0
-            if loading:
-                # a load of up to a step's token budget joins now, the step waiting for it on the
-                # device (its copy costs far less than a step); a larger one waits while others step
-                if work and loading * self.pool.page_size > self.max_num_batched_tokens:
-                    deferred.add(id(seq))
-                    continue
-                self.tiers.wait_loads(seq.pages)
+            if loading and work and loading * self.pool.page_size > self.max_num_batched_tokens:
+                deferred.add(id(seq))
+                continue
             if not self._may_prefill(prefills):
                 break
             count = self._chunk(min(seq.pending, budget, logit_rows if self._scoring(seq) else budget))
@@ -426,6 +424,8 @@ class Scheduler:
                         f"request {seq.request_id} needs more KV pages than the pool has", seq.request_id
                     )
                 break
+            if loading:  # admitted into this step: it waits for the copy on the device
+                self.tiers.wait_loads(seq.pages)
             self.waiting.remove(seq)
             seq.admitted = True
             self.running.append(seq)

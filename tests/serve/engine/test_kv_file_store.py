@@ -242,3 +242,66 @@ def test_a_writer_process_that_cannot_open_its_store_says_why_on_stdout(tmp_path
     )
     assert child.returncode == 2
     assert child.stdout.startswith(b"F") and b"must be ours" in child.stdout
+
+
+def test_the_writer_loop_answers_a_block_it_does_not_have_and_ends_when_its_input_fails(tmp_path):
+    """In the child's loop (run here): a block frame naming no shared block is answered `!` with that
+    block; input that fails mid-stream ends the loop with every answer sent (the answer sender joined)."""
+    import io
+    import struct
+
+    from hy3c.serve.engine.kv_file_store import BLOCK_FRAME, MappedBlocks, serve_writes
+
+    blocks, mapping = _shared_blocks(2)
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    frame = struct.Struct("<16sQ")
+
+    class Failing(io.BytesIO):
+        def read(self, size=-1):
+            data = super().read(size)
+            if not data:
+                raise OSError("the pipe broke")
+            return data
+
+    frames = Failing(frame.pack(b"a" * 16, BLOCK_FRAME | 1) + frame.pack(b"b" * 16, BLOCK_FRAME | 5))
+    answers = io.BytesIO()
+    try:
+        with pytest.raises(OSError, match="the pipe broke"):
+            serve_writes(FileStore(root, b"ns", 1 << 30), frames, answers, MappedBlocks(blocks.fd, PAGE, 2))
+        got = sorted(struct.iter_unpack("<cQ", answers.getvalue()))
+        assert got == [(b"!", 5), (b"+", 1)]
+        assert not any(t.name == "hy3c-kv-file-answer-sender" for t in threading.enumerate())
+    finally:
+        os.close(blocks.fd)
+        mapping.close()
+
+
+def test_a_writer_that_stops_answering_is_restarted_by_the_probe_and_its_blocks_given_back(
+    tmp_path, monkeypatch
+):
+    """A child alive but stuck (stopped) with blocks handed over: once they have gone unanswered for
+    `_HUNG_SECONDS`, `probe` ends it, every block comes back once, and a new child writes."""
+    from hy3c.serve.engine import kv_file_store
+
+    blocks, mapping = _shared_blocks(4)
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    store = SpawnedFileStore(root, b"ns", 1 << 30, blocks)
+    done: list[int] = []
+    store.on_block_done = done.append
+    try:
+        store.child.send_signal(signal.SIGSTOP)
+        store.hand_blocks([bytes([i]) * 16 for i in range(3)], [0, 1, 2], timeout=10)
+        store.probe()  # not unanswered for long yet: left alone
+        assert store.child.poll() is None and done == []
+        monkeypatch.setattr(kv_file_store, "_HUNG_SECONDS", 0.0)
+        store.probe()
+        assert sorted(done) == [0, 1, 2] and not store._held  # the loss is forgotten by the restart
+        store.hand_blocks([bytes([3]) * 16], [3], timeout=10)
+        assert store.drain(timeout=30) and sorted(done) == [0, 1, 2, 3]
+        assert bytes(store.get(bytes([3]) * 16, PAGE)) == _page(3)
+    finally:
+        store.close()
+        os.close(blocks.fd)
+        mapping.close()

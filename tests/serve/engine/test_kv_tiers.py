@@ -7,6 +7,7 @@ host block is left held."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -786,3 +787,21 @@ def test_host_memory_evicts_a_page_the_store_holds_before_one_it_would_drop(monk
     tiers.flush()
     assert set(keys[2:]) <= set(store.pages)
     tiers.close()
+
+
+def test_host_memory_is_shared_and_its_descriptor_closed_on_release_the_tensor_still_valid():
+    """L2 lives in a memfd (what the writer process maps); `release` closes it (and unpins it on a
+    GPU); the tensor over the mapping stays usable until it goes."""
+    from hy3c.serve.engine.kv_tiers import SharedHost
+
+    shared = SharedHost((3, 2, 8), torch.bfloat16, torch.device("cpu"))
+    assert os.readlink(f"/proc/self/fd/{shared.fd}").startswith("/memfd:hy3c-kv-l2")
+    assert shared.blocks().block_bytes == 2 * 8 * 2 and shared.blocks().count == 3
+    tensor = shared.tensor
+    tensor.fill_(1.5)
+    fd = shared.fd
+    shared.release()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    del shared
+    assert float(tensor.sum()) == 1.5 * 48

@@ -428,7 +428,9 @@ def test_warm_up_prefills_each_token_count_class_then_samples_every_path(artifac
     masked = []
     fill = core.fill_masks
     monkeypatch.setattr(
-        core, "fill_masks", lambda cs, masks, rows: masked.append(len(rows)) or fill(cs, masks, rows)
+        core,
+        "fill_masks",
+        lambda cs, masks, rows, *rest: masked.append(len(rows)) or fill(cs, masks, rows, *rest),
     )
     engine.warm_up()
     prefills = sorted({min(n, 512) for n in WARM_UP_TOKENS} | {511})
