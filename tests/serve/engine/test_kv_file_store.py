@@ -124,10 +124,9 @@ def _shared_blocks(count: int) -> tuple[SharedBlocks, mmap.mmap]:
     return SharedBlocks(fd, PAGE, count), mapping
 
 
-def test_blocks_handed_over_by_number_are_read_from_shared_memory_and_each_given_back_once(tmp_path):
-    """`hand_blocks` sends a key and a block number: the child reads the page from the shared blocks,
-    each block is given back (`on_block_done`) exactly once after its write, and the files equal
-    the blocks; a block outside the shared ones is refused here."""
+@pytest.fixture
+def block_store(tmp_path):
+    """A writer process sharing 8 blocks (block i holds _page(i)), and the blocks it has given back."""
     blocks, mapping = _shared_blocks(8)
     root = tmp_path / "store"
     root.mkdir(mode=0o700)
@@ -140,33 +139,34 @@ def test_blocks_handed_over_by_number_are_read_from_shared_memory_and_each_given
             done.append(block)
 
     store.on_block_done = block_done
-    try:
-        store.hand_blocks([bytes([i]) * 16 for i in range(6)], list(range(6)), timeout=10)
-        store.hand_blocks([bytes([6]) * 16, bytes([7]) * 16], [6, 7], timeout=10)
-        store.hand_blocks([bytes([3]) * 16], [3], timeout=10)  # held already: given back all the same
-        assert store.drain(timeout=30)
-        assert sorted(done) == [0, 1, 2, 3, 3, 4, 5, 6, 7]
-        assert all(bytes(store.get(bytes([i]) * 16, PAGE)) == _page(i) for i in range(8))
-        with pytest.raises(ValueError, match="block 8"):
-            store.hand_blocks([bytes([7]) * 16, bytes([8]) * 16], [7, 8], timeout=10)
-        assert store.drain(timeout=30) and len(done) == 9  # refused whole: block 7 not handed again
-    finally:
-        store.close()
-        os.close(blocks.fd)
-        mapping.close()
+    yield store, done
+    store.close()
+    os.close(blocks.fd)
+    mapping.close()
 
 
-def test_a_block_answered_before_its_hand_over_returns_is_given_back_once(tmp_path, monkeypatch):
+def test_blocks_handed_over_by_number_are_read_from_shared_memory_and_each_given_back_once(block_store):
+    """`hand_blocks` sends a key and a block number: the child reads the page from the shared blocks,
+    each block is given back (`on_block_done`) exactly once after its write, and the files equal
+    the blocks; a block outside the shared ones is refused here."""
+    store, done = block_store
+    store.hand_blocks([bytes([i]) * 16 for i in range(6)], list(range(6)), timeout=10)
+    store.hand_blocks([bytes([6]) * 16, bytes([7]) * 16], [6, 7], timeout=10)
+    store.hand_blocks([bytes([3]) * 16], [3], timeout=10)  # held already: given back all the same
+    assert store.drain(timeout=30)
+    assert sorted(done) == [0, 1, 2, 3, 3, 4, 5, 6, 7]
+    assert all(bytes(store.get(bytes([i]) * 16, PAGE)) == _page(i) for i in range(8))
+    with pytest.raises(ValueError, match="block 8"):
+        store.hand_blocks([bytes([7]) * 16, bytes([8]) * 16], [7, 8], timeout=10)
+    assert store.drain(timeout=30) and len(done) == 9  # refused whole: block 7 not handed again
+
+
+def test_a_block_answered_before_its_hand_over_returns_is_given_back_once(block_store, monkeypatch):
     """The child may answer a block before `hand_blocks` has returned (its write done, the pipe read at
     once): the block is given back once, also at close, never again for the same hand-over."""
     from hy3c.serve.engine import kv_file_store
 
-    blocks, mapping = _shared_blocks(4)
-    root = tmp_path / "store"
-    root.mkdir(mode=0o700)
-    store = SpawnedFileStore(root, b"ns", 1 << 30, blocks)
-    done: list[int] = []
-    store.on_block_done = done.append
+    store, done = block_store
     write_all = kv_file_store._write_all
 
     def slow_after_write(fd, data) -> None:  # the child answers while the sender is still here
@@ -174,46 +174,32 @@ def test_a_block_answered_before_its_hand_over_returns_is_given_back_once(tmp_pa
         time.sleep(0.3)
 
     monkeypatch.setattr(kv_file_store, "_write_all", slow_after_write)
-    try:
-        store.hand_blocks([bytes([i]) * 16 for i in range(4)], list(range(4)), timeout=10)
-        assert store.drain(timeout=30) and sorted(done) == [0, 1, 2, 3] and not store._held
-    finally:
-        store.close()
-        os.close(blocks.fd)
-        mapping.close()
+    store.hand_blocks([bytes([i]) * 16 for i in range(4)], list(range(4)), timeout=10)
+    assert store.drain(timeout=30) and sorted(done) == [0, 1, 2, 3] and not store._held
+    store.close()
     store._reader.join(timeout=30)  # the answers' end after close: nothing given back twice
     assert sorted(done) == [0, 1, 2, 3]
 
 
-def test_blocks_a_dead_writer_held_are_given_back_and_its_loss_raised_once(tmp_path):
+def test_blocks_a_dead_writer_held_are_given_back_and_its_loss_raised_once(block_store):
     """Blocks handed to a child that dies before answering (stopped, then killed): every one is given
     back once (no L2 block stays held), the loss is raised by the next `hand_blocks` once, and after a
     probe pages are written again."""
-    blocks, mapping = _shared_blocks(4)
-    root = tmp_path / "store"
-    root.mkdir(mode=0o700)
-    store = SpawnedFileStore(root, b"ns", 1 << 30, blocks)
-    done: list[int] = []
-    store.on_block_done = done.append
-    try:
-        store.child.send_signal(signal.SIGSTOP)  # reads nothing, answers nothing
-        store.hand_blocks([bytes([i]) * 16 for i in range(4)], list(range(4)), timeout=10)
-        store.child.kill()
-        store.child.wait()
-        store._reader.join(timeout=30)  # the answers' end: what the child held is given back
-        assert sorted(done) == [0, 1, 2, 3] and not store._held
-        with pytest.raises(OSError, match="lost 4 page"):
-            store.hand_blocks([bytes([1]) * 16], [1], timeout=10)
-        with pytest.raises(OSError):  # raised once; now the dead child's pipe refuses the block
-            store.hand_blocks([bytes([1]) * 16], [1], timeout=10)
-        store.probe()  # a new child
-        store.hand_blocks([bytes([2]) * 16], [2], timeout=10)
-        assert store.drain(timeout=30) and sorted(done) == [0, 1, 2, 2, 3]
-        assert bytes(store.get(bytes([2]) * 16, PAGE)) == _page(2)
-    finally:
-        store.close()
-        os.close(blocks.fd)
-        mapping.close()
+    store, done = block_store
+    store.child.send_signal(signal.SIGSTOP)  # reads nothing, answers nothing
+    store.hand_blocks([bytes([i]) * 16 for i in range(4)], list(range(4)), timeout=10)
+    store.child.kill()
+    store.child.wait()
+    store._reader.join(timeout=30)  # the answers' end: what the child held is given back
+    assert sorted(done) == [0, 1, 2, 3] and not store._held
+    with pytest.raises(OSError, match="lost 4 page"):
+        store.hand_blocks([bytes([1]) * 16], [1], timeout=10)
+    with pytest.raises(OSError):  # raised once; now the dead child's pipe refuses the block
+        store.hand_blocks([bytes([1]) * 16], [1], timeout=10)
+    store.probe()  # a new child
+    store.hand_blocks([bytes([2]) * 16], [2], timeout=10)
+    assert store.drain(timeout=30) and sorted(done) == [0, 1, 2, 2, 3]
+    assert bytes(store.get(bytes([2]) * 16, PAGE)) == _page(2)
 
 
 def test_a_directory_that_is_not_ours_is_refused_before_any_child_starts(tmp_path):
@@ -278,30 +264,20 @@ def test_the_writer_loop_answers_a_block_it_does_not_have_and_ends_when_its_inpu
 
 
 def test_a_writer_that_stops_answering_is_restarted_by_the_probe_and_its_blocks_given_back(
-    tmp_path, monkeypatch
+    block_store, monkeypatch
 ):
     """A child alive but stuck (stopped) with blocks handed over: once they have gone unanswered for
     `_HUNG_SECONDS`, `probe` ends it, every block comes back once, and a new child writes."""
     from hy3c.serve.engine import kv_file_store
 
-    blocks, mapping = _shared_blocks(4)
-    root = tmp_path / "store"
-    root.mkdir(mode=0o700)
-    store = SpawnedFileStore(root, b"ns", 1 << 30, blocks)
-    done: list[int] = []
-    store.on_block_done = done.append
-    try:
-        store.child.send_signal(signal.SIGSTOP)
-        store.hand_blocks([bytes([i]) * 16 for i in range(3)], [0, 1, 2], timeout=10)
-        store.probe()  # not unanswered for long yet: left alone
-        assert store.child.poll() is None and done == []
-        monkeypatch.setattr(kv_file_store, "_HUNG_SECONDS", 0.0)
-        store.probe()
-        assert sorted(done) == [0, 1, 2] and not store._held  # the loss is forgotten by the restart
-        store.hand_blocks([bytes([3]) * 16], [3], timeout=10)
-        assert store.drain(timeout=30) and sorted(done) == [0, 1, 2, 3]
-        assert bytes(store.get(bytes([3]) * 16, PAGE)) == _page(3)
-    finally:
-        store.close()
-        os.close(blocks.fd)
-        mapping.close()
+    store, done = block_store
+    store.child.send_signal(signal.SIGSTOP)
+    store.hand_blocks([bytes([i]) * 16 for i in range(3)], [0, 1, 2], timeout=10)
+    store.probe()  # not unanswered for long yet: left alone
+    assert store.child.poll() is None and done == []
+    monkeypatch.setattr(kv_file_store, "_HUNG_SECONDS", 0.0)
+    store.probe()
+    assert sorted(done) == [0, 1, 2] and not store._held  # the loss is forgotten by the restart
+    store.hand_blocks([bytes([3]) * 16], [3], timeout=10)
+    assert store.drain(timeout=30) and sorted(done) == [0, 1, 2, 3]
+    assert bytes(store.get(bytes([3]) * 16, PAGE)) == _page(3)
