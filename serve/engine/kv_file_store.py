@@ -307,9 +307,12 @@ class SpawnedFileStore:
                 whole = len(pending) - len(pending) % _ANSWER.size
                 answers = [_ANSWER.unpack_from(pending, at) for at in range(0, whole, _ANSWER.size)]
                 pending = pending[whole:]
+                blocks = []
                 with self._answers:
-                    blocks = [block for _, block in answers if block != NO_BLOCK and self._held[block] > 0]
-                    self._held.subtract(blocks)
+                    for _, block in answers:  # one give-back per hand-over still held, never more
+                        if block != NO_BLOCK and self._held[block] > 0:
+                            self._held[block] -= 1
+                            blocks.append(block)
                     self._held = +self._held  # drop the blocks no longer held
                 self._tell(sum(code == b"+" for code, _ in answers), blocks)
                 with self._answers:

@@ -281,3 +281,23 @@ def test_a_writer_that_stops_answering_is_restarted_by_the_probe_and_its_blocks_
     store.hand_blocks([bytes([3]) * 16], [3], timeout=10)
     assert store.drain(timeout=30) and sorted(done) == [0, 1, 2, 3]
     assert bytes(store.get(bytes([3]) * 16, PAGE)) == _page(3)
+
+
+def test_answers_give_back_only_blocks_still_held_once_each(block_store):
+    """A burst of answers naming a block twice, or a block never handed over (a garbled stream), gives
+    back each block held once and ignores the rest: no L2 block is released while still handed over."""
+    import struct
+    from collections import Counter
+    from types import SimpleNamespace
+
+    store, done = block_store
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"".join(struct.pack("<cQ", b"+", block) for block in (3, 3, 9, 5)))
+    os.close(write_end)
+    with store._answers:
+        store._held = Counter({3: 1, 5: 2})
+        store._sent += 4
+    with os.fdopen(read_end, "rb") as stdout:
+        store._read_answers(SimpleNamespace(stdout=stdout))  # to the end of the stream, here
+    assert sorted(done) == [3, 5, 5]  # 3 once, 9 never; 5's second hand-over given back at the end
+    assert not store._held
