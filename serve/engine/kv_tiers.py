@@ -565,8 +565,8 @@ class KVTiers:
         return running
 
     def wait_loads(self, pages: Sequence[int]) -> None:
-        """The compute stream waits for the loads into these pages (a step with nothing else to run
-        takes them at once: a device wait, not a host poll)."""
+        """The compute stream waits for the loads into these pages (a step that admits their request
+        while they load: a device wait, not a host poll)."""
         events = {id(event): event for event in (self._loading.pop(page, None) for page in pages) if event}
         for event in events.values():
             self._device_wait(event)
