@@ -12,9 +12,9 @@ rejects is a `GrammarError` naming the field."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
+import logging
 import re
 import threading
 import time
@@ -26,8 +26,11 @@ import torch
 from torch import Tensor
 
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
+from hy3c.logs import log_event
 from hy3c.serve.agent.markup import Hy3Markup
 from hy3c.serve.agent.tool_calls import schema_types
+
+log = logging.getLogger("hy3c.serve.agent.structured")
 
 CACHED = 64  # compiled grammars kept (requests of one schema share one)
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, pattern or list of choices longer than this (as JSON) is refused
@@ -192,10 +195,16 @@ class Grammars:
 
     def warm(self) -> None:
         """Build the token table and import the mask helpers now (a server starting; the import of
-        `llguidance.torch` alone takes seconds), if the library is installed."""
-        with contextlib.suppress(GrammarError, ImportError):
+        `llguidance.torch` alone takes seconds), if the library is installed. Only a head start: what
+        fails here (the server stopped under the import, say) is logged, and the first structured
+        request builds the table itself, reporting a real failure as its error."""
+        try:
             self._tokens_of()
             import llguidance.torch  # noqa: F401
+        except (GrammarError, ImportError):
+            return
+        except Exception as exc:
+            log_event(log, "grammar_table_warm_failed", level=logging.DEBUG, error=repr(exc))
 
     def _tokens_of(self):
         with self._lock:

@@ -209,3 +209,16 @@ def test_the_byte_table_gives_the_masks_the_tokenizer_json_gives(tiny_ckpt, spec
                 break
             token = sorted(allowed)[int(torch.randint(len(allowed), (1,), generator=generator))]
             assert all(walker.accept(token) for walker in walkers.values())
+
+
+def test_warming_the_token_table_never_raises_and_the_first_request_builds_it(tiny_ckpt, monkeypatch):
+    """`warm` runs on a daemon thread as the server starts: a failure there (the process stopping
+    under the import) is only logged, and the table is built by the first grammar compiled."""
+    tokenizer = Hy3Tokenizer.from_dir(tiny_ckpt)
+    cold = Grammars(tokenizer, tokenizer.vocab_size)
+    build = cold._tokens_of
+    monkeypatch.setattr(cold, "_tokens_of", lambda: (_ for _ in ()).throw(RuntimeError("shutting down")))
+    cold.warm()
+    assert cold._tokens is None
+    monkeypatch.setattr(cold, "_tokens_of", build)
+    assert cold.compile(GrammarSpec("regex", "[ab]+c", "y")) is not None and cold._tokens is not None
