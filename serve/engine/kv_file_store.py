@@ -49,9 +49,8 @@ log = logging.getLogger("hy3c.serve.engine.kv_file_store")
 Buffer = bytes | bytearray | memoryview  # a page's bytes: a view of an L2 block, or bytes read
 MAGIC = b"HY3CKV02"
 _HEADER = struct.Struct("<8s16sQI")  # magic, namespace digest, payload bytes, payload CRC-32
-_FRAME = struct.Struct(
-    "<16sQ"
-)  # a page handed to the writer process: its key, then a word (module docstring)
+# a page handed to the writer process: its key, then a word (module docstring)
+_FRAME = struct.Struct("<16sQ")
 _ANSWER = struct.Struct("<cQ")  # the writer's answer for a page: its code, then its block (or NO_BLOCK)
 BLOCK_FRAME = 1 << 63  # a frame's word with this bit set names an L2 block, not a payload's length
 NO_BLOCK = (1 << 64) - 1  # the block of a page sent with its payload
@@ -235,7 +234,6 @@ class SpawnedFileStore:
     tiers count it like any store failure); a dead child is started again by `probe`. `drain` waits
     until the child has answered every page sent."""
 
-    puts_only_new = True  # the child skips a page the store holds: no check here, on the engine's GIL
     # told of each page the child wrote (its '+' answers; a page it already held is not one), on the
     # thread that reads the answers: the tiers' count of pages stored
     on_stored: Callable[[int], None] | None = None

@@ -420,14 +420,12 @@ class KVTiers:
                 self.store.on_stored = self._stored
             if self.by_block:  # told when it is done with each block it was handed
                 self.store.on_block_done = self._block_written  # type: ignore[attr-defined]
-            # a store that writes in a process of its own takes a batch's pages in order, one sender
-            self._put_parts = 1 if getattr(self.store, "puts_only_new", False) else WRITE_THREADS
             # a store that can move pages straight from and into the L2 blocks (Mooncake) does
             self.zero_copy = hasattr(self.store, "attach")
             if self.zero_copy:
                 self.store.attach(self.host)  # type: ignore[attr-defined]
             self._workers = ThreadPoolExecutor(2, thread_name_prefix="hy3c-kv-store")
-            self._page_writers = ThreadPoolExecutor(self._put_parts, thread_name_prefix="hy3c-kv-put")
+            self._page_writers = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="hy3c-kv-put")
             threading.Thread(target=self._write_loop, name="hy3c-kv-writer", daemon=True).start()
 
     @property
@@ -918,11 +916,11 @@ class KVTiers:
                         memoryview(self.host[block].view(-1).view(torch.uint8).numpy()) for block in blocks
                     ]
                     assert self._page_writers is not None
-                    parts = self._put_parts
+                    parts = min(WRITE_THREADS, len(keys))
                     future = _all_of(
                         [
                             self._page_writers.submit(self._put_new, keys[part::parts], views[part::parts])
-                            for part in range(min(parts, len(keys)))
+                            for part in range(parts)
                         ]
                     )
                     ok, stored = self._await(future)
@@ -956,13 +954,8 @@ class KVTiers:
         self._writes.task_done()
 
     def _put_new(self, keys: list[bytes], payloads: list[memoryview]) -> int:
-        """Store the pages the store does not hold yet (another instance may have); how many. A store
-        that `puts_only_new` checks that itself, and counts what it wrote through `on_stored`."""
+        """Store the pages the store does not hold yet (another instance may have); how many."""
         assert self.store is not None
-        if getattr(self.store, "puts_only_new", False):
-            for key, payload in zip(keys, payloads):
-                self.store.put(key, payload)
-            return 0
         stored = 0
         for key, payload in zip(keys, payloads):
             if not self.store.contains(key):
