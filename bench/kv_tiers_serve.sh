@@ -12,7 +12,8 @@
 #   PREFIXES prefixes (default 48: a working set of ~340K tokens at 80%, four times the pool, so L1
 #   alone keeps little: with 16 prefixes (105K tokens, run K) L1 alone hit 36%, which capped the
 #   TTFT gain the tiers could show under the 3× goal); CONCURRENCY (default 8); TRACE=0 skips the trace (TRACE_N prompts,
-#   default 96); SETTINGS picks of "l1-only l1-l2 l1-l2-file")
+#   default 96); SETTINGS: settings of "l1-only l1-l2 l1-l2-file" run in that order, a repeat again
+#   ("l1-only l1-l2-file l1-only l1-l2-file": an A/B/A/B of the file tier's cost))
 set -uo pipefail
 source bench/device_env.sh
 w=/tmp/kv-tiers; rm -rf $w; mkdir -p $w/store && chmod 700 $w/store
@@ -29,7 +30,7 @@ run() {  # name, then hy3c serve's extra flags
       --num-prompts ${N:-768} --max-concurrency ${CONCURRENCY:-8} --prefix-repetition-prefix-len 4096 \
       --prefix-repetition-suffix-len 4096 --prefix-repetition-hit-ratio $r --prefix-repetition-num-prefixes ${PREFIXES:-48} \
       --prefix-repetition-output-len 16 --temperature 0 --ignore-eos --disable-tqdm \
-      | grep -E "Output token throughput|Mean TTFT|P99 TTFT|Request throughput|hit rate|pages found" | sed "s/^/$name hit=$r /"
+      | grep -E "Output token throughput|Mean TTFT|P99 TTFT|Request throughput|Mean step|of which host|hit rate|pages found" | sed "s/^/$name hit=$r /"
   done
   [ "${TRACE:-1}" = 1 ] && python3 -m hy3c bench serve --base-url http://127.0.0.1:8012 --dataset-name hy3-trace --trace-scale 0.1 \
     --trace-reuse 0.8 --num-prompts ${TRACE_N:-96} --max-concurrency 8 --temperature 0 --disable-tqdm \
@@ -63,10 +64,14 @@ shared() {  # name, KV GiB, prefixes, concurrencies ("1 8"), then hy3c serve's e
   kill $pid; wait $pid 2>/dev/null || true
 }
 if [ "${MAIN:-1}" = 1 ]; then
-  settings=" ${SETTINGS:-l1-only l1-l2 l1-l2-file} "
-  [[ $settings == *" l1-only "* ]] && run l1-only
-  [[ $settings == *" l1-l2 "* ]] && run l1-l2 --kv-host-gib ${HOST_GIB:-16}
-  [[ $settings == *" l1-l2-file "* ]] && run l1-l2-file --kv-host-gib ${HOST_GIB:-16} --kv-store file:$w/store
+  for setting in ${SETTINGS:-l1-only l1-l2 l1-l2-file}; do  # in the order given; a repeat runs again
+    case $setting in
+      l1-only) run l1-only ;;
+      l1-l2) run l1-l2 --kv-host-gib ${HOST_GIB:-16} ;;
+      l1-l2-file) rm -rf $w/store/*; run l1-l2-file --kv-host-gib ${HOST_GIB:-16} --kv-store file:$w/store ;;
+      *) echo "unknown setting $setting" ;;
+    esac
+  done
 fi
 if [ "${SHARED:-1}" = 1 ]; then
   rm -rf $w/store; mkdir -p $w/store && chmod 700 $w/store
