@@ -73,6 +73,8 @@ class FileStore:
     the expected size are read. `indexed=False`: a reader beside the process that writes and bounds the
     store (`SpawnedFileStore`), with no scan and no index of its own (it would only go stale)."""
 
+    local_lookup = True  # `contains` is one stat of a local file: the tiers ask it on the engine's thread
+
     def __init__(self, root: Path, namespace: bytes, max_bytes: int, indexed: bool = True) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -240,6 +242,7 @@ class SpawnedFileStore:
     # told of each block `hand_blocks` handed over once the child is done reading it (answered, or died
     # holding it), on the thread that reads the answers: exactly once per `hand_blocks` that returned
     on_block_done: Callable[[int], None] | None = None
+    local_lookup = True  # `contains` and `get` read the directory here (`FileStore.local_lookup`)
 
     def __init__(
         self, root: Path, namespace: bytes, max_bytes: int, blocks: SharedBlocks | None = None

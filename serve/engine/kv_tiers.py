@@ -119,6 +119,9 @@ class PageStore(Protocol):
 
     def probe(self) -> None: ...
 
+    # optional: `local_lookup = True` says `contains` is a local lookup (a file's stat) cheap enough for
+    # the engine's thread, so a request whose next page the store lacks is not held a step for a read
+
     def close(self) -> None: ...
 
 
@@ -663,7 +666,8 @@ class KVTiers:
     ) -> bool:
         """Whether the request's admission waits for the store: the first call starts one read, on a
         worker, of the pages after its L1 and L2 hit (one call, so one timeout), and this is True until
-        the read ends or the timeout passes; the pages read land in L2, where `extend_prefix` finds
+        the read ends or the timeout passes (a local store is asked first, here, whether it holds the
+        first of those pages: when it does not, there is no read and the request goes on at once); the pages read land in L2, where `extend_prefix` finds
         them. Running requests keep stepping meanwhile; a failed or late read is a miss (recompute)."""
         if self.store is None:
             return False
@@ -676,6 +680,8 @@ class KVTiers:
             if not keys:
                 return False
             self.stats.l3_queries += 1
+            if getattr(self.store, "local_lookup", False) and not self._holds(keys[0]):
+                return False  # its first page is not there: a miss now, no read and no step waited for one
             if self.zero_copy:
                 blocks = self._reserve_blocks(len(keys))
                 keys = keys[: len(blocks)]
@@ -709,6 +715,14 @@ class KVTiers:
         else:
             self._into_l2(fetch.keys, result)
         return False
+
+    def _holds(self, key: bytes) -> bool:
+        """A local store's answer, here and now, whether it holds `key` (a failing lookup says yes: the
+        read then meets the failure, with its timeout, and counts it)."""
+        try:
+            return self.store.contains(key)  # type: ignore[union-attr]
+        except OSError:
+            return True
 
     def _reserve_blocks(self, count: int) -> list[int]:
         """Up to `count` L2 blocks for a zero-copy read, out of the LRU and held busy (no device copy of

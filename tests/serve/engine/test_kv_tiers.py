@@ -240,6 +240,45 @@ def test_a_restart_on_the_same_file_store_reuses_the_prefix(model, tokenizer, tm
     assert tokens == expected and cached == 0
 
 
+def _plans(engine: Engine) -> tuple[list[int], list[int]]:
+    """(each schedule's number of work items, each store read's number of pages), recorded as the engine
+    runs."""
+    plans: list[int] = []
+    reads: list[int] = []
+    schedule, read_run = engine.scheduler.schedule, engine.tiers._read_run
+
+    def counted_schedule():
+        work = schedule()
+        plans.append(len(work))
+        return work
+
+    def counted_read(keys):
+        reads.append(len(keys))
+        return read_run(keys)
+
+    engine.scheduler.schedule, engine.tiers._read_run = counted_schedule, counted_read
+    return plans, reads
+
+
+def test_a_prompt_the_file_store_lacks_starts_in_the_first_step(model, tokenizer, tmp_path):
+    """The file store is asked on the engine's thread (one stat) whether it holds a new prompt's first
+    page beyond L1 and L2: a prompt it lacks is admitted by the first schedule, with no read; after a
+    restart the prompt's pages are there, so it waits for their read and starts from them."""
+    first = _engine(model, tokenizer, _config(tmp_path))
+    plans, reads = _plans(first)
+    expected, cached = _generate(first, PROMPT, "a")
+    assert cached == 0 and plans[0] == 1 and reads == []
+    assert first.tiers.stats.l3_queries == 1 and first.tiers.stats.l3_hits == 0
+    first.tiers.close()
+
+    restarted = _engine(model, tokenizer, _config(tmp_path))
+    plans, reads = _plans(restarted)
+    tokens, cached = _generate(restarted, PROMPT, "a")
+    assert tokens == expected and cached == 40
+    assert plans[0] == 0 and reads == [10]
+    _no_leaks(restarted)
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_corrupt_page_files_are_recomputed(model, tokenizer, tmp_path, damage):
     first = _engine(model, tokenizer, _config(tmp_path))
@@ -304,9 +343,16 @@ class _Flaky:
         self._check()
 
 
-def test_a_failing_store_degrades_to_host_memory_and_resumes(model, tokenizer, tmp_path):
+class _FlakyLocal(_Flaky):
+    """`_Flaky` asked on the engine's thread (`local_lookup`): a failing lookup must still count."""
+
+    local_lookup = True
+
+
+@pytest.mark.parametrize("flaky_store", [_Flaky, _FlakyLocal])
+def test_a_failing_store_degrades_to_host_memory_and_resumes(model, tokenizer, tmp_path, flaky_store):
     engine = _engine(model, tokenizer, _config(tmp_path, failures_to_degrade=3, probe_seconds=0.05))
-    flaky = _Flaky()
+    flaky = flaky_store()
     engine.tiers.store = flaky
     expected, _ = _generate(_engine(model, tokenizer, None), PROMPT, "ref")
     tokens, _ = _generate(engine, PROMPT, "a")
