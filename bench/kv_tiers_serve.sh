@@ -8,7 +8,7 @@
 #   bash bench/kv_tiers_serve.sh        (on the GPU machine; carry .whl; ART=DIR serves an artifact
 #   compiled before; KV_GIB, the GPU pool's size (default 0.75: 78K tokens of 10 KiB, less than the working set);
 #   RATIOS="0 0.2 0.5 0.8" (the share of prompt tokens a cache that never forgets serves: the prefix
-#   is R · N / (N − PREFIXES) of each 8,192-token prompt); N prompts per level (default 768) over
+#   is R · N / (N − PREFIXES) of each prompt of PROMPT_LEN tokens, default 8192); N prompts per level (default 768) over
 #   PREFIXES prefixes (default 48: a working set of ~340K tokens at 80%, four times the pool, so L1
 #   alone keeps little: with 16 prefixes (105K tokens, run K) L1 alone hit 36%, which capped the
 #   TTFT gain the tiers could show under the 3× goal); CONCURRENCY (default 8); TRACE=0 skips the trace (TRACE_N prompts,
@@ -27,8 +27,8 @@ run() {  # name, then hy3c serve's extra flags
   wait_healthy 8012 $pid $w/serve-$name.log || { echo "$name: not served"; return; }
   for r in ${RATIOS:-0 0.2 0.5 0.8}; do
     python3 -m hy3c bench serve --base-url http://127.0.0.1:8012 --dataset-name prefix_repetition \
-      --num-prompts ${N:-768} --max-concurrency ${CONCURRENCY:-8} --prefix-repetition-prefix-len 4096 \
-      --prefix-repetition-suffix-len 4096 --prefix-repetition-hit-ratio $r --prefix-repetition-num-prefixes ${PREFIXES:-48} \
+      --num-prompts ${N:-768} --max-concurrency ${CONCURRENCY:-8} --prefix-repetition-prefix-len $((${PROMPT_LEN:-8192} / 2)) \
+      --prefix-repetition-suffix-len $((${PROMPT_LEN:-8192} / 2)) --prefix-repetition-hit-ratio $r --prefix-repetition-num-prefixes ${PREFIXES:-48} \
       --prefix-repetition-output-len 16 --temperature 0 --ignore-eos --disable-tqdm \
       | grep -E "Output token throughput|Mean TTFT|P99 TTFT|Request throughput|Engine steps|Mean step|of which host|hit rate|pages found" | sed "s/^/$name hit=$r /"
   done
