@@ -20,7 +20,8 @@
 #                 whole of bench/kv_tiers_serve.sh needs a call of its own; SETTINGS="l1-l2" etc.
 #                 runs one server of it, N=192 PREFIXES=24 fewer prompts, RATIOS others)
 #   tiers-32k     prefix repetition at 80% hit with 32,768-token prompts (the Hy3 stack's prompts average
-#                 68K), L1 only and L1 + L2, a GPU pool of 3 GiB (~9 prompts; the working set ~2.3×)
+#                 68K), L1 only and L1 + L2, 4 at a time, a GPU pool of 1.5 GiB (~4.8 prompts; the working
+#                 set of 12 prefixes ~2.3× that)
 #   tiers-ab      the file tier's cost at 0% hit as A/B/A/B (L1 only, L1 + L2 + file L3, twice each): a
 #                 drift of the machine between servers shows as the two L1-only rows' difference
 #   tiers-paths   the KV tiers' data paths (L2 → GPU loads, GPU → L2 saves) against plain pinned copies
@@ -69,8 +70,8 @@ for step in ${STEPS:-probe}; do
         >"$out/$step.txt" 2>&1 ;;
     tiers) compiled; ART=$slice RANDOM_WEIGHTS=1 RATIOS="${RATIOS:-0 0.8}" TRACE=0 SHARED=0 \
         timeout 540 bash bench/kv_tiers_serve.sh >"$out/$step.txt" 2>&1 ;;
-    tiers-32k) compiled; ART=$slice RANDOM_WEIGHTS=1 RATIOS=0.8 TRACE=0 SHARED=0 PROMPT_LEN=32768 KV_GIB=3 N=192 \
-        PREFIXES=24 SETTINGS="l1-only l1-l2" timeout 480 bash bench/kv_tiers_serve.sh >"$out/$step.txt" 2>&1 ;;
+    tiers-32k) compiled; ART=$slice RANDOM_WEIGHTS=1 RATIOS=0.8 TRACE=0 SHARED=0 PROMPT_LEN=32768 KV_GIB=1.5 N=96 \
+        PREFIXES=12 CONCURRENCY=4 SETTINGS="l1-only l1-l2" timeout 480 bash bench/kv_tiers_serve.sh >"$out/$step.txt" 2>&1 ;;
     tiers-ab) compiled; ART=$slice RANDOM_WEIGHTS=1 RATIOS=0 TRACE=0 SHARED=0 \
         SETTINGS="l1-only l1-l2-file l1-only l1-l2-file" timeout 400 bash bench/kv_tiers_serve.sh >"$out/$step.txt" 2>&1 ;;
     tiers-paths) compiled; timeout 240 python3 bench/kv_tiers_bench.py --artifact $slice --pages 1024 --rounds 5 \
