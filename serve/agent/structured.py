@@ -306,17 +306,19 @@ class Grammars:
 def tool_call_grammar(
     tokenizer: Hy3Tokenizer,
     markup: Hy3Markup,
-    functions: dict[str, dict[str, Any]],
+    functions: dict[str, list[tuple[str, Any, bool]]],
     thinking: bool,
     parallel: bool,
 ) -> str:
     """A Lark grammar of Hy3 tool calls (`tool_calls` module docstring) to the `functions` given
-    (name → its parameters' schemas by name) — one call, or several with `parallel` — after the
-    reasoning when `thinking` (the prompt ends inside a think block); `tool_choice` required / a named
-    function. The tags are the tokenizer's tokens (llguidance sees added tokens as tokens, not text).
-    A value is JSON of its parameter's schema when that schema is self-contained and admits no string
-    (an integer, an enum of numbers, an object, …: what the parser then reads as that type); a string
-    parameter, or one without a usable schema, takes any text (Hy3 writes strings raw)."""
+    (name → (argument, its schema, whether required) of each argument, in order) — one call, or several
+    with `parallel` — after the reasoning when `thinking` (the prompt ends inside a think block);
+    `tool_choice` required / a named function. The tags are the tokenizer's tokens (llguidance sees
+    added tokens as tokens, not text). A call writes its arguments in the order given, each at most
+    once, every required one (as JSON-schema-guided decoding holds an object's properties to the
+    schema's order). A value is JSON of its argument's schema when that schema is self-contained and
+    admits no string (an integer, an enum of numbers, an object, …: what the parser then reads as that
+    type); a string argument, or one without a usable schema, takes any text (Hy3 writes strings raw)."""
     ids = tokenizer.added_tokens
 
     def tag(text: str) -> str:
@@ -330,23 +332,21 @@ def tool_call_grammar(
         "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
         "VALUE: /(.|\\n)*/",
     ]
-    for i, (name, parameters) in enumerate(functions.items()):
+    for i, (name, arguments) in enumerate(functions.items()):
         head = f'{tag(m.tool_call_open)} {json.dumps(name)} {tag(m.tool_sep)} "\\n"'
         end = f'{tag(m.tool_call_close)} "\\n"'
-        if parameters:
-            rules.append(f"call_{i}: {head} arg_{i}* {end}")
-            rules.append(f"arg_{i}: " + " | ".join(f"arg_{i}_{j}" for j in range(len(parameters))))
-            for j, (key, schema) in enumerate(parameters.items()):
-                value = "VALUE"
-                if _typed_value(schema):
-                    value = f"value_{i}_{j}"
-                    rules.append(f"{value}: %json {json.dumps(schema)}")
-                rules.append(
-                    f'arg_{i}_{j}: {tag(m.arg_key_open)} {json.dumps(key)} {tag(m.arg_key_close)} "\\n" '
-                    f'{tag(m.arg_value_open)} {value} {tag(m.arg_value_close)} "\\n"'
-                )
-        else:
-            rules.append(f"call_{i}: {head} {end}")
+        items = []
+        for j, (key, schema, required) in enumerate(arguments):
+            value = "VALUE"
+            if _typed_value(schema):
+                value = f"value_{i}_{j}"
+                rules.append(f"{value}: %json {json.dumps(schema)}")
+            rules.append(
+                f'arg_{i}_{j}: {tag(m.arg_key_open)} {json.dumps(key)} {tag(m.arg_key_close)} "\\n" '
+                f'{tag(m.arg_value_open)} {value} {tag(m.arg_value_close)} "\\n"'
+            )
+            items.append(f"arg_{i}_{j}{'' if required else '?'}")
+        rules.append(f"call_{i}: {' '.join([head, *items, end])}")
     return "\n".join(rules)
 
 

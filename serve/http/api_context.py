@@ -464,7 +464,7 @@ class ApiContext:
         forced = None  # `required` / a named function: the output is held to tool calls by a grammar
         if listed and choice is not None and choice not in ("none", "auto"):
             functions = {
-                tool["function"]["name"]: _parameter_schemas(tool["function"].get("parameters"))
+                tool["function"]["name"]: _call_arguments(tool["function"].get("parameters"))
                 for tool in listed
                 if choice == "required" or tool["function"]["name"] == choice.function.name
             }
@@ -515,12 +515,18 @@ class ApiContext:
         }
 
 
-def _parameter_schemas(parameters: Any) -> dict[str, Any]:
-    """Each parameter's schema by name, from a function's JSON-schema object (none when it is not one)."""
-    properties = parameters.get("properties") if isinstance(parameters, dict) else None
-    if not isinstance(properties, dict):
-        return {}
-    return {name: schema for name, schema in properties.items() if isinstance(name, str)}
+def _call_arguments(parameters: Any) -> list[tuple[str, Any, bool]]:
+    """(name, schema, required) of each argument a forced call may write, from a function's
+    JSON-schema object: its properties in their order, then any required name it does not describe
+    (schema None); none when it has neither."""
+    if not isinstance(parameters, dict):
+        return []
+    properties = parameters.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    required = parameters.get("required")
+    required = [name for name in required if isinstance(name, str)] if isinstance(required, list) else []
+    arguments = [(name, schema, name in required) for name, schema in properties.items()]
+    return arguments + [(name, None, True) for name in dict.fromkeys(required) if name not in properties]
 
 
 def usage(outs: dict[int, StepOutput], n: int = 1) -> dict:

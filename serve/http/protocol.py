@@ -15,6 +15,8 @@ accepted without effect, as are fields nobody defines (as vLLM does; the server 
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import re
 from collections.abc import Callable
@@ -43,6 +45,22 @@ def _token_ids(value: Any) -> list[int]:
     if not isinstance(value, list) or not all(_is_token_id(v) for v in value):
         raise _invalid("must be a list of integer token ids")
     return value
+
+
+@functools.lru_cache(maxsize=256)  # an agent sends the same tools every turn
+def json_schema_problem(text: str) -> str | None:
+    """Why the JSON text is not a valid JSON schema under its `$schema` draft (2020-12 when it names
+    none) — where, and the meta-schema's rule it breaks, never the input — or None."""
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
+    schema = json.loads(text)
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        where = ".".join(str(part) for part in exc.absolute_path) or "its top level"
+        return f"not a valid JSON schema (at {where}: the {exc.validator} rule)"
+    return None
 
 
 def valid_unicode(text: str) -> bool:
@@ -194,6 +212,19 @@ class FunctionSpec(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            try:
+                text = json.dumps(value, sort_keys=True, allow_nan=False)
+            except ValueError:  # NaN or an infinity
+                raise _invalid("not a valid JSON schema (a number JSON cannot hold)") from None
+            problem = json_schema_problem(text)
+            if problem is not None:
+                raise _invalid(problem)
+        return value
 
 
 class ToolSpec(BaseModel):

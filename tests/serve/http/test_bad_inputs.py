@@ -384,6 +384,28 @@ def _unsupported() -> list[Case]:
             path=CHAT,
         ),
         Case(
+            "tool parameters that are not a JSON schema",
+            chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]),
+            400,
+            "tools.0.function.parameters",
+            "not a valid JSON schema (at type",
+            path=CHAT,
+        ),
+        Case(
+            "tool parameters that are not a JSON schema, the call forced",
+            chat(
+                tools=[
+                    tool,
+                    {"type": "function", "function": {"name": "g", "parameters": {"required": "x"}}},
+                ],
+                tool_choice="required",
+            ),
+            400,
+            "tools.1.function.parameters",
+            "(at required: the type rule)",
+            path=CHAT,
+        ),
+        Case(
             "tool_choice naming a function not in tools",
             chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "g"}}),
             400,

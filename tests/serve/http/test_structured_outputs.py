@@ -223,6 +223,48 @@ def test_forced_tool_arguments_follow_their_parameter_types(client):
     assert {"n", "exact"} <= seen  # the typed values were really written
 
 
+def test_a_forced_call_writes_each_required_argument_once_in_the_schemas_order(client, tiny_artifact):
+    """A named function with two required arguments and an optional string between them: every
+    finished forced call writes both required ones, no argument twice, in the schema's order (random
+    weights; a logit bias on the value's end tag keeps the string short)."""
+    from hy3c.checkpoint.tokenizer import Hy3Tokenizer
+    from hy3c.serve.agent.markup import Hy3Markup
+
+    tokenizer = Hy3Tokenizer.from_dir(tiny_artifact)
+    value_close = tokenizer.added_tokens[Hy3Markup.of(tokenizer).arg_value_close]
+    order = ["nights", "city", "late"]
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "nights": {"type": "integer", "minimum": 1, "maximum": 9},
+                    "city": {"type": "string"},
+                    "late": {"type": "boolean"},
+                },
+                "required": ["late", "nights"],
+            },
+        },
+    }
+    finished = 0
+    for seed in range(6):
+        response = client.chat.completions.create(
+            model="art", messages=MESSAGES, tools=[tool], max_tokens=120, temperature=1.0, seed=seed,
+            tool_choice={"type": "function", "function": {"name": "book"}},
+            logit_bias={str(value_close): 8},
+        )  # fmt: skip
+        choice = response.choices[0]
+        if choice.finish_reason != "tool_calls":
+            continue  # cut at max_tokens
+        finished += 1
+        (call,) = choice.message.tool_calls
+        written = list(json.loads(call.function.arguments))
+        assert {"nights", "late"} <= set(written) and written == [k for k in order if k in written], written
+    assert finished >= 3
+
+
 def test_with_reasoning_the_tool_call_comes_after_it(client):
     """Reasoning on: the grammar lets the reasoning run (a random model may not close it within
     max_tokens) and then admits only the tool calls."""
@@ -301,12 +343,17 @@ def test_no_reasoning_split_when_the_prompt_does_not_end_in_a_think_block(server
     assert "reasoning_content" not in message and message["content"]
 
 
-def test_tools_whose_parameters_are_not_a_schema_object_still_get_a_call(client):
+def test_tools_whose_parameters_are_not_a_json_schema_are_a_400_naming_them(client):
+    """Under `tool_choice` required (whose grammar reads the parameters) as under auto (which does not)."""
     odd = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}]
-    response = client.chat.completions.create(
-        model="art", messages=MESSAGES, tools=odd, tool_choice="required", max_tokens=40, temperature=0
-    )
-    assert response.choices[0].message.tool_calls[0].function.name == "f"
+    for choice in ("required", "auto"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model="art", messages=MESSAGES, tools=odd, tool_choice=choice, max_tokens=40, temperature=0
+            )
+        error = caught.value.body
+        assert error["param"] == "tools.0.function.parameters", error
+        assert "(at properties: the type rule)" in error["message"], error
 
 
 def test_a_grammar_past_the_librarys_limits_is_a_400_and_the_server_goes_on(server):
