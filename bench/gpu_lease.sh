@@ -11,6 +11,8 @@
 #                 C=1 and 32: the captured sampled step against the same steps uncaptured (issue 27)
 #   json          json_schema vs free-text TPOT at C=32 over HTTP, engine process, two passes each (the
 #                 first builds the masked kernels) (issue 29)
+#   sampler-mask  the fused sampler with and without a grammar mask at batch 1 / 32 / 128, eager calls and
+#                 CUDA-graph replays (issue 29's "≤ 10% slower" at batch 1, whose eager rows are host-bound)
 #   json-probe    engine_probe at C=32 with and without a json_schema, profiled steps and the kernel table:
 #                 where json_schema's longer step goes (issue 29)
 #   ttft          one request's TTFT at 8K and 32K prompts with an 80% prefix hit from L1 and from L2
@@ -59,6 +61,8 @@ for step in ${STEPS:-probe}; do
     json) compiled; ART=$slice RANDOM_WEIGHTS=1 SAMPLER=0 SERVERS=--engine-process KINDS="${KINDS:-free json free json}" \
         timeout 320 bash bench/structured_serve.sh >"$out/$step.txt" 2>&1
       grep -hE "engine_(warmed_up|ready)|kernel_build" /tmp/structured/serve.log | tail -5 >>"$out/$step.txt" ;;
+    sampler-mask) for graph in "" --graph; do timeout 200 python3 bench/grammar_sampler_bench.py $graph; done \
+        >"$out/$step.txt" 2>&1 ;;
     json-probe) compiled; schema='{"type": "object", "required": ["notes"], "properties": {"notes": {"type": "array",
         "minItems": 64, "items": {"type": "string", "maxLength": 40}}}}'
       for extra in "" "--json-schema"; do timeout 200 python3 bench/engine_probe.py $slice --random-weights 0 \

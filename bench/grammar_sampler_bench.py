@@ -9,7 +9,10 @@ row a different state) over a byte-level vocabulary of 120832 tokens (`grammar_m
 tokenizer). A correctness pass first: the kernel's token for every row equals `hy3.sample`'s reference
 under the same mask and injected noise, and lies inside the mask.
 
-    python3 bench/grammar_sampler_bench.py [--vocab 120832]
+    python3 bench/grammar_sampler_bench.py [--vocab 120832] [--graph]
+
+`--graph` times each sampler call replayed from a CUDA graph (`do_bench_cudagraph`): the device's
+time without the eager launch's host cost, which bounds the batch-1 rows otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 import numpy as np
 import torch
 from grammar_mask_bench import SCHEMA, synthetic_tokenizer
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 import hy3c.kernels  # noqa: F401  (registers hy3.sample)
 from hy3c.kernels.sampler.fused_sampler import fused_sample
@@ -98,7 +101,9 @@ def host_ms(fn, repeats: int = 30) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, default=120832)
+    parser.add_argument("--graph", action="store_true", help="time replays of a CUDA graph of each call")
     args = parser.parse_args()
+    device_ms.graph = args.graph
     vocab = args.vocab
     tok = synthetic_tokenizer(vocab)
     states, host_masks = walk_states(tok, vocab - 1, max(BATCHES))
@@ -107,7 +112,8 @@ def main() -> None:
         f"grammar masks: {len(states)} states of a JSON walk, allowed share per row median "
         f"{density.median():.3f} (min {density.min():.4f}, max {density.max():.3f})"
     )
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, vocabulary {vocab}")
+    timer = "CUDA-graph replays" if args.graph else "eager calls, L2 flushed"
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, vocabulary {vocab}, timer: {timer}")
     torch.manual_seed(0)
     settings = {"greedy": (0.0, 0, 1.0), "T 0.8 top-k 50 top-p 0.9": (0.8, 50, 0.9)}
     for rows in BATCHES:  # correctness first
@@ -134,6 +140,8 @@ def main() -> None:
 
 
 def device_ms(fn) -> float:
+    if getattr(device_ms, "graph", False):
+        return do_bench_cudagraph(fn, rep=100, return_mode="median")
     return do_bench(fn, warmup=10, rep=100, return_mode="median")
 
 
