@@ -150,32 +150,25 @@ def test_bad_grammars_are_a_400_naming_the_field(server, fields, param):
     )
 
 
+def _tool(name: str, properties: dict, required: list[str] | None = None) -> dict:
+    """An OpenAI function tool whose parameters are an object of `properties`."""
+    parameters = {"type": "object", "properties": properties}
+    if required is not None:
+        parameters["required"] = required
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    _tool("get_weather", {"city": {"type": "string"}}),
+    _tool("get_time", {}),
+    _tool(
+        "set_count",
+        {
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "exact": {"type": "boolean"},
+            "label": {"type": "string"},
         },
-    },
-    {
-        "type": "function",
-        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "set_count",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "n": {"type": "integer", "minimum": 0, "maximum": 99},
-                    "exact": {"type": "boolean"},
-                    "label": {"type": "string"},
-                },
-            },
-        },
-    },
+    ),
 ]
 
 
@@ -233,21 +226,15 @@ def test_a_forced_call_writes_each_required_argument_once_in_the_schemas_order(c
     tokenizer = Hy3Tokenizer.from_dir(tiny_artifact)
     value_close = tokenizer.added_tokens[Hy3Markup.of(tokenizer).arg_value_close]
     order = ["nights", "city", "late"]
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "book",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "nights": {"type": "integer", "minimum": 1, "maximum": 9},
-                    "city": {"type": "string"},
-                    "late": {"type": "boolean"},
-                },
-                "required": ["late", "nights"],
-            },
+    tool = _tool(
+        "book",
+        {
+            "nights": {"type": "integer", "minimum": 1, "maximum": 9},
+            "city": {"type": "string"},
+            "late": {"type": "boolean"},
         },
-    }
+        required=["late", "nights"],
+    )
     finished = 0
     for seed in range(6):
         response = client.chat.completions.create(
