@@ -109,7 +109,9 @@ class TierConfig:
 
 
 class PageStore(Protocol):
-    """An L3 backend: page payloads by key (bytes of a fixed length), atomic, checksummed."""
+    """An L3 backend: page payloads by key (bytes of a fixed length), atomic, checksummed. Optionally
+    `local_lookup = True`: `contains` is a local lookup (a file's stat), cheap enough for the engine's
+    thread, so a request whose next page the store lacks is not held a step for a read."""
 
     def get(self, key: bytes, length: int) -> Buffer | None: ...
 
@@ -118,9 +120,6 @@ class PageStore(Protocol):
     def contains(self, key: bytes) -> bool: ...
 
     def probe(self) -> None: ...
-
-    # optional: `local_lookup = True` says `contains` is a local lookup (a file's stat) cheap enough for
-    # the engine's thread, so a request whose next page the store lacks is not held a step for a read
 
     def close(self) -> None: ...
 
@@ -666,9 +665,10 @@ class KVTiers:
     ) -> bool:
         """Whether the request's admission waits for the store: the first call starts one read, on a
         worker, of the pages after its L1 and L2 hit (one call, so one timeout), and this is True until
-        the read ends or the timeout passes (a local store is asked first, here, whether it holds the
-        first of those pages: when it does not, there is no read and the request goes on at once); the pages read land in L2, where `extend_prefix` finds
-        them. Running requests keep stepping meanwhile; a failed or late read is a miss (recompute)."""
+        the read ends or the timeout passes; the pages read land in L2, where `extend_prefix` finds
+        them. Running requests keep stepping meanwhile; a failed or late read is a miss (recompute). A
+        local store (`local_lookup`) is asked first, here, whether it holds the first of those pages:
+        when it does not, there is no read and the request goes on at once."""
         if self.store is None:
             return False
         fetch = self._fetches.get(request_id)

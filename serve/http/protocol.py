@@ -47,19 +47,35 @@ def _token_ids(value: Any) -> list[int]:
     return value
 
 
-@functools.lru_cache(maxsize=256)  # an agent sends the same tools every turn
+SCHEMA_CACHE_CHARS = 16 * 1024  # tool schemas up to this size are remembered once checked
+
+
 def json_schema_problem(text: str) -> str | None:
     """Why the JSON text is not a valid JSON schema under its `$schema` draft (2020-12 when it names
-    none) — where, and the meta-schema's rule it breaks, never the input — or None."""
+    none or one jsonschema does not know) — where, and the meta-schema's rule it breaks, never the
+    input — or None. Small schemas are remembered: an agent sends the same tools every turn."""
+    return _remembered_problem(text) if len(text) <= SCHEMA_CACHE_CHARS else _schema_problem(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _remembered_problem(text: str) -> str | None:
+    return _schema_problem(text)
+
+
+def _schema_problem(text: str) -> str | None:
     from jsonschema.exceptions import SchemaError
-    from jsonschema.validators import validator_for
+    from jsonschema.validators import Draft202012Validator, validator_for
 
     schema = json.loads(text)
+    if not isinstance(schema.get("$schema", ""), str):
+        return "not a valid JSON schema (at $schema: not a meta-schema's URI)"
     try:
-        validator_for(schema).check_schema(schema)
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as exc:
         where = ".".join(str(part) for part in exc.absolute_path) or "its top level"
         return f"not a valid JSON schema (at {where}: the {exc.validator} rule)"
+    except RecursionError:
+        return "not a valid JSON schema (nested too deeply)"
     return None
 
 
@@ -221,6 +237,8 @@ class FunctionSpec(BaseModel):
                 text = json.dumps(value, sort_keys=True, allow_nan=False)
             except ValueError:  # NaN or an infinity
                 raise _invalid("not a valid JSON schema (a number JSON cannot hold)") from None
+            except RecursionError:
+                raise _invalid("not a valid JSON schema (nested too deeply)") from None
             problem = json_schema_problem(text)
             if problem is not None:
                 raise _invalid(problem)

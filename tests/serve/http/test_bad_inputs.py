@@ -406,6 +406,22 @@ def _unsupported() -> list[Case]:
             path=CHAT,
         ),
         Case(
+            "tool parameters whose $schema is not a URI",
+            chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"$schema": []}}}]),
+            400,
+            "tools.0.function.parameters",
+            "(at $schema",
+            path=CHAT,
+        ),
+        Case(
+            "tool parameters nested past any use",
+            b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+            b'{"name": "f", "parameters": ' + b'{"properties": {"a": ' * 700 + b"{}" + b"}}" * 700 + b"}}]}",
+            400,
+            None,
+            path=CHAT,
+        ),
+        Case(
             "tool_choice naming a function not in tools",
             chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "g"}}),
             400,
