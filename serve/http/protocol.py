@@ -50,23 +50,22 @@ def _token_ids(value: Any) -> list[int]:
 SCHEMA_CACHE_CHARS = 16 * 1024  # tool schemas up to this size are remembered once checked
 
 
-def json_schema_problem(text: str) -> str | None:
-    """Why the JSON text is not a valid JSON schema under its `$schema` draft (2020-12 when it names
-    none or one jsonschema does not know) — where, and the meta-schema's rule it breaks, never the
-    input — or None. Small schemas are remembered: an agent sends the same tools every turn."""
-    return _remembered_problem(text) if len(text) <= SCHEMA_CACHE_CHARS else _schema_problem(text)
+def json_schema_problem(schema: dict[str, Any], text: str) -> str | None:
+    """Why `schema` (`text`: its JSON) is not a valid JSON schema under its `$schema` draft (2020-12
+    when it names none or one jsonschema does not know) — where, and the meta-schema's rule it breaks,
+    never the input — or None. Small schemas are remembered: an agent sends the same tools every turn."""
+    return _remembered_problem(text) if len(text) <= SCHEMA_CACHE_CHARS else _schema_problem(schema)
 
 
 @functools.lru_cache(maxsize=256)
 def _remembered_problem(text: str) -> str | None:
-    return _schema_problem(text)
+    return _schema_problem(json.loads(text))
 
 
-def _schema_problem(text: str) -> str | None:
+def _schema_problem(schema: dict[str, Any]) -> str | None:
     from jsonschema.exceptions import SchemaError
     from jsonschema.validators import Draft202012Validator, validator_for
 
-    schema = json.loads(text)
     if not isinstance(schema.get("$schema", ""), str):
         return "not a valid JSON schema (at $schema: not a meta-schema's URI)"
     try:
@@ -239,7 +238,7 @@ class FunctionSpec(BaseModel):
                 raise _invalid("not a valid JSON schema (a number JSON cannot hold)") from None
             except RecursionError:
                 raise _invalid("not a valid JSON schema (nested too deeply)") from None
-            problem = json_schema_problem(text)
+            problem = json_schema_problem(value, text)
             if problem is not None:
                 raise _invalid(problem)
         return value
