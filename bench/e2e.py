@@ -27,6 +27,7 @@ derivation as `hy3c compile`), decode steps replaying the runner's CUDA graphs.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -401,10 +402,11 @@ def main() -> None:
             ("hy3c fp8", "h20-w8a8c8", ["quant.activations=dynamic"], 1.0),
             ("hy3c w4a8", "h20-w4a8c8", group, 0.5 + 4 / 128),
         ):
-            runner, _ = compile_model(model, load_recipe(recipe_name, [*sets, *cpu_sets]), compile=False)
+            runner = compile_model(model, load_recipe(recipe_name, [*sets, *cpu_sets]), compile=False)[0]
             key = name.replace(" ", "_")
             RESULTS[key] = measure(runner, name, config, decode_sizes, prefill_sizes, context, 1, experts)
-            del runner
+            del runner  # the FP8 slice's weights and graphs go before the W4A8 one is built
+            gc.collect()
             if not cpu:
                 torch.cuda.empty_cache()
         for b in decode_sizes:

@@ -57,12 +57,23 @@ def row(*cells: str) -> None:
 
 
 def sweep_configs(tokens: int) -> list[MoeConfig]:
-    """W4A8 launch configs tried at T tokens (K blocks of one group), each with the fp16 and the
-    subnormal widening: at decode sizes 16-row blocks with the weights as the MMA's rows or not, 64–256
-    weight rows per program, 2–4 stages (pair blocks at one token); above, 64- or 128-row blocks of 128
-    or 256 columns."""
+    """W4A8 launch configs tried at T tokens, each with the fp16 and the subnormal widening: at decode
+    sizes 16-row blocks with the weights as the MMA's rows or not, 64–256 weight rows per program, K
+    blocks of one group, 2–4 stages (pair blocks at one token); above, 64- or 128-row blocks of 128 or
+    256 columns. At decode sizes also, subnormal only, more bytes in flight: K blocks of one group in
+    6 or 8 stages, or of 2 and 4 groups (`w4a8_block_k`) in 2–4, 8 warps beside 4."""
     configs = _launch_configs(tokens)
-    return configs + [dataclasses.replace(c, int4_subnormal=True) for c in configs]
+    deeper = []
+    if tokens <= 128:
+        deeper = [
+            MoeConfig(16, bn, bk, 1, warps, stages, swap_ab=True, int4_subnormal=True)
+            for bn in (64, 128)
+            for bk, stages in ((128, 6), (128, 8), (256, 3), (256, 4), (512, 2), (512, 3))
+            for warps in (4, 8)
+        ]
+        if tokens == 1:
+            deeper = [dataclasses.replace(c, pair_blocks=True, combine_block=256) for c in deeper]
+    return configs + [dataclasses.replace(c, int4_subnormal=True) for c in configs] + deeper
 
 
 def _launch_configs(tokens: int) -> list[MoeConfig]:

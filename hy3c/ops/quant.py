@@ -133,6 +133,25 @@ def quantize_int4_groups(weight: Tensor, group: int) -> tuple[Tensor, Tensor]:
     one, two's complement in [-8, 7]; scale fp32 [..., N, K/group] = absmax(group) / 7), so that
     weight ≈ value · scale of its group."""
     check_int4_groups("weight", weight.shape[-1], group)
+    if weight.dim() < 2 or weight.numel() <= _INT4_CHUNK_VALUES:
+        return _quantize_int4_block(weight, group)
+    # a large weight (all of a layer's experts) a slice of its first dimension at a time: the fp32
+    # temporaries of the whole would be 4× its values in bytes, more than a GPU holds beside the model
+    packed = weight.new_empty((*weight.shape[:-1], weight.shape[-1] // 2), dtype=torch.uint8)
+    scale = weight.new_empty((*weight.shape[:-1], weight.shape[-1] // group), dtype=torch.float32)
+    step = max(1, _INT4_CHUNK_VALUES * weight.shape[0] // weight.numel())
+    for start in range(0, weight.shape[0], step):
+        packed[start : start + step], scale[start : start + step] = _quantize_int4_block(
+            weight[start : start + step], group
+        )
+    return packed, scale
+
+
+_INT4_CHUNK_VALUES = 1 << 26  # values quantized at once: 256 MiB of fp32 temporaries each
+
+
+def _quantize_int4_block(weight: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """`quantize_int4_groups` of one block of rows, in one pass."""
     w = weight.float().unflatten(-1, (-1, group))
     scale = (w.abs().amax(dim=-1) / INT4_MAX).clamp_min(_MIN_SCALE)
     values = torch.round(w / scale.unsqueeze(-1)).clamp(INT4_MIN, INT4_MAX).to(torch.int8).flatten(-2)

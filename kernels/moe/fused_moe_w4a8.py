@@ -2,10 +2,11 @@
 
 The weights are int4 values packed two per byte along the input dimension (w13 uint8 [E, 2I, H/2],
 w2 [E, H, I/2]; column 2j in the low nibble) with one fp32 scale per `group` input columns (w13_scale
-[E, 2I, H/g], w2_scale [E, H, I/g]); `hy3c.ops.moe` holds the reference. Each K block (BLOCK_K divides
-the group) is loaded as 32-bit words of 8 values — half the bytes of an FP8 tile, staged through shared
-memory ahead of use by Triton's pipeliner, which byte loads were not — and widened in registers, by
-one of two ways (`MoeConfig.int4_subnormal`), exact either way:
+[E, 2I, H/g], w2_scale [E, H, I/g]); `hy3c.ops.moe` holds the reference. Each K step (one group or a
+part of one; a K block of several groups steps through them, `w4a8_block_k`) is loaded as 32-bit words
+of 8 values — half the bytes of an FP8 tile, staged through shared memory ahead of use by Triton's
+pipeliner, which byte loads were not — and widened in registers, by one of two ways
+(`MoeConfig.int4_subnormal`), exact either way:
 
 * fp16: each nibble becomes an fp16 by bit operations (offset binary under the exponent of 1024), then
   e4m3 (~4 instructions a value);
@@ -212,6 +213,7 @@ def _gate_up_w4a8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     A_PER_ROW: tl.constexpr,
     QUANT_H: tl.constexpr,
@@ -247,16 +249,17 @@ def _gate_up_w4a8_kernel(
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, hidden, BLOCK_K):
-        rk = k + tl.arange(0, BLOCK_K)
-        a = tl.load(
-            a_ptr + token[:, None].to(tl.int64) * stride_am + rk[None, :], mask=row_ok[:, None], other=0.0
-        )
-        wg = _int4_weights(gate_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K, SUBNORMAL, PRMT)
-        wu = _int4_weights(up_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K, SUBNORMAL, PRMT)
-        sg = tl.load(gate_scales + k // GROUP, mask=col_ok, other=0.0)
-        su = tl.load(up_scales + k // GROUP, mask=col_ok, other=0.0)
-        acc_g += _group_product(a, wg, sg, SWAP_AB, SUBNORMAL)
-        acc_u += _group_product(a, wu, su, SWAP_AB, SUBNORMAL)
+        for sub in tl.static_range(0, BLOCK_K, SUB_K):  # a K block of several groups: one MMA a group
+            rk = k + sub + tl.arange(0, SUB_K)
+            a = tl.load(
+                a_ptr + token[:, None].to(tl.int64) * stride_am + rk[None, :], mask=row_ok[:, None], other=0.0
+            )
+            wg = _int4_weights(gate_base, cols, col_ok, k + sub, stride_wn, BLOCK_N, SUB_K, SUBNORMAL, PRMT)
+            wu = _int4_weights(up_base, cols, col_ok, k + sub, stride_wn, BLOCK_N, SUB_K, SUBNORMAL, PRMT)
+            sg = tl.load(gate_scales + (k + sub) // GROUP, mask=col_ok, other=0.0)
+            su = tl.load(up_scales + (k + sub) // GROUP, mask=col_ok, other=0.0)
+            acc_g += _group_product(a, wg, sg, SWAP_AB, SUBNORMAL)
+            acc_u += _group_product(a, wu, su, SWAP_AB, SUBNORMAL)
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -301,6 +304,7 @@ def _down_w4a8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     A_PER_ROW: tl.constexpr,
     SWAP_AB: tl.constexpr,
@@ -329,13 +333,14 @@ def _down_w4a8_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, inter, BLOCK_K):
-        rk = k + tl.arange(0, BLOCK_K)
-        a = tl.load(
-            h_ptr + pair[:, None].to(tl.int64) * stride_hm + rk[None, :], mask=row_ok[:, None], other=0.0
-        )
-        w = _int4_weights(w_base, cols, col_ok, k, stride_wn, BLOCK_N, BLOCK_K, SUBNORMAL, PRMT)
-        s = tl.load(scales + k // GROUP, mask=col_ok, other=0.0)
-        acc += _group_product(a, w, s, SWAP_AB, SUBNORMAL)
+        for sub in tl.static_range(0, BLOCK_K, SUB_K):  # a K block of several groups: one MMA a group
+            rk = k + sub + tl.arange(0, SUB_K)
+            a = tl.load(
+                h_ptr + pair[:, None].to(tl.int64) * stride_hm + rk[None, :], mask=row_ok[:, None], other=0.0
+            )
+            w = _int4_weights(w_base, cols, col_ok, k + sub, stride_wn, BLOCK_N, SUB_K, SUBNORMAL, PRMT)
+            s = tl.load(scales + (k + sub) // GROUP, mask=col_ok, other=0.0)
+            acc += _group_product(a, w, s, SWAP_AB, SUBNORMAL)
     if SWAP_AB:
         acc = tl.trans(acc)
     if A_PER_ROW:
@@ -400,10 +405,15 @@ def check_w4a8_experts(
     return groups[0]
 
 
-def w4a8_block_k(cfg: MoeConfig, group: int) -> int:
-    """The K block of a W4A8 GEMM: the config's, cut to the group (both powers of two: one scale per
-    block), at least an FP8 MMA's K."""
-    return max(min(cfg.block_k, group), MIN_GEMM_GROUP)
+def w4a8_block_k(cfg: MoeConfig, group: int, hidden: int, inter: int) -> tuple[int, int]:
+    """The K block of the W4A8 GEMMs and its step, both powers of two of at least an FP8 MMA's K: a
+    block within one group is one step (one MMA, one scale); a block of several groups (more bytes in
+    flight a loop iteration) steps a group at a time and must divide both GEMMs' K (hidden and inter),
+    else it is halved until it does."""
+    block = max(cfg.block_k, MIN_GEMM_GROUP)
+    while block > group and (hidden % block or inter % block):
+        block //= 2
+    return block, min(block, group)
 
 
 def routed_pairs_w4a8(
@@ -437,7 +447,7 @@ def routed_pairs_w4a8(
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     pairs = num_tokens * top_k
-    block_k = w4a8_block_k(cfg, group)
+    block_k, sub_k = w4a8_block_k(cfg, group, hidden, inter)
     flat_ids = topk_ids.to(torch.int32).contiguous().view(-1)
     if cfg.pair_blocks:  # block i: pair i alone, its expert from the top-k ids (no alignment launch)
         expert_ids = flat_ids
@@ -458,6 +468,7 @@ def routed_pairs_w4a8(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=block_k,
+        SUB_K=sub_k,
         GROUP_M=cfg.group_m,
         SWAP_AB=cfg.swap_ab,
         PAIR_BLOCKS=cfg.pair_blocks,

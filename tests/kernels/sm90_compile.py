@@ -264,14 +264,19 @@ def static_one_token_variants() -> list[Variant]:
 def w4a8_moe_variants() -> list[Variant]:
     """The W4A8 GEMMs (int4 weights widened to e4m3 in registers, K blocks of one 128-column group) in
     every built-in config's shape, by either widening: weights as the MMA's rows or not, pair blocks,
-    dynamic or static intermediate scales."""
+    dynamic or static intermediate scales; and the sweep's K blocks of 2 and 4 groups."""
     fp8 = f"*{KV_DTYPES['fp8']}"
     scales = {"as_ptr": "*fp32", "ws_ptr": "*fp32", "hs_ptr": "*fp32"}
     variants = []
     configs = list(moe_config._W4A8_DEFAULTS.values())
     configs += [dataclasses.replace(cfg, int4_subnormal=not cfg.int4_subnormal) for cfg in configs]
+    configs += [
+        moe_config.MoeConfig(16, 64, 512, 1, 4, 3, swap_ab=True, pair_blocks=True, int4_subnormal=True),
+        moe_config.MoeConfig(16, 128, 256, 1, 8, 4, swap_ab=True, int4_subnormal=True),
+    ]
     for cfg in configs:
         common = dict(GROUP=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+        common |= dict(SUB_K=min(cfg.block_k, 128))
         common |= dict(GROUP_M=cfg.group_m, A_PER_ROW=True, SWAP_AB=cfg.swap_ab, PAIR_BLOCKS=cfg.pair_blocks)
         common |= dict(SUBNORMAL=cfg.int4_subnormal, PRMT=True, PDL=True)
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

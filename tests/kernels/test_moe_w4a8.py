@@ -12,7 +12,7 @@ import triton.language as tl
 
 from hy3c.kernels.moe.config import MoeConfig, select_config
 from hy3c.kernels.moe.fused_moe import fused_moe_triton
-from hy3c.kernels.moe.fused_moe_w4a8 import _interleave_bytes, _sign_magnitude_bytes
+from hy3c.kernels.moe.fused_moe_w4a8 import _interleave_bytes, _sign_magnitude_bytes, w4a8_block_k
 from hy3c.ops.quant import (
     dequantize_int4_groups,
     pack_int4,
@@ -57,6 +57,17 @@ def test_group_quantization_error_is_bounded_by_half_a_step():
         match="group size 48 must be a power of two of at least 16 and divide the 128 input columns",
     ):
         quantize_int4_groups(w, 48)
+
+
+@pytest.mark.parametrize("shape", [(5, 16, 128), (24, 64)])
+def test_a_large_weight_is_quantized_in_slices_with_the_same_result(monkeypatch, shape):
+    import hy3c.ops.quant as quant
+
+    w = torch.randn(shape)
+    whole = quantize_int4_groups(w, 32)
+    monkeypatch.setattr(quant, "_INT4_CHUNK_VALUES", 2 * w[0].numel())  # slices of 2 along dim 0, 1 left
+    sliced = quantize_int4_groups(w, 32)
+    assert torch.equal(sliced[0], whole[0]) and torch.equal(sliced[1], whole[1])
 
 
 def test_reference_is_fp8_rows_times_the_dequantized_int4_weights():
@@ -120,6 +131,29 @@ def test_subnormal_widening_gives_the_fp16_widenings_result_bit_for_bit(activati
     ]
     assert torch.equal(outs[0], outs[1])
     assert _relative_error(outs[1], hy3.fused_moe(*args)) < 1e-2
+
+
+def test_k_blocks_of_several_groups_step_a_group_at_a_time():
+    """A K block of 2 or 4 groups (more bytes a loop iteration) multiplies each group by its own scale
+    and sums in the same order as blocks of one group: the same output bit for bit. A block that does
+    not divide both GEMMs' K is halved until it does."""
+    assert w4a8_block_k(dataclasses.replace(CFG, block_k=128), 32, 128, 64) == (64, 32)
+    assert w4a8_block_k(dataclasses.replace(CFG, block_k=256), 128, 4096, 1536) == (256, 128)
+    assert w4a8_block_k(dataclasses.replace(CFG, block_k=512), 128, 4096, 1536) == (512, 128)
+    assert w4a8_block_k(dataclasses.replace(CFG, block_k=512), 128, 4096, 640) == (128, 128)
+    assert w4a8_block_k(dataclasses.replace(CFG, block_k=64), 128, 4096, 1536) == (64, 64)
+    tokens, experts = 5, 4
+    x = torch.randn(tokens, 128).to(torch.bfloat16)
+    q13, s13, q2, s2 = _experts(experts, 128, 128, group=32)
+    s13[..., 1::2] *= 3  # groups of very different scales: a block scaled as one group would show
+    ids = torch.stack([torch.randperm(experts)[:2] for _ in range(tokens)]).int()
+    args = (x, torch.rand(tokens, 2), ids, q13, q2, s13, s2, None, None, None)
+    one, two, four = (
+        fused_moe_triton(*args, config=dataclasses.replace(CFG, block_k=bk, int4_subnormal=True), pdl=False)
+        for bk in (32, 64, 128)
+    )
+    assert torch.equal(one, two) and torch.equal(one, four)
+    assert _relative_error(four, hy3.fused_moe(*args)) < 1e-2
 
 
 @triton.jit
@@ -260,13 +294,9 @@ def test_opcheck_fused_moe_with_w4a8_experts():
     torch.library.opcheck(hy3.moe_experts.default, (x, torch.rand(6, 2), ids, q13, q2, s13, s2, None, None))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 16, 128, 2048])
-@pytest.mark.parametrize("subnormal", [False, True], ids=["fp16-widening", "subnormal-widening"])
-def test_w4a8_fused_moe_real_shapes(tokens, subnormal):
-    """Hy3's experts (192 × [3072, 4096] and [4096, 1536], top-8, groups of 128) on the GPU, with the
-    shipped configs (and their subnormal widening: e4m3 subnormals through the FP8 MMA, the byte
-    permutes in inline PTX): against the reference, with x as given or as the norm's FP8 rows."""
+def _real_shape_layer(tokens: int) -> tuple:
+    """fused_moe's arguments for Hy3's experts (192 × [3072, 4096] and [4096, 1536], top-8, int4 groups
+    of 128) on the GPU, with a shared expert's output."""
     experts, hidden, inter = 192, 4096, 1536
     q13, s13 = quantize_int4_groups(0.02 * torch.randn(experts, 2 * inter, hidden, device="cuda"), 128)
     q2, s2 = quantize_int4_groups(0.02 * torch.randn(experts, hidden, inter, device="cuda"), 128)
@@ -277,7 +307,35 @@ def test_w4a8_fused_moe_real_shapes(tokens, subnormal):
     x = x.to(torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, device="cuda")[:8] for _ in range(tokens)]).int()
     weights, shared = torch.rand(tokens, 8, device="cuda"), torch.randn_like(x)
-    args = (x, weights, ids, q13, q2, s13, s2, None, None, shared)
+    return (x, weights, ids, q13, q2, s13, s2, None, None, shared)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 128])
+def test_w4a8_k_blocks_of_several_groups_at_real_shapes(tokens):
+    """K blocks of 2 and 4 groups of 128 (the sweep's deeper configs) give the one-group blocks' output
+    at Hy3's shapes, and match the reference."""
+    args = _real_shape_layer(tokens)
+    one_group = dataclasses.replace(
+        select_config(tokens, "w4a8", torch.cuda.get_device_name()), block_k=128, int4_subnormal=True
+    )
+    outs = [
+        fused_moe_triton(*args, config=dataclasses.replace(one_group, block_k=block_k, num_stages=stages))
+        for block_k, stages in ((128, 4), (256, 3), (512, 2))
+    ]
+    assert _relative_error(outs[0], hy3.fused_moe(*args)) < 1e-2
+    assert _relative_error(outs[1], outs[0]) < 1e-6 and _relative_error(outs[2], outs[0]) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 128, 2048])
+@pytest.mark.parametrize("subnormal", [False, True], ids=["fp16-widening", "subnormal-widening"])
+def test_w4a8_fused_moe_real_shapes(tokens, subnormal):
+    """Hy3's experts (192 × [3072, 4096] and [4096, 1536], top-8, groups of 128) on the GPU, with the
+    shipped configs (and their subnormal widening: e4m3 subnormals through the FP8 MMA, the byte
+    permutes in inline PTX): against the reference, with x as given or as the norm's FP8 rows."""
+    args = _real_shape_layer(tokens)
+    x = args[0]
     ref = hy3.fused_moe(*args)
     shipped = select_config(tokens, "w4a8", torch.cuda.get_device_name())
     config = dataclasses.replace(shipped, int4_subnormal=subnormal)
