@@ -54,12 +54,13 @@ _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike 
 }
 
 
-_W4A8_DEFAULTS = {  # W4A8 experts: K blocks of one scale group; the weights as the MMA's rows for few tokens;
+_W4A8_DEFAULTS = {  # W4A8 experts: the weights as the MMA's rows for few tokens, K blocks of two scale
+    # groups from 2 to 128 tokens (1.14× / 1.08× blocks of one at 16 / 128, H100 run 35f), of one elsewhere;
     # the subnormal widening up to 1,024 tokens (1.10–1.34× the fp16 one at these tiles, H100 run Z) and
     # 64-row blocks above (3.2× faster than 128-row ones at 8,192 tokens, H100 run V)
     1: MoeConfig(16, 64, 128, 1, 4, 4, swap_ab=True, pair_blocks=True, int4_subnormal=True),
-    16: MoeConfig(16, 64, 128, 1, 4, 4, swap_ab=True, int4_subnormal=True),
-    128: MoeConfig(16, 128, 128, 1, 4, 4, swap_ab=True, int4_subnormal=True),
+    16: MoeConfig(16, 64, 256, 1, 4, 3, swap_ab=True, int4_subnormal=True),
+    128: MoeConfig(16, 64, 256, 1, 4, 3, swap_ab=True, int4_subnormal=True),
     1024: MoeConfig(64, 128, 128, 8, 4, 3, int4_subnormal=True),
     1 << 40: MoeConfig(64, 128, 128, 8, 4, 3),
 }
