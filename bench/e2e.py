@@ -43,6 +43,7 @@ from hy3c.model.batch import SeqChunk, build_step_batch
 from hy3c.recipe import load_recipe
 
 BW = 4.25e12
+BF16_FLOPS, FP8_FLOPS = 790e12, 1367e12  # dense tensor-core limits (BENCHMARKS.md, "Limits")
 PAGE = 64
 RESULTS: dict[str, object] = {}
 
@@ -125,6 +126,31 @@ def floor_ms(
     return (weights + kv) / BW * 1e3
 
 
+def prefill_floor_ms(config, tokens: int, fp8_gemms: bool, fp8_attention: bool) -> float:
+    """Compute floor of one request's prefill of `tokens` tokens: every GEMM's FLOPs (projections, the
+    dense FFN, the top-k routed and the shared experts, the router, the last token's lm_head) at the
+    tensor-core limit of its operands (FP8 for FP8 or W4A8 weights, whose int4 is widened to FP8), plus
+    causal attention's (QKᵀ and PV over the lower triangle) at the limit of its products (e4m3 with an
+    FP8 KV cache, else bf16)."""
+    h, inter = config.hidden_size, config.moe_intermediate_size
+    moe_layers = config.layer_types.count("sparse")
+    projections = (config.q_size + 2 * config.kv_size) * h + config.q_size * h
+    experts = (
+        config.num_experts_per_tok + config.num_shared_experts
+    ) * 3 * h * inter + config.num_experts * h
+    macs = tokens * (
+        config.num_hidden_layers * projections
+        + (config.num_hidden_layers - moe_layers) * 3 * h * config.intermediate_size
+        + moe_layers * experts
+    )
+    macs += config.vocab_size * h
+    attention_flops = (
+        config.num_hidden_layers * config.num_attention_heads * 2 * tokens * tokens * config.head_dim
+    )
+    gemm_ms = 2 * macs / (FP8_FLOPS if fp8_gemms else BF16_FLOPS) * 1e3
+    return gemm_ms + attention_flops / (FP8_FLOPS if fp8_attention else BF16_FLOPS) * 1e3
+
+
 def measure(
     runner,
     label: str,
@@ -138,11 +164,21 @@ def measure(
     device = runner.device
     out: dict[str, float] = {}
     kv = runner.allocate_kv_cache(kv_pages(prefill_sizes, decode_sizes, context), PAGE)
+    fp8_attention = kv.dtype not in (torch.bfloat16, torch.float16, torch.float32)
     for tokens in prefill_sizes:
         batch = prefill_batch(tokens, device)
         ms = timed(lambda b=batch: runner.step(b, kv), device)
+        floor = prefill_floor_ms(config, tokens, weight_bytes < 2, fp8_attention)
         out[f"prefill_{tokens}_ms"] = ms
-        ROWS.append((f"{label} prefill {tokens // 1024}K", f"{ms:.1f}", f"{tokens / ms * 1e3:.0f} tok/s", ""))
+        out[f"prefill_{tokens}_floor_ms"] = floor
+        ROWS.append(
+            (
+                f"{label} prefill {tokens // 1024}K",
+                f"{ms:.1f}",
+                f"{tokens / ms * 1e3:.0f} tok/s",
+                f"compute floor {floor:.1f} ms = {ms / floor:.2f}×",
+            )
+        )
     fill_kv(kv)
     per = -(-(context + 1) // PAGE)
     if device.type == "cuda":
