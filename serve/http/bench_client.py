@@ -41,7 +41,8 @@ SLO, per second), `output_throughput`, `total_token_throughput`, `max_output_tok
 `errors`) that `--save-detailed` keeps in the saved file. Ours: `dataset_name`, the default
 percentiles 50 and 90 beside vLLM's 99, and, against a hy3c server, the engine's steps during the run
 from /metrics: `engine_steps`, `engine_step_ms` (mean), `engine_host_ms` (its host part: scheduling,
-batch building, detokenization), `engine_kernel_builds` (Triton variants built during the run),
+batch building, detokenization), `engine_kernel_builds` (Triton variants built during the run), `engine_busy_percent` (the steps' time
+over the run's: the rest the engine had nothing to run),
 `prefix_cache_hit_rate` (prompt tokens found in any KV tier / looked up, in %) and, with KV tiers,
 `kv_l2_hit_pages` / `kv_l3_hit_pages`;
 when the server drafted during the run (speculative decoding), vLLM's keys from its spec-decode counters:
@@ -487,6 +488,8 @@ async def run_benchmark(config: BenchConfig) -> dict:
         duration = time.perf_counter() - start
         bar.close()
         engine = engine_report(engine_before, await _engine_totals(client))
+    if engine:  # the share of the run the engine spent in steps (its steps never overlap in time)
+        engine["engine_busy_percent"] = engine["engine_steps"] * engine["engine_step_ms"] / 10 / duration
     for r in results:
         r.start_time -= start
     report = {
@@ -648,6 +651,8 @@ def format_report(report: dict, config: BenchConfig) -> str:
         row("Engine steps:", report["engine_steps"])
         row("Mean step (ms):", report["engine_step_ms"], ".2f")
         row("  of which host (ms):", report["engine_host_ms"], ".2f")
+        if "engine_busy_percent" in report:  # (a report built from /metrics alone has no run time)
+            row("Engine busy (% of the run):", report["engine_busy_percent"], ".1f")
         row("Kernel variants built:", report["engine_kernel_builds"])
         row("Prefix cache hit rate (%):", report["prefix_cache_hit_rate"], ".2f")
         for tier in ("l2", "l3"):

@@ -69,9 +69,19 @@ def test_random_dataset_at_a_seeded_poisson_rate_saves_vllm_keys(server, tmp_pat
     assert result["p90_ttft_ms"] == pytest.approx(np.percentile(ttfts, 90))
     assert result["median_ttft_ms"] == pytest.approx(np.median(ttfts))
     assert result["engine_steps"] >= 5 and 0 < result["engine_host_ms"] < result["engine_step_ms"]
+    busy = result["engine_steps"] * result["engine_step_ms"] / 1e3 / result["duration"]
+    assert 0 < result["engine_busy_percent"] <= 100 and result["engine_busy_percent"] == pytest.approx(
+        busy * 100
+    )
     assert result["engine_kernel_builds"] == 0  # the CPU server runs torch providers: nothing to compile
     printed = capsys.readouterr().out
-    for line in ("Serving Benchmark Result", "Request goodput (req/s):", "P90 TTFT (ms):", "Mean step (ms):"):
+    for line in (
+        "Serving Benchmark Result",
+        "Request goodput (req/s):",
+        "P90 TTFT (ms):",
+        "Mean step (ms):",
+        "Engine busy (% of the run):",
+    ):
         assert line in printed
 
 
