@@ -497,7 +497,7 @@ def main() -> None:
                     [1, 32] if not args.quick else [1],
                     [8192] if not args.quick else [256],
                     context,
-                    1,
+                    2 if spec.name == "quantize" else 1,  # without it the weights stay bf16
                 )
             except Exception as exc:  # a pass whose removal breaks a later one is reported, not fatal
                 RESULTS[f"ablation_no_{spec.name}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}

@@ -434,6 +434,7 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
             shipped.setdefault(kind, {}).update({str(t): cfg.__dict__ for t, cfg in table.items()})
         with open(os.path.join(os.environ["OUT"], file.name), "w") as f:
             json.dump(shipped, f, indent=1)
+            f.write("\n")
 
 
 def experts() -> tuple[torch.Tensor, ...]:

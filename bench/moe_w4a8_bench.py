@@ -185,6 +185,7 @@ def main() -> None:
             table.setdefault("w4a8", {}).update({str(t): cfg.__dict__ for t, cfg in tuned.items()})
             with open(os.path.join(os.environ["OUT"], file.name), "w") as f:
                 json.dump(table, f, indent=1)
+                f.write("\n")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ from hy3c.kernels.moe.config import MoeConfig
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.ops.quant import FP8_DTYPE, check_int4_groups
 
-MIN_GEMM_GROUP = 32  # K of an FP8 MMA: a K block, within one group's scale, is at least this
+MIN_GEMM_GROUP = 32  # K of an FP8 MMA: a K step, within one group's scale, is at least this
 
 
 @triton.jit
@@ -410,7 +410,7 @@ def w4a8_block_k(cfg: MoeConfig, group: int, hidden: int, inter: int) -> tuple[i
     block within one group is one step (one MMA, one scale); a block of several groups (more bytes in
     flight a loop iteration) steps a group at a time and must divide both GEMMs' K (hidden and inter),
     else it is halved until it does."""
-    block = max(cfg.block_k, MIN_GEMM_GROUP)
+    block = 1 << (max(cfg.block_k, MIN_GEMM_GROUP).bit_length() - 1)  # a power of two, as the group is
     while block > group and (hidden % block or inter % block):
         block //= 2
     return block, min(block, group)

@@ -276,7 +276,7 @@ def w4a8_moe_variants() -> list[Variant]:
     ]
     for cfg in configs:
         common = dict(GROUP=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
-        common |= dict(SUB_K=min(cfg.block_k, 128))
+        common["BLOCK_K"], common["SUB_K"] = fused_moe_w4a8.w4a8_block_k(cfg, 128, 4096, 1536)
         common |= dict(GROUP_M=cfg.group_m, A_PER_ROW=True, SWAP_AB=cfg.swap_ab, PAIR_BLOCKS=cfg.pair_blocks)
         common |= dict(SUBNORMAL=cfg.int4_subnormal, PRMT=True, PDL=True)
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

@@ -133,7 +133,8 @@ def test_subnormal_widening_gives_the_fp16_widenings_result_bit_for_bit(activati
     assert _relative_error(outs[1], hy3.fused_moe(*args)) < 1e-2
 
 
-def test_k_blocks_of_several_groups_step_a_group_at_a_time():
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["tokens-as-rows", "weights-as-rows"])
+def test_k_blocks_of_several_groups_step_a_group_at_a_time(swap_ab):
     """A K block of 2 or 4 groups (more bytes a loop iteration) multiplies each group by its own scale
     and sums in the same order as blocks of one group: the same output bit for bit. A block that does
     not divide both GEMMs' K is halved until it does."""
@@ -142,6 +143,7 @@ def test_k_blocks_of_several_groups_step_a_group_at_a_time():
     assert w4a8_block_k(dataclasses.replace(CFG, block_k=512), 128, 4096, 1536) == (512, 128)
     assert w4a8_block_k(dataclasses.replace(CFG, block_k=512), 128, 4096, 640) == (128, 128)
     assert w4a8_block_k(dataclasses.replace(CFG, block_k=64), 128, 4096, 1536) == (64, 64)
+    assert w4a8_block_k(dataclasses.replace(CFG, block_k=192), 32, 128, 64) == (64, 32)  # a power of two
     tokens, experts = 5, 4
     x = torch.randn(tokens, 128).to(torch.bfloat16)
     q13, s13, q2, s2 = _experts(experts, 128, 128, group=32)
@@ -149,7 +151,11 @@ def test_k_blocks_of_several_groups_step_a_group_at_a_time():
     ids = torch.stack([torch.randperm(experts)[:2] for _ in range(tokens)]).int()
     args = (x, torch.rand(tokens, 2), ids, q13, q2, s13, s2, None, None, None)
     one, two, four = (
-        fused_moe_triton(*args, config=dataclasses.replace(CFG, block_k=bk, int4_subnormal=True), pdl=False)
+        fused_moe_triton(
+            *args,
+            config=dataclasses.replace(CFG, block_k=bk, swap_ab=swap_ab, int4_subnormal=True),
+            pdl=False,
+        )
         for bk in (32, 64, 128)
     )
     assert torch.equal(one, two) and torch.equal(one, four)
