@@ -37,12 +37,14 @@ def _invalid(message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_value", message)
 
 
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _all_token_ids(values: list) -> bool:
+    """Whether every value is a token id: an int, not a bool. `type(v) is int` is what JSON's integers
+    are, and a third of `isinstance`'s time over a long prompt, which is checked on the event loop."""
+    return all(type(v) is int for v in values)
 
 
 def _token_ids(value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(_is_token_id(v) for v in value):
+    if not isinstance(value, list) or not _all_token_ids(value):
         raise _invalid("must be a list of integer token ids")
     return value
 
@@ -209,9 +211,9 @@ class CompletionRequest(_Sampling):
         shape = "must be a string, a list of token ids, or a list of strings or token-id lists"
         if not isinstance(value, list):
             raise _invalid(shape)
-        if all(_is_token_id(v) for v in value):  # one prompt of token ids ([] is an empty prompt)
+        if _all_token_ids(value):  # one prompt of token ids ([] is an empty prompt)
             return [value]
-        if not all(isinstance(p, str) or (isinstance(p, list) and all(map(_is_token_id, p))) for p in value):
+        if not all(isinstance(p, str) or (isinstance(p, list) and _all_token_ids(p)) for p in value):
             raise _invalid(shape)
         if len(value) > MAX_CHOICES:
             raise _invalid(f"at most {MAX_CHOICES} prompts per request")

@@ -162,6 +162,7 @@ def _token_ids() -> list[Case]:
         Case("prompt id a boolean", completion(prompt=[True, 5]), 400, "prompt"),
         Case("prompt id a fraction", completion(prompt=[1.5]), 400, "prompt"),
         Case("batch id a string", completion(prompt=[[1, "a"]]), 400, "prompt"),
+        Case("batch id a boolean", completion(prompt=[[1, 2], [True]]), 400, "prompt"),
         Case("detokenize -1", {"tokens": [-1]}, 400, "tokens", "vocabulary", path="/detokenize"),
         Case("detokenize 2^70", {"tokens": [2**70]}, 400, "tokens", "vocabulary", path="/detokenize"),
         Case("detokenize a boolean", {"tokens": [True]}, 400, "tokens", path="/detokenize"),
