@@ -34,7 +34,7 @@ def add_chat_route(app: FastAPI, ctx: ApiContext) -> None:
             body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools, effort
         )
         options, forced = ctx.settle_thinking(options, forced, text, body)
-        prompt_ids = ctx.encode(text, "messages")
+        prompt_ids = await ctx.encode_text(text, "messages")
         params = ctx.params_of(body)
         ctx.check_capacity()
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -118,7 +118,7 @@ def add_info_routes(app: FastAPI, ctx: ApiContext) -> None:
             if body.prompt is not None
             else ctx.render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         )
-        tokens = ctx.encode(text, "prompt" if body.prompt is not None else "messages")
+        tokens = await ctx.encode_text(text, "prompt" if body.prompt is not None else "messages")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_len}
 
     @app.post("/detokenize")
