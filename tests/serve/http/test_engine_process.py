@@ -224,6 +224,16 @@ def test_requests_round_trip_the_wire(tiny_ckpt):
     assert {**vars(back), "grammar": None} == {**vars(request), "grammar": None}
     free = GenerationRequest("r-2", [4], SamplingParams(), 1)
     assert request_from_wire(json.loads(json.dumps(request_to_wire(free))), there) == free
+    long = GenerationRequest("r-3", [i * 7919 % (2**31 - 1) for i in range(40_000)], SamplingParams(), 1)
+    wire = request_to_wire(long)
+    assert isinstance(wire["prompt_ids"], str)  # packed, not a JSON list of 40,000 numbers
+    assert request_from_wire(json.loads(json.dumps(wire)), there) == long
+    assert (
+        request_from_wire(
+            json.loads(json.dumps(request_to_wire(GenerationRequest("r-4", [], params, 1)))), there
+        ).prompt_ids
+        == []
+    )
     out = StepOutput(
         "r-1", "ab", [4, 5], [(4, -0.5, [(4, -0.5), (6, -1.0)])], True, "stop", 5, None, 3, 2, 1,
         [(2, -1.25, 3, [(7, -0.25)])],
