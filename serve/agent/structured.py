@@ -318,7 +318,10 @@ def tool_call_grammar(
     once, every required one (as JSON-schema-guided decoding holds an object's properties to the
     schema's order). A value is JSON of its argument's schema when that schema is self-contained and
     admits no string (an integer, an enum of numbers, an object, …: what the parser then reads as that
-    type); a string argument, or one without a usable schema, takes any text (Hy3 writes strings raw)."""
+    type). A string argument is written raw, as Hy3 writes strings: one of its `enum` (or its `const`)
+    when those are all strings, else any text within its `minLength` / `maxLength` (bounds up to
+    MAX_BOUNDED_CHARS; `pattern` and `format` are not held); one without a usable schema takes any
+    text."""
     ids = tokenizer.added_tokens
 
     def tag(text: str) -> str:
@@ -341,6 +344,9 @@ def tool_call_grammar(
             if _typed_value(schema):
                 value = f"value_{i}_{j}"
                 rules.append(f"{value}: %json {json.dumps(schema)}")
+            elif (text := _string_value(schema)) is not None:
+                value = f"value_{i}_{j}"
+                rules.append(f"{value}: {text}")
             rules.append(
                 f'arg_{i}_{j}: {tag(m.arg_key_open)} {json.dumps(key)} {tag(m.arg_key_close)} "\\n" '
                 f'{tag(m.arg_value_open)} {value} {tag(m.arg_value_close)} "\\n"'
@@ -356,6 +362,27 @@ def _typed_value(schema: Any) -> bool:
         return False
     types = schema_types(schema)
     return bool(types) and "string" not in types
+
+
+MAX_BOUNDED_CHARS = 4096  # a string argument's length bound beyond this is not held (`_string_value`)
+
+
+def _string_value(schema: Any) -> str | None:
+    """The Lark rule of a string argument's raw text under its schema (`tool_call_grammar`): its
+    string `enum` / `const` as alternatives, or its length bounds as a regex; None: any text."""
+    if not isinstance(schema, dict):
+        return None
+    options = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+        return " | ".join(json.dumps(o, ensure_ascii=False) for o in dict.fromkeys(options))
+    if schema_types(schema) != ["string"]:
+        return None
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    low = low if type(low) is int and 0 < low <= MAX_BOUNDED_CHARS else 0
+    high = high if type(high) is int and low <= high <= MAX_BOUNDED_CHARS else None
+    if not low and high is None:
+        return None
+    return f"/(.|\\n){{{low},{'' if high is None else high}}}/"
 
 
 STRUCTURED_ERROR = "structured output: "  # how the engine's error of a failing grammar begins

@@ -252,6 +252,35 @@ def test_a_forced_call_writes_each_required_argument_once_in_the_schemas_order(c
     assert finished >= 3
 
 
+def test_forced_string_arguments_keep_to_their_enum_and_length(client):
+    """String arguments are written raw, held to their schema: a string enum gives one of its values,
+    a maxLength / minLength bounds the text (random weights: whatever the model writes), and a plain
+    string takes any text."""
+    tool = _tool(
+        "get_weather",
+        {
+            "unit": {"type": "string", "enum": ["c", "f", 'kelvin "K"']},
+            "city": {"type": "string", "minLength": 2, "maxLength": 5},
+            "code": {"const": "x1"},
+        },
+        required=["unit", "city", "code"],
+    )
+    finished = 0
+    for seed in range(6):
+        response = client.chat.completions.create(
+            model="art", messages=MESSAGES, tools=[tool], max_tokens=120, temperature=1.0, seed=seed,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )  # fmt: skip
+        if response.choices[0].finish_reason != "tool_calls":
+            continue  # cut at max_tokens
+        finished += 1
+        (call,) = response.choices[0].message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert arguments["unit"] in ("c", "f", 'kelvin "K"'), arguments
+        assert 2 <= len(arguments["city"]) <= 5 and arguments["code"] == "x1", arguments
+    assert finished >= 4
+
+
 def test_with_reasoning_the_tool_call_comes_after_it(client):
     """Reasoning on: the grammar lets the reasoning run (a random model may not close it within
     max_tokens) and then admits only the tool calls."""
