@@ -28,7 +28,7 @@ from torch import Tensor
 from hy3c.checkpoint.tokenizer import Hy3Tokenizer
 from hy3c.logs import log_event
 from hy3c.serve.agent.markup import Hy3Markup
-from hy3c.serve.agent.tool_calls import schema_types
+from hy3c.serve.agent.tool_calls import schema_types, string_choices
 
 log = logging.getLogger("hy3c.serve.agent.structured")
 
@@ -370,10 +370,8 @@ MAX_BOUNDED_CHARS = 4096  # a string argument's length bound beyond this is not 
 def _string_value(schema: Any) -> str | None:
     """The Lark rule of a string argument's raw text under its schema (`tool_call_grammar`): its
     string `enum` / `const` as alternatives, or its length bounds as a regex; None: any text."""
-    if not isinstance(schema, dict):
-        return None
-    options = [schema["const"]] if "const" in schema else schema.get("enum")
-    if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+    options = string_choices(schema)
+    if options is not None:
         return " | ".join(json.dumps(o, ensure_ascii=False) for o in dict.fromkeys(options))
     if schema_types(schema) != ["string"]:
         return None

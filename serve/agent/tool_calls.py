@@ -12,9 +12,9 @@ Hy3 writes, after any plain content:
     </tool_calls>
 
 (tags as the tokenizer spells them, `markup.Hy3Markup`). A value is raw text; it becomes JSON by the
-type the tool's parameter schema gives it (a string stays as written; integer, number, boolean, null,
-object and array are parsed, and a value that does not parse as its type stays a string); without a
-schema a value that parses as JSON is taken as such. Content is the text before `<tool_calls>`; text
+type the tool's parameter schema gives it (a string, or one of an enum of strings, stays as written;
+integer, number, boolean, null, object and array are parsed, and a value that does not parse as its
+type stays a string); without a schema a value that parses as JSON is taken as such. Content is the text before `<tool_calls>`; text
 after it outside calls is dropped. A call cut short (the output ended inside it) keeps the arguments
 completed so far. The whole text and its deltas give the same calls: the whole is parsed by feeding it
 as one delta."""
@@ -56,10 +56,21 @@ def schema_types(schema: Any) -> list[str]:
     return types
 
 
+def string_choices(schema: Any) -> list[str] | None:
+    """A schema's `const` or `enum` values when they are all strings (a forced call writes one of them
+    raw, and it stays a string whatever it looks like: "1", "true"); else None."""
+    if not isinstance(schema, dict):
+        return None
+    options = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+        return options
+    return None
+
+
 def coerce_argument(value: str, schema: Any) -> Any:
     """An argument's raw text as the JSON value its parameter schema calls for (module docstring)."""
     types = schema_types(schema)
-    if types == ["string"]:
+    if types == ["string"] or string_choices(schema) is not None:
         return value
     text = value.strip()
     if len(text) > MAX_PARSED_CHARS:  # not parsed: stays text (int() refuses > 4300 digits anyway)

@@ -160,12 +160,20 @@ class ApiContext:
                 400, f"{param}: token id {shown} is not in the vocabulary [0, {self.vocab_size})", param
             )
 
-    async def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        """A prompt's token ids: text tokenized (`encode_text`), ids checked against the vocabulary."""
+    def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """A prompt's token ids: text tokenized, ids checked against the vocabulary."""
         if isinstance(prompt, str):
-            return await self.encode_text(prompt, param)
+            return self.encode(prompt, param)
         self.check_token_ids(prompt, param)
         return list(prompt)
+
+    async def prompts_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """`prompt_ids` of each prompt, on a worker thread when their texts hold more than
+        OFF_LOOP_CHARS characters together (a long prompt, or many)."""
+        texts = sum(len(p) for p in prompts if isinstance(p, str))
+        if texts <= OFF_LOOP_CHARS:
+            return [self.prompt_ids(p) for p in prompts]
+        return await asyncio.to_thread(lambda: [self.prompt_ids(p) for p in prompts])
 
     async def encode_text(self, text: str, param: str) -> list[int]:
         """`encode`, on a worker thread for a text of more than OFF_LOOP_CHARS characters."""

@@ -49,7 +49,7 @@ def add_completions_route(app: FastAPI, ctx: ApiContext) -> None:
                 "prompt_logprobs: not available with stream (echo with logprobs streams them)",
                 "prompt_logprobs",
             )
-        prompts = [await ctx.prompt_ids(prompt) for prompt in body.prompt]
+        prompts = await ctx.prompts_ids(body.prompt)
         echoes = [
             (prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids)) if body.echo else ""
             for prompt, ids in zip(body.prompt, prompts)

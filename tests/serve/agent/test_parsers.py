@@ -134,6 +134,10 @@ def test_malformed_and_cut_short_calls():
         ("NaN", {"type": "number"}, "NaN"),  # NaN and Infinity are not JSON: the text stays
         ("Infinity", None, "Infinity"),
         ("9" * 5000, {"type": "integer"}, "9" * 5000),  # too long to parse (int() refuses past 4300 digits)
+        ("1", {"enum": ["1", "2"]}, "1"),  # an enum of strings: its values stay strings
+        ("true", {"const": "true"}, "true"),
+        ("null", {"type": ["string", "null"], "enum": ["a", "null"]}, "null"),
+        ("2", {"enum": [1, 2]}, 2),
     ],
 )
 def test_argument_values_take_their_parameter_type(value, schema, expected):

@@ -42,14 +42,19 @@ def test_a_long_text_is_tokenized_on_a_worker_thread(tiny_ckpt, monkeypatch):
     encode = tok.encode
     monkeypatch.setattr(tok, "encode", lambda text: threads.append(threading.get_ident()) or encode(text))
 
+    half = "a" * (OFF_LOOP_CHARS // 2)
+
     async def run() -> int:
         await ctx.encode_text("a" * OFF_LOOP_CHARS, "prompt")
-        await ctx.prompt_ids("a" * (OFF_LOOP_CHARS + 1))
-        await ctx.prompt_ids([1, 2])  # ids: nothing to tokenize
+        await ctx.encode_text("a" * (OFF_LOOP_CHARS + 1), "prompt")
+        await ctx.prompts_ids([half, [1, 2]])  # ids: nothing to tokenize
+        await ctx.prompts_ids([half, half, "a"])  # short texts, long together
         return threading.get_ident()
 
     loop_thread = asyncio.run(run())
-    assert len(threads) == 2 and threads[0] == loop_thread and threads[1] != loop_thread
+    assert len(threads) == 6
+    assert threads[0] == loop_thread and threads[1] != loop_thread and threads[2] == loop_thread
+    assert loop_thread not in threads[3:]
 
 
 def test_the_tokenizer_lets_other_threads_run_while_it_encodes(tiny_ckpt):
@@ -58,7 +63,14 @@ def test_the_tokenizer_lets_other_threads_run_while_it_encodes(tiny_ckpt):
     tok = Hy3Tokenizer.from_dir(tiny_ckpt)
     text = _code(400_000)
     done = threading.Event()
-    worker = threading.Thread(target=lambda: (tok.encode(text), done.set()))
+
+    def encode() -> None:
+        try:
+            tok.encode(text)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=encode)
     wakeups = 0
     worker.start()
     while not done.is_set():

@@ -261,7 +261,7 @@ def test_forced_string_arguments_keep_to_their_enum_and_length(client):
         {
             "unit": {"type": "string", "enum": ["c", "f", 'kelvin "K"']},
             "city": {"type": "string", "minLength": 2, "maxLength": 5},
-            "code": {"const": "x1"},
+            "code": {"const": "1"},  # a string, though it reads as a number
         },
         required=["unit", "city", "code"],
     )
@@ -277,7 +277,7 @@ def test_forced_string_arguments_keep_to_their_enum_and_length(client):
         (call,) = response.choices[0].message.tool_calls
         arguments = json.loads(call.function.arguments)
         assert arguments["unit"] in ("c", "f", 'kelvin "K"'), arguments
-        assert 2 <= len(arguments["city"]) <= 5 and arguments["code"] == "x1", arguments
+        assert 2 <= len(arguments["city"]) <= 5 and arguments["code"] == "1", arguments
     assert finished >= 4
 
 
