@@ -17,7 +17,7 @@ import logging
 import math
 import uuid
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -168,18 +168,13 @@ class ApiContext:
         return list(prompt)
 
     async def prompts_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        """`prompt_ids` of each prompt, on a worker thread when their texts hold more than
-        OFF_LOOP_CHARS characters together (a long prompt, or many)."""
-        texts = sum(len(p) for p in prompts if isinstance(p, str))
-        if texts <= OFF_LOOP_CHARS:
-            return [self.prompt_ids(p) for p in prompts]
-        return await asyncio.to_thread(lambda: [self.prompt_ids(p) for p in prompts])
+        """`prompt_ids` of each prompt, off the loop when their texts are long together (`_off_loop`)."""
+        chars = sum(len(p) for p in prompts if isinstance(p, str))
+        return await _off_loop(chars, lambda: [self.prompt_ids(p) for p in prompts])
 
     async def encode_text(self, text: str, param: str) -> list[int]:
-        """`encode`, on a worker thread for a text of more than OFF_LOOP_CHARS characters."""
-        if len(text) <= OFF_LOOP_CHARS:
-            return self.encode(text, param)
-        return await asyncio.to_thread(self.encode, text, param)
+        """`encode`, off the loop for a long text (`_off_loop`)."""
+        return await _off_loop(len(text), lambda: self.encode(text, param))
 
     def params_of(self, body) -> SamplingParams:
         """The body's sampling parameters (stop_token_ids and logit_bias ids checked)."""
@@ -531,6 +526,14 @@ class ApiContext:
             "rank": rank,
             "decoded_token": self.tokenizer.token_text(token),
         }
+
+
+async def _off_loop(chars: int, tokenize: Callable[[], Any]) -> Any:
+    """`tokenize()` for texts of `chars` characters: on a worker thread past OFF_LOOP_CHARS (the
+    tokenizer lets go of the GIL), else here, where a thread's hop would cost more than the work."""
+    if chars <= OFF_LOOP_CHARS:
+        return tokenize()
+    return await asyncio.to_thread(tokenize)
 
 
 def _call_arguments(parameters: Any) -> list[tuple[str, Any, bool]]:
