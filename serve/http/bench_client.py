@@ -42,7 +42,8 @@ SLO, per second), `output_throughput`, `total_token_throughput`, `max_output_tok
 percentiles 50 and 90 beside vLLM's 99, and, against a hy3c server, the engine's steps during the run
 from /metrics: `engine_steps`, `engine_step_ms` (mean), `engine_host_ms` (its host part: scheduling,
 batch building, detokenization), `engine_kernel_builds` (Triton variants built during the run), `engine_busy_percent` (the steps' time
-over the run's: the rest the engine had nothing to run),
+over the run's: the rest the engine had nothing to run), `engine_ttft_ms` / `engine_queue_ms` /
+`engine_prefill_ms` (means of the server's TTFT and its two parts: `ttft_report`),
 `prefix_cache_hit_rate` (prompt tokens found in any KV tier / looked up, in %) and, with KV tiers,
 `kv_l2_hit_pages` / `kv_l3_hit_pages`;
 when the server drafted during the run (speculative decoding), vLLM's keys from its spec-decode counters:
@@ -368,7 +369,12 @@ _STEP, _HOST, _BUILDS = "hy3c:engine_step_seconds", "hy3c:engine_host_seconds", 
 _DRAFTS, _DRAFT_TOKENS = "hy3c:spec_decode_num_drafts", "hy3c:spec_decode_num_draft_tokens"
 _ACCEPTED, _PER_POS = "hy3c:spec_decode_num_accepted_tokens", "hy3c:spec_decode_num_accepted_tokens_per_pos"
 _QUERIES, _HITS, _TIERS = "hy3c:prefix_cache_queries", "hy3c:prefix_cache_hits", "hy3c:kv_tier_pages"
-_FAMILIES = (_STEP, _HOST, _BUILDS, _DRAFTS, _DRAFT_TOKENS, _ACCEPTED, _PER_POS, _QUERIES, _HITS, _TIERS)
+_TTFT, _QUEUE = "hy3c:time_to_first_token_seconds", "hy3c:request_queue_time_seconds"
+_PREFILL = "hy3c:request_prefill_time_seconds"
+_FAMILIES = (
+    _STEP, _HOST, _BUILDS, _DRAFTS, _DRAFT_TOKENS, _ACCEPTED, _PER_POS, _QUERIES, _HITS, _TIERS, _TTFT, _QUEUE,
+    _PREFILL,
+)  # fmt: skip
 
 
 async def _engine_totals(client: httpx.AsyncClient) -> dict[str, float] | None:
@@ -414,9 +420,24 @@ def engine_report(before: dict | None, after: dict | None) -> dict:
         "engine_step_ms": delta[f"{_STEP}_sum"] / steps * 1e3,
         "engine_host_ms": delta.get(f"{_HOST}_sum", 0.0) / steps * 1e3,
         "engine_kernel_builds": int(delta.get(f"{_BUILDS}_total", 0.0)),
+        **ttft_report(delta),
         **cache_report(delta),
         **spec_report(delta),
     }
+
+
+def ttft_report(delta: dict[str, float]) -> dict:
+    """Where the server's time to first token goes, means over the run: `engine_ttft_ms` (the request
+    made in the HTTP process → its first token, the engine's TTFT histogram), `engine_queue_ms`
+    (→ first scheduled: the hand-off to the engine and the wait for a step's budget, pages or a KV
+    load) and `engine_prefill_ms` (first scheduled → first token). The client's TTFT less
+    `engine_ttft_ms` is the request's HTTP path (sending, parsing, validating, the first chunk back)."""
+    report = {}
+    for key, name in (("engine_ttft_ms", _TTFT), ("engine_queue_ms", _QUEUE), ("engine_prefill_ms", _PREFILL)):
+        count = delta.get(f"{name}_count", 0.0)
+        if count > 0:
+            report[key] = delta[f"{name}_sum"] / count * 1e3
+    return report
 
 
 def cache_report(delta: dict[str, float]) -> dict:
@@ -653,6 +674,13 @@ def format_report(report: dict, config: BenchConfig) -> str:
         row("  of which host (ms):", report["engine_host_ms"], ".2f")
         if "engine_busy_percent" in report:  # (a report built from /metrics alone has no run time)
             row("Engine busy (% of the run):", report["engine_busy_percent"], ".1f")
+        for key, label in (
+            ("engine_ttft_ms", "Server TTFT, mean (ms):"),
+            ("engine_queue_ms", "  arrival to scheduled (ms):"),
+            ("engine_prefill_ms", "  scheduled to first token (ms):"),
+        ):
+            if key in report:
+                row(label, report[key], ".2f")
         row("Kernel variants built:", report["engine_kernel_builds"])
         row("Prefix cache hit rate (%):", report["prefix_cache_hit_rate"], ".2f")
         for tier in ("l2", "l3"):

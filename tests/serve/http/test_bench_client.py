@@ -74,6 +74,11 @@ def test_random_dataset_at_a_seeded_poisson_rate_saves_vllm_keys(server, tmp_pat
         busy * 100
     )
     assert result["engine_kernel_builds"] == 0  # the CPU server runs torch providers: nothing to compile
+    # the server's TTFT lies inside the client's, and splits into its queue and prefill parts
+    assert 0 < result["engine_ttft_ms"] < result["mean_ttft_ms"]
+    assert result["engine_queue_ms"] > 0 and result["engine_prefill_ms"] > 0
+    parts = result["engine_queue_ms"] + result["engine_prefill_ms"]
+    assert parts == pytest.approx(result["engine_ttft_ms"], rel=0.05, abs=1.0)
     printed = capsys.readouterr().out
     for line in (
         "Serving Benchmark Result",
@@ -81,6 +86,8 @@ def test_random_dataset_at_a_seeded_poisson_rate_saves_vllm_keys(server, tmp_pat
         "P90 TTFT (ms):",
         "Mean step (ms):",
         "Engine busy (% of the run):",
+        "Server TTFT, mean (ms):",
+        "  arrival to scheduled (ms):",
     ):
         assert line in printed
 
