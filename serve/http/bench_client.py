@@ -433,7 +433,11 @@ def ttft_report(delta: dict[str, float]) -> dict:
     load) and `engine_prefill_ms` (first scheduled → first token). The client's TTFT less
     `engine_ttft_ms` is the request's HTTP path (sending, parsing, validating, the first chunk back)."""
     report = {}
-    for key, name in (("engine_ttft_ms", _TTFT), ("engine_queue_ms", _QUEUE), ("engine_prefill_ms", _PREFILL)):
+    for key, name in (
+        ("engine_ttft_ms", _TTFT),
+        ("engine_queue_ms", _QUEUE),
+        ("engine_prefill_ms", _PREFILL),
+    ):
         count = delta.get(f"{name}_count", 0.0)
         if count > 0:
             report[key] = delta[f"{name}_sum"] / count * 1e3
