@@ -30,7 +30,7 @@ run() {  # name, then hy3c serve's extra flags
       --num-prompts ${N:-768} --max-concurrency ${CONCURRENCY:-8} --prefix-repetition-prefix-len $((${PROMPT_LEN:-8192} / 2)) \
       --prefix-repetition-suffix-len $((${PROMPT_LEN:-8192} / 2)) --prefix-repetition-hit-ratio $r --prefix-repetition-num-prefixes ${PREFIXES:-48} \
       --prefix-repetition-output-len 16 --temperature 0 --ignore-eos --disable-tqdm \
-      | grep -E "Output token throughput|Mean TTFT|P99 TTFT|Request throughput|Engine steps|Mean step|of which host|Engine busy|Server TTFT|arrival to scheduled|scheduled to first token|hit rate|pages found" | sed "s/^/$name hit=$r /"
+      | grep -E "Output token throughput|Mean TTFT|P99 TTFT|Request throughput|Engine steps|Mean step|of which host|Engine busy|idle, |Server TTFT|arrival to scheduled|scheduled to first token|hit rate|pages found" | sed "s/^/$name hit=$r /"
   done
   [ "${TRACE:-1}" = 1 ] && python3 -m hy3c bench serve --base-url http://127.0.0.1:8012 --dataset-name hy3-trace --trace-scale 0.1 \
     --trace-reuse 0.8 --num-prompts ${TRACE_N:-96} --max-concurrency 8 --temperature 0 --disable-tqdm \

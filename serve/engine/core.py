@@ -336,6 +336,7 @@ class Engine:
         self._held: list[tuple[Callable[[StepOutput], None], StepOutput]] | None = None  # _holding_outputs
         self._penalties: TrackedPenalties | None = None  # penalised requests' counts, on the device
         self._last_collected = 0.0
+        self._steps_finished = 0  # steps collected (the loop tells a turn that ran none: `metrics.idle`)
 
     def warm_up(self) -> None:
         """Run throw-away requests through the engine before it serves (call before `start`).
@@ -480,13 +481,18 @@ class Engine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                if not self._iterate():
+                turn_start, steps_before = time.monotonic(), self._steps_finished
+                running_before = self._in_flight is not None
+                worked = self._iterate()
+                if not worked:
                     if self._idle is not None:
                         self._idle()
                     self._wake.wait(0.05)
                     self._wake.clear()
                 elif self.tiers is not None and self.tiers.waiting_on_store and not self.scheduler.running:
                     self._wake.wait(0.001)  # only an admission waiting for the store: nap, do not spin
+                if not running_before and self._in_flight is None and self._steps_finished == steps_before:
+                    self.metrics.idle(time.monotonic() - turn_start, held=worked)
         except BaseException as exc:  # the loop itself broke: report unhealthy, fail everything
             self._dead = f"{type(exc).__name__}: {exc}"
             log_event(log, "engine_dead", level=logging.ERROR, error=self._dead)
@@ -1067,6 +1073,7 @@ class Engine:
         finished = time.monotonic()
         since = max(started, self._last_collected)
         self._last_collected = finished
+        self._steps_finished += 1
         self.metrics.step(finished - since, host_seconds + (finished - known), fed, preempted)
 
     def _can_chain(self, step: _SpecStep) -> bool:

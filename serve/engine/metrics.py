@@ -22,6 +22,7 @@ renders it with a leading `model_name` label, as vLLM labels its series. vLLM's 
   a position's acceptance rate its count / drafts, as vLLM reads them.
 
 Ours: `engine_step_seconds` and `engine_host_seconds` (a step's wall time and its host part),
+`engine_idle_seconds` by `state` (`empty`, `held`: the loop's turns with no step running),
 `kernel_builds_total` by kernel (Triton variants built while serving) and `request_aborted_total`.
 
 The engine's interface: the counters and histograms it updates itself (`prompt_tokens`,
@@ -175,6 +176,14 @@ class EngineMetrics:
             buckets=_FAST_BUCKETS,
             registry=reg,
         )
+        self.idle_time = Counter(
+            "hy3c:engine_idle_seconds",
+            "Engine loop turns with no step running, by state: `empty` (no request in the engine) or"
+            " `held` (requests in the engine, none of them steppable yet: waiting for a KV load from the"
+            " store, for pages or for a prefix another request is writing).",
+            ["state"],
+            registry=reg,
+        )
         self.kernel_builds = Counter(
             "hy3c:kernel_builds",
             "Triton kernel variants built while serving (compiled, or read from the disk cache); each one"
@@ -259,6 +268,10 @@ class EngineMetrics:
         self.step_tokens.observe(tokens)
         if preemptions:
             self.preemptions.inc(preemptions)
+
+    def idle(self, seconds: float, held: bool) -> None:
+        """A turn of the engine loop that ran no step: `held` when requests were in the engine."""
+        self.idle_time.labels("held" if held else "empty").inc(seconds)
 
     def speculated(self, num_drafts: list[int], accepted: list[int]) -> None:
         """One step's verification: per request the drafts it fed and how many were accepted (a request

@@ -42,7 +42,9 @@ SLO, per second), `output_throughput`, `total_token_throughput`, `max_output_tok
 percentiles 50 and 90 beside vLLM's 99, and, against a hy3c server, the engine's steps during the run
 from /metrics: `engine_steps`, `engine_step_ms` (mean), `engine_host_ms` (its host part: scheduling,
 batch building, detokenization), `engine_kernel_builds` (Triton variants built during the run), `engine_busy_percent` (the steps' time
-over the run's: the rest the engine had nothing to run), `engine_ttft_ms` / `engine_queue_ms` /
+over the run's), `engine_idle_empty_percent` / `engine_idle_held_percent` (the share of the run in the
+engine loop's turns that ran no step, with no request in the engine / with requests it could not step
+yet: a KV load from the store, pages, a prefix another request writes), `engine_ttft_ms` / `engine_queue_ms` /
 `engine_prefill_ms` (means of the server's TTFT and its two parts: `ttft_report`),
 `prefix_cache_hit_rate` (prompt tokens found in any KV tier / looked up, in %) and, with KV tiers,
 `kv_l2_hit_pages` / `kv_l3_hit_pages`;
@@ -370,10 +372,10 @@ _DRAFTS, _DRAFT_TOKENS = "hy3c:spec_decode_num_drafts", "hy3c:spec_decode_num_dr
 _ACCEPTED, _PER_POS = "hy3c:spec_decode_num_accepted_tokens", "hy3c:spec_decode_num_accepted_tokens_per_pos"
 _QUERIES, _HITS, _TIERS = "hy3c:prefix_cache_queries", "hy3c:prefix_cache_hits", "hy3c:kv_tier_pages"
 _TTFT, _QUEUE = "hy3c:time_to_first_token_seconds", "hy3c:request_queue_time_seconds"
-_PREFILL = "hy3c:request_prefill_time_seconds"
+_PREFILL, _IDLE = "hy3c:request_prefill_time_seconds", "hy3c:engine_idle_seconds"
 _FAMILIES = (
     _STEP, _HOST, _BUILDS, _DRAFTS, _DRAFT_TOKENS, _ACCEPTED, _PER_POS, _QUERIES, _HITS, _TIERS, _TTFT, _QUEUE,
-    _PREFILL,
+    _PREFILL, _IDLE,
 )  # fmt: skip
 
 
@@ -398,6 +400,9 @@ def parse_engine_totals(text: str) -> dict[str, float] | None:
                 if family.name == _TIERS:  # a gauge per tier and event: `<name>:<tier>:<event>`
                     key = f"{sample.name}:{sample.labels.get('tier')}:{sample.labels.get('event')}"
                     totals[key] = totals.get(key, 0.0) + sample.value
+                elif family.name == _IDLE:  # a counter per state: `<name>:<state>`
+                    key = f"{sample.name}:{sample.labels.get('state')}"
+                    totals[key] = totals.get(key, 0.0) + sample.value
                 elif sample.name.endswith(("_sum", "_count", "_total")):
                     key = sample.name
                     if family.name == _PER_POS:
@@ -421,6 +426,11 @@ def engine_report(before: dict | None, after: dict | None) -> dict:
         "engine_host_ms": delta.get(f"{_HOST}_sum", 0.0) / steps * 1e3,
         "engine_kernel_builds": int(delta.get(f"{_BUILDS}_total", 0.0)),
         **ttft_report(delta),
+        **{
+            f"engine_idle_{state}_s": delta[f"{_IDLE}_total:{state}"]
+            for state in ("empty", "held")
+            if f"{_IDLE}_total:{state}" in delta
+        },
         **cache_report(delta),
         **spec_report(delta),
     }
@@ -515,6 +525,9 @@ async def run_benchmark(config: BenchConfig) -> dict:
         engine = engine_report(engine_before, await _engine_totals(client))
     if engine:  # the share of the run the engine spent in steps (its steps never overlap in time)
         engine["engine_busy_percent"] = engine["engine_steps"] * engine["engine_step_ms"] / 10 / duration
+        for state in ("empty", "held"):  # and in turns that ran no step
+            if f"engine_idle_{state}_s" in engine:
+                engine[f"engine_idle_{state}_percent"] = engine.pop(f"engine_idle_{state}_s") * 100 / duration
     for r in results:
         r.start_time -= start
     report = {
@@ -678,6 +691,9 @@ def format_report(report: dict, config: BenchConfig) -> str:
         row("  of which host (ms):", report["engine_host_ms"], ".2f")
         if "engine_busy_percent" in report:  # (a report built from /metrics alone has no run time)
             row("Engine busy (% of the run):", report["engine_busy_percent"], ".1f")
+            for state, label in (("empty", "no request"), ("held", "requests held")):
+                if f"engine_idle_{state}_percent" in report:
+                    row(f"  idle, {label} (%):", report[f"engine_idle_{state}_percent"], ".1f")
         for key, label in (
             ("engine_ttft_ms", "Server TTFT, mean (ms):"),
             ("engine_queue_ms", "  arrival to scheduled (ms):"),

@@ -342,6 +342,9 @@ class _Flaky:
     def probe(self):
         self._check()
 
+    def close(self):
+        self.down = True
+
 
 class _FlakyLocal(_Flaky):
     """`_Flaky` asked on the engine's thread (`local_lookup`): a failing lookup must still count."""
@@ -404,6 +407,31 @@ def test_a_store_that_hangs_mid_load_costs_one_timeout_and_the_prefix_is_recompu
         assert tokens == expected[r] and cached == 0
         assert time.monotonic() - started < 2.0
     assert engine.tiers.degraded and engine.tiers.stats.l3_failures >= 2
+    _no_leaks(engine)
+
+
+def test_the_engine_loop_counts_its_idle_turns_as_empty_or_held(model, tokenizer, tmp_path):
+    """On the engine thread: a request whose admission waits for a store read that hangs is `held`
+    (about the read's timeout), an engine with no request `empty`."""
+    engine = _engine(
+        model, tokenizer, _config(tmp_path, store_timeout=0.3, failures_to_degrade=5, probe_seconds=60)
+    )
+    engine.tiers.store = _Hanging({})
+    done = threading.Event()
+    engine.start()
+    try:
+        time.sleep(0.2)
+        engine.submit(
+            GenerationRequest("r", PROMPT, SamplingParams(temperature=0.0), 4, ignore_eos=True),
+            lambda out: done.set() if out.finished else None,
+        )
+        assert done.wait(10)
+    finally:
+        engine.stop()
+    held = engine.metrics.sample("hy3c:engine_idle_seconds_total", state="held")
+    empty = engine.metrics.sample("hy3c:engine_idle_seconds_total", state="empty")
+    assert 0.25 <= held < 1.0, held
+    assert empty >= 0.15, empty
     _no_leaks(engine)
 
 
