@@ -78,7 +78,9 @@ def test_random_dataset_at_a_seeded_poisson_rate_saves_vllm_keys(server, tmp_pat
     # one); an idle turn (a wait of up to 50 ms) that straddles the run's start or end counts whole
     idle = result["engine_idle_empty_percent"] + result.get("engine_idle_held_percent", 0.0)
     slack = 0.06 / result["duration"] * 100
-    assert result["engine_idle_empty_percent"] > 0 and 50 < result["engine_busy_percent"] + idle <= 100 + slack
+    assert (
+        result["engine_idle_empty_percent"] > 0 and 50 < result["engine_busy_percent"] + idle <= 100 + slack
+    )
     # the server's TTFT lies inside the client's, and splits into its queue and prefill parts
     assert 0 < result["engine_ttft_ms"] < result["mean_ttft_ms"]
     assert result["engine_queue_ms"] > 0 and result["engine_prefill_ms"] > 0
