@@ -61,7 +61,8 @@ def sweep_configs(tokens: int) -> list[MoeConfig]:
     sizes 16-row blocks with the weights as the MMA's rows or not, 64–256 weight rows per program, K
     blocks of one group, 2–4 stages (pair blocks at one token); above, 64- or 128-row blocks of 128 or
     256 columns. At decode sizes also, subnormal only, more bytes in flight: K blocks of one group in
-    6 or 8 stages, or of 2 and 4 groups (`w4a8_block_k`) in 2–4, 8 warps beside 4."""
+    6 or 8 stages, or of 2 and 4 groups (`w4a8_block_k`) in 2–4, 8 warps beside 4; at one token also
+    the gate-up's K split in 2 or 4 (`MoeConfig.split_k`)."""
     configs = _launch_configs(tokens)
     deeper = []
     if tokens <= 128:
@@ -73,6 +74,13 @@ def sweep_configs(tokens: int) -> list[MoeConfig]:
         ]
         if tokens == 1:
             deeper = [dataclasses.replace(c, pair_blocks=True, combine_block=256) for c in deeper]
+            deeper += [  # the gate-up's K split: 2 or 4 programs a tile where 192 tiles fill 132 SMs unevenly
+                MoeConfig(16, bn, bk, 1, 4, stages, swap_ab=True, pair_blocks=True, combine_block=256,
+                          int4_subnormal=True, split_k=split)
+                for bn in (64, 128)
+                for bk, stages in ((128, 4), (256, 3))
+                for split in (2, 4)
+            ]  # fmt: skip
     return configs + [dataclasses.replace(c, int4_subnormal=True) for c in configs] + deeper
 
 

@@ -40,10 +40,15 @@ class MoeConfig:
     # W4A8: int4 weights widened to the e4m3 subnormals q · 2⁻⁹ (|q| under q's sign bit, a few integer
     # operations a word; the 2⁹ taken out after the MMA) instead of through fp16 (fused_moe_w4a8)
     int4_subnormal: bool = False
+    # W4A8 with pair_blocks: the gate-up GEMM's K cut into split_k parts, one program each, summed in fp32
+    # by atomics (the last part's program finishes the tile): more programs for one token's few tiles
+    split_k: int = 1
 
     def __post_init__(self) -> None:
         if self.combine_block & (self.combine_block - 1):
             raise ValueError(f"combine_block must be a power of two, got {self.combine_block}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be at least 1, got {self.split_k}")
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless a table says otherwise)

@@ -489,6 +489,8 @@ def _routed_pairs(
     kernels' (in the model dtype, for the combine to weight)."""
     w13, w2, w13_scale, w2_scale = weights[:4]
     _check_scale_widths(w13, w2, w13_scale, w2_scale)
+    if cfg.split_k != 1:
+        raise ValueError(f"fused_moe: split_k {cfg.split_k} is for W4A8 experts only (bf16 / FP8 take 1)")
     if cfg.pair_blocks and _gluon_runs(x, w13, w2, overrides.variant(overrides.GLUON, gluon)):
         return _routed_pairs_gluon(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, pdl), True
     return _routed_pairs_triton(x, x_q, x_q_scale, topk_ids, *weights, cfg, pdl), False

@@ -187,6 +187,26 @@ def _group_product(a, w, scale, SWAP_AB: tl.constexpr, SUBNORMAL: tl.constexpr):
     return product
 
 
+@triton.jit
+def _split_k_sum(
+    acc_g, acc_u, part_ptr, arrived_ptr, pair, row_ok, cols, col_ok, inter, SPLIT_K: tl.constexpr
+):
+    """Split-K of the gate-up GEMM: this program's partial sums [BLOCK_M, BLOCK_N] of the gate and up
+    columns added into the zeroed fp32 rows part [pairs, 2 · inter] (atomics, at L2), then the tile's
+    arrival counter bumped (acquire-release: the adds before it are visible to whoever reads it after).
+    Returns the tile's whole sums and True for the last of its SPLIT_K programs, which finishes the
+    tile (the epilogue); the others stop. The parts are summed in arrival order: fp32 sums of a few
+    terms, not bit-equal to one program's."""
+    offsets = pair[:, None].to(tl.int64) * (2 * inter) + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    tl.atomic_add(part_ptr + offsets, acc_g, mask=ok)
+    tl.atomic_add(part_ptr + offsets + inter, acc_u, mask=ok)
+    last = tl.atomic_add(arrived_ptr, 1, sem="acq_rel") == SPLIT_K - 1
+    acc_g = tl.load(part_ptr + offsets, mask=ok & last, other=0.0, cache_modifier=".cg")
+    acc_u = tl.load(part_ptr + offsets + inter, mask=ok & last, other=0.0, cache_modifier=".cg")
+    return acc_g, acc_u, last
+
+
 @triton.jit(do_not_specialize=["pairs", "num_m_blocks"])
 def _gate_up_w4a8_kernel(
     a_ptr,
@@ -198,6 +218,8 @@ def _gate_up_w4a8_kernel(
     as_ptr,
     ws_ptr,
     hs_ptr,
+    part_ptr,
+    arrived_ptr,
     pairs,
     top_k,
     inter,
@@ -222,11 +244,13 @@ def _gate_up_w4a8_kernel(
     PAIR_BLOCKS: tl.constexpr,
     SUBNORMAL: tl.constexpr,
     PRMT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     num_n_blocks = tl.cdiv(inter, BLOCK_N)
-    pid_m, pid_n = program_block(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
+    tile = tl.program_id(0) // SPLIT_K  # a tile's SPLIT_K programs are neighbours: they run together
+    pid_m, pid_n = program_block(tile, num_m_blocks, num_n_blocks, GROUP_M)
     if not PAIR_BLOCKS:  # noqa: SIM102 (a compile-time test: pair blocks never load the padded total)
         if pid_m * BLOCK_M >= tl.load(padded_ptr):
             return
@@ -248,7 +272,9 @@ def _gate_up_w4a8_kernel(
     else:
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(0, hidden, BLOCK_K):
+    k_part = hidden // SPLIT_K
+    k_start = (tl.program_id(0) % SPLIT_K) * k_part
+    for k in range(k_start, k_start + k_part, BLOCK_K):
         for sub in tl.static_range(0, BLOCK_K, SUB_K):  # a K block of several groups: one MMA a group
             rk = k + sub + tl.arange(0, SUB_K)
             a = tl.load(
@@ -263,6 +289,12 @@ def _gate_up_w4a8_kernel(
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
+    if SPLIT_K > 1:  # each program adds its part; the tile's last to arrive finishes it
+        acc_g, acc_u, last = _split_k_sum(
+            acc_g, acc_u, part_ptr, arrived_ptr + tile, pair, row_ok, cols, col_ok, inter, SPLIT_K
+        )
+        if not last:
+            return
     if A_PER_ROW:
         a_scale = tl.load(as_ptr + token, mask=row_ok, other=0.0)[:, None]
     else:
@@ -416,6 +448,20 @@ def w4a8_block_k(cfg: MoeConfig, group: int, hidden: int, inter: int) -> tuple[i
     return block, min(block, group)
 
 
+def _gate_up_split(cfg: MoeConfig, hidden: int, block_k: int) -> int:
+    """The gate-up GEMM's K split (`MoeConfig.split_k`): for pair blocks only (one token, where 8 pairs ×
+    the column blocks fill the GPU's SMs about one and a half times), into parts of whole K blocks."""
+    if cfg.split_k == 1:
+        return 1
+    if not cfg.pair_blocks:
+        raise ValueError(f"fused_moe: split_k {cfg.split_k} needs pair_blocks (the W4A8 one-token path)")
+    if hidden % (cfg.split_k * block_k):
+        raise ValueError(
+            f"fused_moe: split_k {cfg.split_k} does not cut hidden {hidden} into K blocks of {block_k}"
+        )
+    return cfg.split_k
+
+
 def routed_pairs_w4a8(
     x: Tensor,
     x_q: Tensor | None,
@@ -463,6 +509,12 @@ def routed_pairs_w4a8(
     quant_h = a2_scale is not None
     hidden_act = x.new_empty((pairs, inter), dtype=FP8_DTYPE if quant_h else x.dtype)
     h_scale_static = a2_scale.float().reshape(1) if quant_h else dummy
+    num_tiles = num_m_blocks * triton.cdiv(inter, cfg.block_n)
+    split_k = _gate_up_split(cfg, hidden, block_k)
+    parts, arrived = dummy, dummy
+    if split_k > 1:  # the gate-up's fp32 part sums and per-tile arrival counts: one zeroed buffer
+        scratch = torch.zeros(pairs * 2 * inter + num_tiles, dtype=torch.int32, device=x.device)
+        parts, arrived = scratch[: pairs * 2 * inter].view(torch.float32), scratch[pairs * 2 * inter :]
     common = dict(
         GROUP=group,
         BLOCK_M=cfg.block_m,
@@ -477,7 +529,7 @@ def routed_pairs_w4a8(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    _gate_up_w4a8_kernel[(num_m_blocks * triton.cdiv(inter, cfg.block_n),)](
+    _gate_up_w4a8_kernel[(num_tiles * split_k,)](
         a,
         w13,
         hidden_act,
@@ -487,6 +539,8 @@ def routed_pairs_w4a8(
         a_scale,
         w13_scale,
         h_scale_static,
+        parts,
+        arrived,
         pairs,
         top_k,
         inter,
@@ -501,6 +555,7 @@ def routed_pairs_w4a8(
         A_PER_ROW=a_per_row,
         QUANT_H=quant_h,
         ACT_DTYPE=TL_DTYPES[x.dtype],
+        SPLIT_K=split_k,
         **common,
         **pdl_launch(x.device, pdl),
     )

@@ -280,17 +280,25 @@ def w4a8_moe_variants() -> list[Variant]:
         common |= dict(GROUP_M=cfg.group_m, A_PER_ROW=True, SWAP_AB=cfg.swap_ab, PAIR_BLOCKS=cfg.pair_blocks)
         common |= dict(SUBNORMAL=cfg.int4_subnormal, PRMT=True, PDL=True)
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-        # the e4m3 intermediate changes only the epilogue, the same for either widening
+        # the e4m3 intermediate changes only the epilogue, the same for either widening; pair blocks
+        # also with the gate-up's K split in 2 and 4 (fp32 atomics and the tiles' arrival counters)
         for quant_h in (False, True) if not cfg.int4_subnormal else (False,):
-            variants.append(
-                Variant(
-                    f"fused_moe w4a8 gate-up {cfg} quant_h={quant_h}",
-                    fused_moe_w4a8._gate_up_w4a8_kernel,
-                    {"a_ptr": fp8, "w_ptr": "*u8", "out_ptr": fp8 if quant_h else "*bf16", **scales},
-                    dict(common, QUANT_H=quant_h, ACT_DTYPE=tl.bfloat16),
-                    options=options,
+            for split_k in (1, 2, 4) if cfg.pair_blocks else (1,):
+                variants.append(
+                    Variant(
+                        f"fused_moe w4a8 gate-up {cfg} quant_h={quant_h} split_k={split_k}",
+                        fused_moe_w4a8._gate_up_w4a8_kernel,
+                        {
+                            "a_ptr": fp8,
+                            "w_ptr": "*u8",
+                            "out_ptr": fp8 if quant_h else "*bf16",
+                            "part_ptr": "*fp32",
+                            **scales,
+                        },
+                        dict(common, QUANT_H=quant_h, ACT_DTYPE=tl.bfloat16, SPLIT_K=split_k),
+                        options=options,
+                    )
                 )
-            )
         variants.append(
             Variant(
                 f"fused_moe w4a8 down {cfg}",

@@ -335,6 +335,20 @@ def test_w4a8_k_blocks_of_several_groups_at_real_shapes(tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_w4a8_one_token_gate_up_split_over_k_at_real_shapes(split_k):
+    """The one-token gate-up with its K cut in 2 and 4 parts (fp32 atomics, arrival counters) at Hy3's
+    shapes on the GPU: the unsplit output up to the order of the part sums, twice in a row."""
+    args = _real_shape_layer(1)
+    shipped = dataclasses.replace(select_config(1, "w4a8", torch.cuda.get_device_name()), split_k=1)
+    whole = fused_moe_triton(*args, config=shipped)
+    split = dataclasses.replace(shipped, split_k=split_k)
+    first, second = (fused_moe_triton(*args, config=split) for _ in range(2))
+    assert _relative_error(first, whole) < 2e-3 and _relative_error(second, whole) < 2e-3
+    assert _relative_error(first, hy3.fused_moe(*args)) < 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 16, 128, 2048])
 @pytest.mark.parametrize("subnormal", [False, True], ids=["fp16-widening", "subnormal-widening"])
 def test_w4a8_fused_moe_real_shapes(tokens, subnormal):
@@ -354,3 +368,70 @@ def test_w4a8_fused_moe_real_shapes(tokens, subnormal):
         # no worse than the fp16 widening's (its e4m3 weights are exact too) by more than a margin far
         # below FP8's own rounding of the activations (~3e-2 of bf16)
         assert error <= 1.5 * _relative_error(fused_moe_triton(*args, *extra, config=baseline), ref) + 1e-3
+
+
+@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("activations", ["dynamic", "pre-quantized, static intermediate"])
+def test_a_one_token_gate_up_split_over_k_sums_its_parts(split_k, activations):
+    """Pair blocks with the gate-up's K cut in 2 or 4 parts (fp32 atomics, the last part's program
+    finishing the tile): the unsplit output up to the order of a few fp32 sums, the reference's within
+    its tolerance, and the scratch counters leave no trace in a second call."""
+    experts, top_k, hidden = 8, 4, 256
+    x = torch.randn(1, hidden).to(torch.bfloat16)
+    q13, s13, q2, s2 = _experts(experts, hidden, 64)
+    ids = torch.randperm(experts)[:top_k].int()[None]
+    scale = per_token_scale(x)
+    extra, a2 = (
+        ((), None) if activations == "dynamic" else ((quantize_fp8(x, scale), scale), torch.tensor([0.05]))
+    )
+    args = (x, torch.rand(1, top_k), ids, q13, q2, s13, s2, None, a2, torch.randn_like(x), *extra)
+    one = dataclasses.replace(CFG, pair_blocks=True, swap_ab=True, int4_subnormal=True)
+    whole = fused_moe_triton(*args, config=one, pdl=False)
+    split = dataclasses.replace(one, split_k=split_k)
+    first, second = (fused_moe_triton(*args, config=split, pdl=False) for _ in range(2))
+    assert torch.equal(first, second)
+    assert _relative_error(first, whole) < 1e-2  # bf16 rounding of sums that differ in the last fp32 bits
+    assert _relative_error(first, hy3.fused_moe(*args)) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (dataclasses.replace(CFG, split_k=2), "split_k 2 needs pair_blocks"),
+        (dataclasses.replace(CFG, pair_blocks=True, split_k=16), "split_k 16 does not cut hidden 256"),
+    ],
+)
+def test_a_gate_up_split_that_cannot_run_is_one_error(config, message):
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    q13, s13, q2, s2 = _experts(4, 256, 64)
+    args = (
+        x,
+        torch.rand(1, 2),
+        torch.tensor([[0, 1]], dtype=torch.int32),
+        q13,
+        q2,
+        s13,
+        s2,
+        None,
+        None,
+        None,
+    )
+    with pytest.raises(ValueError, match=message):
+        fused_moe_triton(*args, config=config, pdl=False)
+    with pytest.raises(ValueError, match="split_k must be at least 1"):
+        MoeConfig(16, 32, 32, split_k=0)
+    w13, w2 = torch.randn(4, 128, 256).bfloat16(), torch.randn(4, 256, 64).bfloat16()
+    bf16 = (
+        x,
+        torch.rand(1, 2),
+        torch.tensor([[0, 1]], dtype=torch.int32),
+        w13,
+        w2,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+    with pytest.raises(ValueError, match="split_k 2 is for W4A8 experts only"):
+        fused_moe_triton(*bf16, config=dataclasses.replace(CFG, pair_blocks=True, split_k=2), pdl=False)
