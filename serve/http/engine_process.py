@@ -299,6 +299,7 @@ class EngineClient:
         self._emits: dict[str, Callable[[StepOutput], None]] = {}
         self._usage: dict[str, RequestUsage] = {}
         self._lock = threading.Lock()
+        self._reaping = threading.Lock()  # `_reap`
         self._sent = 0
         self._dead: str | None = None
         self._stopping = False
@@ -409,13 +410,20 @@ class EngineClient:
                 if request_id is not None:
                     self._end([request_id])
 
+    def _reap(self, timeout: float) -> None:
+        """Wait up to `timeout` for the child to end, one thread at a time: the reader (at the pipe's end)
+        and `stop` both wait for it, and two threads reaping one child race — the loser's `waitpid`
+        finds no child and multiprocessing takes it for one still running."""
+        with self._reaping:
+            self._process.join(timeout)
+
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop the child's engine (requests still in it are dropped) and wait for the process."""
         self._stopping = True
         self.send(["stop"])
         self._outbox.put((None, None))
         self._sender.join(timeout)
-        self._process.join(timeout)
+        self._reap(timeout)
         if self._process.is_alive():
             log_event(log, "engine_process_killed", logging.WARNING, after_s=timeout)
             self._process.kill()
@@ -440,7 +448,7 @@ class EngineClient:
                 with self._lock:
                     unfinished = list(self._emits)
                 self._end(unfinished)
-        self._process.join(5)
+        self._reap(5)
         if not self._stopping:
             self._dead = self._dead or f"the engine process exited with code {self._process.exitcode}"
             log_event(log, "engine_process_exited", logging.ERROR, code=self._process.exitcode)

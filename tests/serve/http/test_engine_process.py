@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import re
 import signal
 import threading
@@ -193,7 +194,7 @@ class _LiveProcess:
 def test_when_the_engine_loop_dies_in_a_live_child_every_request_it_holds_ends():
     client = EngineClient.__new__(EngineClient)  # the reader's logic alone, without a child
     client._lock, client._usage, client._dead, client._stopping = threading.Lock(), {}, None, False
-    client._process = _LiveProcess()
+    client._process, client._reaping = _LiveProcess(), threading.Lock()
     seen: dict[str, list[StepOutput]] = {"a": [], "b": []}
     client._emits = {name: outs.append for name, outs in seen.items()}
     partial = vars(StepOutput("a", "x", [5]))
@@ -210,6 +211,51 @@ def test_when_the_engine_loop_dies_in_a_live_child_every_request_it_holds_ends()
             outs[-1].finished and outs[-1].finish_reason == "error" and outs[-1].error == "engine loop: boom"
         )
     assert client.dead == "engine loop: boom"
+
+
+class _ClosedConn:
+    def close(self) -> None:
+        return None
+
+
+class _JoinedProcess:
+    """A child that ends as soon as it is waited for, counting how many threads wait at once."""
+
+    pid, exitcode = 0, None
+
+    def __init__(self) -> None:
+        self.waiting = self.most = 0
+        self.count_lock = threading.Lock()
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout=None) -> None:
+        with self.count_lock:
+            self.waiting += 1
+            self.most = max(self.most, self.waiting)
+        time.sleep(0.2)
+        with self.count_lock:
+            self.waiting -= 1
+        self.exitcode = 0
+
+
+def test_stop_and_the_reader_never_wait_for_the_child_at_once(hy3c_log):
+    """At the pipe's end the reader waits for the child while `stop` does too; two threads reaping one
+    child race (the loser's waitpid finds none, and multiprocessing calls the child alive: a kill and
+    a warning after a clean exit, seen after Ctrl-C). They take turns, and a clean exit warns nothing."""
+    client = EngineClient.__new__(EngineClient)
+    client._lock, client._usage, client._dead, client._stopping = threading.Lock(), {}, None, True
+    client._process, client._reaping, client._emits = _JoinedProcess(), threading.Lock(), {}
+    client._wire = _FakeWire([], lambda: None)
+    client._outbox, client._conn = queue.SimpleQueue(), _ClosedConn()
+    client._sender = threading.Thread(target=lambda: None)
+    client._sender.start()
+    client._reader = threading.Thread(target=client._read)
+    client._reader.start()
+    client.stop(timeout=5)
+    assert client._process.most == 1
+    assert "engine_process_killed" not in hy3c_log.text
 
 
 def test_requests_round_trip_the_wire(tiny_ckpt):
