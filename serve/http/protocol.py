@@ -38,9 +38,10 @@ def _invalid(message: str) -> PydanticCustomError:
 
 
 def _all_token_ids(values: list) -> bool:
-    """Whether every value is a token id: an int, not a bool. `type(v) is int` is what JSON's integers
-    are, and a third of `isinstance`'s time over a long prompt, which is checked on the event loop."""
-    return all(type(v) is int for v in values)
+    """Whether every value is a token id: an int, not a bool. Exactly `int` is what JSON's integers are;
+    the set of the values' types is taken in C (0.84 ms for 32K ids, against 1.33 for `type(v) is int`
+    per value and 3× that for `isinstance`), and a long prompt is checked on the event loop."""
+    return set(map(type, values)) <= {int}
 
 
 def _token_ids(value: Any) -> list[int]:
