@@ -402,36 +402,16 @@ def test_a_one_token_gate_up_split_over_k_sums_its_parts(split_k, activations):
     ],
 )
 def test_a_gate_up_split_that_cannot_run_is_one_error(config, message):
-    x = torch.randn(1, 256).to(torch.bfloat16)
+    x, ids = torch.randn(1, 256).to(torch.bfloat16), torch.tensor([[0, 1]], dtype=torch.int32)
+
+    def layer(*experts):  # (w13, w2, w13_scale, w2_scale), no static scales, no shared expert
+        return (x, torch.rand(1, 2), ids, *experts, None, None, None)
+
     q13, s13, q2, s2 = _experts(4, 256, 64)
-    args = (
-        x,
-        torch.rand(1, 2),
-        torch.tensor([[0, 1]], dtype=torch.int32),
-        q13,
-        q2,
-        s13,
-        s2,
-        None,
-        None,
-        None,
-    )
     with pytest.raises(ValueError, match=message):
-        fused_moe_triton(*args, config=config, pdl=False)
+        fused_moe_triton(*layer(q13, q2, s13, s2), config=config, pdl=False)
     with pytest.raises(ValueError, match="split_k must be at least 1"):
         MoeConfig(16, 32, 32, split_k=0)
-    w13, w2 = torch.randn(4, 128, 256).bfloat16(), torch.randn(4, 256, 64).bfloat16()
-    bf16 = (
-        x,
-        torch.rand(1, 2),
-        torch.tensor([[0, 1]], dtype=torch.int32),
-        w13,
-        w2,
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
+    bf16 = layer(torch.randn(4, 128, 256).bfloat16(), torch.randn(4, 256, 64).bfloat16(), None, None)
     with pytest.raises(ValueError, match="split_k 2 is for W4A8 experts only"):
         fused_moe_triton(*bf16, config=dataclasses.replace(CFG, pair_blocks=True, split_k=2), pdl=False)
