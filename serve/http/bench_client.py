@@ -511,7 +511,9 @@ async def run_benchmark(config: BenchConfig) -> dict:
         workload = make_prompts(config, sorted(set(pool)), rng)
         arrivals = arrival_times(config.num_prompts, config.request_rate, config.burstiness, rng)
         bodies = [
-            json.dumps(await _body(client, config, model, prompt, out, headers, local)).encode()
+            json.dumps(
+                await _body(client, config, model, prompt, out, headers, local), ensure_ascii=False
+            ).encode()
             for prompt, out in workload
         ]
         gate = (
