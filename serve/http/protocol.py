@@ -92,14 +92,16 @@ def valid_unicode(text: str) -> bool:
 
 class _Body(BaseModel):
     """A request body: unknown fields are kept in `model_extra` (checked against UNSUPPORTED/IGNORED);
-    NaN and infinities are refused wherever a number is expected."""
+    NaN and infinities are refused wherever a number is expected. Numbers and flags are strict (as the
+    prompt's token ids are): `true` is no count, `2.0` no integer, `"yes"` no boolean; an integer is a
+    float."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: bool = Field(False, strict=True)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -129,21 +131,21 @@ class StructuredOutputs(BaseModel):
 
 class _Sampling(_Body):
     model: str | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=16)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
+    top_k: int = Field(0, ge=-1, strict=True)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, strict=True)
+    n: int = Field(1, ge=1, le=16, strict=True)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63, strict=True)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, strict=True)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, strict=True)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, strict=True)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     logit_bias: dict[int, float] = Field(default_factory=dict)
-    ignore_eos: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    stream: bool = False
+    ignore_eos: bool = Field(False, strict=True)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     # structured outputs (`hy3c.serve.agent.structured`): at most one of these
     response_format: ResponseFormat | None = None
@@ -197,11 +199,12 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: list[str | list[int]]  # one entry per prompt (see `_prompts`)
-    max_tokens: int | None = Field(16, ge=0)  # 0 only to score the prompt (echo / prompt_logprobs)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    # 0 only to score the prompt (echo / prompt_logprobs)
+    max_tokens: int | None = Field(16, ge=0, strict=True)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+    echo: bool = Field(False, strict=True)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, strict=True)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -304,15 +307,15 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    logprobs: bool = Field(False, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+    add_generation_prompt: bool = Field(True, strict=True)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = Field(True, strict=True)
     # OpenAI's efforts map onto Hy3's three: none / minimal → no_think / low, medium → high
     reasoning_effort: Literal["none", "no_think", "minimal", "low", "medium", "high"] | None = None
 
@@ -329,7 +332,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = Field(True, strict=True)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 

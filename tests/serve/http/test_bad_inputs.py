@@ -149,6 +149,15 @@ def _ranges() -> list[Case]:
         Case("repetition_penalty 0", completion(repetition_penalty=0), 400, "repetition_penalty"),
         Case("repetition_penalty 3", completion(repetition_penalty=3), 400, "repetition_penalty"),
         Case("seed 2^64", completion(seed=2**64), 400, "seed"),
+        # numbers and flags are strict, as token ids are: a boolean is no count, 2.0 no integer
+        Case("max_tokens true", completion(max_tokens=True), 400, "max_tokens"),
+        Case("max_tokens 2.0", completion(max_tokens=2.0), 400, "max_tokens"),
+        Case("chat max_tokens true", chat(max_tokens=True), 400, "max_tokens", path=CHAT),
+        Case("n true", completion(n=True), 400, "n"),
+        Case("temperature true", completion(temperature=True), 400, "temperature"),
+        Case("seed 1e30", completion(seed=1e30), 400, "seed"),
+        Case("stream 'yes'", completion(stream="yes"), 400, "stream"),
+        Case("echo 1", completion(echo=1), 400, "echo"),
     ]
 
 
