@@ -483,16 +483,18 @@ class Engine:
             while not self._stop.is_set():
                 turn_start, steps_before = time.monotonic(), self._steps_finished
                 running_before = self._in_flight is not None
-                worked = self._iterate()
-                if not worked:
+                if not self._iterate():  # no request in the engine: wait for one, counted as it goes
+                    self.metrics.idle_from(turn_start)
                     if self._idle is not None:
                         self._idle()
                     self._wake.wait(0.05)
                     self._wake.clear()
-                elif self.tiers is not None and self.tiers.waiting_on_store and not self.scheduler.running:
+                    self.metrics.idle_to()
+                    continue
+                if self.tiers is not None and self.tiers.waiting_on_store and not self.scheduler.running:
                     self._wake.wait(0.001)  # only an admission waiting for the store: nap, do not spin
                 if not running_before and self._in_flight is None and self._steps_finished == steps_before:
-                    self.metrics.idle(time.monotonic() - turn_start, held=worked)
+                    self.metrics.idle(time.monotonic() - turn_start, held=True)  # none of them steppable
         except BaseException as exc:  # the loop itself broke: report unhealthy, fail everything
             self._dead = f"{type(exc).__name__}: {exc}"
             log_event(log, "engine_dead", level=logging.ERROR, error=self._dead)

@@ -33,6 +33,8 @@ request's token counts.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -207,6 +209,8 @@ class EngineMetrics:
             registry=reg,
         )
         self._usage: dict[str, RequestUsage] = {}
+        self._idle_lock = threading.Lock()  # `idle_from`: the engine thread and a scrape
+        self._idle_since: float | None = None
 
     # ---- set up --------------------------------------------------------------------------------------
     def watch(
@@ -273,6 +277,27 @@ class EngineMetrics:
         """A turn of the engine loop that ran no step: `held` when requests were in the engine."""
         self.idle_time.labels("held" if held else "empty").inc(seconds)
 
+    def idle_from(self, since: float) -> None:
+        """An empty turn (no request in the engine) began at `since` and waits: counted as it goes, so a
+        scrape in the middle of the wait sees the part so far (`idle_to` adds the rest)."""
+        with self._idle_lock:
+            self._idle_since = since
+
+    def idle_to(self) -> None:
+        """The empty turn `idle_from` opened has ended."""
+        with self._idle_lock:
+            if self._idle_since is not None:
+                self.idle_time.labels("empty").inc(time.monotonic() - self._idle_since)
+            self._idle_since = None
+
+    def _count_open_idle(self) -> None:
+        """At a scrape: the open empty turn's time so far into the counter, the rest left open."""
+        with self._idle_lock:
+            if self._idle_since is not None:
+                now = time.monotonic()
+                self.idle_time.labels("empty").inc(now - self._idle_since)
+                self._idle_since = now
+
     def speculated(self, num_drafts: list[int], accepted: list[int]) -> None:
         """One step's verification: per request the drafts it fed and how many were accepted (a request
         with no drafts counts nothing). Each counter moves once per step."""
@@ -327,8 +352,10 @@ class EngineMetrics:
     # ---- reading ---------------------------------------------------------------------------------------
     def sample(self, name: str, **labels: str) -> float:
         """One sample's current value (0 when absent), by its exposed name without `model_name`."""
+        self._count_open_idle()
         return self.registry.get_sample_value(name, labels) or 0.0
 
     def render(self, model: str) -> str:
         """The Prometheus text format, every series labelled `model_name=model`."""
+        self._count_open_idle()
         return prometheus_client.generate_latest(_ModelLabelled(self.registry, model)).decode()

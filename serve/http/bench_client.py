@@ -704,7 +704,7 @@ def format_report(report: dict, config: BenchConfig) -> str:
             row("Engine busy (% of the run):", report["engine_busy_percent"], ".1f")
             for state, label in (("empty", "no request"), ("held", "requests held")):
                 if f"engine_idle_{state}_percent" in report:
-                    row(f"  idle, {label} (%):", report[f"engine_idle_{state}_percent"], ".1f")
+                    row(f"Engine idle, {label} (%):", report[f"engine_idle_{state}_percent"], ".1f")
         for key, label in (
             ("engine_ttft_ms", "Server TTFT, mean (ms):"),
             ("engine_queue_ms", "  arrival to scheduled (ms):"),

@@ -75,9 +75,9 @@ def test_random_dataset_at_a_seeded_poisson_rate_saves_vllm_keys(server, tmp_pat
     )
     assert result["engine_kernel_builds"] == 0  # the CPU server runs torch providers: nothing to compile
     # the run's time is in steps or in the loop's turns that ran none (the rest: launching a step after
-    # one); an idle turn (a wait of up to 50 ms) that straddles the run's start or end counts whole
+    # one); an empty turn is counted as it goes, so one that straddles a scrape is split there
     idle = result["engine_idle_empty_percent"] + result.get("engine_idle_held_percent", 0.0)
-    slack = 0.06 / result["duration"] * 100
+    slack = 1 + 0.01 / result["duration"] * 100
     assert (
         result["engine_idle_empty_percent"] > 0 and 50 < result["engine_busy_percent"] + idle <= 100 + slack
     )
@@ -93,6 +93,7 @@ def test_random_dataset_at_a_seeded_poisson_rate_saves_vllm_keys(server, tmp_pat
         "P90 TTFT (ms):",
         "Mean step (ms):",
         "Engine busy (% of the run):",
+        "Engine idle, no request (%):",
         "Server TTFT, mean (ms):",
         "  arrival to scheduled (ms):",
     ):
