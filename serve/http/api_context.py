@@ -222,11 +222,13 @@ class ApiContext:
         if max_tokens is None:
             max_tokens = max_len - len(prompt_ids)
         if len(prompt_ids) + max_tokens > max_len:
+            # the field the client sent: chat's max_completion_tokens takes the place of max_tokens
+            field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
             raise APIError(
                 400,
                 f"this model's maximum context length is {max_len} tokens; the prompt has {len(prompt_ids)} "
-                f"and max_tokens is {max_tokens}",
-                "max_tokens",
+                f"and {field} is {max_tokens}",
+                field,
             )
         out = []
         for i in range(body.n):

@@ -150,6 +150,14 @@ def _ranges() -> list[Case]:
         Case("repetition_penalty 3", completion(repetition_penalty=3), 400, "repetition_penalty"),
         Case("seed 2^64", completion(seed=2**64), 400, "seed"),
         # numbers and flags are strict, as token ids are: a boolean is no count, 2.0 no integer
+        Case(
+            "max_completion_tokens past the context",
+            chat(max_tokens=None, max_completion_tokens=10**11),
+            400,
+            "max_completion_tokens",
+            "max_completion_tokens is",
+            path=CHAT,
+        ),
         Case("max_tokens true", completion(max_tokens=True), 400, "max_tokens"),
         Case("max_tokens 2.0", completion(max_tokens=2.0), 400, "max_tokens"),
         Case("chat max_tokens true", chat(max_tokens=True), 400, "max_tokens", path=CHAT),
