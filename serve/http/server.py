@@ -279,6 +279,8 @@ def _engine_over(
         page_size=page_size,
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
+        l2_pages=engine.tiers.num_blocks if engine.tiers is not None else 0,
+        l3=options.kv_store or "none",
     )
     return engine, tokenizer, server
 

@@ -25,11 +25,13 @@ def _options(art, store) -> ServeOptions:
     return ServeOptions(art, port=0, kv_memory_gib=0.02, kv_host_gib=0.01, kv_store=f"file:{store}")
 
 
-def test_a_restarted_server_serves_the_prefix_from_the_file_store(tiny_artifact, tmp_path):
+def test_a_restarted_server_serves_the_prefix_from_the_file_store(tiny_artifact, tmp_path, hy3c_log):
     with BackgroundServer(_options(tiny_artifact, tmp_path)) as server:
         text, cached = _complete(server)
         assert cached == 0
         server.engine.tiers.flush()
+        # the ready line says what the tiers hold
+        assert f"l2_pages={server.engine.tiers.num_blocks} l3=file:{tmp_path}" in hy3c_log.text
     assert list(tmp_path.glob("*/*.kv"))
     with BackgroundServer(_options(tiny_artifact, tmp_path)) as server:
         again, cached = _complete(server)
