@@ -72,8 +72,13 @@ class HttpServer:
         """Serve until shut down (blocking). On the main thread, SIGTERM and SIGINT start the shutdown."""
         self.server.run(sockets=[self.sock])
         if self._counts is not None:  # seconds: from the signal to the connections closed
+            # refused: read now, for requests keep being refused until the listener closes
             log_event(
-                log, "shutdown", **self._counts, seconds=round(time.monotonic() - self._drain_started, 2)
+                log,
+                "shutdown",
+                **self._counts,
+                refused=self.gate.refused,
+                seconds=round(time.monotonic() - self._drain_started, 2),
             )
 
     def shutdown(self, reason: str = "request") -> None:
@@ -113,7 +118,6 @@ class HttpServer:
             "in_flight": in_flight,
             "finished": in_flight - aborted,
             "aborted": aborted,
-            "refused": self.gate.refused,
         }
         self.server.should_exit = True
 
