@@ -336,7 +336,7 @@ class Engine:
         self._held: list[tuple[Callable[[StepOutput], None], StepOutput]] | None = None  # _holding_outputs
         self._penalties: TrackedPenalties | None = None  # penalised requests' counts, on the device
         self._last_collected = 0.0
-        self._steps_finished = 0  # steps collected (the loop tells a turn that ran none: `metrics.idle`)
+        self._steps_finished = 0  # steps collected (the loop tells a turn that ran none: `metrics.held`)
 
     def warm_up(self) -> None:
         """Run throw-away requests through the engine before it serves (call before `start`).
@@ -494,7 +494,7 @@ class Engine:
                 if self.tiers is not None and self.tiers.waiting_on_store and not self.scheduler.running:
                     self._wake.wait(0.001)  # only an admission waiting for the store: nap, do not spin
                 if not running_before and self._in_flight is None and self._steps_finished == steps_before:
-                    self.metrics.idle(time.monotonic() - turn_start, held=True)  # none of them steppable
+                    self.metrics.held(time.monotonic() - turn_start)  # requests, none of them steppable
         except BaseException as exc:  # the loop itself broke: report unhealthy, fail everything
             self._dead = f"{type(exc).__name__}: {exc}"
             log_event(log, "engine_dead", level=logging.ERROR, error=self._dead)

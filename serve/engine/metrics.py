@@ -273,9 +273,9 @@ class EngineMetrics:
         if preemptions:
             self.preemptions.inc(preemptions)
 
-    def idle(self, seconds: float, held: bool) -> None:
-        """A turn of the engine loop that ran no step: `held` when requests were in the engine."""
-        self.idle_time.labels("held" if held else "empty").inc(seconds)
+    def held(self, seconds: float) -> None:
+        """A turn of the engine loop that ran no step while requests were in the engine."""
+        self.idle_time.labels("held").inc(seconds)
 
     def idle_from(self, since: float) -> None:
         """An empty turn (no request in the engine) began at `since` and waits: counted as it goes, so a
