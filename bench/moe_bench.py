@@ -259,30 +259,56 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
     return configs
 
 
-def sweep_bucket(x, ids, wt, variants: dict[str, tuple]) -> dict[str, MoeConfig]:
+def down_sweep_configs(base: MoeConfig, fp8: bool) -> list[MoeConfig]:
+    """The down GEMM's own tiles tried from a prefill bucket's config (`MoeConfig.down`): its K (the
+    intermediate width, 1,536) is a third of the gate-up's and its N (hidden, 4,096) 2.7× the gate-up's
+    per half, so wider column blocks and another pipeline depth may suit it. The base itself (no tiles
+    of its own) is among them."""
+    return [base] + [
+        dataclasses.replace(
+            base, down_block_n=bn, down_block_k=bk, down_num_warps=warps, down_num_stages=stages
+        )
+        for bn in (128, 256)
+        for bk in ((128, 256) if fp8 else (64, 128))
+        for warps, stages in ((8, 3), (8, 4), (4, 3))
+    ]
+
+
+def sweep_bucket(x, ids, wt, variants: dict[str, tuple], down_only: bool) -> dict[str, MoeConfig]:
     """Best config of each variant (kind → weights, weight scales, activation scales) at this token
-    count: replayed from CUDA graphs at decode sizes (as a decode step runs them), plain launches above."""
+    count: replayed from CUDA graphs at decode sizes (as a decode step runs them), plain launches above.
+    At prefill sizes the joint best is then given the down GEMM's own tiles where they win
+    (`down_sweep_configs`); `down_only` starts from the shipped config instead of a joint sweep."""
     t = x.shape[0]
     timer = graph_ms if t <= 128 else bench
     chosen = {}
     for kind, weights in variants.items():
         if t > 128 and kind == "fp8_static":  # prefill buckets: fp8_static takes fp8's tiles
             continue
-        best: tuple[float, MoeConfig] | None = None
+        default = select_config(t, kind, torch.cuda.get_device_name())
         tried: dict[str, float | None] = {}
-        for cfg in sweep_configs(t, kind != "bf16"):
-            try:
-                ms = timer(lambda c=cfg, w=weights: fused_moe_triton(x, wt, ids, *w, None, config=c))
-            except Exception:  # shared memory overflow for large tiles
-                continue
-            tried[str(cfg)] = ms
-            print(f"sweep {kind} T={t}: {'not timed' if ms is None else f'{ms:.4f} ms'} {cfg}", flush=True)
-            if ms is not None and (best is None or ms < best[0]):
-                best = (ms, cfg)
+
+        def best_of(configs: list[MoeConfig], stage: str, weights=weights, kind=kind, tried=tried):
+            best: tuple[float, MoeConfig] | None = None
+            for cfg in configs:
+                try:
+                    ms = timer(lambda c=cfg, w=weights: fused_moe_triton(x, wt, ids, *w, None, config=c))
+                except Exception:  # shared memory overflow for large tiles
+                    continue
+                tried[str(cfg)] = ms
+                shown = "not timed" if ms is None else f"{ms:.4f} ms"
+                print(f"sweep {kind} T={t} ({stage}): {shown} {cfg}", flush=True)
+                if ms is not None and (best is None or ms < best[0]):
+                    best = (ms, cfg)
+            return best
+
+        fp8 = kind != "bf16"
+        best = None if down_only and t > 128 else best_of(sweep_configs(t, fp8), "tiles")
+        if t > 128:
+            best = best_of(down_sweep_configs(best[1] if best else default, fp8), "down tiles") or best
         if best is None:  # nothing could be timed (every capture failed): keep the shipped config
             print(f"sweep {kind} T={t}: no config could be timed")
             continue
-        default = select_config(t, kind, torch.cuda.get_device_name())
         default_ms = timer(lambda c=default, w=weights: fused_moe_triton(x, wt, ids, *w, None, config=c))
         shipped = f"{default_ms:.4f} ms" if default_ms is not None else "not capturable"
         print(f"sweep {kind} T={t}: best {best[0]:.4f} ms with {best[1]}; shipped {shipped} {default}")
@@ -297,7 +323,7 @@ def sweep_bucket(x, ids, wt, variants: dict[str, tuple]) -> dict[str, MoeConfig]
     return chosen
 
 
-def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
+def moe_bench(sweep: bool, token_counts: tuple[int, ...], down_only: bool = False) -> None:
     w13, w2, q13, q2, s13, s2 = experts()
     tuned: dict[str, dict[int, MoeConfig]] = {"bf16": {}, "fp8": {}, "fp8_static": {}}
     for t in token_counts:
@@ -425,7 +451,7 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...]) -> None:
                 "fp8": (q13, q2, s13, s2, None, None),
                 "fp8_static": (q13, q2, s13, s2, a13, a2),
             }
-            for kind, cfg in sweep_bucket(x, ids, wt, variants).items():
+            for kind, cfg in sweep_bucket(x, ids, wt, variants, down_only).items():
                 tuned[kind][t] = cfg
     if sweep and os.environ.get("OUT"):  # swept buckets replace theirs; the others keep the shipped configs
         file = table_file(device_key(torch.cuda.get_device_name()))  # this GPU's table
@@ -502,11 +528,18 @@ def prefill_breakdown(token_counts: tuple[int, ...]) -> None:
         )
         for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1]):
             row(f"  T={t} kernel {name[:70]}", ms, f"{ms / whole * 100:.0f}% of the whole")
+        for name, ms, gemm_flops in (("gate-up", gate_up, flops * 2 // 3), ("down", down, flops // 3)):
+            row(f"  T={t} cuBLAS dense FP8 {name} GEMM", ms, f"{gemm_flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--sweep-down",
+        action="store_true",
+        help="prefill sizes: sweep only the down GEMM's own tiles, from the shipped configs",
+    )
     parser.add_argument(
         "--parts", default="router,align,moe", help="comma list of router, align, moe, breakdown"
     )
@@ -519,7 +552,9 @@ def main() -> None:
     if "align" in parts:
         align_bench()
     if "moe" in parts:
-        moe_bench(args.sweep, tuple(int(t) for t in args.tokens.split(",")))
+        moe_bench(
+            args.sweep or args.sweep_down, tuple(int(t) for t in args.tokens.split(",")), args.sweep_down
+        )
     if "breakdown" in parts:
         prefill_breakdown(tuple(int(t) for t in args.tokens.split(",")))
     RESULTS["env"] = {

@@ -10,6 +10,7 @@ logged once) — never another GPU's tiles. The `lower` pass records which table
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -43,12 +44,37 @@ class MoeConfig:
     # W4A8 with pair_blocks: the gate-up GEMM's K cut into split_k parts, one program each, summed in fp32
     # by atomics (the last part's program finishes the tile): more programs for one token's few tiles
     split_k: int = 1
+    # the down GEMM's own tiles (0: the gate-up's value). Its K is the intermediate width, a third of the
+    # gate-up's, and its N the hidden size, so its best tile need not be the gate-up's; it shares the
+    # M blocks (one alignment) and the weight-tile path (`tma`)
+    down_block_n: int = 0
+    down_block_k: int = 0
+    down_num_warps: int = 0
+    down_num_stages: int = 0
 
     def __post_init__(self) -> None:
         if self.combine_block & (self.combine_block - 1):
             raise ValueError(f"combine_block must be a power of two, got {self.combine_block}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be at least 1, got {self.split_k}")
+        own = {name: getattr(self, name) for name in DOWN_FIELDS}
+        if any(value < 0 for value in own.values()):
+            raise ValueError(f"down tiles must be positive or 0 (the gate-up's), got {own}")
+        if self.pair_blocks and any(own.values()):
+            raise ValueError("down tiles are for aligned M blocks, not pair_blocks (one token)")
+
+    def down(self) -> MoeConfig:
+        """The down GEMM's config: this one with its own tiles where it has them."""
+        if not any(getattr(self, name) for name in DOWN_FIELDS):
+            return self
+        own = {
+            name.removeprefix("down_"): getattr(self, name) or getattr(self, name.removeprefix("down_"))
+            for name in DOWN_FIELDS
+        }
+        return dataclasses.replace(self, **own, **dict.fromkeys(DOWN_FIELDS, 0))
+
+
+DOWN_FIELDS = ("down_block_n", "down_block_k", "down_num_warps", "down_num_stages")
 
 
 _DEFAULTS = {  # upper token bound of the bucket → config (bf16 and FP8 alike unless a table says otherwise)

@@ -380,28 +380,35 @@ def _combine_kernel(
 
 def _weight_descriptors(w13: Tensor, w2: Tensor, cfg: MoeConfig) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA descriptors of the stacked expert weights, [E · 2I, H] and [E · H, I], with [block_n, block_k]
-    boxes. block_n must divide each expert's rows (a box never reaches the next expert's); a K block past
-    the last column is zero-filled by the copy, as the masked activations are."""
+    boxes (the down GEMM's own, `MoeConfig.down`, for w2). block_n must divide each expert's rows (a box
+    never reaches the next expert's); a K block past the last column is zero-filled by the copy, as the
+    masked activations are."""
     experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
-    if inter % cfg.block_n or hidden % cfg.block_n:
+    down = cfg.down()
+    if not _tma_fits(cfg, inter, hidden):
         raise ValueError(
-            f"TMA weight tiles need block_n ({cfg.block_n}) to divide the expert widths ({inter}, {hidden})"
+            f"TMA weight tiles need block_n ({cfg.block_n}, down {down.block_n}) to divide the expert "
+            f"widths ({inter}, {hidden})"
         )
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("TMA weight tiles need contiguous stacked expert weights")
-    box = [cfg.block_n, cfg.block_k]
     return (
-        TensorDescriptor(w13, [experts * two_inter, hidden], [hidden, 1], box),
-        TensorDescriptor(w2, [experts * hidden, inter], [inter, 1], box),
+        TensorDescriptor(w13, [experts * two_inter, hidden], [hidden, 1], [cfg.block_n, cfg.block_k]),
+        TensorDescriptor(w2, [experts * hidden, inter], [inter, 1], [down.block_n, down.block_k]),
     )
 
 
+def _tma_fits(cfg: MoeConfig, inter: int, hidden: int) -> bool:
+    """Whether each GEMM's block_n divides the rows of each expert's weights it reads by TMA boxes."""
+    return inter % cfg.block_n == 0 and hidden % cfg.down().block_n == 0
+
+
 def fit_to_widths(cfg: MoeConfig, w13: Tensor) -> MoeConfig:
-    """A tuned config (chosen for Hy3's widths) for these experts: TMA weight tiles only where block_n
-    divides both expert widths (small test models take the same config with pointer loads)."""
+    """A tuned config (chosen for Hy3's widths) for these experts: TMA weight tiles only where each
+    GEMM's block_n divides the expert widths (small test models take the same config with pointer loads)."""
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
-    if cfg.tma and (inter % cfg.block_n or hidden % cfg.block_n):
+    if cfg.tma and not _tma_fits(cfg, inter, hidden):
         return dataclasses.replace(cfg, tma=False)
     return cfg
 
@@ -604,16 +611,13 @@ def _routed_pairs_triton(
     w13_desc, w2_desc = _weight_descriptors(w13, w2, cfg) if cfg.tma else (None, None)
     common = dict(
         BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         FP8=fp8,
         TMA=cfg.tma,
         SWAP_AB=cfg.swap_ab,
         PAIR_BLOCKS=cfg.pair_blocks,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )
+    down = cfg.down()
     _gate_up_kernel[(num_m_blocks * triton.cdiv(inter, cfg.block_n),)](
         a,
         w13,
@@ -641,6 +645,7 @@ def _routed_pairs_triton(
         QUANT_H=quant_h,
         ACT_DTYPE=TL_DTYPES[x.dtype],
         **common,
+        **_tiles(cfg),
         **pdl_launch(x.device, pdl),
     )
     h, h_scale, h_per_row = (hidden_act, h_scale_static, False)
@@ -648,7 +653,7 @@ def _routed_pairs_triton(
         (h, h_scale), h_per_row = quantize_intermediate(hidden_act, flat_ids, cfg.quant_on_load, pdl), True
     per_pair = x.new_empty((pairs, hidden))
     w2_s = w2_scale if w2_scale is not None else dummy
-    _down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
+    _down_kernel[(num_m_blocks * triton.cdiv(hidden, down.block_n),)](
         h,
         w2,
         w2_desc,
@@ -671,9 +676,15 @@ def _routed_pairs_triton(
         W_PER_ROW=w2_scale is not None and w2_scale.shape[-1] > 1,
         QUANT_ON_LOAD=fp8 and cfg.quant_on_load and not quant_h,
         **common,
+        **_tiles(down),
         **pdl_launch(x.device, pdl),
     )
     return per_pair
+
+
+def _tiles(cfg: MoeConfig) -> dict[str, int]:
+    """One GEMM's tile and launch shape (the down GEMM's from `MoeConfig.down`)."""
+    return dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 @torch.library.custom_op("hy3_triton::fused_moe", mutates_args=())

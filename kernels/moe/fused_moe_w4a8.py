@@ -518,17 +518,14 @@ def routed_pairs_w4a8(
     common = dict(
         GROUP=group,
         BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=block_k,
-        SUB_K=sub_k,
         GROUP_M=cfg.group_m,
         SWAP_AB=cfg.swap_ab,
         PAIR_BLOCKS=cfg.pair_blocks,
         SUBNORMAL=cfg.int4_subnormal,
         PRMT=_ptx_byte_permutes(x.device),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )
+    down = cfg.down()
+    down_block_k, down_sub_k = w4a8_block_k(down, group, hidden, inter)
     _gate_up_w4a8_kernel[(num_tiles * split_k,)](
         a,
         w13,
@@ -557,13 +554,14 @@ def routed_pairs_w4a8(
         ACT_DTYPE=TL_DTYPES[x.dtype],
         SPLIT_K=split_k,
         **common,
+        **_tiles(cfg, block_k, sub_k),
         **pdl_launch(x.device, pdl),
     )
     h, h_scale, h_per_row = hidden_act, h_scale_static, False
     if not quant_h:  # dynamic scales: per pair row, the rows of id −1 skipped
         (h, h_scale), h_per_row = quantize_intermediate(hidden_act, flat_ids, False, pdl), True
     per_pair = x.new_empty((pairs, hidden))
-    _down_w4a8_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
+    _down_w4a8_kernel[(num_m_blocks * triton.cdiv(hidden, down.block_n),)](
         h,
         w2,
         per_pair,
@@ -584,6 +582,19 @@ def routed_pairs_w4a8(
         w2_scale.stride(1),
         A_PER_ROW=h_per_row,
         **common,
+        **_tiles(down, down_block_k, down_sub_k),
         **pdl_launch(x.device, pdl),
     )
     return per_pair
+
+
+def _tiles(cfg: MoeConfig, block_k: int, sub_k: int) -> dict[str, int]:
+    """One GEMM's tile and launch shape (the down GEMM's from `MoeConfig.down`), its K block and step
+    from `w4a8_block_k`."""
+    return dict(
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k,
+        SUB_K=sub_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )

@@ -240,6 +240,17 @@ def test_fused_moe_real_shapes(tokens, fp8, monkeypatch):
     tma = dataclasses.replace(_config(tokens, "fp8" if fp8 else "bf16"), tma=True)  # weight tiles by TMA
     assert (fused_moe_triton(*args, config=tma).float() - out).norm() / out.norm() < 1e-3
     kind = "fp8" if fp8 else "bf16"
+    if not _config(tokens, kind).pair_blocks:  # the down GEMM's own tiles, by pointer loads and by TMA
+        for tma in (False, True):
+            own = dataclasses.replace(
+                _config(tokens, kind),
+                tma=tma,
+                down_block_n=256,
+                down_block_k=128 if fp8 else 64,
+                down_num_warps=8,
+                down_num_stages=3,
+            )
+            assert (fused_moe_triton(*args, config=own).float() - out).norm() / out.norm() < 1e-3
     if _config(tokens, kind).block_m <= 32:  # decode sizes: the one-token config's options here too
         cfg_pair = dataclasses.replace(_config(1, kind), swap_ab=True, pair_blocks=True)
         cfg_swap = dataclasses.replace(cfg_pair, pair_blocks=False)  # weights as the MMA's rows, aligned

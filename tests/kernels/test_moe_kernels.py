@@ -459,6 +459,44 @@ def test_fused_moe_tma_zero_fills_k_blocks_past_the_last_column(fp8, swap_ab):
     torch.testing.assert_close(fused_moe_triton(*args, config=dataclasses.replace(cfg, tma=True)), pointers)
 
 
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_moe_down_gemm_takes_its_own_tiles(fp8, tma):
+    """The down GEMM's own tiles (`MoeConfig.down`): wider column blocks give the shared tiles' output
+    bit for bit (the same K order); a K block past inter (64 of 32 columns) sums the same products in
+    another order."""
+    tokens, experts, top_k = 9, 4, 2
+    x = torch.randn(tokens, 64).to(torch.bfloat16)
+    w13, w2, scales = _expert_weights(experts, 64, 32, fp8)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
+    args = (x, torch.rand(tokens, top_k), ids, w13, w2, *scales, None, None, None)
+    cfg = dataclasses.replace(CFG, tma=tma)
+    shared_tiles = fused_moe_triton(*args, config=cfg)
+    wide = dataclasses.replace(cfg, down_block_n=64, down_num_warps=8, down_num_stages=3)
+    assert wide.down() == dataclasses.replace(cfg, block_n=64, num_warps=8, num_stages=3)
+    torch.testing.assert_close(fused_moe_triton(*args, config=wide), shared_tiles, atol=0, rtol=0)
+    deep = fused_moe_triton(*args, config=dataclasses.replace(cfg, down_block_k=64))
+    assert (deep.float() - shared_tiles.float()).norm() / shared_tiles.float().norm() < 1e-2
+    ref = hy3.fused_moe(*args)
+    assert (deep.float() - ref.float()).norm() / ref.float().norm() < 2e-2
+
+
+def test_down_tiles_that_cannot_run_are_one_error():
+    with pytest.raises(ValueError, match="down tiles must be positive or 0"):
+        MoeConfig(16, 32, 32, down_block_n=-1)
+    with pytest.raises(ValueError, match="not pair_blocks"):
+        MoeConfig(16, 32, 32, pair_blocks=True, down_block_k=64)
+    assert MoeConfig(16, 32, 32).down() == MoeConfig(16, 32, 32)  # none of its own: the gate-up's
+    x, w = torch.randn(3, 64), torch.rand(3, 2)
+    w13, w2 = _weights(4, 64, 32)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
+    misfit = dataclasses.replace(CFG, tma=True, down_block_n=128)  # 128 rows do not tile hidden = 64
+    with pytest.raises(ValueError, match=r"block_n \(32, down 128\) to divide the expert widths"):
+        fused_moe_triton(x, w, ids, w13, w2, None, None, None, None, None, config=misfit)
+    assert fit_to_widths(misfit, w13) == dataclasses.replace(misfit, tma=False)  # a table's config
+    assert fit_to_widths(dataclasses.replace(misfit, down_block_n=64), w13).tma
+
+
 def test_fused_moe_takes_its_input_already_quantized_per_token():
     """FP8 experts, per-token scales: x handed over as the norm's e4m3 rows and scales gives the same
     output as x quantized inside (Triton and the reference), and the reference reads the given rows."""

@@ -111,6 +111,23 @@ def test_w4a8_fused_moe_equals_its_reference(options, activations, subnormal):
     assert _relative_error(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_w4a8_down_gemm_takes_its_own_tiles(activations):
+    """The down GEMM's own tiles (`MoeConfig.down`): wider column blocks and a K block of two groups
+    give the shared tiles' output bit for bit (a K block steps a group at a time, in the same order)."""
+    tokens, experts = 9, 8
+    x = torch.randn(tokens, 64).to(torch.bfloat16)
+    q13, s13, q2, s2 = _experts(experts, 64, 64)
+    ids = torch.stack([torch.randperm(experts)[:2] for _ in range(tokens)]).int()
+    a13 = torch.tensor([x.float().abs().max() / 448]) if activations == "static" else None
+    a2 = torch.tensor([0.02]) if activations == "static" else None
+    args = (x, torch.rand(tokens, 2), ids, q13, q2, s13, s2, a13, a2, None)
+    shared_tiles = fused_moe_triton(*args, config=CFG, pdl=False)
+    own = dataclasses.replace(CFG, down_block_n=64, down_block_k=64, down_num_stages=2)
+    assert torch.equal(fused_moe_triton(*args, config=own, pdl=False), shared_tiles)
+    assert _relative_error(shared_tiles, hy3.fused_moe(*args)) < 1e-2
+
+
 @pytest.mark.parametrize("activations", ["dynamic", "pre-quantized, static intermediate"])
 def test_subnormal_widening_gives_the_fp16_widenings_result_bit_for_bit(activations):
     """Both widenings give the MMA q exactly (q · 2⁻⁹ and the 2⁹ after it are powers of two), so with K
