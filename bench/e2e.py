@@ -126,12 +126,13 @@ def floor_ms(
     return (weights + kv) / BW * 1e3
 
 
-def prefill_floor_ms(config, tokens: int, fp8_gemms: bool, fp8_attention: bool) -> float:
-    """Compute floor of one request's prefill of `tokens` tokens: every GEMM's FLOPs (projections, the
-    dense FFN, the top-k routed and the shared experts, the router, the last token's lm_head) at the
-    tensor-core limit of its operands (FP8 for FP8 or W4A8 weights, whose int4 is widened to FP8), plus
-    causal attention's (QKᵀ and PV over the lower triangle) at the limit of its products (e4m3 with an
-    FP8 KV cache, else bf16)."""
+def prefill_floor_ms(config, tokens: int, fp8_gemms: bool, fp8_attention: bool, cached: int = 0) -> float:
+    """Compute floor of one request's prefill of `tokens` tokens after `cached` tokens of its prompt
+    already in the KV cache (a prefix hit): every GEMM's FLOPs (projections, the dense FFN, the top-k
+    routed and the shared experts, the router, the last token's lm_head) at the tensor-core limit of its
+    operands (FP8 for FP8 or W4A8 weights, whose int4 is widened to FP8), plus attention's (QKᵀ and PV
+    of each new token over the cached ones and the new ones before it) at the limit of its products
+    (e4m3 with an FP8 KV cache, else bf16)."""
     h, inter = config.hidden_size, config.moe_intermediate_size
     moe_layers = config.layer_types.count("sparse")
     projections = (config.q_size + 2 * config.kv_size) * h + config.q_size * h
@@ -145,7 +146,12 @@ def prefill_floor_ms(config, tokens: int, fp8_gemms: bool, fp8_attention: bool) 
     )
     macs += config.vocab_size * h
     attention_flops = (
-        config.num_hidden_layers * config.num_attention_heads * 2 * tokens * tokens * config.head_dim
+        config.num_hidden_layers
+        * config.num_attention_heads
+        * 4
+        * tokens
+        * (cached + tokens / 2)
+        * config.head_dim
     )
     gemm_ms = 2 * macs / (FP8_FLOPS if fp8_gemms else BF16_FLOPS) * 1e3
     return gemm_ms + attention_flops / (FP8_FLOPS if fp8_attention else BF16_FLOPS) * 1e3
