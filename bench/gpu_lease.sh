@@ -32,8 +32,10 @@
 #   moe-prefill   FusedMoE bf16 / FP8 at 1K / 8K / 32K tokens against the peers, the FP8 path's
 #                 per-kernel breakdown against cuBLAS dense FP8 (issue 30)
 #   moe-sweep     the prefill config sweep at 8K tokens (bf16, FP8): this GPU's table, fused_moe_<gpu>.json
-#   moe-sweep-down  the down GEMM's own tiles from the shipped 8K / 32K configs, then the FP8 breakdown
-#                 against cuBLAS dense FP8 per GEMM (issue 30)
+#   moe-sweep-prefill  from the shipped 8K / 32K configs, the down GEMM's own tiles and the persistent
+#                 Gluon GEMMs' configs (only after moe-persistent-test passed in the same call); then the
+#                 FP8 breakdown against cuBLAS dense FP8 per GEMM (issue 30). moe-sweep-down: without them
+#   moe-persistent-test  GPU tests of the persistent Gluon FusedMoE GEMMs at Hy3's shapes (issue 30)
 #   w4a8-test     GPU tests of the W4A8 GEMMs at Hy3's shapes (issue 30)
 #   w4a8-moe      W4A8 FusedMoE vs FP8 and bf16 with a config sweep of both widenings (issue 30; a call
 #                 of its own: up to 8 minutes)
@@ -87,8 +89,13 @@ for step in ${STEPS:-probe}; do
     moe-prefill) timeout 300 python3 bench/moe_bench.py --parts moe,breakdown --tokens 1024,8192,32768 \
         >"$out/$step.txt" 2>&1 ;;
     moe-sweep) timeout 540 python3 bench/moe_bench.py --parts moe --tokens 8192 --sweep >"$out/$step.txt" 2>&1 ;;
-    moe-sweep-down) timeout 400 python3 bench/moe_bench.py --parts moe,breakdown --tokens 8192,32768 --sweep-down \
-        >"$out/$step.txt" 2>&1 ;;
+    moe-persistent-test) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
+        tests/kernels/test_gpu_kernels.py -k "persistent or fused_moe_real" >"$out/$step.txt" 2>&1 \
+        && touch "$out/persistent-ok" ;;
+    moe-sweep-prefill|moe-sweep-down)  # the persistent configs only after their GPU tests passed in this call
+      persistent=$([ "$step" = moe-sweep-prefill ] && [ -e "$out/persistent-ok" ] || echo --no-persistent)
+      timeout 420 python3 bench/moe_bench.py --parts moe,breakdown --tokens 8192,32768 --sweep-from-shipped \
+        $persistent >"$out/$step.txt" 2>&1 ;;
     w4a8-test) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_w4a8.py \
         >"$out/$step.txt" 2>&1 ;;
     w4a8-moe) timeout 480 python3 bench/moe_w4a8_bench.py --sweep >"$out/$step.txt" 2>&1 ;;

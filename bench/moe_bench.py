@@ -46,6 +46,7 @@ BW, PEAK = 4.25e12, 790e12
 E, K_TOP, H, INTER = 192, 8, 4096, 1536
 ROWS: list[tuple[str, ...]] = []
 RESULTS: dict[str, dict] = {}
+PERSISTENT = True  # the sweeps try the persistent Gluon GEMMs' configs (`--no-persistent`: not)
 
 
 def bench(fn) -> float:
@@ -256,7 +257,20 @@ def sweep_configs(t: int, fp8: bool) -> list[MoeConfig]:
     ]
     if fp8 and t > 1024:  # the H100's 8K pick (128 × 128 × 128, 4 stages, run Y) one stage deeper
         configs += [MoeConfig(128, 128, 128, 8, 8, 5, tma=tma) for tma in (False, True)]
+    if t > 1024 and PERSISTENT:
+        configs += persistent_sweep_configs(fp8)
     return configs
+
+
+def persistent_sweep_configs(fp8: bool) -> list[MoeConfig]:
+    """The persistent Gluon GEMMs' configs (`fused_moe_persistent`): 64 or 128 columns per operand for
+    each GEMM, a ring of 3 or 4 slots (K boxes of 128 bytes; block_k says so for the Triton fallback)."""
+    return [
+        MoeConfig(128, bn, 128 if fp8 else 64, 8, 8, stages, persistent=True, down_block_n=down_bn)
+        for bn in (64, 128)
+        for down_bn in (64, 128)
+        for stages in (3, 4)
+    ]
 
 
 def down_sweep_configs(base: MoeConfig, fp8: bool) -> list[MoeConfig]:
@@ -274,11 +288,12 @@ def down_sweep_configs(base: MoeConfig, fp8: bool) -> list[MoeConfig]:
     ]
 
 
-def sweep_bucket(x, ids, wt, variants: dict[str, tuple], down_only: bool) -> dict[str, MoeConfig]:
+def sweep_bucket(x, ids, wt, variants: dict[str, tuple], from_shipped: bool) -> dict[str, MoeConfig]:
     """Best config of each variant (kind → weights, weight scales, activation scales) at this token
     count: replayed from CUDA graphs at decode sizes (as a decode step runs them), plain launches above.
     At prefill sizes the joint best is then given the down GEMM's own tiles where they win
-    (`down_sweep_configs`); `down_only` starts from the shipped config instead of a joint sweep."""
+    (`down_sweep_configs`; a persistent pick takes its down columns from the first sweep). `from_shipped`
+    (prefill sizes): no joint sweep — the down tiles from the shipped config and the persistent configs."""
     t = x.shape[0]
     timer = graph_ms if t <= 128 else bench
     chosen = {}
@@ -303,9 +318,15 @@ def sweep_bucket(x, ids, wt, variants: dict[str, tuple], down_only: bool) -> dic
             return best
 
         fp8 = kind != "bf16"
-        best = None if down_only and t > 128 else best_of(sweep_configs(t, fp8), "tiles")
-        if t > 128:
-            best = best_of(down_sweep_configs(best[1] if best else default, fp8), "down tiles") or best
+        if from_shipped and t > 128:
+            candidates = down_sweep_configs(default, fp8) + (
+                persistent_sweep_configs(fp8) if PERSISTENT else []
+            )
+            best = best_of(candidates, "down tiles, persistent")
+        else:
+            best = best_of(sweep_configs(t, fp8), "tiles")
+            if t > 128 and best is not None and not best[1].persistent:
+                best = best_of(down_sweep_configs(best[1], fp8), "down tiles") or best
         if best is None:  # nothing could be timed (every capture failed): keep the shipped config
             print(f"sweep {kind} T={t}: no config could be timed")
             continue
@@ -323,7 +344,7 @@ def sweep_bucket(x, ids, wt, variants: dict[str, tuple], down_only: bool) -> dic
     return chosen
 
 
-def moe_bench(sweep: bool, token_counts: tuple[int, ...], down_only: bool = False) -> None:
+def moe_bench(sweep: bool, token_counts: tuple[int, ...], from_shipped: bool = False) -> None:
     w13, w2, q13, q2, s13, s2 = experts()
     tuned: dict[str, dict[int, MoeConfig]] = {"bf16": {}, "fp8": {}, "fp8_static": {}}
     for t in token_counts:
@@ -451,7 +472,7 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...], down_only: bool = Fals
                 "fp8": (q13, q2, s13, s2, None, None),
                 "fp8_static": (q13, q2, s13, s2, a13, a2),
             }
-            for kind, cfg in sweep_bucket(x, ids, wt, variants, down_only).items():
+            for kind, cfg in sweep_bucket(x, ids, wt, variants, from_shipped).items():
                 tuned[kind][t] = cfg
     if sweep and os.environ.get("OUT"):  # swept buckets replace theirs; the others keep the shipped configs
         file = table_file(device_key(torch.cuda.get_device_name()))  # this GPU's table
@@ -536,15 +557,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument(
-        "--sweep-down",
+        "--sweep-from-shipped",
         action="store_true",
-        help="prefill sizes: sweep only the down GEMM's own tiles, from the shipped configs",
+        help="prefill sizes: only the down GEMM's own tiles from the shipped configs and the persistent ones",
     )
     parser.add_argument(
         "--parts", default="router,align,moe", help="comma list of router, align, moe, breakdown"
     )
     parser.add_argument("--tokens", default="1,16,128,1024,8192", help="moe: comma list of token counts")
+    parser.add_argument(
+        "--no-persistent", action="store_true", help="sweeps leave out the persistent Gluon GEMMs' configs"
+    )
     args = parser.parse_args()
+    global PERSISTENT
+    PERSISTENT = not args.no_persistent
     parts = set(args.parts.split(","))
     torch.manual_seed(0)
     if "router" in parts:
@@ -553,7 +579,9 @@ def main() -> None:
         align_bench()
     if "moe" in parts:
         moe_bench(
-            args.sweep or args.sweep_down, tuple(int(t) for t in args.tokens.split(",")), args.sweep_down
+            args.sweep or args.sweep_from_shipped,
+            tuple(int(t) for t in args.tokens.split(",")),
+            args.sweep_from_shipped,
         )
     if "breakdown" in parts:
         prefill_breakdown(tuple(int(t) for t in args.tokens.split(",")))

@@ -32,6 +32,11 @@ def _name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
+@cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def capability(device: torch.device) -> tuple[int, int] | None:
     """A CUDA device's compute capability; None for other devices (the CPU interpreter)."""
     return _capability(_index(device)) if device.type == "cuda" else None
@@ -40,6 +45,11 @@ def capability(device: torch.device) -> tuple[int, int] | None:
 def gpu_name(device: torch.device) -> str | None:
     """A CUDA device's name as the driver reports it ("NVIDIA H200"); None for other devices."""
     return _name(_index(device)) if device.type == "cuda" else None
+
+
+def num_sms(device: torch.device) -> int:
+    """A CUDA device's streaming multiprocessors (a persistent kernel's programs)."""
+    return _num_sms(_index(device))
 
 
 def fall_back(kernel: str, device: torch.device, reason: str, effect: str) -> None:

@@ -51,6 +51,10 @@ class MoeConfig:
     down_block_k: int = 0
     down_num_warps: int = 0
     down_num_stages: int = 0
+    # bf16 / FP8 at prefill sizes: the persistent warp-specialized Gluon GEMMs (`fused_moe_persistent`:
+    # 128-row M blocks, block_n columns per operand, num_stages ring slots) where the program chose the
+    # Gluon kernels and they can run; elsewhere this config's Triton kernels
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         if self.combine_block & (self.combine_block - 1):
@@ -62,6 +66,10 @@ class MoeConfig:
             raise ValueError(f"down tiles must be positive or 0 (the gate-up's), got {own}")
         if self.pair_blocks and any(own.values()):
             raise ValueError("down tiles are for aligned M blocks, not pair_blocks (one token)")
+        if self.persistent and (self.pair_blocks or self.swap_ab or self.quant_on_load or self.split_k != 1):
+            raise ValueError(
+                "persistent: aligned M blocks of token rows (no pair_blocks, swap_ab, quant_on_load, split_k)"
+            )
 
     def down(self) -> MoeConfig:
         """The down GEMM's config: this one with its own tiles where it has them."""

@@ -60,7 +60,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hy3c.kernels import devices, overrides
-from hy3c.kernels.moe import fused_moe_gluon
+from hy3c.kernels.moe import fused_moe_gluon, fused_moe_persistent
 from hy3c.kernels.moe.align import moe_align
 from hy3c.kernels.moe.blocks import (
     TL_DTYPES,
@@ -74,6 +74,7 @@ from hy3c.kernels.moe.config import MoeConfig, config_kind, select_config, table
 from hy3c.kernels.moe.fused_moe_w4a8 import MIN_GEMM_GROUP, routed_pairs_w4a8
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import HOPPER, PDL, Provider, Target, Variant, register_provider
+from hy3c.kernels.rowwise.quant import quant_fp8_per_token
 from hy3c.ops.fused import check_moe_input_quant
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -500,6 +501,8 @@ def _routed_pairs(
         raise ValueError(f"fused_moe: split_k {cfg.split_k} is for W4A8 experts only (bf16 / FP8 take 1)")
     if cfg.pair_blocks and _gluon_runs(x, w13, w2, overrides.variant(overrides.GLUON, gluon)):
         return _routed_pairs_gluon(x, x_q, x_q_scale, topk_weights, topk_ids, *weights, pdl), True
+    if cfg.persistent and _persistent_runs(x, w13, w2, cfg, overrides.variant(overrides.GLUON, gluon)):
+        return _routed_pairs_persistent(x, x_q, x_q_scale, topk_ids, *weights, cfg, pdl), False
     return _routed_pairs_triton(x, x_q, x_q_scale, topk_ids, *weights, cfg, pdl), False
 
 
@@ -514,6 +517,98 @@ def _gluon_runs(x: Tensor, w13: Tensor, w2: Tensor, gluon: bool) -> bool:
     if why_not is not None:
         devices.fall_back("fused_moe_gluon", x.device, why_not, "the Triton pair-block kernels")
     return why_not is None
+
+
+def _persistent_runs(x: Tensor, w13: Tensor, w2: Tensor, cfg: MoeConfig, gluon: bool) -> bool:
+    """Whether a `persistent` config runs the persistent Gluon GEMMs: the program chose the Gluon kernels
+    and this config, these experts and this GPU take them (a launch that cannot is logged)."""
+    if not gluon:
+        return False
+    why_not = fused_moe_persistent.unsupported(
+        cfg, w13, w2, x.dtype
+    ) or fused_moe_persistent.unsupported_launch(w13, w2)
+    if why_not is not None:
+        devices.fall_back("fused_moe_persistent", x.device, why_not, "the config's Triton kernels")
+    return why_not is None
+
+
+def _routed_pairs_persistent(
+    x: Tensor,
+    x_q: Tensor | None,
+    x_q_scale: Tensor | None,
+    topk_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    w13_scale: Tensor | None,
+    w2_scale: Tensor | None,
+    a13_scale: Tensor | None,
+    a2_scale: Tensor | None,
+    cfg: MoeConfig,
+    pdl: bool,
+) -> Tensor:
+    """Each pair's expert output, [pairs, hidden] in x's dtype (unweighted: the combine weights it), by
+    the persistent Gluon GEMMs (`fused_moe_persistent`): alignment, the activations' quantization (FP8,
+    unless x_q) and their rows gathered in sorted order, gate-up, the intermediate's row-wise
+    quantization (dynamic FP8), down."""
+    persistent = fused_moe_persistent
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, two_inter, _ = w13.shape
+    pairs = num_tokens * top_k
+    fp8 = w13.dtype == FP8_DTYPE
+    sorted_ids, expert_ids, padded = moe_align(topk_ids, num_experts, persistent.BLOCK_M, pdl)
+    dummy = x.new_empty(1, dtype=torch.float32)
+    if x_q is not None:  # already quantized per token (the norm's FP8 rows)
+        a, a_scale, a_mode = x_q, x_q_scale.reshape(-1).contiguous(), persistent.SCALE_PER_TOKEN
+    elif fp8:
+        a, a_scale, per_row = quantize_activations(x, a13_scale, False, pdl)
+        a_mode = persistent.SCALE_PER_TOKEN if per_row else persistent.SCALE_STATIC
+    else:
+        a, a_scale, a_mode = x, dummy, persistent.SCALE_NONE
+    quant_h = fp8 and a2_scale is not None  # static: the gate-up epilogue quantizes the intermediate
+    h = x.new_empty((sorted_ids.shape[0], two_inter // 2), dtype=FP8_DTYPE if quant_h else x.dtype)
+    persistent.grouped_gemm(
+        persistent.gather_rows(a, sorted_ids, top_k),
+        w13,
+        h,
+        sorted_ids,
+        expert_ids,
+        padded,
+        a_scale,
+        a_mode.value,
+        w13_scale,
+        a2_scale,
+        pairs,
+        top_k,
+        cfg,
+        x.dtype,
+        gate_up=True,
+    )
+    h_scale, h_mode = dummy, persistent.SCALE_NONE
+    if quant_h:
+        h_scale, h_mode = a2_scale.float().reshape(1), persistent.SCALE_STATIC
+    elif fp8:  # dynamic: each sorted row's own scale (pad rows too: computed, never stored)
+        h, h_scale = quant_fp8_per_token(h, pdl=pdl)
+        h_scale, h_mode = h_scale.reshape(-1), persistent.SCALE_PER_ROW
+    per_pair = x.new_empty((pairs, hidden))
+    persistent.grouped_gemm(
+        h,
+        w2,
+        per_pair,
+        sorted_ids,
+        expert_ids,
+        padded,
+        h_scale,
+        h_mode.value,
+        w2_scale,
+        None,
+        pairs,
+        top_k,
+        cfg,
+        x.dtype,
+        gate_up=False,
+    )
+    return per_pair
 
 
 def _check_scale_widths(w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_scale: Tensor | None) -> None:

@@ -29,7 +29,7 @@ from hy3c.kernels.attention.config import GLUON_PREFILL_CONFIG, decode_config, t
 from hy3c.kernels.collectives import all_reduce
 from hy3c.kernels.collectives.symmetric import MAX_PROGRAMS, RESERVED_CHANNELS
 from hy3c.kernels.moe import config as moe_config
-from hy3c.kernels.moe import fused_moe, fused_moe_gluon, fused_moe_w4a8, router
+from hy3c.kernels.moe import fused_moe, fused_moe_gluon, fused_moe_persistent, fused_moe_w4a8, router
 from hy3c.ops.quant import FP8_DTYPE
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -373,6 +373,55 @@ def gluon_moe_variants() -> list[Variant]:
     return variants
 
 
+def persistent_moe_variants() -> list[Variant]:
+    """The persistent Gluon GEMMs at Hy3's widths in the configs the prefill sweep tries (128 and 64
+    columns per operand, the ring as deep as shared memory allows up to 4): the gate-up for the MoE
+    input's per-token scales (x_q or quantized first) and a static scale with an e4m3 intermediate, the
+    down for dynamic (per sorted row) and static intermediate scales, and bf16."""
+    mod = fused_moe_persistent
+    variants = []
+    for weights in ("fp8", "bf16"):
+        dtype = FP8_DTYPE if weights == "fp8" else torch.bfloat16
+        fp8 = weights == "fp8"
+        box_k, bits = mod.BOX_BYTES // dtype.itemsize, 8 * dtype.itemsize
+        layout = (
+            f"NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={bits}, rank=2, transposed=False, "
+        )
+        layout += "fp4_padded=False, cga_layout=[])"
+        cases = [("gate-up", 2, mod.SCALE_PER_TOKEN, False), ("gate-up", 2, mod.SCALE_STATIC, True)]
+        cases += [("down", 1, mod.SCALE_PER_ROW, False), ("down", 1, mod.SCALE_STATIC, False)]
+        for gemm, operands, a_scale, quant_h in (
+            cases if fp8 else [("gate-up", 2, 0, False), ("down", 1, 0, False)]
+        ):
+            for block_n in (128, 64):
+                n, k = (1536, 4096) if gemm == "gate-up" else (4096, 1536)
+                constexprs = dict(N=n, K=k, ROWS_PER_EXPERT=n * operands, OPERANDS=operands)
+                constexprs |= dict(
+                    NUM_BUF=min(4, mod.ring_slots(block_n, operands, dtype)), GROUP_M=8, FP8=fp8
+                )
+                constexprs |= dict(A_SCALE=a_scale, W_PER_ROW=fp8, QUANT_H=quant_h, ACT_DTYPE=tl.bfloat16)
+                descriptors = {
+                    "a_desc": f"tensordesc<{KV_DTYPES[weights]}[{mod.BLOCK_M}, {box_k}],{layout}>",
+                    "w_desc": f"tensordesc<{KV_DTYPES[weights]}[{block_n}, {box_k}],{layout}>",
+                }
+                out = f"*{KV_DTYPES['fp8']}" if quant_h else "*bf16"
+                variants.append(
+                    Variant(
+                        f"fused_moe persistent {gemm} {weights} scale={getattr(a_scale, 'value', a_scale)} "
+                        f"quant_h={quant_h} block_n={block_n}",
+                        mod._grouped_gemm_kernel,
+                        {"out_ptr": out, "as_ptr": "*fp32", "ws_ptr": "*fp32", "hs_ptr": "*fp32"},
+                        constexprs,
+                        descriptors,
+                        options={"num_warps": 4, "maxnreg": mod.LAUNCH_REGISTERS},
+                        gluon=True,
+                        max_shared=mod.SHARED_MEMORY_BUDGET + 1024,
+                        integers=("stride_om",),
+                    )
+                )
+    return variants
+
+
 def router_variants() -> list[Variant]:
     pointers = {
         "x_ptr": "*bf16",
@@ -422,7 +471,7 @@ def collective_variants() -> list[Variant]:
 def main() -> int:
     failures = 0
     variants = attention_variants() + qknorm_variants() + moe_variants() + w4a8_moe_variants()
-    variants += gluon_moe_variants()
+    variants += gluon_moe_variants() + persistent_moe_variants()
     for variant in variants + router_variants() + collective_variants():
         source_type = GluonASTSource if variant.gluon else ASTSource
         source = source_type(

@@ -537,3 +537,40 @@ def test_silu_and_mul_quant_real_shapes(static):
     q, q_scale = torch.ops.hy3_triton.silu_and_mul_quant(x, scale)
     ref_q, ref_scale = hy3.silu_and_mul_quant(x, scale)
     torch.testing.assert_close(q.float() * q_scale, ref_q.float() * ref_scale, atol=0.05, rtol=0.07)
+
+
+@pytest.mark.parametrize("tokens", [1024, 8192])
+@pytest.mark.parametrize("case", ["fp8 dynamic", "fp8 x_q", "fp8 static", "fp8 expert parallel", "bf16"])
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_persistent_moe_gemms_real_shapes(tokens, case, block_n):
+    """The persistent Gluon GEMMs (`fused_moe_persistent`) against the same config's Triton kernels and
+    the reference: FP8 with dynamic per-token scales, the norm's e4m3 rows, static scales (an e4m3
+    intermediate), a rank holding half the experts (ids −1 elsewhere), and bf16."""
+    from hy3c.kernels.moe.config import MoeConfig
+    from hy3c.kernels.moe.fused_moe import fused_moe_triton
+
+    experts, top_k, hidden, inter = 192, 8, 4096, 1536
+    fp8 = case.startswith("fp8")
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w13 = 0.02 * torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16)
+    w2 = 0.02 * torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16)
+    scales, statics, extra = (None, None), (None, None), ()
+    if fp8:
+        scales = (w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448)
+        w13 = (w13.float() / scales[0][..., None]).to(FP8_DTYPE)
+        w2 = (w2.float() / scales[1][..., None]).to(FP8_DTYPE)
+    if case == "fp8 static":
+        statics = (x.float().abs().amax().reshape(1) / 448, torch.tensor([0.05 / 448 * 8], device="cuda"))
+    if case == "fp8 x_q":
+        extra = torch.ops.hy3_triton.quant_fp8_per_token(x)
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)]).int()
+    if case == "fp8 expert parallel":
+        ids = torch.where(ids < experts // 2, ids, -1)
+    args = (x, torch.rand(tokens, top_k, device="cuda"), ids, w13, w2, *scales, *statics, None, *extra)
+    cfg = MoeConfig(128, block_n, 128 if fp8 else 64, 8, 8, 4, persistent=True, down_block_n=128)
+    gluon = fused_moe_triton(*args, config=cfg).float()
+    triton_kernels = fused_moe_triton(*args, config=dataclasses.replace(cfg, persistent=False)).float()
+    ref = hy3.fused_moe(*args).float()
+    assert torch.isfinite(gluon).all()
+    assert (gluon - triton_kernels).norm() / triton_kernels.norm() < 1e-3
+    assert (gluon - ref).norm() / ref.norm() < 2e-2

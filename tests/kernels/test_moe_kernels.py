@@ -497,6 +497,62 @@ def test_down_tiles_that_cannot_run_are_one_error():
     assert fit_to_widths(dataclasses.replace(misfit, down_block_n=64), w13).tma
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_persistent_config_runs_its_triton_kernels_where_the_gluon_ones_cannot(fp8):
+    """A `persistent` config off sm_90 (here: the interpreter) runs the same config's Triton kernels."""
+    tokens, experts, top_k = 9, 4, 2
+    x = torch.randn(tokens, 64).to(torch.bfloat16)
+    w13, w2, scales = _expert_weights(experts, 64, 32, fp8)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
+    args = (x, torch.rand(tokens, top_k), ids, w13, w2, *scales, None, None, None)
+    cfg = dataclasses.replace(CFG, block_m=128)
+    persistent = fused_moe_triton(*args, config=dataclasses.replace(cfg, persistent=True))
+    torch.testing.assert_close(persistent, fused_moe_triton(*args, config=cfg), atol=0, rtol=0)
+
+
+def test_persistent_gemms_take_aligned_token_rows_and_say_what_else_they_cannot():
+    from hy3c.kernels.moe import fused_moe_persistent as persistent
+
+    for options in ({"pair_blocks": True}, {"swap_ab": True}, {"quant_on_load": True}):
+        with pytest.raises(ValueError, match="persistent: aligned M blocks of token rows"):
+            MoeConfig(128, 128, 128, persistent=True, **options)
+    cfg = MoeConfig(128, 128, 128, 8, 8, 4, persistent=True, down_block_n=128)
+
+    def experts(dtype, inter=1536, hidden=4096):
+        return (
+            torch.empty(192, 2 * inter, hidden, dtype=dtype, device="meta"),
+            torch.empty(192, hidden, inter, dtype=dtype, device="meta"),
+        )
+
+    assert persistent.unsupported(cfg, *experts(FP8_DTYPE), torch.bfloat16) is None
+    assert persistent.unsupported(cfg, *experts(torch.bfloat16), torch.bfloat16) is None
+    assert "block_m 64" in persistent.unsupported(
+        dataclasses.replace(cfg, block_m=64), *experts(FP8_DTYPE), torch.bfloat16
+    )
+    assert "in a torch.float16 model" in persistent.unsupported(cfg, *experts(torch.bfloat16), torch.float16)
+    assert "block_n 128 must be a multiple of 16, at most 256, and divide 1472" in persistent.unsupported(
+        cfg, *experts(FP8_DTYPE, inter=1472), torch.bfloat16
+    )
+    wide_down = dataclasses.replace(cfg, down_block_n=512)
+    assert "down block_n 512" in persistent.unsupported(wide_down, *experts(FP8_DTYPE), torch.bfloat16)
+    assert persistent.unsupported_launch(*(torch.zeros(1, 2, 2) for _ in range(2))) == "not an sm_90 GPU"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_rows_are_gathered_in_the_alignments_order(fp8):
+    from hy3c.kernels.moe import fused_moe_persistent as persistent
+
+    tokens, top_k = 5, 2
+    x = torch.randn(tokens, 64)
+    a = x.to(FP8_DTYPE) if fp8 else x.to(torch.bfloat16)
+    sorted_ids = torch.tensor([3, 0, 10, 10, 9, 1, 4, 10], dtype=torch.int32)  # 10 = T·k: pad rows
+    rows = persistent.gather_rows(a, sorted_ids, top_k)
+    assert rows.dtype == a.dtype and rows.shape == (8, 64)
+    for row, pair in enumerate(sorted_ids.tolist()):
+        want = a[min(pair // top_k, tokens - 1)]  # a pad row takes the last token's (never stored)
+        assert torch.equal(rows[row].view(torch.uint8), want.view(torch.uint8))
+
+
 def test_fused_moe_takes_its_input_already_quantized_per_token():
     """FP8 experts, per-token scales: x handed over as the norm's e4m3 rows and scales gives the same
     output as x quantized inside (Triton and the reference), and the reference reads the given rows."""

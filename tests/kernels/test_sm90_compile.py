@@ -24,6 +24,7 @@ def test_triton_kernels_compile_for_sm90():
     # 15 attention (one of them Gluon), 4 KV store, 22 FusedMoE + 37 W4A8 FusedMoE (the 5 built-in
     # configs: gate-up with and without the e4m3 intermediate, down; with the subnormal widening, gate-up
     # and down; two K blocks of several groups, gate-up and down; the 4 pair-block gate-ups again with
-    # their K split in 2 and 4) + 7 Gluon FusedMoE, 2 router variants, 6 fused all-reduce + RMSNorm
+    # their K split in 2 and 4) + 7 Gluon FusedMoE + 12 persistent Gluon FusedMoE GEMMs (gate-up and
+    # down, FP8 with two activation scalings each and bf16, 128 and 64 columns), 2 router variants, 6 fused all-reduce + RMSNorm
     # (one-shot and two-shot for 2, 4 and 8 ranks)
-    assert len(compiled) == 93, result.stdout
+    assert len(compiled) == 105, result.stdout
