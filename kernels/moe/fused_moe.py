@@ -27,6 +27,9 @@ pair's id).
 With a `pair_blocks` config (one token) on an sm_90 GPU, steps 2–3 run as the warp-specialized Gluon
 kernels of `fused_moe_gluon` (weight streams that start before the data they multiply, the intermediate
 quantized by the down kernel itself), unless the program chose the Triton kernels (`gluon=False`).
+With a `persistent` config (prefill sizes) on an sm_90 GPU, steps 2–3 run as the persistent
+warp-specialized Gluon GEMMs of `fused_moe_persistent` (one program per SM over the tiles, activations
+gathered into the alignment's order and fed by TMA), under the same condition.
 
 FP8: weights e4m3 with per-channel ([E, rows]) or per-tensor ([E, 1]) scales; activations e4m3 with a
 static per-tensor scale or dynamic per-token scales; fp8 × fp8 tensor-core products, scales applied in
