@@ -481,6 +481,8 @@ def routed_pairs_w4a8(
     gate-up, the intermediate's quantization (dynamic scales), down. The rows of pairs with id −1 are
     left unwritten."""
     group = check_w4a8_experts(x, w13, w2, w13_scale, w2_scale)
+    if cfg.persistent:
+        raise ValueError("fused_moe: persistent GEMMs are for bf16 / FP8 experts, not W4A8")
     # the kernels step the packed bytes and the scales' groups by unit strides (parameters already are)
     w13, w2, w13_scale, w2_scale = (t.contiguous() for t in (w13, w2, w13_scale, w2_scale))
     for name, packed in (("w13", w13), ("w2", w2)):

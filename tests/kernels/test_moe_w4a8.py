@@ -427,6 +427,8 @@ def test_a_gate_up_split_that_cannot_run_is_one_error(config, message):
     q13, s13, q2, s2 = _experts(4, 256, 64)
     with pytest.raises(ValueError, match=message):
         fused_moe_triton(*layer(q13, q2, s13, s2), config=config, pdl=False)
+    with pytest.raises(ValueError, match="persistent GEMMs are for bf16 / FP8 experts"):
+        fused_moe_triton(*layer(q13, q2, s13, s2), config=MoeConfig(128, 32, 32, persistent=True), pdl=False)
     with pytest.raises(ValueError, match="split_k must be at least 1"):
         MoeConfig(16, 32, 32, split_k=0)
     bf16 = layer(torch.randn(4, 128, 256).bfloat16(), torch.randn(4, 256, 64).bfloat16(), None, None)
