@@ -827,7 +827,8 @@ def _(x, *inputs_that_do_not_shape_the_output, gluon=True, pdl=True):
 
 def _gluon_supports(node, target: Target) -> str | None:
     """The one-token Gluon GEMMs' conditions that a node's fake tensors show
-    (`fused_moe_gluon.unsupported_inputs`); they run where the config pairs blocks (one token)."""
+    (`fused_moe_gluon.unsupported_inputs`); they run where the config pairs blocks (one token), and the
+    persistent ones (`fused_moe_persistent`, the same widths and dtypes) where it is `persistent`."""
     x, w13, w2 = (node.args[i].meta.get("val") for i in (0, 3, 4))
     if x is None or w13 is None or w2 is None:
         return "no shapes recorded"
