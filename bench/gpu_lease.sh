@@ -36,6 +36,8 @@
 #                 Gluon GEMMs' configs (only after moe-persistent-test passed in the same call); then the
 #                 FP8 breakdown against cuBLAS dense FP8 per GEMM (issue 30). moe-sweep-down: without them
 #   moe-persistent-test  GPU tests of the persistent Gluon FusedMoE GEMMs at Hy3's shapes (issue 30)
+#   moe-persistent  the short form: those tests at 8K tokens, then only the persistent configs against the
+#                 shipped one at 8K, and the FP8 breakdown
 #   w4a8-test     GPU tests of the W4A8 GEMMs at Hy3's shapes (issue 30)
 #   w4a8-moe      W4A8 FusedMoE vs FP8 and bf16 with a config sweep of both widenings (issue 30; a call
 #                 of its own: up to 8 minutes)
@@ -92,6 +94,11 @@ for step in ${STEPS:-probe}; do
     moe-persistent-test) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
         tests/kernels/test_gpu_kernels.py -k "persistent or fused_moe_real" >"$out/$step.txt" 2>&1 \
         && touch "$out/persistent-ok" ;;
+    moe-persistent)  # the short form: its GPU tests at 8K, then the persistent configs against the shipped one
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/kernels/test_gpu_kernels.py \
+        -k "persistent and 8192 and (dynamic or bf16 or static)" >"$out/$step-test.txt" 2>&1 \
+        && timeout 300 python3 bench/moe_bench.py --parts moe,breakdown --tokens 8192 --sweep-from-shipped \
+        --no-down-tiles >"$out/$step.txt" 2>&1; tail -n 15 "$out/$step-test.txt" ;;
     moe-sweep-prefill|moe-sweep-down)  # the persistent configs only after their GPU tests passed in this call
       persistent=$([ "$step" = moe-sweep-prefill ] && [ -e "$out/persistent-ok" ] || echo --no-persistent)
       timeout 420 python3 bench/moe_bench.py --parts moe,breakdown --tokens 8192,32768 --sweep-from-shipped \

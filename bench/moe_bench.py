@@ -47,6 +47,7 @@ E, K_TOP, H, INTER = 192, 8, 4096, 1536
 ROWS: list[tuple[str, ...]] = []
 RESULTS: dict[str, dict] = {}
 PERSISTENT = True  # the sweeps try the persistent Gluon GEMMs' configs (`--no-persistent`: not)
+DOWN_TILES = True  # `--sweep-from-shipped` tries the down GEMM's own tiles (`--no-down-tiles`: not)
 
 
 def bench(fn) -> float:
@@ -319,9 +320,8 @@ def sweep_bucket(x, ids, wt, variants: dict[str, tuple], from_shipped: bool) -> 
 
         fp8 = kind != "bf16"
         if from_shipped and t > 128:
-            candidates = down_sweep_configs(default, fp8) + (
-                persistent_sweep_configs(fp8) if PERSISTENT else []
-            )
+            candidates = down_sweep_configs(default, fp8) if DOWN_TILES else [default]
+            candidates += persistent_sweep_configs(fp8) if PERSISTENT else []
             best = best_of(candidates, "down tiles, persistent")
         else:
             best = best_of(sweep_configs(t, fp8), "tiles")
@@ -568,9 +568,14 @@ def main() -> None:
     parser.add_argument(
         "--no-persistent", action="store_true", help="sweeps leave out the persistent Gluon GEMMs' configs"
     )
+    parser.add_argument(
+        "--no-down-tiles",
+        action="store_true",
+        help="--sweep-from-shipped leaves out the down GEMM's own tiles",
+    )
     args = parser.parse_args()
-    global PERSISTENT
-    PERSISTENT = not args.no_persistent
+    global PERSISTENT, DOWN_TILES
+    PERSISTENT, DOWN_TILES = not args.no_persistent, not args.no_down_tiles
     parts = set(args.parts.split(","))
     torch.manual_seed(0)
     if "router" in parts:
