@@ -77,7 +77,6 @@ from hy3c.kernels.moe.config import MoeConfig, config_kind, select_config, table
 from hy3c.kernels.moe.fused_moe_w4a8 import MIN_GEMM_GROUP, routed_pairs_w4a8
 from hy3c.kernels.pdl import pdl_launch, wait_for_inputs
 from hy3c.kernels.registry import HOPPER, PDL, Provider, Target, Variant, register_provider
-from hy3c.kernels.rowwise.quant import quant_fp8_per_token
 from hy3c.ops.fused import check_moe_input_quant
 from hy3c.ops.quant import FP8_DTYPE
 
@@ -590,9 +589,9 @@ def _routed_pairs_persistent(
     h_scale, h_mode = dummy, persistent.SCALE_NONE
     if quant_h:
         h_scale, h_mode = a2_scale.float().reshape(1), persistent.SCALE_STATIC
-    elif fp8:  # dynamic: each sorted row's own scale (pad rows too: computed, never stored)
-        h, h_scale = quant_fp8_per_token(h, pdl=pdl)
-        h_scale, h_mode = h_scale.reshape(-1), persistent.SCALE_PER_ROW
+    elif fp8:  # dynamic: each sorted row's own scale (pad rows skipped: the down GEMM never stores them)
+        h, h_scale = quantize_intermediate(h, persistent.pad_rows(sorted_ids, pairs), False, pdl)
+        h_mode = persistent.SCALE_PER_ROW
     per_pair = x.new_empty((pairs, hidden))
     persistent.grouped_gemm(
         h,

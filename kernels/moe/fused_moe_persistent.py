@@ -19,10 +19,11 @@ that GROUP_M M blocks share a weight block while it is in L2), three roles to a 
     down:    per_pair[pair, cols] = h_sorted[row] · W_downᵀ, each row to its (token, slot) pair
 
 TMA reads rows that are adjacent, so both GEMMs take their activations in the alignment's sorted order:
-the MoE input's rows are gathered there first (`gather_rows`: one copy of [padded pairs, hidden]), and
-the gate-up writes its intermediate there, which the down GEMM (after the intermediate's row-wise FP8
-quantization, for dynamic scales) reads as it is. Pad rows are computed and never stored: a row of a
-wgmma's result depends on that row of its activations only.
+the MoE input's rows are gathered there first (`gather_rows`: one copy of the pairs' rows), and the
+gate-up writes its intermediate there, which the down GEMM (after the intermediate's row-wise FP8
+quantization, for dynamic scales) reads as it is. Pad rows are neither gathered nor quantized; the GEMMs
+compute them from whatever the memory holds and never store them: a row of a wgmma's result depends on
+that row of its activations only (and of its scales).
 
 Same arithmetic as the Triton kernels (e4m3 values and scales, rounding to the model dtype; FP8 K blocks
 of 128 summed in fp32). Requires sm_90, block_m 128, hidden and intermediate widths that tile into the
@@ -36,6 +37,8 @@ Triton kernels and the reference at Hy3's shapes.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -63,6 +66,9 @@ PRODUCER_REGISTERS = gl.constexpr(40)
 # registers per thread at launch: three warpgroups (two consumers, the producer's) share the SM's 64K
 LAUNCH_REGISTERS = (2 * CONSUMER_REGISTERS.value + PRODUCER_REGISTERS.value) // 3
 SHARED_MEMORY_BUDGET = 200 * 1024  # the ring; the rest of the 227 KB goes to the compiler's scratch
+# columns per operand: the gate-up's two 256-column accumulators (and FP8's partial sums) need more than
+# a consumer's 232 registers (3.6 KB of spills a thread, ptxas), and the FP8 down's one 256-column too
+MAX_BLOCK_N = 128
 
 # how a tile's activation rows are scaled (FP8): not at all (bf16), one static scale, the scale of the
 # row's token (the MoE input's per-token scales, through the pair id), the scale of the sorted row itself
@@ -328,8 +334,8 @@ def ring_slots(block_n: int, operands: int, dtype: torch.dtype) -> int:
 
 def unsupported(cfg: MoeConfig, w13: Tensor, w2: Tensor, model_dtype: torch.dtype) -> str | None:
     """Why these kernels cannot run a layer with this config (None: they can): 128-row M blocks, e4m3
-    weights in a bf16 / fp16 model or bf16 in bf16, column blocks of at most 256 (one wgmma) that tile
-    both expert widths, widths of whole 128-byte K boxes, two ring slots at least."""
+    weights in a bf16 / fp16 model or bf16 in bf16, column blocks of a power of two up to MAX_BLOCK_N
+    that tile both expert widths, widths of whole 128-byte K boxes, two ring slots at least."""
     down = cfg.down()
     if cfg.block_m != BLOCK_M:
         return f"block_m {cfg.block_m}: the persistent kernels take {BLOCK_M}"
@@ -342,8 +348,8 @@ def unsupported(cfg: MoeConfig, w13: Tensor, w2: Tensor, model_dtype: torch.dtyp
     hidden, inter = w13.shape[2], w2.shape[2]
     box_k = _box_k(w13.dtype)
     for name, block_n, width in (("block_n", cfg.block_n, inter), ("down block_n", down.block_n, hidden)):
-        if block_n > 256 or block_n % 16 or width % block_n:
-            return f"{name} {block_n} must be a multiple of 16, at most 256, and divide {width}"
+        if block_n & (block_n - 1) or not 16 <= block_n <= MAX_BLOCK_N or width % block_n:
+            return f"{name} {block_n} must be a power of two from 16 to {MAX_BLOCK_N} that divides {width}"
     if hidden % box_k or inter % box_k:
         return f"hidden {hidden} and intermediate {inter} must be multiples of {box_k}"
     if min(ring_slots(cfg.block_n, 2, w13.dtype), ring_slots(down.block_n, 1, w2.dtype)) < 2:
@@ -368,13 +374,48 @@ def _descriptor(t: Tensor, rows: int, block_rows: int) -> TensorDescriptor:
     return TensorDescriptor(t.reshape(rows, width), [rows, width], [width, 1], box, layout)
 
 
+@triton.jit
+def _gather_rows_kernel(
+    a_ptr, sorted_ptr, out_ptr, pairs, top_k, width, stride_a, stride_out, BLOCK: tl.constexpr
+):
+    """Row `program_id` of the sorted activations: its pair's token's row; a pad row (id `pairs`) is left
+    as it is (computed by the GEMM, never stored)."""
+    row = tl.program_id(0)
+    pair = tl.load(sorted_ptr + row)
+    if pair >= pairs:
+        return
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < width
+        values = tl.load(a_ptr + (pair // top_k).to(tl.int64) * stride_a + cols, mask=ok)
+        tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, values, mask=ok)
+
+
 def gather_rows(a: Tensor, sorted_ids: Tensor, top_k: int) -> Tensor:
     """The MoE input's rows in the alignment's order ([len(sorted_ids), hidden]): each row the row of its
-    pair's token; a pad row (id T·k) takes the last token's (finite values, never stored)."""
-    tokens = (sorted_ids // top_k).clamp_(max=a.shape[0] - 1)
-    if a.dtype == FP8_DTYPE:  # index_select of bytes: the same rows
-        return a.view(torch.uint8).index_select(0, tokens).view(FP8_DTYPE)
-    return a.index_select(0, tokens)
+    pair's token; pad rows (past an expert's pairs, or past the padded total) are not written."""
+    rows, width = sorted_ids.shape[0], a.shape[1]
+    out = a.new_empty((rows, width))
+    source, target = (a.view(torch.uint8), out.view(torch.uint8)) if a.dtype == FP8_DTYPE else (a, out)
+    _gather_rows_kernel[(rows,)](
+        source,
+        sorted_ids,
+        target,
+        a.shape[0] * top_k,
+        top_k,
+        width,
+        a.stride(0),
+        out.stride(0),
+        BLOCK=min(triton.next_power_of_2(width), 4096),
+        num_warps=4,
+    )
+    return out
+
+
+def pad_rows(sorted_ids: Tensor, pairs: int) -> Tensor:
+    """−1 for each sorted row that holds no pair, 0 for the others: the ids `blocks.quantize_intermediate`
+    reads to skip a row."""
+    return torch.where(sorted_ids < pairs, 0, -1).to(torch.int32)
 
 
 def grouped_gemm(
@@ -423,7 +464,7 @@ def grouped_gemm(
         K=k,
         ROWS_PER_EXPERT=rows_per_expert,
         OPERANDS=operands,
-        NUM_BUF=min(cfg.num_stages, ring_slots(block_n, operands, w.dtype)),
+        NUM_BUF=min((cfg if gate_up else cfg.down()).num_stages, ring_slots(block_n, operands, w.dtype)),
         GROUP_M=cfg.group_m,
         FP8=fp8,
         A_SCALE=a_scale_mode if fp8 else SCALE_NONE.value,

@@ -559,8 +559,8 @@ def test_persistent_moe_gemms_real_shapes(tokens, case, block_n):
         scales = (w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448)
         w13 = (w13.float() / scales[0][..., None]).to(FP8_DTYPE)
         w2 = (w2.float() / scales[1][..., None]).to(FP8_DTYPE)
-    if case == "fp8 static":
-        statics = (x.float().abs().amax().reshape(1) / 448, torch.tensor([0.05 / 448 * 8], device="cuda"))
+    if case == "fp8 static":  # the intermediate's scale clips it at ±8 (|silu(g) · u| is mostly below 4)
+        statics = (x.float().abs().amax().reshape(1) / 448, torch.tensor([8.0 / 448], device="cuda"))
     if case == "fp8 x_q":
         extra = torch.ops.hy3_triton.quant_fp8_per_token(x)
     ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)]).int()

@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hy3c.kernels
 import hy3c.ops
@@ -510,6 +511,91 @@ def test_persistent_config_runs_its_triton_kernels_where_the_gluon_ones_cannot(f
     torch.testing.assert_close(persistent, fused_moe_triton(*args, config=cfg), atol=0, rtol=0)
 
 
+def _emulated_grouped_gemm(
+    a_sorted,
+    w,
+    out,
+    sorted_ids,
+    expert_ids,
+    padded,
+    a_scale,
+    a_scale_mode,
+    w_scale,
+    h_static_scale,
+    pairs,
+    top_k,
+    cfg,
+    model_dtype,
+    gate_up,
+):
+    """`fused_moe_persistent.grouped_gemm` in torch, tile rows as the kernel's epilogue takes them."""
+    from hy3c.kernels.moe import fused_moe_persistent as persistent
+
+    fp8 = w.dtype == FP8_DTYPE
+    for block in range(int(padded) // persistent.BLOCK_M):
+        rows = torch.arange(block * persistent.BLOCK_M, (block + 1) * persistent.BLOCK_M)
+        pair = sorted_ids[rows].long()
+        rows, pair = rows[pair < pairs], pair[pair < pairs]
+        expert = int(expert_ids[block])
+        acc = a_sorted[rows].float() @ w[expert].float().t()
+        if fp8:
+            if a_scale_mode == persistent.SCALE_STATIC.value:
+                scale = a_scale.reshape(1)
+            elif a_scale_mode == persistent.SCALE_PER_TOKEN.value:
+                scale = a_scale[pair // top_k][:, None]
+            else:
+                scale = a_scale[rows][:, None]
+            acc = acc * scale * w_scale[expert][None, :]
+        if gate_up:
+            gate, up = (t.to(model_dtype).float() for t in acc.chunk(2, dim=1))
+            h = (F.silu(gate).to(model_dtype).float() * up).to(model_dtype)
+            if h_static_scale is not None:
+                h = (h.float() / h_static_scale.float()).clamp(-448, 448)
+            out[rows] = h.to(out.dtype)
+        else:
+            out[pair] = acc.to(out.dtype)
+
+
+@pytest.mark.parametrize("case", ["bf16", "fp8 dynamic", "fp8 static", "fp8 x_q", "fp8 expert parallel"])
+def test_persistent_path_around_its_gemms_equals_the_reference(case, monkeypatch):
+    """`_routed_pairs_persistent` with the Gluon GEMMs emulated in torch (they cannot run here): the
+    alignment, the rows gathered in sorted order, the intermediate's quantization skipping pad rows, the
+    combine — against the reference layer."""
+    from hy3c.kernels.moe import fused_moe_persistent as persistent
+
+    monkeypatch.setattr(persistent, "grouped_gemm", _emulated_grouped_gemm)
+    monkeypatch.setattr(persistent, "unsupported_launch", lambda w13, w2: None)
+    tokens, experts, top_k = 40, 4, 2
+    fp8 = case.startswith("fp8")
+    x = torch.randn(tokens, 64).to(torch.bfloat16)
+    w13, w2, scales = _expert_weights(experts, 64, 32, fp8)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
+    if case == "fp8 expert parallel":
+        ids = torch.where(ids < 2, ids, -1)
+    statics, extra = (None, None), ()
+    if case == "fp8 static":
+        statics = (x.float().abs().amax().reshape(1) / 448, torch.tensor([4.0 / 448]))
+    if case == "fp8 x_q":
+        extra = hy3.quant_fp8_per_token(x)
+    args = (
+        x,
+        torch.rand(tokens, top_k),
+        ids,
+        w13,
+        w2,
+        *scales,
+        *statics,
+        torch.randn(tokens, 64).bfloat16(),
+        *extra,
+    )
+    cfg = MoeConfig(128, 32, 32, 1, 4, 2, persistent=True)
+    out = fused_moe_triton(*args, config=cfg, gluon=True)
+    ref = hy3.fused_moe(*args)
+    assert (out.float() - ref.float()).norm() / ref.float().norm() < 2e-2
+    triton_kernels = fused_moe_triton(*args, config=dataclasses.replace(cfg, persistent=False))
+    assert (out.float() - triton_kernels.float()).norm() / triton_kernels.float().norm() < 1e-2
+
+
 def test_persistent_gemms_take_aligned_token_rows_and_say_what_else_they_cannot():
     from hy3c.kernels.moe import fused_moe_persistent as persistent
 
@@ -530,11 +616,14 @@ def test_persistent_gemms_take_aligned_token_rows_and_say_what_else_they_cannot(
         dataclasses.replace(cfg, block_m=64), *experts(FP8_DTYPE), torch.bfloat16
     )
     assert "in a torch.float16 model" in persistent.unsupported(cfg, *experts(torch.bfloat16), torch.float16)
-    assert "block_n 128 must be a multiple of 16, at most 256, and divide 1472" in persistent.unsupported(
+    assert "block_n 128 must be a power of two from 16 to 128 that divides 1472" in persistent.unsupported(
         cfg, *experts(FP8_DTYPE, inter=1472), torch.bfloat16
     )
-    wide_down = dataclasses.replace(cfg, down_block_n=512)
-    assert "down block_n 512" in persistent.unsupported(wide_down, *experts(FP8_DTYPE), torch.bfloat16)
+    for down_block_n in (256, 96):  # 256 spills (ptxas); Gluon's blocks are powers of two
+        wide_down = dataclasses.replace(cfg, down_block_n=down_block_n)
+        assert f"down block_n {down_block_n}" in persistent.unsupported(
+            wide_down, *experts(FP8_DTYPE), torch.bfloat16
+        )
     assert persistent.unsupported_launch(*(torch.zeros(1, 2, 2) for _ in range(2))) == "not an sm_90 GPU"
 
 
@@ -549,8 +638,11 @@ def test_rows_are_gathered_in_the_alignments_order(fp8):
     rows = persistent.gather_rows(a, sorted_ids, top_k)
     assert rows.dtype == a.dtype and rows.shape == (8, 64)
     for row, pair in enumerate(sorted_ids.tolist()):
-        want = a[min(pair // top_k, tokens - 1)]  # a pad row takes the last token's (never stored)
-        assert torch.equal(rows[row].view(torch.uint8), want.view(torch.uint8))
+        if pair < tokens * top_k:  # pad rows are not written (computed by the GEMMs, never stored)
+            assert torch.equal(rows[row].view(torch.uint8), a[pair // top_k].view(torch.uint8))
+    assert torch.equal(
+        persistent.pad_rows(sorted_ids, tokens * top_k), torch.tensor([0, 0, -1, -1, 0, 0, 0, -1])
+    )
 
 
 def test_fused_moe_takes_its_input_already_quantized_per_token():
