@@ -29,8 +29,9 @@
 #   tiers-paths   the KV tiers' data paths (L2 → GPU loads, GPU → L2 saves) against plain pinned copies
 #   shared        16 requests on 61,440-token shared prefixes: prompt tokens computed against the ideal,
 #                 one prefix in L1, and two alternating through L1 only / L2 / file L3 (issue 28)
-#   moe-prefill   FusedMoE bf16 / FP8 at 1K / 8K / 32K tokens against the peers, the FP8 path's
-#                 per-kernel breakdown against cuBLAS dense FP8 (issue 30)
+#   moe-prefill   FusedMoE bf16 / FP8 at 1K / 8K / 32K tokens against the peers (and the persistent Gluon
+#                 GEMMs, after moe-persistent-test passed in the same call), the FP8 path's per-kernel
+#                 breakdown against cuBLAS dense FP8 (issue 30)
 #   moe-sweep     the prefill config sweep at 8K tokens (bf16, FP8): this GPU's table, fused_moe_<gpu>.json
 #   moe-sweep-prefill  from the shipped 8K / 32K configs, the down GEMM's own tiles and the persistent
 #                 Gluon GEMMs' configs (only after moe-persistent-test passed in the same call); then the
@@ -88,7 +89,9 @@ for step in ${STEPS:-probe}; do
         >"$out/$step.txt" 2>&1 ;;
     shared) compiled; ART=$slice RANDOM_WEIGHTS=1 MAIN=0 SHARED=1 \
         timeout 540 bash bench/kv_tiers_serve.sh >"$out/$step.txt" 2>&1 ;;
-    moe-prefill) timeout 300 python3 bench/moe_bench.py --parts moe,breakdown --tokens 1024,8192,32768 \
+    moe-prefill)  # the persistent Gluon GEMMs' rows only after their GPU tests passed in this call
+      persistent=$([ -e "$out/persistent-ok" ] || echo --no-persistent)
+      timeout 300 python3 bench/moe_bench.py --parts moe,breakdown --tokens 1024,8192,32768 $persistent \
         >"$out/$step.txt" 2>&1 ;;
     moe-sweep) timeout 540 python3 bench/moe_bench.py --parts moe --tokens 8192 --sweep >"$out/$step.txt" 2>&1 ;;
     moe-persistent-test) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x \

@@ -274,6 +274,36 @@ def persistent_sweep_configs(fp8: bool) -> list[MoeConfig]:
     ]
 
 
+PERSISTENT_CONFIG = {  # 128 rows × 128 columns per operand (both GEMMs), 4 ring slots; K boxes of 128 bytes
+    "bf16": MoeConfig(128, 128, 64, 8, 8, 4, persistent=True),
+    "fp8": MoeConfig(128, 128, 128, 8, 8, 4, persistent=True),
+}
+
+
+def persistent_rows(t, x, ids, wt, ref, bf16_weights, fp8_weights, t_bf16, t_fp8) -> None:
+    """The persistent Gluon GEMMs (`fused_moe_persistent`) beside the shipped configs' rows: ms, error
+    against the bf16 reference, the ratio to the shipped config of the same dtype and to shipped bf16.
+    A failure (not an sm_90 GPU) is printed, not raised."""
+    shipped = {"bf16": t_bf16, "fp8": t_fp8}
+    for kind, weights in (("bf16", bf16_weights), ("fp8", fp8_weights)):
+        cfg = PERSISTENT_CONFIG[kind]
+        try:
+            out = fused_moe_triton(x, wt, ids, *weights, None, None, None, config=cfg)
+            ms = bench(lambda w=weights, c=cfg: fused_moe_triton(x, wt, ids, *w, None, None, None, config=c))
+        except Exception as exc:  # report and go on: the other rows stand
+            print(f"FusedMoE T={t}: persistent {kind} failed: {type(exc).__name__}: {exc}")
+            continue
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        RESULTS[f"moe_T{t}"][f"hy3c_{kind}_persistent_ms"] = ms
+        RESULTS[f"moe_T{t}"][f"rel_err_{kind}_persistent"] = err
+        row(
+            f"FusedMoE T={t}: hy3c {kind} persistent Gluon GEMMs (err {err:.1e})",
+            ms,
+            f"{2 * t * K_TOP * 3 * H * INTER / (ms * 1e-3) / 1e12:.0f} TFLOP/s",
+            f"{shipped[kind] / ms:.2f}× vs shipped {kind}, {t_bf16 / ms:.2f}× vs hy3c bf16",
+        )
+
+
 def down_sweep_configs(base: MoeConfig, fp8: bool) -> list[MoeConfig]:
     """The down GEMM's own tiles tried from a prefill bucket's config (`MoeConfig.down`): its K (the
     intermediate width, 1,536) is a third of the gate-up's and its N (hidden, 4,096) 2.7× the gate-up's
@@ -421,6 +451,8 @@ def moe_bench(sweep: bool, token_counts: tuple[int, ...], from_shipped: bool = F
             f"{wbytes / 2 / (t_fp8s * 1e-3) / BW * 100:.0f}% BW",
             f"{t_ours / t_fp8s:.2f}× vs hy3c bf16",
         )
+        if t > 1024 and PERSISTENT:  # prefill sizes: the persistent Gluon GEMMs in one fixed config
+            persistent_rows(t, x, ids, wt, ref, (w13, w2, None, None), (q13, q2, s13, s2), t_ours, t_fp8)
         if t <= 128:  # decode sizes: replayed from a CUDA graph, as a decode step runs them
             x_rows = quant_fp8_per_token(x)  # the norm's per-token FP8 rows of x (x_q, x_q_scale)
             graph = {
