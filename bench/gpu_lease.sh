@@ -52,6 +52,11 @@ compiled() {  # the random-weight 4-layer FP8 slice, compiled once per call
   [ -d $slice ] || python3 -m hy3c compile --preset real-shapes:4 --recipe h20-w8a8c8 \
     --set quant.activations=dynamic --out $slice >"$out/compile.txt" 2>&1
 }
+persistent_smoke() {  # one small case of the persistent Gluon GEMMs first: a hang costs 90 s, not a step
+  timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/kernels/test_gpu_kernels.py \
+    -k "persistent and 1024 and 128 and dynamic" >"$out/persistent-smoke.txt" 2>&1
+  local rc=$?; echo "persistent smoke rc=$rc"; tail -n 5 "$out/persistent-smoke.txt"; return $rc
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$out/gpu.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >>"$out/gpu.txt"
 for step in ${STEPS:-probe}; do
@@ -94,11 +99,11 @@ for step in ${STEPS:-probe}; do
       timeout 300 python3 bench/moe_bench.py --parts moe,breakdown --tokens 1024,8192,32768 $persistent \
         >"$out/$step.txt" 2>&1 ;;
     moe-sweep) timeout 540 python3 bench/moe_bench.py --parts moe --tokens 8192 --sweep >"$out/$step.txt" 2>&1 ;;
-    moe-persistent-test) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
+    moe-persistent-test) persistent_smoke && timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
         tests/kernels/test_gpu_kernels.py -k "persistent or fused_moe_real" >"$out/$step.txt" 2>&1 \
         && touch "$out/persistent-ok" ;;
     moe-persistent)  # the short form: its GPU tests at 8K, then the persistent configs against the shipped one
-      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/kernels/test_gpu_kernels.py \
+      persistent_smoke && timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/kernels/test_gpu_kernels.py \
         -k "persistent and 8192 and (dynamic or bf16 or static)" >"$out/$step-test.txt" 2>&1 \
         && timeout 300 python3 bench/moe_bench.py --parts moe,breakdown --tokens 8192 --sweep-from-shipped \
         --no-down-tiles >"$out/$step.txt" 2>&1; tail -n 15 "$out/$step-test.txt" ;;
