@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hy3c.kernels import devices
 from hy3c.kernels.attention.blocks import (
     BATCH_ARGS,
     LOG2E,
@@ -295,8 +296,7 @@ def num_decode_ctas(
     """CTAs per KV head for dynamic decode: `ctas_per_sm` waves of the GPU's SMs (16 on CPU)."""
     if device.type != "cuda":
         return 16
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(ctas_per_sm * sms // num_kv_heads, 1)
+    return max(ctas_per_sm * devices.num_sms(device) // num_kv_heads, 1)
 
 
 def refuse_prefill_options(config: LaunchConfig) -> None:

@@ -327,7 +327,7 @@ def _box_k(dtype: torch.dtype) -> int:
     return BOX_BYTES // dtype.itemsize
 
 
-def ring_slots(block_n: int, operands: int, dtype: torch.dtype) -> int:
+def ring_slots(block_n: int, operands: int) -> int:
     """Ring slots that SHARED_MEMORY_BUDGET holds: an activation box and `operands` weight boxes each."""
     return SHARED_MEMORY_BUDGET // ((BLOCK_M + operands * block_n) * BOX_BYTES)
 
@@ -352,7 +352,7 @@ def unsupported(cfg: MoeConfig, w13: Tensor, w2: Tensor, model_dtype: torch.dtyp
             return f"{name} {block_n} must be a power of two from 16 to {MAX_BLOCK_N} that divides {width}"
     if hidden % box_k or inter % box_k:
         return f"hidden {hidden} and intermediate {inter} must be multiples of {box_k}"
-    if min(ring_slots(cfg.block_n, 2, w13.dtype), ring_slots(down.block_n, 1, w2.dtype)) < 2:
+    if min(ring_slots(cfg.block_n, 2), ring_slots(down.block_n, 1)) < 2:
         return "fewer than two ring slots fit in shared memory"
     return None
 
@@ -440,7 +440,8 @@ def grouped_gemm(
     in the alignment's order; a_scale as a_scale_mode says (SCALE_*); pairs: T · k, the pad rows' id."""
     experts, rows_per_expert, k = w.shape
     n = rows_per_expert // 2 if gate_up else rows_per_expert
-    block_n = cfg.block_n if gate_up else cfg.down().block_n
+    tiles = cfg if gate_up else cfg.down()  # this GEMM's columns and ring depth
+    block_n = tiles.block_n
     operands = 2 if gate_up else 1
     fp8 = w.dtype == FP8_DTYPE
     dummy = a_sorted.new_empty(1, dtype=torch.float32)
@@ -464,7 +465,7 @@ def grouped_gemm(
         K=k,
         ROWS_PER_EXPERT=rows_per_expert,
         OPERANDS=operands,
-        NUM_BUF=min((cfg if gate_up else cfg.down()).num_stages, ring_slots(block_n, operands, w.dtype)),
+        NUM_BUF=min(tiles.num_stages, ring_slots(block_n, operands)),
         GROUP_M=cfg.group_m,
         FP8=fp8,
         A_SCALE=a_scale_mode if fp8 else SCALE_NONE.value,

@@ -396,9 +396,7 @@ def persistent_moe_variants() -> list[Variant]:
             for block_n in (128, 64):
                 n, k = (1536, 4096) if gemm == "gate-up" else (4096, 1536)
                 constexprs = dict(N=n, K=k, ROWS_PER_EXPERT=n * operands, OPERANDS=operands)
-                constexprs |= dict(
-                    NUM_BUF=min(4, mod.ring_slots(block_n, operands, dtype)), GROUP_M=8, FP8=fp8
-                )
+                constexprs |= dict(NUM_BUF=min(4, mod.ring_slots(block_n, operands)), GROUP_M=8, FP8=fp8)
                 constexprs |= dict(A_SCALE=a_scale, W_PER_ROW=fp8, QUANT_H=quant_h, ACT_DTYPE=tl.bfloat16)
                 descriptors = {
                     "a_desc": f"tensordesc<{KV_DTYPES[weights]}[{mod.BLOCK_M}, {box_k}],{layout}>",
